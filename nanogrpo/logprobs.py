@@ -1,0 +1,105 @@
+"""Per-token log-probs and entropies of completion tokens, and the KL estimators k1/k2/k3.
+
+Owns: `token_logprobs` (what the policy, the old policy and the reference model are scored with)
+and `kl_divergence`. Does not know about: losses, advantages, sampling, or how the model is built
+beyond two methods: `model.hidden_states(input_ids, attention_mask=...)` -> [N,L,D] after the final
+norm, and `model.lm_head` (an nn.Linear D -> V).
+
+Choices:
+- Memory. Qwen2.5 has V = 151,936: fp32 logits for 8 x 512 completion tokens are 2.5 GB, and a
+  naive log_softmax keeps several such tensors alive for backward. We run the trunk once, keep only
+  the hidden states of positions that predict an active completion token ([M,D]), and push them
+  through `lm_head -> fp32 -> /T -> log_softmax` in chunks of `chunk_size` tokens. Each chunk runs
+  under `torch.utils.checkpoint`, so its [chunk,V] logits are recomputed in backward instead of
+  being stored: peak memory is about one chunk of logits, whatever N x C is.
+- Temperature divides the logits before the softmax, exactly as TRL scores (spec 2.1), and the
+  entropy is the tempered distribution's, in nats.
+- Positions with completion_mask == 0 are never scored: they come out as exactly 0 (no NaN).
+- Positions come from the attention mask (left-pad aware) inside the model; for RoPE models this
+  equals TRL's arange positions up to rounding.
+"""
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def _logps_entropy(h, targets, lm_head, temperature):
+    """h [n,D], targets [n] -> (logp [n], entropy [n]) in fp32 (fp64 for an fp64 model)."""
+    logits = lm_head(h)  # [n,V] in the model dtype
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    logz = logits.logsumexp(dim=-1)  # [n]
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
+    probs = torch.softmax(logits, dim=-1)  # [n,V]
+    entropy = logz - (probs * logits).sum(dim=-1)  # H = log Z - E_p[z]
+    return logp, entropy
+
+
+def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_size=512):
+    """Log-prob and entropy of each completion token under `model` at `temperature`.
+
+    input_ids, attention_mask: [N,L], a left-padded prompt followed by a right-padded completion that
+    fills the last C = completion_mask.shape[1] positions (attention_mask: 1 = real token; completion
+    pads may be 1 or 0). completion_mask: [N,C], 1 = score this token.
+    Returns (logps, entropy), each [N,C] float32 (float64 for a float64 model), exactly 0 where
+    completion_mask == 0. Differentiable w.r.t. the model's parameters; peak memory is about one
+    [chunk_size, V] block of logits (see the module docstring).
+    """
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"input_ids and attention_mask must both be [N,L]; got {tuple(input_ids.shape)} "
+                         f"and {tuple(attention_mask.shape)}")
+    N, L = input_ids.shape
+    if completion_mask.dim() != 2 or completion_mask.shape[0] != N or not 0 < completion_mask.shape[1] < L:
+        raise ValueError(f"completion_mask must be [N,C] with N={N} and 0 < C < L={L} (at least one prompt "
+                         f"token); got {tuple(completion_mask.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0 (scoring divides the logits by it)")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    C = completion_mask.shape[1]
+
+    h = model.hidden_states(input_ids, attention_mask=attention_mask)  # [N,L,D]
+    # The hidden state at position i scores token i+1: positions L-C-1 .. L-2 score the completion.
+    h = h[:, L - C - 1:L - 1].reshape(N * C, -1)  # [N*C,D]
+    targets = input_ids[:, L - C:].reshape(N * C)  # [N*C]
+    active = completion_mask.reshape(N * C).bool().nonzero().squeeze(-1)  # [M] indices of scored tokens
+    h, targets = h[active], targets[active]  # [M,D], [M]
+
+    out_dtype = torch.promote_types(h.dtype, torch.float32)
+    logp_parts, ent_parts = [], []
+    for start in range(0, len(active), chunk_size):
+        h_c, t_c = h[start:start + chunk_size], targets[start:start + chunk_size]
+        if torch.is_grad_enabled() and h_c.requires_grad:
+            # Recompute this chunk's [chunk,V] logits in backward rather than saving them.
+            lp, ent = checkpoint(_logps_entropy, h_c, t_c, model.lm_head, temperature, use_reentrant=False)
+        else:
+            lp, ent = _logps_entropy(h_c, t_c, model.lm_head, temperature)
+        logp_parts.append(lp)
+        ent_parts.append(ent)
+
+    zeros = torch.zeros(N * C, dtype=out_dtype, device=h.device)
+    if not logp_parts:  # nothing to score
+        return zeros.view(N, C), zeros.view(N, C).clone()
+    logps = zeros.index_put((active,), torch.cat(logp_parts))  # scatter back; masked slots stay 0
+    entropy = zeros.index_put((active,), torch.cat(ent_parts))
+    return logps.view(N, C), entropy.view(N, C)
+
+
+# -----------------------------------------------------------------------------
+# KL estimators (J. Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html)
+# Each estimates KL(pi_theta || pi_ref) from a token sampled from pi_theta, with
+# log r = ref_logps - logps (r = pi_ref / pi_theta):
+#   k1 = -log r              unbiased, high variance, can be negative
+#   k2 = (log r)^2 / 2       biased, low variance, >= 0
+#   k3 = (r - 1) - log r     unbiased, low variance, >= 0 (what GRPO and TRL use)
+
+
+def kl_divergence(logps, ref_logps, kind="k3"):
+    """Per-token KL estimate, elementwise over same-shape tensors; kind is "k1", "k2" or "k3"."""
+    log_r = ref_logps - logps
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return 0.5 * log_r**2
+    if kind == "k3":
+        return torch.exp(log_r) - log_r - 1
+    raise ValueError(f"kind={kind!r} is not a KL estimator; allowed: 'k1', 'k2', 'k3'")

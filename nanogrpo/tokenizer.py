@@ -1,0 +1,150 @@
+"""Text <-> token ids, and chat prompts rendered with the checkpoint's own template.
+
+Owns: `Tokenizer`, a thin layer over the `tokenizers` library's tokenizer.json that adds what
+transformers adds on top: the special tokens and `add_bos_token`/`add_eos_token` of
+tokenizer_config.json, the chat template (tokenizer_config.json's `chat_template` or a
+`chat_template.jinja` file) rendered with jinja2 exactly as transformers renders it, and the set of
+ids that end a completion (the tokenizer's eos plus generation_config.json's `eos_token_id`).
+
+Does not know about: models, sampling, or training.
+"""
+
+import json
+import os
+from datetime import datetime
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from nanogrpo.model import resolve_checkpoint
+
+def _token_text(value):
+    """A special token from tokenizer_config.json: a string or an AddedToken dict -> its text."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _read_json_if_exists(path) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def compile_chat_template(source: str):
+    """Compile a chat template the way transformers does: sandboxed jinja2 with trim_blocks and
+    lstrip_blocks, loop controls, and the helpers templates use (raise_exception, strftime_now, a
+    `tojson` that keeps non-ASCII characters and takes indent/separators/sort_keys)."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: encode/decode, chat template, eos and pad ids."""
+
+    def __init__(self, tokenizer: HFTokenizer, config: dict, chat_template: str | None = None,
+                 generation_config: dict | None = None):
+        self.tokenizer = tokenizer
+        self.config = config
+        self.chat_template = chat_template
+        self.special_tokens = {k: _token_text(config.get(k)) for k in
+                               ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.bos_token_id = self.token_to_id(self.special_tokens["bos_token"])
+        self.eos_token_id = self.token_to_id(self.special_tokens["eos_token"])
+        gen_eos = (generation_config or {}).get("eos_token_id")
+        gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        self.eos_token_ids: set[int] = {i for i in [self.eos_token_id, *gen_eos] if i is not None}
+        pad = self.token_to_id(self.special_tokens["pad_token"])
+        self.pad_token_id: int = pad if pad is not None else self.eos_token_id
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)  # ids >= this are padding rows
+        self._template = None
+
+    @classmethod
+    def from_pretrained(cls, path_or_hub_id) -> "Tokenizer":
+        """Load tokenizer.json (+ tokenizer_config.json, chat_template.jinja, generation_config.json)
+        from a local directory or a hub id."""
+        path = resolve_checkpoint(path_or_hub_id)
+        tok_path = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(tok_path):
+            raise FileNotFoundError(f"{tok_path} not found: nanogrpo needs a fast tokenizer (tokenizer.json)")
+        config = _read_json_if_exists(os.path.join(path, "tokenizer_config.json"))
+        special_map = _read_json_if_exists(os.path.join(path, "special_tokens_map.json"))
+        for key, value in special_map.items():
+            config.setdefault(key, value)
+        template = config.get("chat_template")
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        if os.path.exists(jinja_path):
+            with open(jinja_path) as f:
+                template = f.read()
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        generation_config = _read_json_if_exists(os.path.join(path, "generation_config.json"))
+        return cls(HFTokenizer.from_file(tok_path), config, template, generation_config)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        """The id of a token string (None when absent)."""
+        return None if token is None else self.tokenizer.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with add_special_tokens, the tokenizer's post-processor runs and
+        tokenizer_config.json's add_bos_token/add_eos_token are honoured."""
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens:
+            if self.config.get("add_bos_token") and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+                ids = [self.bos_token_id] + ids
+            if self.config.get("add_eos_token") and self.eos_token_id is not None and ids[-1:] != [self.eos_token_id]:
+                ids = ids + [self.eos_token_id]
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Text of token ids (a list or a 1-D tensor)."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, rows, skip_special_tokens: bool = True) -> list[str]:
+        """decode() of each row."""
+        return [self.decode(r, skip_special_tokens) for r in rows]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """Render a conversation (list of {"role", "content"} dicts) to the prompt text."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template (no chat_template in tokenizer_config.json "
+                             "and no chat_template.jinja): use plain-text prompts instead")
+        if self._template is None:
+            self._template = compile_chat_template(self.chat_template)
+        context = {k: v for k, v in self.special_tokens.items() if v is not None}
+        context.update(kwargs)
+        return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                     **context)
+
+    def encode_prompt(self, prompt) -> list[int]:
+        """Token ids of a prompt as TRL makes them: a string is encoded with its special tokens; a
+        message list is rendered with the chat template (generation prompt added), then encoded
+        without adding special tokens again."""
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        return self.encode(self.apply_chat_template(prompt, add_generation_prompt=True), add_special_tokens=False)
+
+    def save_pretrained(self, out_dir):
+        """Write tokenizer.json, tokenizer_config.json (and chat_template.jinja when the template
+        came from one) into the existing directory `out_dir`, loadable by transformers."""
+        self.tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump(self.config, f, indent=2, ensure_ascii=False)
+        if self.chat_template is not None and self.config.get("chat_template") != self.chat_template:
+            with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
+                f.write(self.chat_template)

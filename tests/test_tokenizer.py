@@ -1,0 +1,73 @@
+"""tokenizer.py: encodings, decodings and chat renderings match transformers (fixture)."""
+
+import json
+import os
+
+import pytest
+
+from conftest import fixture_path
+from nanogrpo.tokenizer import Tokenizer
+
+EXPECTED = json.load(open(os.path.join(fixture_path("tokenizer"), "expected.json")))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_pretrained(fixture_path("tokenizer"))
+
+
+@pytest.mark.parametrize("case", EXPECTED["encode"], ids=lambda c: repr(c["text"])[:20])
+def test_encode(tok, case):
+    assert tok.encode(case["text"]) == case["ids"]
+
+
+@pytest.mark.parametrize("case", EXPECTED["decode"], ids=lambda c: repr(c["text"])[:20])
+def test_decode(tok, case):
+    assert tok.decode(case["ids"], skip_special_tokens=True) == case["text"]
+
+
+@pytest.mark.parametrize("case", EXPECTED["chat"], ids=lambda c: c["messages"][-1]["content"][:10])
+def test_chat_template(tok, case):
+    text = tok.apply_chat_template(case["messages"], add_generation_prompt=case["add_generation_prompt"],
+                                   tools=case["tools"])
+    assert text == case["text"]
+
+
+def test_eos_and_pad(tok):
+    assert tok.eos_token_ids == set(EXPECTED["eos_token_ids"])  # tokenizer eos + generation_config's
+    assert tok.pad_token_id == EXPECTED["pad_token_id"]
+    assert tok.vocab_size == 384
+
+
+def test_template_errors(tok):
+    import jinja2
+    with pytest.raises(jinja2.exceptions.TemplateError, match="unknown role tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_pad_falls_back_to_eos_and_bos_added(tmp_path, tok):
+    cfg = dict(tok.config, pad_token=None, bos_token="<|im_start|>", add_bos_token=True)
+    tok.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    json.dump(cfg, open(tmp_path / "tokenizer_config.json", "w"))
+    t2 = Tokenizer.from_pretrained(tmp_path)
+    assert t2.pad_token_id == t2.eos_token_id == tok.token_to_id("<|im_end|>")
+    assert t2.encode("Hello")[0] == tok.token_to_id("<|im_start|>")
+    assert t2.encode("Hello", add_special_tokens=False) == tok.encode("Hello")
+    assert t2.eos_token_ids == {t2.eos_token_id}  # no generation_config.json here
+
+
+def test_chat_template_jinja_file_and_save(tmp_path, tok):
+    tok.save_pretrained(tmp_path)
+    cfg = json.load(open(tmp_path / "tokenizer_config.json"))
+    template = cfg.pop("chat_template")
+    json.dump(cfg, open(tmp_path / "tokenizer_config.json", "w"))
+    (tmp_path / "chat_template.jinja").write_text(template)
+    t2 = Tokenizer.from_pretrained(tmp_path)
+    case = EXPECTED["chat"][1]
+    assert t2.apply_chat_template(case["messages"]) == case["text"]
+    assert t2.encode_prompt(case["messages"]) == tok.encode(case["text"], add_special_tokens=False)
+
+
+def test_missing_tokenizer_json(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_pretrained(tmp_path)
