@@ -376,10 +376,18 @@ class Transformer(nn.Module):
 
     def load_hf_state_dict(self, state: dict):
         """Assign tensors named as in HF checkpoints (`model.layers.0...`, `lm_head.weight`); strict."""
-        ours = {k.removeprefix("model."): v for k, v in state.items()}
+        self.load_state_dict(self.check_hf_state_dict(state), strict=False, assign=True)
         if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def check_hf_state_dict(self, state: dict) -> dict:
+        """HF-named tensors -> our names, with a clear error listing missing/unexpected tensors and
+        shape mismatches (works on a meta-device model)."""
+        ours = {k.removeprefix("model."): v for k, v in state.items()}
+        tied = self.config.tie_word_embeddings
+        if tied:
             ours.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
-        expected = {k: v for k, v in self.state_dict().items() if not (self.config.tie_word_embeddings and k == "lm_head.weight")}
+        expected = {k: v for k, v in self.state_dict().items() if not (tied and k == "lm_head.weight")}
         missing = sorted(set(expected) - set(ours))
         unexpected = sorted(set(ours) - set(expected))
         if missing or unexpected:
@@ -390,21 +398,11 @@ class Transformer(nn.Module):
             if tuple(tensor.shape) != tuple(expected[name].shape):
                 raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
                                  f"the config implies {tuple(expected[name].shape)}")
-        self.load_state_dict(ours, strict=False, assign=True)
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        return ours
 
     def hf_state_dict(self) -> dict:
         """Our weights under HF's names (tied lm_head omitted), contiguous, ready for safetensors."""
-        out = {}
-        for name, tensor in self.state_dict().items():
-            if name == "lm_head.weight":
-                if self.config.tie_word_embeddings:
-                    continue
-                out[name] = tensor
-            else:
-                out["model." + name] = tensor
-        return {k: v.detach().contiguous() for k, v in out.items()}
+        return to_hf_names(self.state_dict(), self.config)
 
     def save_pretrained(self, out_dir, max_shard_bytes: int = 5 * 2**30):
         """Write config.json, safetensors (sharded with an index above `max_shard_bytes`) and
@@ -415,6 +413,18 @@ class Transformer(nn.Module):
 
 # -----------------------------------------------------------------------------
 # Files
+
+
+def to_hf_names(state: dict, cfg: ModelConfig) -> dict:
+    """A state dict under our names -> HF's names (`model.` prefix; tied lm_head omitted)."""
+    out = {}
+    for name, tensor in state.items():
+        if name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out[name] = tensor.detach().contiguous()
+        else:
+            out["model." + name] = tensor.detach().contiguous()
+    return out
 
 
 def parse_dtype(dtype) -> torch.dtype:

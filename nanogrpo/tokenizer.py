@@ -148,3 +148,25 @@ class Tokenizer:
         if self.chat_template is not None and self.config.get("chat_template") != self.chat_template:
             with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
                 f.write(self.chat_template)
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    """A tokenizer with one token per byte (256 ids, no merges) plus <|endoftext|> (eos, also the
+    pad), <|im_start|> and <|im_end|>, and a ChatML template: what the embedded default trains with."""
+    from tokenizers import decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+              "bos_token": None, "chat_template": CHATML_TEMPLATE, "model_max_length": 4096}
+    return Tokenizer(tok, config, CHATML_TEMPLATE, {"eos_token_id": [tok.token_to_id("<|endoftext|>"),
+                                                                    tok.token_to_id("<|im_end|>")]})
