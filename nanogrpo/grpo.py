@@ -1,0 +1,351 @@
+"""GRPO's two pieces of math: group-relative advantages, and the clipped policy loss with all of
+TRL GRPOTrainer's variants, in plain tensor code (reference: shared/trl_grpo_spec.md, TRL 1.16).
+
+Owns: `LossConfig` (TRL's GRPOConfig names and defaults), `group_advantages` (rewards -> advantages)
+and `grpo_step` (per-token log-probs -> one micro-batch's scalar loss + metrics).
+
+Does not own: computing log-probs (logprobs.py), talking to other processes (the caller gathers
+rewards before `group_advantages`, sums `num_items` over ranks, and averages gradients), the
+optimizer. Deliberately left out: vLLM's importance-sampling correction (TIS/MIS) and DeepSeek-V3.2's
+off-policy sequence mask (OPSM), which only matter with a separate inference engine (we have no
+vLLM); the entropy bonus (`entropy_coef`) and MoE auxiliary losses.
+
+Reading guide, one small function per idea:
+    importance_ratio       rho = pi_theta / pi_old, per token or per sequence (GSPO)
+    clipped_surrogate      grpo / dr_grpo / dapo / bnpo / luspo (PPO clip, clip-higher, two-sided delta)
+    cispo_loss, sapo_loss, vespo_weight
+    high_entropy_mask      keep only the top-rho entropy tokens (top_entropy_quantile)
+    aggregate              the normalizer, which is what really tells the loss types apart
+Masked positions may hold anything (NaN, inf): inputs are cleaned with torch.where up front, so
+neither the loss nor the gradient can see them (x * mask would turn 0 * NaN into NaN).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nanogrpo.logprobs import kl_divergence
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+PPO_CLIP_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "luspo")
+IS_LEVELS = ("token", "sequence")
+SCALE_REWARDS = ("group", "batch", "none")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+@dataclass
+class LossConfig:
+    """Loss settings, named and defaulted as TRL's GRPOConfig (epsilon_high=None means epsilon)."""
+
+    loss_type: str = "dapo"
+    beta: float = 0.0  # weight of the k3 KL penalty to the reference model; 0 = no reference model
+    epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon
+    epsilon_high: float | None = None  # upper clip 1 + epsilon_high (DAPO clip-higher); cispo: absolute cap
+    delta: float | None = None  # INTELLECT-2 two-sided clip: ratio <= delta also when A < 0
+    importance_sampling_level: str = "token"  # "sequence" = GSPO
+    max_completion_length: int = 512  # Dr. GRPO's constant normalizer
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    use_bias_correction_kl: bool = True  # multiply the KL term by the (differentiable) ratio
+    top_entropy_quantile: float = 1.0  # 1.0 = off; rho < 1 keeps the top-rho entropy tokens
+
+    def __post_init__(self):
+        def check(ok, name, allowed):
+            if not ok:
+                raise ValueError(f"LossConfig.{name}={getattr(self, name)!r} is invalid; allowed: {allowed}")
+
+        check(self.loss_type in LOSS_TYPES, "loss_type", ", ".join(LOSS_TYPES))
+        check(self.importance_sampling_level in IS_LEVELS, "importance_sampling_level", "'token', 'sequence'")
+        check(self.epsilon > 0, "epsilon", "a float > 0")
+        check(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", "None or a float > 0")
+        check(self.delta is None or self.delta > 1, "delta", "None or a float > 1")
+        check(self.beta >= 0, "beta", "a float >= 0")
+        check(self.max_completion_length >= 1, "max_completion_length", "an int >= 1")
+        check(self.sapo_temperature_pos > 0, "sapo_temperature_pos", "a float > 0")
+        check(self.sapo_temperature_neg > 0, "sapo_temperature_neg", "a float > 0")
+        check(0.0 <= self.top_entropy_quantile <= 1.0, "top_entropy_quantile", "a float in [0, 1]")
+        check(self.loss_type != "luspo" or self.importance_sampling_level == "sequence",
+              "importance_sampling_level", "'sequence' with loss_type='luspo' (LUSPO is a sequence-level loss)")
+        check(self.loss_type != "vespo" or self.importance_sampling_level == "token", "importance_sampling_level",
+              "'token' with loss_type='vespo' (VESPO builds its own sequence weight from token ratios)")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+
+
+# -----------------------------------------------------------------------------
+# Advantages (spec 1.4-1.8)
+
+
+def _nanstd(x, dim=None, keepdim=False):
+    """Unbiased (Bessel) std ignoring NaN; NaN where fewer than 2 values are present."""
+    dim = tuple(range(x.dim())) if dim is None else dim
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True) * count / (count - 1)
+    std = torch.where(count > 1, var, torch.nan).sqrt()
+    return std if keepdim else std.squeeze(dim)
+
+
+def group_advantages(rewards, num_generations, reward_weights=None, scale_rewards="group",
+                     multi_objective_aggregation="sum_then_normalize"):
+    """Advantages [N] from rewards [N] or [N,K] (K reward functions; NaN = not scored).
+
+    Rows i*G .. i*G+G-1 are the G = num_generations completions of prompt i. Pass the rewards of the
+    whole generation batch (all ranks), then keep your rank's slice of the result.
+    "sum_then_normalize" (GRPO):  r = sum_k w_k R_k;  A = (r - mean_group r) / (std + 1e-4), where std is
+        the group's ("group"), the batch's ("batch"), or no division at all ("none"); the mean is always
+        the group's. std is the unbiased std; 1e-4 is added to the std, not the variance.
+    "normalize_then_sum" (GDPO): z_k = (R_k - mean_group R_k) / (std_group R_k + 1e-4) per function,
+        r = sum_k w_k z_k,  A = (r - mean_batch r) / (std_batch r + 1e-4)  (scale_rewards is ignored).
+    NaN entries are skipped; a row with no score at all, or a group with < 2 scored rows, gets A = 0.
+    scale_rewards also accepts True ("group") and False ("none"), as TRL does.
+    """
+    rewards = torch.as_tensor(rewards)
+    rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    rewards = rewards[:, None] if rewards.dim() == 1 else rewards  # [N,K]
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [N] or [N,K]; got shape {tuple(rewards.shape)}")
+    N, K = rewards.shape
+    G = num_generations
+    if not isinstance(G, int) or G < 1:
+        raise ValueError(f"num_generations={G!r} must be an int >= 1")
+    if N % G:
+        raise ValueError(f"the number of rewards N={N} is not a multiple of num_generations={G}")
+    if scale_rewards is True or scale_rewards is False:
+        scale_rewards = "group" if scale_rewards else "none"
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards={scale_rewards!r} is invalid; allowed: 'group', 'batch', 'none', True, False")
+    if multi_objective_aggregation not in AGGREGATIONS:
+        raise ValueError(f"multi_objective_aggregation={multi_objective_aggregation!r} is invalid; "
+                         f"allowed: {', '.join(AGGREGATIONS)}")
+    w = torch.ones(K) if reward_weights is None else torch.as_tensor(reward_weights)
+    w = w.to(dtype=rewards.dtype, device=rewards.device)
+    if w.shape != (K,):
+        raise ValueError(f"reward_weights has {w.numel()} entries but rewards has K={K} columns")
+
+    unscorable = torch.isnan(rewards).all(dim=1)  # [N]
+    # (With G = 1 every std below is NaN and every advantage ends as 0, as TRL's std := 0 gives.)
+    if multi_objective_aggregation == "sum_then_normalize":
+        r = torch.where(unscorable, torch.nan, (rewards * w).nansum(dim=1)).view(-1, G)  # [N/G,G]
+        adv = r - torch.nanmean(r, dim=1, keepdim=True)
+        if scale_rewards == "group":
+            adv = adv / (_nanstd(r, dim=1, keepdim=True) + 1e-4)
+        elif scale_rewards == "batch":
+            adv = adv / (_nanstd(r) + 1e-4)
+    else:
+        grouped = rewards.view(-1, G, K)  # [N/G,G,K]
+        z = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (_nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+        r = torch.where(unscorable, torch.nan, (z.view(N, K) * w).nansum(dim=1))  # [N]
+        adv = (r - torch.nanmean(r)) / (_nanstd(r) + 1e-4)
+    return torch.nan_to_num(adv.reshape(N), nan=0.0)
+
+
+# -----------------------------------------------------------------------------
+# Per-token losses. Shapes: logps/mask [N,C]; A [N,1]; a ratio is [N,C] (token) or [N,1] (sequence).
+
+
+def importance_ratio(log_ratio, mask, level):
+    """rho = pi_theta / pi_old. token: exp(logp - old) [N,C].
+    sequence (GSPO, arXiv 2507.18071): exp(mean over the sequence's tokens of logp - old) [N,1]."""
+    if level == "token":
+        return torch.exp(log_ratio)
+    mean = torch.where(mask, log_ratio, 0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return torch.exp(mean)
+
+
+def clipped_surrogate(ratio, A, eps_low, eps_high, delta=None):
+    """PPO's clipped objective as a loss, L = -min(rho1 * A, clip(rho, 1-eps_low, 1+eps_high) * A).
+
+    GRPO (DeepSeekMath, arXiv 2402.03300) uses eps_low = eps_high; DAPO's clip-higher (arXiv 2503.14476)
+    raises eps_high; INTELLECT-2's two-sided clip sets rho1 = min(rho, delta), bounding the ratio
+    also when A < 0 (plain PPO leaves it unbounded there). The clip bounds use the un-delta'd ratio.
+    Returns (L, rho1); rho1 is what the clip metrics look at.
+    """
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    if delta is not None:
+        ratio = ratio.clamp(max=delta)
+    return -torch.min(ratio * A, clipped * A), ratio
+
+
+def cispo_loss(ratio, A, logps, eps_high):
+    """CISPO (MiniMax-M1, arXiv 2506.13585): L = -sg(min(rho, eps_high)) * A * logp.
+    The IS weight is capped (above only) and detached, so every token keeps a gradient."""
+    return -ratio.clamp(max=eps_high).detach() * A * logps
+
+
+def sapo_loss(ratio, A, tau_pos, tau_neg):
+    """SAPO (arXiv 2511.20347): L = -(4/tau) * sigmoid(tau * (rho - 1)) * A, tau = tau_pos if A > 0
+    else tau_neg. A smooth gate instead of a hard clip; its slope at rho = 1 is 1, like the ratio's."""
+    # [N,1]; tau is first made in the default dtype (float32), as TRL does, so fp64 runs match it to 1e-15
+    tau = torch.where(A > 0, tau_pos, tau_neg).to(ratio.dtype)
+    return -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * A
+
+
+@torch.no_grad()
+def vespo_weight(log_ratio, mask, A, k_pos, lam_pos, k_neg, lam_neg):
+    """VESPO's gamma weight phi [N,1] (as TRL's vespo; VESPO paper, HF papers 2602.10693).
+
+    w = prod_t rho_t (from the clamped SUM of token log-ratios), phi(w) = e^lam * w^k * e^(-lam*w),
+    so phi(1) = 1; (k, lam) = (k_pos, lam_pos) if A >= 0 else (k_neg, lam_neg). Computed in log space,
+    detached: the loss is L = -phi * A * logp, and phi only rescales each sequence's gradient.
+    """
+    lo = math.log(1e-8)
+    s = torch.where(mask, log_ratio.clamp(-20, 20), 0).sum(-1, keepdim=True)  # [N,1]
+    log_w = s.clamp(lo, 20)
+    k = torch.where(A >= 0, k_pos, k_neg)
+    lam = torch.where(A >= 0, lam_pos, lam_neg).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def high_entropy_mask(entropies, mask, quantile):
+    """Keep [N,C] the tokens whose entropy is in the top `quantile` fraction of this call's active
+    tokens (ties at the threshold kept; "Beyond the 80/20 rule", arXiv 2506.01939). The threshold is
+    the (1 - quantile) quantile, linear interpolation, of the active entropies in float32."""
+    active = entropies[mask].float()
+    if active.numel() == 0:
+        return torch.zeros_like(mask)
+    return (entropies >= torch.quantile(active, 1 - quantile)) & mask
+
+
+def aggregate(per_token_loss, mask, cfg, num_items, grad_accum, world_size, steps_per_generation):
+    """One micro-batch's loss from L [N,C] (spec 4.4), scaled so that summing over the grad_accum
+    micro-batches and averaging over the world_size ranks gives the loss type's definition:
+      grpo, sapo   mean over sequences of (sum_t L / |o|)             (GRPO; per-sequence token mean)
+      bnpo         sum L / local active tokens                          (TRL's batch-normalized variant)
+      dr_grpo      sum L / (N * max_completion_length)                  (Dr. GRPO, arXiv 2503.20783)
+      luspo        mean over sequences of sum_t L                       (LUSPO: each sequence weighted by |o|)
+      dapo, cispo, vespo   sum L / (num_items / world_size * grad_accum / steps_per_generation)
+                           = a token mean over the whole step (DAPO's token-level loss)
+    """
+    L = torch.where(mask, per_token_loss, 0)  # [N,C]
+    tokens = mask.sum(-1).clamp(min=1)  # [N]
+    if cfg.loss_type in ("grpo", "sapo"):
+        return (L.sum(-1) / tokens).mean() / grad_accum
+    if cfg.loss_type == "bnpo":
+        return L.sum() / mask.sum().clamp(min=1) / grad_accum
+    if cfg.loss_type == "dr_grpo":
+        return L.sum() / (L.shape[0] * cfg.max_completion_length) / grad_accum
+    if cfg.loss_type == "luspo":
+        return L.sum(-1).mean() / grad_accum
+    n = torch.as_tensor(num_items, dtype=L.dtype, device=L.device).clamp(min=1)
+    return L.sum() / (n / world_size * grad_accum / steps_per_generation)
+
+
+# -----------------------------------------------------------------------------
+# The step
+
+
+def _check_shapes(logps, old_logps, ref_logps, advantages, mask, entropies):
+    if logps.dim() != 2:
+        raise ValueError(f"logps must be [N,C]; got shape {tuple(logps.shape)}")
+    N = logps.shape[0]
+    for name, x in (("mask", mask), ("old_logps", old_logps), ("ref_logps", ref_logps), ("entropies", entropies)):
+        if x is not None and x.shape != logps.shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)} but logps has {tuple(logps.shape)}; both must be [N,C]")
+    if advantages.shape != (N,):
+        raise ValueError(f"advantages must be [N] = [{N}] (one per sequence); got {tuple(advantages.shape)}")
+
+
+def grpo_step(logps, old_logps, ref_logps, advantages, mask, cfg, num_items=None, grad_accum=1, world_size=1,
+              entropies=None, steps_per_generation=None):
+    """One micro-batch's GRPO loss (a scalar to .backward()) and its metrics (plain floats).
+
+    logps [N,C]: current policy log-probs (with grad). old_logps [N,C] or None (on-policy: old =
+    logps.detach(), so the ratio is exactly 1 and the gradient intact). ref_logps [N,C], or None when
+    cfg.beta == 0. advantages [N]. mask [N,C]: 1 = completion token that counts. entropies [N,C]:
+    needed for cfg.top_entropy_quantile < 1, else only logged.
+    num_items: active tokens (sum of mask) over the whole generation batch on all ranks, which with
+        steps_per_generation == grad_accum (the default) is the optimizer step's; only dapo, cispo
+        and vespo use it. None means "this micro-batch is the whole step": num_items = mask.sum(),
+        right only when grad_accum == world_size == 1.
+    grad_accum: micro-batches summed per optimizer step; world_size: ranks whose gradients are
+    averaged. Masked positions of every input may hold NaN/inf: they touch neither loss nor gradient.
+    """
+    _check_shapes(logps, old_logps, ref_logps, advantages, mask, entropies)
+    if cfg.beta != 0 and ref_logps is None:
+        raise ValueError(f"ref_logps is None but cfg.beta={cfg.beta}; pass reference log-probs or set beta=0")
+    if cfg.top_entropy_quantile < 1 and entropies is None:
+        raise ValueError(f"cfg.top_entropy_quantile={cfg.top_entropy_quantile} needs entropies")
+    steps_per_generation = grad_accum if steps_per_generation is None else steps_per_generation
+    for name, v in (("grad_accum", grad_accum), ("world_size", world_size), ("steps_per_generation",
+                                                                              steps_per_generation)):
+        if v < 1:
+            raise ValueError(f"{name}={v} must be >= 1")
+
+    m = mask.bool()
+    logps = torch.where(m, logps, 0)  # the gradient into masked slots is now exactly 0
+    old = logps.detach() if old_logps is None else torch.where(m, old_logps, 0)
+    A = advantages[:, None]  # [N,1]
+
+    log_ratio = logps - old  # [N,C]
+    ratio = importance_ratio(log_ratio, m, cfg.importance_sampling_level)  # [N,C] or [N,1]
+    if cfg.loss_type in PPO_CLIP_TYPES:
+        loss, ratio_1 = clipped_surrogate(ratio, A, cfg.epsilon, cfg.epsilon_high, cfg.delta)
+    elif cfg.loss_type == "cispo":
+        loss = cispo_loss(ratio, A, logps, cfg.epsilon_high)
+    elif cfg.loss_type == "sapo":
+        loss = sapo_loss(ratio, A, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+    else:  # vespo
+        phi = vespo_weight(log_ratio, m, A, cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg,
+                           cfg.vespo_lambda_neg)
+        loss = -phi * A * logps
+    loss = loss.expand_as(logps)  # [N,C] (sequence-level losses are [N,1])
+
+    if entropies is not None:
+        entropies = torch.where(m, entropies.detach(), 0)
+    if cfg.top_entropy_quantile < 1:
+        loss = torch.where(high_entropy_mask(entropies, m, cfg.top_entropy_quantile), loss, 0)
+    if cfg.beta != 0:
+        kl = kl_divergence(logps, torch.where(m, ref_logps, 0), kind="k3")  # [N,C], >= 0
+        if cfg.use_bias_correction_kl:
+            kl = kl * ratio  # k3's gradient is biased off-policy; the ratio corrects it (DeepSeek-V3.2)
+        loss = loss + cfg.beta * kl
+
+    num_items = m.sum() if num_items is None else num_items
+    total = aggregate(loss, m, cfg, num_items, grad_accum, world_size, steps_per_generation)
+
+    with torch.no_grad():
+        metrics = {}
+        if cfg.beta != 0:
+            metrics["kl"] = _masked_mean(kl, m)
+        if entropies is not None:
+            metrics["entropy"] = _masked_mean(entropies, m)
+        if cfg.loss_type in PPO_CLIP_TYPES:
+            low = (ratio_1 < 1 - cfg.epsilon) & (A < 0)
+            high = (ratio_1 > 1 + cfg.epsilon_high) & (A > 0)
+            metrics["clip_ratio/low_mean"] = _masked_mean(low, m)
+            metrics["clip_ratio/high_mean"] = _masked_mean(high, m)
+            metrics["clip_ratio/region_mean"] = _masked_mean(low | high, m)
+            metrics["clip_ratio/low_min"] = _nan_reduce(_seq_mean(low, m), torch.min)
+            metrics["clip_ratio/high_max"] = _nan_reduce(_seq_mean(high, m), torch.max)
+        elif cfg.loss_type == "cispo":
+            metrics["cispo_clip_ratio"] = _masked_mean((ratio > cfg.epsilon_high) & (A > 0), m)
+        elif cfg.loss_type == "vespo":
+            metrics["vespo/phi_seq_mean"] = phi.mean()
+        metrics = {k: float(v) for k, v in metrics.items()}
+    return total, metrics
+
+
+def _masked_mean(x, m):
+    """Mean over active tokens of x [N,C]; for a per-sequence x [N,1], the mean over sequences."""
+    x = x.double()
+    if x.shape[1] == 1:
+        return x.mean()
+    return torch.where(m, x, 0).sum() / m.sum().clamp(min=1)
+
+
+def _seq_mean(x, m):
+    """Per-sequence mean [N] of x over active tokens (NaN for an empty row)."""
+    x = x.double()
+    return x[:, 0] if x.shape[1] == 1 else torch.where(m, x, 0).sum(-1) / m.sum(-1)
+
+
+def _nan_reduce(x, op):
+    x = x[~torch.isnan(x)]
+    return op(x) if x.numel() else torch.nan
