@@ -6,16 +6,13 @@ and `grpo_step` (per-token log-probs -> one micro-batch's scalar loss + metrics)
 
 Does not own: computing log-probs (logprobs.py), talking to other processes (the caller gathers
 rewards before `group_advantages`, sums `num_items` over ranks, and averages gradients), the
-optimizer. Deliberately left out: vLLM's importance-sampling correction (TIS/MIS) and DeepSeek-V3.2's
-off-policy sequence mask (OPSM), which only matter with a separate inference engine (we have no
-vLLM); the entropy bonus (`entropy_coef`) and MoE auxiliary losses.
+optimizer. Out of scope: vLLM's importance-sampling correction (TIS/MIS; we have no vLLM),
+DeepSeek-V3.2's off-policy sequence mask (OPSM), the entropy bonus and MoE auxiliary losses.
 
 Reading guide, one small function per idea:
-    importance_ratio       rho = pi_theta / pi_old, per token or per sequence (GSPO)
-    clipped_surrogate      grpo / dr_grpo / dapo / bnpo / luspo (PPO clip, clip-higher, two-sided delta)
-    cispo_loss, sapo_loss, vespo_weight
-    high_entropy_mask      keep only the top-rho entropy tokens (top_entropy_quantile)
-    aggregate              the normalizer, which is what really tells the loss types apart
+    importance_ratio (token or GSPO sequence level); clipped_surrogate (grpo, dr_grpo, dapo, bnpo, luspo);
+    cispo_loss, sapo_loss, vespo_weight; high_entropy_mask (top_entropy_quantile); aggregate: the
+    normalizer, which is what really tells the loss types apart.
 Masked positions may hold anything (NaN, inf): inputs are cleaned with torch.where up front, so
 neither the loss nor the gradient can see them (x * mask would turn 0 * NaN into NaN).
 """
@@ -162,7 +159,7 @@ def clipped_surrogate(ratio, A, eps_low, eps_high, delta=None):
     """PPO's clipped objective as a loss, L = -min(rho1 * A, clip(rho, 1-eps_low, 1+eps_high) * A).
 
     GRPO (DeepSeekMath, arXiv 2402.03300) uses eps_low = eps_high; DAPO's clip-higher (arXiv 2503.14476)
-    raises eps_high; INTELLECT-2's two-sided clip sets rho1 = min(rho, delta), bounding the ratio
+    raises eps_high; INTELLECT-2's two-sided clip (arXiv 2505.07291) sets rho1 = min(rho, delta), bounding the ratio
     also when A < 0 (plain PPO leaves it unbounded there). The clip bounds use the un-delta'd ratio.
     Returns (L, rho1); rho1 is what the clip metrics look at.
     """
@@ -219,7 +216,7 @@ def aggregate(per_token_loss, mask, cfg, num_items, grad_accum, world_size, step
       grpo, sapo   mean over sequences of (sum_t L / |o|)             (GRPO; per-sequence token mean)
       bnpo         sum L / local active tokens                          (TRL's batch-normalized variant)
       dr_grpo      sum L / (N * max_completion_length)                  (Dr. GRPO, arXiv 2503.20783)
-      luspo        mean over sequences of sum_t L                       (LUSPO: each sequence weighted by |o|)
+      luspo        mean over sequences of sum_t L        (LUSPO, HF papers 2602.05261: each sequence weighted by |o|)
       dapo, cispo, vespo   sum L / (num_items / world_size * grad_accum / steps_per_generation)
                            = a token mean over the whole step (DAPO's token-level loss)
     """
@@ -247,7 +244,8 @@ def _check_shapes(logps, old_logps, ref_logps, advantages, mask, entropies):
     N = logps.shape[0]
     for name, x in (("mask", mask), ("old_logps", old_logps), ("ref_logps", ref_logps), ("entropies", entropies)):
         if x is not None and x.shape != logps.shape:
-            raise ValueError(f"{name} has shape {tuple(x.shape)} but logps has {tuple(logps.shape)}; both must be [N,C]")
+            raise ValueError(f"{name} has shape {tuple(x.shape)} but logps has {tuple(logps.shape)}; "
+                             "both must be [N,C]")
     if advantages.shape != (N,):
         raise ValueError(f"advantages must be [N] = [{N}] (one per sequence); got {tuple(advantages.shape)}")
 
@@ -273,8 +271,8 @@ def grpo_step(logps, old_logps, ref_logps, advantages, mask, cfg, num_items=None
     if cfg.top_entropy_quantile < 1 and entropies is None:
         raise ValueError(f"cfg.top_entropy_quantile={cfg.top_entropy_quantile} needs entropies")
     steps_per_generation = grad_accum if steps_per_generation is None else steps_per_generation
-    for name, v in (("grad_accum", grad_accum), ("world_size", world_size), ("steps_per_generation",
-                                                                              steps_per_generation)):
+    counts = dict(grad_accum=grad_accum, world_size=world_size, steps_per_generation=steps_per_generation)
+    for name, v in counts.items():
         if v < 1:
             raise ValueError(f"{name}={v} must be >= 1")
 

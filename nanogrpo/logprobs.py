@@ -11,7 +11,8 @@ Choices:
   the hidden states of positions that predict an active completion token ([M,D]), and push them
   through `lm_head -> fp32 -> /T -> log_softmax` in chunks of `chunk_size` tokens. Each chunk runs
   under `torch.utils.checkpoint`, so its [chunk,V] logits are recomputed in backward instead of
-  being stored: peak memory is about one chunk of logits, whatever N x C is.
+  being stored: peak memory is a few (about 6, measured) [chunk,V] fp32 blocks whatever N x C is;
+  lower chunk_size if that is still too much (bench/bench_logprobs.py measures it).
 - Temperature divides the logits before the softmax, exactly as TRL scores (spec 2.1), and the
   entropy is the tempered distribution's, in nats.
 - Positions with completion_mask == 0 are never scored: they come out as exactly 0 (no NaN).
@@ -34,15 +35,15 @@ def _logps_entropy(h, targets, lm_head, temperature):
     return logp, entropy
 
 
-def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_size=512):
+def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_size=256):
     """Log-prob and entropy of each completion token under `model` at `temperature`.
 
     input_ids, attention_mask: [N,L], a left-padded prompt followed by a right-padded completion that
     fills the last C = completion_mask.shape[1] positions (attention_mask: 1 = real token; completion
     pads may be 1 or 0). completion_mask: [N,C], 1 = score this token.
     Returns (logps, entropy), each [N,C] float32 (float64 for a float64 model), exactly 0 where
-    completion_mask == 0. Differentiable w.r.t. the model's parameters; peak memory is about one
-    [chunk_size, V] block of logits (see the module docstring).
+    completion_mask == 0. Differentiable w.r.t. the model's parameters; peak memory is a few
+    [chunk_size, V] blocks of logits, independent of N and C (see the module docstring).
     """
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids and attention_mask must both be [N,L]; got {tuple(input_ids.shape)} "

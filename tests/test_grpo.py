@@ -160,7 +160,8 @@ def random_batch(seed, n, c, scale=0.5):
 
 def random_cfg(loss_type, seed):
     g = torch.Generator().manual_seed(seed)
-    level = "sequence" if loss_type == "luspo" or (loss_type != "vespo" and torch.rand(1, generator=g) < 0.3) else "token"
+    seq = loss_type == "luspo" or (loss_type != "vespo" and torch.rand(1, generator=g) < 0.3)
+    level = "sequence" if seq else "token"
     return LossConfig(loss_type=loss_type, beta=float(torch.rand(1, generator=g) < 0.5) * 0.1, epsilon_high=0.28,
                       delta=1.5 if torch.rand(1, generator=g) < 0.3 else None, importance_sampling_level=level,
                       max_completion_length=16, use_bias_correction_kl=bool(torch.rand(1, generator=g) < 0.7))
@@ -351,9 +352,9 @@ def test_advantages_gdpo():
     r = torch.tensor([[1.0, 10.0], [0.0, 30.0], [0.0, 10.0], [1.0, 10.0]], dtype=F64)
     a = group_advantages(r, 2, multi_objective_aggregation="normalize_then_sum")
     # per-group z of each function, summed, then normalized over the batch
-    z1 = (r[:, 0].view(2, 2) - r[:, 0].view(2, 2).mean(1, keepdim=True)) / (r[:, 0].view(2, 2).std(1, keepdim=True) + 1e-4)
-    z2 = (r[:, 1].view(2, 2) - r[:, 1].view(2, 2).mean(1, keepdim=True)) / (r[:, 1].view(2, 2).std(1, keepdim=True) + 1e-4)
-    s = (z1 + z2).view(-1)
+    grouped = r.view(2, 2, 2)  # [groups, G, K]
+    z = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)
+    s = z.sum(-1).view(-1)
     assert torch.allclose(a, (s - s.mean()) / (s.std() + 1e-4))
 
 
@@ -382,7 +383,10 @@ def test_advantage_properties(seed, groups, G, K, mode):
     g = torch.Generator().manual_seed(seed)
     r = torch.randn(groups * G, K, generator=g, dtype=F64)
     w = torch.rand(K, generator=g, dtype=F64) + 0.1
-    adv = lambda x: group_advantages(x, G, reward_weights=w, scale_rewards=scale, multi_objective_aggregation=agg)  # noqa: E731
+
+    def adv(x):
+        return group_advantages(x, G, reward_weights=w, scale_rewards=scale, multi_objective_aggregation=agg)
+
     a = adv(r)
     # zero-sum within each group (GRPO: the baseline is the group mean; GDPO: each z is group-centred)
     assert a.view(groups, G).sum(1).abs().max() < 1e-9
