@@ -171,7 +171,8 @@ def clipped_surrogate(ratio, A, eps_low, eps_high, delta=None):
 
 def cispo_loss(ratio, A, logps, eps_high):
     """CISPO (MiniMax-M1, arXiv 2506.13585): L = -sg(min(rho, eps_high)) * A * logp.
-    The IS weight is capped (above only) and detached, so every token keeps a gradient."""
+    The IS weight is capped (above only, absolute: the default 0.2 caps every on-policy weight at 0.2;
+    TRL suggests epsilon_high=5) and detached, so every token keeps a gradient."""
     return -ratio.clamp(max=eps_high).detach() * A * logps
 
 
