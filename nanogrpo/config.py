@@ -1,0 +1,334 @@
+"""Every training setting in one dataclass, loaded from a Python config file plus command-line overrides.
+
+Owns: `TrainConfig` (fields, defaults, consistency checks, batch arithmetic), `load_config(argv)`
+and `ConfigError`.
+
+Does not know about: what the settings do; train.py and the modules it calls read them.
+
+Choices:
+- A config file is plain Python assigning names (`learning_rate = 1e-5`); command-line
+  `--key=value` (or `--key value`) overrides it. Every value is converted to and checked against
+  the field's annotated type, and unknown keys are errors with a spelling suggestion, so a typo never
+  silently trains with a default (nanoGPT's configurator accepts anything).
+- Loss fields use TRL's GRPOConfig names and defaults, so TRL recipes carry over.
+- Batch sizes are counted in prompts and completions, not TRL's per-device batches. You choose
+  `prompts_per_step` (all ranks together), `num_generations` and `micro_batch_size` (completions
+  per forward/backward); each rank then holds prompts_per_step / world_size whole groups, and
+  gradient accumulation is derived: rows_per_rank / micro_batch_size, which must divide evenly.
+"""
+
+import ast
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, has the wrong type, or is inconsistent with the others."""
+
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+CHOICES = {"dtype": ("float32", "bfloat16", "auto"), "loss_type": LOSS_TYPES,
+           "importance_sampling_level": ("token", "sequence"), "scale_rewards": ("group", "batch", "none"),
+           "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
+           "lr_scheduler": ("constant", "cosine")}
+LOSS_FIELDS = ("loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
+               "max_completion_length", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+               "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "use_bias_correction_kl",
+               "top_entropy_quantile")
+
+
+@dataclass
+class TrainConfig:
+    """All settings of a run; see the comment on each field."""
+
+    # model
+    model: str = "tiny"  # checkpoint dir or hub id (the config file decides what the tiny default is)
+    init_model: dict | None = None  # ModelConfig fields: create a random model at `model` if it does not exist
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (autocast, fp32 weights) | auto (bf16 on CUDA)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 1337  # seeds init, prompt order and sampling
+    compile: bool = False  # torch.compile the model
+    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    # data
+    dataset: str = "default"  # see data.load_dataset: file, hf://datasets/..., gsm8k, default, countdown
+    dataset_split: str | None = None  # split for gsm8k / procedural tasks (None = "train")
+    eval_dataset: str | None = None  # same forms as dataset; None = no evaluation
+    eval_split: str | None = "test"  # split of eval_dataset
+    eval_size: int = 256  # evaluate on the first this-many eval prompts
+    # rewards
+    reward_funcs: list[str] = field(default_factory=lambda: ["default_task"])  # built-in names or module:function
+    reward_weights: list[float] | None = None  # one per reward function; None = all 1.0
+    soft_punish_cache: int | None = None  # soft_overlong reward's window (None = max_completion_length // 4)
+    # batch
+    num_generations: int = 8  # completions per prompt (G), at least 2
+    prompts_per_step: int = 16  # prompts per optimizer step, all ranks together
+    micro_batch_size: int = 32  # completions per forward/backward on one rank
+    num_iterations: int = 1  # optimizer passes over each generated batch (mu)
+    steps_per_generation: int | None = None  # optimizer steps fed by one generation round (None = 1);
+    # unlike TRL's, counted in optimizer steps: a round samples prompts_per_step * steps_per_generation prompts
+    # generation
+    max_completion_length: int = 512  # new tokens per completion, also dr_grpo's constant
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # nucleus sampling, in (0, 1]
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    # loss (TRL GRPOConfig names and defaults)
+    loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo
+    beta: float = 0.0  # KL coefficient; 0 = no reference model
+    epsilon: float = 0.2  # lower clip range
+    epsilon_high: float | None = None  # upper clip range (None = epsilon); cispo's weight cap
+    delta: float | None = None  # INTELLECT-2 upper bound on the ratio, None = off
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
+    sapo_temperature_pos: float = 1.0  # sapo gate temperature, positive advantages
+    sapo_temperature_neg: float = 1.05  # sapo gate temperature, non-positive advantages
+    vespo_k_pos: float = 2.0  # vespo power, positive advantages
+    vespo_lambda_pos: float = 3.0  # vespo decay, positive advantages
+    vespo_k_neg: float = 3.0  # vespo power, negative advantages
+    vespo_lambda_neg: float = 2.0  # vespo decay, negative advantages
+    use_bias_correction_kl: bool = True  # multiply the KL term by the importance ratio
+    top_entropy_quantile: float = 1.0  # keep the top-rho tokens by entropy in the loss, 1 = all
+    scale_rewards: str = "group"  # group | batch | none: what the advantage is divided by
+    multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum (GDPO)
+    mask_truncated_completions: bool = False  # drop completions that hit max_completion_length from the loss
+    # optimizer (AdamW)
+    learning_rate: float = 1e-6  # peak learning rate
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.99  # AdamW beta2
+    adam_epsilon: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    warmup_steps: int = 0  # linear warmup steps (overrides warmup_ratio when > 0)
+    warmup_ratio: float = 0.0  # linear warmup as a fraction of max_steps
+    lr_scheduler: str = "constant"  # constant | cosine (to 0 at max_steps), after warmup
+    max_grad_norm: float | None = 1.0  # gradient clipping; None = off
+    # reference model (beta > 0)
+    sync_ref_model: bool = False  # TR-DPO: pull the reference model toward the policy
+    ref_model_mixup_alpha: float = 0.6  # ref = alpha * policy + (1 - alpha) * ref
+    ref_model_sync_steps: int = 512  # optimizer steps between syncs
+    # run
+    max_steps: int = 150  # optimizer steps
+    eval_every: int = 0  # steps between evaluations, 0 = never
+    log_every: int = 1  # steps between log lines
+    save_every: int = 0  # steps between checkpoints, 0 = only at the end
+    log_completions: bool = False  # print a sample of completions at each log step
+    out_dir: str = "out"  # checkpoints, config.json and logs
+    resume: bool | str = False  # True = latest checkpoint in out_dir, or a checkpoint path
+
+    # --- derived sizes ---------------------------------------------------------------------
+
+    def rows_per_rank(self, world_size: int = 1) -> int:
+        """Completions each rank trains on per optimizer step."""
+        return self.prompts_per_step * self.num_generations // world_size
+
+    def prompts_per_round(self) -> int:
+        """Prompts sampled per generation round, all ranks together."""
+        return self.prompts_per_step * (self.steps_per_generation or 1)
+
+    def gradient_accumulation_steps(self, world_size: int = 1) -> int:
+        """Micro-batches per optimizer step on each rank."""
+        return self.rows_per_rank(world_size) // self.micro_batch_size
+
+    # --- checks and conversions ---------------------------------------------------------------
+
+    def validate(self, world_size: int = 1) -> "TrainConfig":
+        """Raise ConfigError naming the first inconsistent setting; returns self."""
+
+        def need(ok, key, why):
+            if not ok:
+                raise ConfigError(f"{key}={getattr(self, key)!r}: {why}")
+
+        for key, allowed in CHOICES.items():
+            need(getattr(self, key) in allowed, key, f"must be one of {list(allowed)}")
+        d = self.device
+        need(d in ("auto", "cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit()), "device",
+             "must be auto, cpu, cuda or cuda:N")
+        need(self.num_generations >= 2, "num_generations", "GRPO needs at least 2 completions per prompt")
+        for key in ("prompts_per_step", "micro_batch_size", "num_iterations", "max_completion_length",
+                    "max_steps", "log_every", "ref_model_sync_steps", "eval_size"):
+            need(getattr(self, key) >= 1, key, "must be at least 1")
+        need(self.steps_per_generation is None or self.steps_per_generation >= 1, "steps_per_generation",
+             "must be None or at least 1")
+        need(self.prompts_per_step % world_size == 0, "prompts_per_step",
+             f"must be divisible by world_size={world_size} so each rank holds whole groups")
+        rows = self.rows_per_rank(world_size)
+        need(rows % self.micro_batch_size == 0, "micro_batch_size",
+             f"must divide the {rows} completions per rank (prompts_per_step * num_generations / world_size)")
+        need(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
+        need(self.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
+        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(0 <= self.min_p < 1, "min_p", "must be in [0, 1)")
+        need(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        need(self.beta >= 0, "beta", "must be >= 0")
+        need(self.epsilon > 0, "epsilon", "must be > 0")
+        need(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", "must be None or > 0")
+        need(min(self.sapo_temperature_pos, self.sapo_temperature_neg) > 0, "sapo_temperature_pos",
+             "sapo temperatures must be > 0")
+        need(self.delta is None or self.delta > 1, "delta", "is an upper bound on the ratio, must be > 1")
+        need(0 <= self.top_entropy_quantile <= 1, "top_entropy_quantile", "must be in [0, 1]")
+        need(self.loss_type != "luspo" or self.importance_sampling_level == "sequence", "loss_type",
+             "luspo needs importance_sampling_level='sequence'")
+        need(self.loss_type != "vespo" or self.importance_sampling_level == "token", "loss_type",
+             "vespo needs importance_sampling_level='token'")
+        need(len(self.reward_funcs) >= 1, "reward_funcs", "needs at least one reward function")
+        need(self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs), "reward_weights",
+             f"needs one weight per reward function ({len(self.reward_funcs)})")
+        need(self.soft_punish_cache is None or 1 <= self.soft_punish_cache <= self.max_completion_length,
+             "soft_punish_cache", "must be in [1, max_completion_length]")
+        need(self.learning_rate >= 0, "learning_rate", "must be >= 0")
+        need(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+        need(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
+        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        need(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
+        need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or None")
+        need(0 <= self.ref_model_mixup_alpha <= 1, "ref_model_mixup_alpha", "must be in [0, 1]")
+        need(not self.sync_ref_model or self.beta > 0, "sync_ref_model", "needs beta > 0 (a reference model)")
+        for key in ("eval_every", "save_every"):
+            need(getattr(self, key) >= 0, key, "must be >= 0 (0 = never)")
+        return self
+
+    def bf16(self, device) -> bool:
+        """Whether to compute in bfloat16 on `device` (a torch.device or string)."""
+        return self.dtype == "bfloat16" or (self.dtype == "auto" and str(device).startswith("cuda"))
+
+    def to_dict(self) -> dict:
+        """Plain dict of every field (JSON-serialisable), e.g. to save next to a checkpoint."""
+        return dataclasses.asdict(self)
+
+    def loss_config(self) -> dict:
+        """Keyword arguments for nanogrpo.grpo.LossConfig (TRL's names): `LossConfig(**cfg.loss_config())`."""
+        return {key: getattr(self, key) for key in LOSS_FIELDS}
+
+
+# -----------------------------------------------------------------------------
+# loading: config file, then --key=value overrides
+
+
+FIELD_TYPES = typing.get_type_hints(TrainConfig)
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def _unknown_key(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, FIELD_TYPES, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return ConfigError(f"unknown config key {key!r} {where}{hint}")
+
+
+def _literal(key: str, text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError) as e:
+        raise ConfigError(f"{key}={text!r}: not a Python literal ({e})") from e
+
+
+def convert(key: str, value, tp=None, from_text: bool = False):
+    """`value` as field `key`'s type; strings from the command line are parsed (from_text=True)."""
+    tp = FIELD_TYPES[key] if tp is None else tp
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None or (from_text and str(value).lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # Optional[X]: X's own, more specific, error
+            return convert(key, value, options[0], from_text)
+        for option in options:
+            try:
+                return convert(key, value, option, from_text)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}={value!r}: expected {tp}")
+    if tp is dict:
+        if from_text and isinstance(value, str) and value.strip().startswith("{"):
+            value = _literal(key, value)
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(f"{key}={value!r}: expected a dict")
+    if typing.get_origin(tp) is list:
+        if from_text and isinstance(value, str):
+            text = value.strip()
+            value = _literal(key, text) if text[:1] in "[(" else [v.strip() for v in text.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r}: expected a list")
+        return [convert(key, v, args[0], from_text) for v in value]
+    if tp is bool:
+        if from_text and isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if from_text and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if from_text and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str and isinstance(value, str):
+        return value
+    raise ConfigError(f"{key}={value!r}: expected {getattr(tp, '__name__', tp)}")
+
+
+def read_config_file(name: str) -> dict:
+    """Names a config file assigns (skipping _private names, modules, functions and classes).
+
+    A name that is not an existing path is looked up in ./configs, then in the repo's configs/ dir
+    (next to train.py), with or without .py."""
+    candidates = [name] + [os.path.join(d, n) for d in ("configs", CONFIGS_DIR) for n in (name, name + ".py")]
+    path = next((p for p in candidates if os.path.isfile(p)), None)
+    if path is None:
+        raise ConfigError(f"config file {name!r} not found (also looked in {CONFIGS_DIR})")
+    namespace: dict = {}
+    with open(path) as f:
+        exec(compile(f.read(), path, "exec"), namespace)
+    return {k: v for k, v in namespace.items() if not k.startswith("_")
+            and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
+
+
+def load_config(argv: list[str] | None = None) -> TrainConfig:
+    """`[--config FILE] [--key=value | --key value | --bool_key] ...` -> a validated TrainConfig.
+
+    Command-line values override the file's. Keys may use dashes for underscores."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; use --key=value")
+        key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value, i = argv[i + 1], i + 1
+            elif FIELD_TYPES.get(key) is bool:
+                value = "true"
+            else:
+                raise ConfigError(f"--{key} needs a value")
+        pairs.append((key, value))
+        i += 1
+    settings = {}
+    for key, value in pairs:
+        if key == "config":
+            for file_key, file_value in read_config_file(value).items():
+                if file_key not in FIELD_TYPES:
+                    raise _unknown_key(file_key, f"in config file {value}")
+                settings[file_key] = convert(file_key, file_value)
+    for key, value in pairs:
+        if key != "config":
+            if key not in FIELD_TYPES:
+                raise _unknown_key(key, "on the command line")
+            settings[key] = convert(key, value, from_text=True)
+    return TrainConfig(**settings).validate()

@@ -1,0 +1,256 @@
+"""Prompt datasets: a list of dict rows, where to get them, and the order the trainer sees them in.
+
+Owns: `load_dataset` (local .jsonl/.json/.parquet files, files in a Hub dataset repo, GSM8K, and the
+procedural tasks `default` and `countdown`), the row checks, `columns_of` (the extra columns reward
+functions receive) and `PromptSampler` (shuffled, resumable batches of prompts).
+
+Does not know about: tokenization or chat templates (tokenizer.py renders conversational prompts),
+rewards (rewards.py), or processes (the trainer gives each rank its slice of a batch).
+
+Choices:
+- A dataset is a plain `list[dict]`; no `datasets` dependency. Every row has `prompt`: a string
+  (standard format) or a list of {"role", "content"} messages (conversational format), as in TRL.
+  All other keys are dataset columns, passed to every reward function as keyword arguments.
+- Hub files are named `hf://datasets/<owner>/<name>[@revision]/<path-in-repo>` (the spelling
+  huggingface_hub's file system uses) and fetched with `hf_hub_download`, which caches them.
+- Procedural tasks are a pure function of (name, split, num_rows, seed): split "train" uses `seed`,
+  any other split `seed + 1`. Train and test rows may overlap.
+
+The default task ("default"): copy a 4-letter string over the alphabet a-h, prompt "bhad=" ->
+target "bhad". It is meant to be learned from scratch, by RL alone, by a ~100k-parameter transformer
+in ~150 steps on a CPU. It works because (1) the reward (rewards.default_task_score) is dense: a
+random policy already earns partial credit for using the right letters and stopping at the right
+length, so groups have reward variance from step 0; (2) the fixed length makes every output
+position read the prompt at one constant relative offset, a single attention pattern that RoPE
+models pick up easily. With a char-level vocabulary over `DEFAULT_TASK_CHARS` (plus eos) a 2-layer,
+64-wide model reached 0.66-0.99 mean reward (from 0.07) in 150 steps of 16 prompts x 8 samples at
+lr 3e-3 over 4 seeds. Reversal or variable lengths did not learn in that budget, nor did a 257-token
+byte vocabulary at lr 3e-3 (it first has to find the 8 useful letters among 256 bytes).
+"""
+
+import json
+import os
+import random
+
+import torch
+
+DEFAULT_TASK_ALPHABET = "abcdefgh"
+DEFAULT_TASK_CHARS = DEFAULT_TASK_ALPHABET + "="  # every character in the default task's prompts and targets
+GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then write the final answer "
+                       "as a number inside \\boxed{}, for example \\boxed{42}.")
+GSM8K_FILES = {"train": "main/train-00000-of-00001.parquet", "test": "main/test-00000-of-00001.parquet"}
+
+# -----------------------------------------------------------------------------
+# procedural tasks
+
+
+def make_default_task(num_rows: int, seed: int, length: int = 4, alphabet: str = DEFAULT_TASK_ALPHABET,
+                      reverse: bool = False) -> list[dict]:
+    """Rows {"prompt": "<s>=", "target": s (or s reversed)} with s random letters of `alphabet`."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_rows):
+        s = "".join(rng.choice(alphabet) for _ in range(length))
+        rows.append({"prompt": s + "=", "target": s[::-1] if reverse else s})
+    return rows
+
+
+def _random_expression(nums: list[int], rng: random.Random) -> tuple[str, int] | None:
+    """Combine all of nums with random + - * / into one expression; None when a step is not a whole number."""
+    pool = [(str(n), n) for n in nums]
+    while len(pool) > 1:
+        (a, va), (b, vb) = pool.pop(rng.randrange(len(pool))), pool.pop(rng.randrange(len(pool)))
+        op = rng.choice("+-*/")
+        if op == "/" and (vb == 0 or va % vb):
+            return None
+        value = {"+": va + vb, "-": va - vb, "*": va * vb, "/": va // vb if vb else 0}[op]
+        pool.append((f"({a} {op} {b})", value))
+    expression, value = pool[0]
+    return (expression[1:-1] if expression.startswith("(") else expression), value
+
+
+def countdown(num_rows: int, seed: int, conversational: bool = True) -> list[dict]:
+    """Countdown rows: 3-4 numbers in 1..100 and a reachable positive `target` (at most 1000).
+
+    Columns: prompt (a user message asking for <think> reasoning and an <answer> equation), nums,
+    target, and `equation`, one solution."""
+    rng = random.Random(seed)
+    rows = []
+    while len(rows) < num_rows:
+        nums = [rng.randint(1, 100) for _ in range(rng.choice((3, 4)))]
+        built = _random_expression(list(nums), rng)
+        if built is None or not 0 < built[1] <= 1000:
+            continue
+        text = (f"Using the numbers {nums}, write an equation that equals {built[1]}. Use each number exactly "
+                "once and only + - * / and parentheses. Think it through inside <think> </think>, then give "
+                "just the equation inside <answer> </answer>, for example <answer>(1 + 2) / 3</answer>.")
+        prompt = [{"role": "user", "content": text}] if conversational else text
+        rows.append({"prompt": prompt, "nums": nums, "target": built[1], "equation": built[0]})
+    return rows
+
+
+PROCEDURAL = {"default": (make_default_task, 10_000, 256), "countdown": (countdown, 10_000, 256)}
+
+# -----------------------------------------------------------------------------
+# files
+
+
+def read_rows(path: str) -> list[dict]:
+    """Rows of a local .jsonl (one object per line), .json (a list of objects, or a dict of
+    equal-length columns) or .parquet (needs pyarrow) file."""
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
+        return pq.read_table(path).to_pylist()
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".jsonl"):
+            rows = []
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}, line {line_no}: not valid JSON ({e})") from e
+            return rows
+        if path.endswith(".json"):
+            data = json.load(f)
+            if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+                n = {len(v) for v in data.values()}
+                if len(n) != 1:
+                    raise ValueError(f"{path}: columns have different lengths {sorted(n)}")
+                return [dict(zip(data, values)) for values in zip(*data.values())]
+            if not isinstance(data, list):
+                raise ValueError(f"{path}: expected a list of rows or a dict of columns")
+            return data
+    raise ValueError(f"{path}: unknown file type; use .jsonl, .json or .parquet")
+
+
+def download_hub_file(spec: str) -> str:
+    """'hf://datasets/<owner>/<name>[@revision]/<path-in-repo>' -> local path of the cached download."""
+    parts = spec[len("hf://datasets/"):].split("/", 2)
+    if not spec.startswith("hf://datasets/") or len(parts) < 3 or not parts[2]:
+        raise ValueError(f"{spec!r}: expected hf://datasets/<owner>/<name>[@revision]/<path-in-repo>")
+    name, _, revision = parts[1].partition("@")
+    from huggingface_hub import hf_hub_download
+
+    return hf_hub_download(f"{parts[0]}/{name}", parts[2], repo_type="dataset", revision=revision or None)
+
+
+def gsm8k_rows(raw_rows: list[dict]) -> list[dict]:
+    """GSM8K rows {question, answer: "...#### 72"} -> {prompt: [system, user], answer: "72"}."""
+    return [{"prompt": [{"role": "system", "content": GSM8K_SYSTEM_PROMPT},
+                        {"role": "user", "content": row["question"]}],
+             "answer": row["answer"].rsplit("####", 1)[-1].strip().replace(",", "")} for row in raw_rows]
+
+
+def load_dataset(spec: str, split: str | None = None, *, num_rows: int | None = None, seed: int = 0) -> list[dict]:
+    """Rows of a dataset, checked (see `check_rows`).
+
+    spec: a procedural task name ("default", "countdown"), "gsm8k" (hub parquet files of
+    openai/gsm8k; split "train" or "test"), a "hf://datasets/..." file, or a local file path.
+    split: for procedural tasks and gsm8k ("train" when None); ignored for single files.
+    num_rows: rows to generate for procedural tasks (default 10000 for train, 256 otherwise), or the
+    first num_rows of any other dataset. seed: procedural tasks only."""
+    split = split or "train"
+    if spec in PROCEDURAL:
+        make, n_train, n_eval = PROCEDURAL[spec]
+        n = num_rows or (n_train if split == "train" else n_eval)
+        return check_rows(make(n, seed if split == "train" else seed + 1), spec)
+    if spec == "gsm8k":
+        if split not in GSM8K_FILES:
+            raise ValueError(f"gsm8k has splits {sorted(GSM8K_FILES)}, got {split!r}")
+        rows = gsm8k_rows(read_rows(download_hub_file(f"hf://datasets/openai/gsm8k/{GSM8K_FILES[split]}")))
+    elif spec.startswith("hf://"):
+        rows = read_rows(download_hub_file(spec))
+    elif os.path.isfile(spec):
+        rows = read_rows(spec)
+    else:
+        raise ValueError(f"dataset {spec!r} is not a file; use a .jsonl/.json/.parquet path, "
+                         f"hf://datasets/<owner>/<name>/<file>, 'gsm8k', or one of {sorted(PROCEDURAL)}")
+    return check_rows(rows[:num_rows] if num_rows else rows, spec)
+
+
+# -----------------------------------------------------------------------------
+# rows and columns
+
+
+def is_conversational(row: dict) -> bool:
+    """True when the row's prompt is a list of chat messages."""
+    return isinstance(row["prompt"], list)
+
+
+def check_rows(rows: list[dict], source: str) -> list[dict]:
+    """Every row is a dict with a `prompt`, all in the same format; returns rows unchanged."""
+    if not rows:
+        raise ValueError(f"dataset {source}: no rows")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or "prompt" not in row:
+            found = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ValueError(f"dataset {source}, row {i}: no 'prompt' column (found {found})")
+        prompt = row["prompt"]
+        ok = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in prompt))
+        if not ok:
+            raise ValueError(f"dataset {source}, row {i}: 'prompt' must be a string or a list of "
+                             f"{{'role', 'content'}} messages, got {prompt!r:.100}")
+        if is_conversational(row) != is_conversational(rows[0]):
+            raise ValueError(f"dataset {source}, row {i}: mixes standard (string) and conversational "
+                             "(message list) prompts")
+    return rows
+
+
+def columns_of(rows: list[dict]) -> dict[str, list]:
+    """Every column but `prompt`, as {name: [value per row]} (None where a row lacks the key)."""
+    names = list(dict.fromkeys(k for row in rows for k in row if k != "prompt"))
+    return {name: [row.get(name) for row in rows] for name in names}
+
+
+# -----------------------------------------------------------------------------
+# sampling order
+
+
+class PromptSampler:
+    """Endless batches of `prompts_per_step` rows, reshuffled every epoch, resumable.
+
+    Epoch e visits the rows in torch.randperm order from a generator seeded with seed + e; the
+    last len(rows) % prompts_per_step rows of each epoch's order are skipped. `state_dict()` is
+    (epoch, position), so a restored sampler yields exactly what the original would have."""
+
+    def __init__(self, rows: list[dict], prompts_per_step: int, seed: int = 0):
+        if not 0 < prompts_per_step <= len(rows):
+            raise ValueError(f"prompts_per_step={prompts_per_step} must be in [1, {len(rows)} rows]")
+        self.rows, self.prompts_per_step, self.seed = rows, prompts_per_step, seed
+        self.epoch, self.position = 0, 0
+        self._order_epoch, self._order = None, None
+
+    def _epoch_order(self) -> list[int]:
+        if self._order_epoch != self.epoch:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            self._order_epoch, self._order = self.epoch, torch.randperm(len(self.rows), generator=generator).tolist()
+        return self._order
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[dict]:
+        return self.next_batch()
+
+    def next_batch(self) -> list[dict]:
+        """The next `prompts_per_step` rows (starting a new, reshuffled epoch when this one runs out)."""
+        if self.position + self.prompts_per_step > len(self.rows):
+            self.epoch, self.position = self.epoch + 1, 0
+        indices = self._epoch_order()[self.position : self.position + self.prompts_per_step]
+        self.position += self.prompts_per_step
+        return [self.rows[i] for i in indices]
+
+    def state_dict(self) -> dict:
+        """Where the sampler is: {"epoch", "position", "seed", "num_rows"}."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a `state_dict()`; the dataset must have the same number of rows."""
+        if state["num_rows"] != len(self.rows):
+            raise ValueError(f"sampler state is for {state['num_rows']} rows, this dataset has {len(self.rows)}")
+        self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]

@@ -1,0 +1,361 @@
+"""Reward functions, and turning their outputs into one [N, K] reward matrix.
+
+Owns: the built-in rewards (`accuracy`, `format`, `soft_overlong`, `countdown`, `default_task`),
+resolving reward names from a config (`resolve_reward_funcs`), and calling every function on a batch
+of completions (`score_completions`).
+
+Does not know about: tokenizers, models, advantages (grpo.py turns the matrix into advantages) or
+where the dataset columns come from (data.py).
+
+Choices:
+- TRL's calling convention, so users bring their functions unchanged:
+  `fn(prompts, completions, completion_ids=..., **columns) -> list[float | None]`. Completions are
+  strings for plain-text prompts and `[{"role": "assistant", "content": ...}]` for conversational
+  ones; every built-in accepts both. `None` means "not scored" and becomes NaN in the matrix.
+- `async def` reward functions are awaited together in one `asyncio.run`, so slow remote
+  verifiers overlap.
+- Math answers are compared as exact `fractions.Fraction`s (no sympy): 2.50 == 5/2 == \\frac{5}{2}.
+- Countdown equations are parsed with `ast` and evaluated by walking the tree with Fractions; nothing
+  is ever passed to `eval`.
+"""
+
+import ast
+import asyncio
+import collections
+import difflib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import re
+from fractions import Fraction
+
+import torch
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something that is not one score per completion."""
+
+
+def completion_text(completion) -> str:
+    """The text of one completion: the string itself, or the last message's content."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        return completion.get("content") or ""
+    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict):
+        return completion[-1].get("content") or ""
+    raise TypeError(f"expected a string or a list of messages as a completion, got {completion!r}")
+
+
+# -----------------------------------------------------------------------------
+# accuracy: math answers
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` in text, nested braces allowed; None if there is none."""
+    start = text.rfind("\\boxed")
+    while start != -1:
+        i = start + len("\\boxed")
+        while i < len(text) and text[i] == " ":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            depth = 0
+            for j in range(i, len(text)):
+                depth += {"{": 1, "}": -1}.get(text[j], 0)
+                if depth == 0:
+                    return text[i + 1 : j]
+        start = text.rfind("\\boxed", 0, start)  # no brace or unbalanced: try an earlier one
+    return None
+
+
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer in a solution: last `\\boxed{}`, else what follows `####`, else the last number."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip().split("\n")[0].strip()
+    numbers_found = _NUMBER.findall(text)
+    return numbers_found[-1] if numbers_found else None
+
+
+def parse_number(s: str) -> Fraction | None:
+    """An answer string as an exact Fraction, or None if it is not a plain number.
+
+    Understands "-1,234.50", "$5", "50%", "3/4", "\\frac{3}{4}", "\\dfrac34", "x = 7", "5 \\text{cm}".
+    """
+    s = re.sub(r"\\(?:text|mathrm|mbox)\{[^{}]*\}", "", str(s))
+    for junk in ("\\left", "\\right", "\\!", "\\,", "\\ ", "\\$", "$", "{,}", "\\%", "%"):
+        s = s.replace(junk, "")
+    s = s.replace("\u2212", "-").rsplit("=", 1)[-1].replace(" ", "").rstrip(".").lstrip("+")
+    m = re.fullmatch(r"(-?)\\[dt]?frac(?:\{([^{}]+)\}\{([^{}]+)\}|(\d)(\d))", s)
+    if m:
+        num, den = parse_number(m[2] or m[4]), parse_number(m[3] or m[5])
+        if num is None or not den:
+            return None
+        return -num / den if m[1] else num / den
+    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
+        s = s.replace(",", "")
+    m = re.fullmatch(r"(-?(?:\d+\.?\d*|\.\d+))/(-?(?:\d+\.?\d*|\.\d+))", s)
+    if m:
+        den = Fraction(m[2])
+        return Fraction(m[1]) / den if den else None
+    if re.fullmatch(r"-?(?:\d+\.?\d*|\.\d+)", s):
+        return Fraction(s)
+    return None
+
+
+def answers_match(predicted: str, gold: str) -> bool:
+    """Numeric equivalence when both parse as numbers, else whitespace- and `$`-insensitive equality."""
+    p, g = parse_number(predicted), parse_number(gold)
+    if p is not None and g is not None:
+        return p == g
+    squash = lambda s: re.sub(r"\s+|\$", "", str(s))  # noqa: E731
+    return squash(predicted) == squash(gold) and squash(gold) != ""
+
+
+def accuracy_reward(completions, answer=None, solution=None, **kwargs) -> list[float | None]:
+    """1.0 when the completion's final answer equals the `answer` (or `solution`) column, else 0.0.
+
+    The gold value may itself be a full solution (its `\\boxed{}` or `####` part is used). Rows with
+    no gold answer are not scored (None)."""
+    golds = answer if answer is not None else solution
+    if golds is None:
+        raise ValueError("accuracy needs a dataset column named 'answer' or 'solution'")
+    scores = []
+    for completion, gold in zip(completions, golds):
+        if gold is None or str(gold).strip() == "":
+            scores.append(None)
+            continue
+        gold = str(gold)
+        if "\\boxed" in gold or "####" in gold:
+            gold = extract_answer(gold) or gold
+        predicted = extract_answer(completion_text(completion))
+        scores.append(float(predicted is not None and answers_match(predicted, gold)))
+    return scores
+
+
+# -----------------------------------------------------------------------------
+# format, soft overlong punishment
+
+
+_THINK_ANSWER = re.compile(
+    r"<think>(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*</answer>", re.DOTALL
+)
+
+
+def format_reward(completions, **kwargs) -> list[float]:
+    """1.0 when the whole completion is `<think>...</think>` then `<answer>...</answer>`, else 0.0."""
+    return [float(_THINK_ANSWER.fullmatch(completion_text(c).strip()) is not None) for c in completions]
+
+
+def soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int):
+    """DAPO's length penalty, as a reward function of `completion_ids`.
+
+    With L = len(ids), M = max_completion_len, C = soft_punish_cache: 0 when L <= M - C, falling
+    linearly to -1 across the last C tokens ((M - C - L) / C), and -1 beyond M."""
+    if not 0 < soft_punish_cache <= max_completion_len:
+        raise ValueError(f"soft_punish_cache must be in [1, max_completion_len={max_completion_len}], "
+                         f"got {soft_punish_cache}")
+    free = max_completion_len - soft_punish_cache
+
+    def soft_overlong(completion_ids, **kwargs) -> list[float]:
+        if completion_ids is None:
+            raise ValueError("soft_overlong needs completion_ids")
+        lengths = [len(ids) for ids in completion_ids]
+        return [0.0 if n <= free else -1.0 if n > max_completion_len else (free - n) / soft_punish_cache
+                for n in lengths]
+
+    return soft_overlong
+
+
+# -----------------------------------------------------------------------------
+# countdown: safe arithmetic with ast
+
+
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+        ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+
+
+def _evaluate(node, used: list) -> Fraction:
+    """Value of an expression tree of integers, + - * /, parentheses and unary minus; anything else raises."""
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body, used)
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        used.append(node.value)
+        return Fraction(node.value)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_evaluate(node.left, used), _evaluate(node.right, used))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand, used)
+    raise ValueError(f"not allowed in an equation: {ast.dump(node)[:40]}")
+
+
+def check_equation(equation: str, nums, target) -> bool:
+    """True when `equation` uses each of `nums` exactly once, only + - * / ( ), and equals `target`.
+
+    A trailing "= <number>" is allowed and ignored."""
+    equation = equation.strip().split("=")[0].strip()
+    if not equation or len(equation) > 200 or not re.fullmatch(r"[\d+\-*/()\s]+", equation):
+        return False
+    used: list[int] = []
+    try:
+        value = _evaluate(ast.parse(equation, mode="eval"), used)
+    except (SyntaxError, ValueError, ZeroDivisionError):
+        return False
+    return sorted(used) == sorted(int(n) for n in nums) and value == Fraction(int(target))
+
+
+def countdown_reward(completions, nums, target, **kwargs) -> list[float]:
+    """1.0 when the `<answer>` equation (or, without tags, the last line) reaches `target` from `nums`."""
+    scores = []
+    for completion, row_nums, row_target in zip(completions, nums, target):
+        text = completion_text(completion)
+        tagged = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+        lines = [line for line in text.strip().split("\n") if line.strip()]
+        equation = tagged[-1] if tagged else (lines[-1] if lines else "")
+        scores.append(float(check_equation(equation, row_nums, row_target)))
+    return scores
+
+
+# -----------------------------------------------------------------------------
+# default task (data.make_default_task): copy a short string
+
+
+def default_task_score(completion: str, target: str) -> float:
+    """Dense score in [0, 1], 1.0 only for the exact target.
+
+    0.7 * fraction of positions right (over max(len completion, len target)) + 0.15 * multiset overlap
+    of characters (same normaliser) + 0.15 * length closeness (1 - |len diff| / len target, >= 0)."""
+    if completion == target:
+        return 1.0
+    longest = max(len(completion), len(target), 1)
+    positions = sum(a == b for a, b in zip(completion, target)) / longest
+    overlap = sum((collections.Counter(completion) & collections.Counter(target)).values()) / longest
+    length = max(0.0, 1.0 - abs(len(completion) - len(target)) / max(len(target), 1))
+    return 0.7 * positions + 0.15 * overlap + 0.15 * length
+
+
+def default_task_reward(completions, target, **kwargs) -> list[float]:
+    """`default_task_score` of each completion against the dataset column `target`."""
+    return [default_task_score(completion_text(c).strip(), str(t)) for c, t in zip(completions, target)]
+
+
+# -----------------------------------------------------------------------------
+# resolving names, scoring a batch
+
+
+BUILTINS = {"accuracy": accuracy_reward, "format": format_reward, "countdown": countdown_reward,
+            "default_task": default_task_reward, "soft_overlong": soft_overlong_punishment}
+
+
+def _import_function(spec: str):
+    """'package.module:function' or 'path/to/file.py:function' -> the function."""
+    module_name, _, attr = spec.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            loader_spec = importlib.util.spec_from_file_location(f"_reward_{abs(hash(module_name))}", module_name)
+            if loader_spec is None:
+                raise ImportError(f"cannot load {module_name}")
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except (ImportError, OSError) as e:
+        raise ValueError(f"reward function {spec!r}: cannot import {module_name!r} ({e})") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r}: {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def resolve_reward_funcs(names_or_callables, *, max_completion_length: int | None = None,
+                         soft_punish_cache: int | None = None) -> list[tuple[str, object]]:
+    """Names from a config (built-in names or "module:function") and/or callables -> [(name, fn)].
+
+    `soft_overlong` is built from max_completion_length and soft_punish_cache (default: a quarter of
+    max_completion_length)."""
+    if isinstance(names_or_callables, str) or callable(names_or_callables):
+        names_or_callables = [names_or_callables]
+    resolved = []
+    for item in names_or_callables:
+        if callable(item):
+            resolved.append((getattr(item, "__name__", type(item).__name__), item))
+        elif not isinstance(item, str):
+            raise TypeError(f"a reward function is a name or a callable, got {item!r}")
+        elif ":" in item:
+            resolved.append((item.rpartition(":")[2], _import_function(item)))
+        elif item == "soft_overlong":
+            if max_completion_length is None:
+                raise ValueError("soft_overlong needs max_completion_length")
+            cache = soft_punish_cache if soft_punish_cache is not None else max(1, max_completion_length // 4)
+            resolved.append((item, soft_overlong_punishment(max_completion_length, cache)))
+        elif item in BUILTINS:
+            resolved.append((item, BUILTINS[item]))
+        else:
+            close = difflib.get_close_matches(item, BUILTINS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown reward function {item!r}{hint}; built-ins are {sorted(BUILTINS)}, "
+                             "or give 'module:function'")
+    return resolved
+
+
+def _check_scores(name: str, scores, n: int) -> list[float]:
+    """Validate one function's output: n numbers or None -> n floats with NaN for None."""
+    if isinstance(scores, torch.Tensor) or hasattr(scores, "tolist"):
+        scores = scores.tolist()
+    if not isinstance(scores, (list, tuple)):
+        raise RewardError(f"reward function {name!r} returned {type(scores).__name__} {scores!r:.80}, "
+                          "expected a list with one float (or None) per completion")
+    if len(scores) != n:
+        raise RewardError(f"reward function {name!r} returned {len(scores)} values for {n} completions")
+    out = []
+    for i, s in enumerate(scores):
+        if s is None:
+            s = math.nan
+        if not isinstance(s, numbers.Real) or math.isinf(s):
+            raise RewardError(f"reward function {name!r} returned {s!r} ({type(s).__name__}) at index {i}; "
+                              "expected a finite float or None")
+        out.append(float(s))
+    return out
+
+
+def score_completions(reward_funcs, prompts, completions, completion_ids, columns: dict) -> torch.Tensor:
+    """Call every reward function on the batch -> float32 [N, K], NaN where a function returned None.
+
+    reward_funcs: [(name, fn)] from resolve_reward_funcs (bare callables also accepted).
+    prompts, completions, completion_ids: N entries each (prompt i*G..i*G+G-1 repeated as the trainer
+    lays them out); columns: dataset columns, each a list of N values, passed as keyword arguments."""
+    n = len(completions)
+    for key, values in columns.items():
+        if len(values) != n:
+            raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
+    funcs = [f if isinstance(f, tuple) else (getattr(f, "__name__", repr(f)), f) for f in reward_funcs]
+    results, pending = {}, {}
+    try:
+        for k, (name, fn) in enumerate(funcs):
+            try:
+                out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            except Exception as e:
+                raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+            (pending if inspect.isawaitable(out) else results)[k] = out
+        if pending:
+            async def gather():
+                return await asyncio.gather(*pending.values(), return_exceptions=True)
+
+            outs, keys = asyncio.run(gather()), list(pending)
+            pending.clear()
+            for k, out in zip(keys, outs):
+                if isinstance(out, BaseException):
+                    raise RewardError(f"reward function {funcs[k][0]!r} raised {type(out).__name__}: {out}") from out
+                results[k] = out
+    finally:
+        for coroutine in pending.values():  # never awaited because an earlier function failed
+            getattr(coroutine, "close", lambda: None)()
+    rows = [_check_scores(funcs[k][0], results[k], n) for k in range(len(funcs))]
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(funcs), n).T.contiguous()

@@ -1,0 +1,126 @@
+"""Config files plus command-line overrides: types, unknown keys, consistency checks, derived sizes."""
+
+import dataclasses
+import json
+
+import pytest
+
+from nanogrpo import config as config_module
+from nanogrpo.config import LOSS_FIELDS, ConfigError, TrainConfig, convert, load_config
+
+CONFIG_FILE = """
+import math
+_helper = 3
+learning_rate = 1e-5 * _helper
+reward_funcs = ("accuracy", "format")
+reward_weights = [1, 0.5]
+prompts_per_step = 4
+micro_batch_size = 16
+init_model = dict(hidden_size=64, num_hidden_layers=2)
+def not_a_setting():
+    pass
+"""
+
+
+def test_file_then_overrides(tmp_path):
+    path = tmp_path / "run.py"
+    path.write_text(CONFIG_FILE)
+    cfg = load_config(["--config", str(path), "--learning_rate=2e-6", "--top-p", "0.9", "--compile",
+                       "--eval_dataset=None", "--resume=runs/a", "--reward_weights=2,3", "--epsilon_high", "0.28"])
+    assert cfg.learning_rate == 2e-6 and cfg.top_p == 0.9 and cfg.compile is True
+    assert cfg.reward_funcs == ["accuracy", "format"] and cfg.reward_weights == [2.0, 3.0]
+    assert cfg.eval_dataset is None and cfg.resume == "runs/a" and cfg.epsilon_high == 0.28
+    assert cfg.init_model == {"hidden_size": 64, "num_hidden_layers": 2}
+    assert load_config(["--config", str(path)]).learning_rate == pytest.approx(3e-5)
+    assert load_config(["--resume=true"]).resume is True and load_config(["--compile=0"]).compile is False
+
+
+def test_bare_names_are_found_in_configs_dirs(tmp_path, monkeypatch):
+    (tmp_path / "mine.py").write_text("max_steps = 7\n")
+    monkeypatch.setattr(config_module, "CONFIGS_DIR", str(tmp_path))
+    assert load_config(["--config=mine"]).max_steps == 7
+    assert load_config(["--config=mine.py"]).max_steps == 7
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(["--config=absent"])
+
+
+def test_unknown_keys_suggest_the_closest(tmp_path):
+    with pytest.raises(ConfigError, match="'learnng_rate' on the command line; did you mean learning_rate"):
+        load_config(["--learnng_rate=1e-6"])
+    (tmp_path / "c.py").write_text("num_generation = 4\n")
+    with pytest.raises(ConfigError, match=r"'num_generation' in config file .*c\.py; did you mean num_generations"):
+        load_config([f"--config={tmp_path / 'c.py'}"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--learning_rate=fast"], "learning_rate='fast': expected float"),
+    (["--seed=1.5"], "seed='1.5': expected int"),
+    (["--compile=maybe"], "compile='maybe': expected bool"),
+    (["--reward_weights=[1, 'a']"], "reward_weights"),
+    (["--reward_weights=[1,"], "not a Python literal"),
+    (["--max_steps"], "--max_steps needs a value"),
+    (["small.py"], "unexpected argument"),
+])
+def test_wrong_types(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(argv)
+
+
+def test_file_values_are_type_checked():
+    assert convert("learning_rate", 1) == 1.0
+    for key, value in [("max_steps", True), ("max_steps", 2.0), ("compile", 1), ("model", 3), ("init_model", [1])]:
+        with pytest.raises(ConfigError, match=key):
+            convert(key, value)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"prompts_per_step": 3, "micro_batch_size": 16}, "micro_batch_size"),
+    ({"num_generations": 1}, "num_generations"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"dtype": "fp16"}, "dtype"),
+    ({"device": "tpu"}, "device"),
+    ({"max_steps": 0}, "max_steps"),
+    ({"loss_type": "ppo"}, "loss_type"),
+    ({"loss_type": "luspo"}, "loss_type"),
+    ({"reward_weights": [1.0, 2.0]}, "reward_weights"),
+    ({"delta": 0.5}, "delta"),
+    ({"sync_ref_model": True}, "sync_ref_model"),
+    ({"scale_rewards": "true"}, "scale_rewards"),
+])
+def test_inconsistent_settings(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        TrainConfig(**overrides).validate()
+
+
+def test_batch_arithmetic_and_world_size():
+    cfg = TrainConfig(prompts_per_step=16, num_generations=8, micro_batch_size=16, steps_per_generation=2).validate()
+    assert cfg.rows_per_rank() == 128 and cfg.gradient_accumulation_steps() == 8 and cfg.prompts_per_round() == 32
+    assert cfg.validate(world_size=4).gradient_accumulation_steps(4) == 2
+    with pytest.raises(ConfigError, match="world_size=3"):
+        cfg.validate(world_size=3)
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        cfg.validate(world_size=16)  # 8 completions per rank, micro-batch 16
+
+
+def test_defaults_follow_trl_and_loss_config():
+    cfg = TrainConfig().validate()
+    assert (cfg.loss_type, cfg.beta, cfg.epsilon, cfg.epsilon_high, cfg.num_generations) == ("dapo", 0.0, 0.2, None, 8)
+    assert (cfg.learning_rate, cfg.adam_beta2, cfg.scale_rewards, cfg.use_bias_correction_kl) == (1e-6, 0.99, "group", True)
+    kwargs = cfg.loss_config()
+    assert set(kwargs) == set(LOSS_FIELDS) and kwargs["max_completion_length"] == cfg.max_completion_length
+    try:
+        from nanogrpo.grpo import LossConfig
+    except ImportError:
+        return
+    loss_fields = {f.name for f in dataclasses.fields(LossConfig)}
+    assert set(kwargs) <= loss_fields
+    assert LossConfig(**kwargs).loss_type == "dapo"
+
+
+def test_to_dict_round_trips():
+    cfg = TrainConfig(reward_funcs=["accuracy"], init_model={"hidden_size": 8}, resume="x")
+    saved = json.loads(json.dumps(cfg.to_dict()))
+    assert TrainConfig(**saved) == cfg
+    assert cfg.bf16("cuda:0") is False and TrainConfig(dtype="auto").bf16("cuda") and not TrainConfig(dtype="auto").bf16("cpu")

@@ -1,0 +1,119 @@
+"""Dataset loading (local files in both prompt formats), row checks, procedural tasks, PromptSampler resume."""
+
+import json
+
+import pytest
+
+from nanogrpo.data import (DEFAULT_TASK_CHARS, PromptSampler, check_rows, columns_of, countdown, gsm8k_rows,
+                           is_conversational, load_dataset, make_default_task, read_rows)
+from nanogrpo.rewards import check_equation, resolve_reward_funcs, score_completions
+
+STANDARD = [{"prompt": "2+2=", "answer": "4", "level": 1}, {"prompt": "3*3=", "answer": "9", "level": 2}]
+CONVERSATIONAL = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}],
+                   "answer": "4"}]
+
+
+def write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    return str(path)
+
+
+def test_jsonl_and_json_files(tmp_path):
+    rows = load_dataset(write_jsonl(tmp_path / "d.jsonl", STANDARD))
+    assert rows == STANDARD and not is_conversational(rows[0])
+    (tmp_path / "rows.json").write_text(json.dumps(CONVERSATIONAL))
+    assert is_conversational(load_dataset(str(tmp_path / "rows.json"))[0])
+    columns = {"prompt": ["a", "b"], "answer": ["1", "2"]}
+    (tmp_path / "cols.json").write_text(json.dumps(columns))
+    assert load_dataset(str(tmp_path / "cols.json")) == [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    assert len(load_dataset(write_jsonl(tmp_path / "d.jsonl", STANDARD), num_rows=1)) == 1
+
+
+def test_parquet(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist(STANDARD), str(tmp_path / "d.parquet"))
+    assert load_dataset(str(tmp_path / "d.parquet")) == STANDARD
+
+
+def test_extra_columns_reach_reward_functions(tmp_path):
+    rows = load_dataset(write_jsonl(tmp_path / "d.jsonl", STANDARD))
+    seen = {}
+
+    def spy(prompts, completions, answer, level, **kwargs):
+        seen.update(prompts=prompts, level=level)
+        return [1.0] * len(completions)
+
+    G = 2
+    columns = {k: [v for v in vals for _ in range(G)] for k, vals in columns_of(rows).items()}
+    assert list(columns) == ["answer", "level"]
+    prompts = [r["prompt"] for r in rows for _ in range(G)]
+    r = score_completions(resolve_reward_funcs(["accuracy", spy]), prompts, ["4", "5", "9", "\\boxed{9}"], None, columns)
+    assert r[:, 0].tolist() == [1, 0, 1, 1]
+    assert seen == {"prompts": ["2+2=", "2+2=", "3*3=", "3*3="], "level": [1, 1, 2, 2]}
+
+
+def test_columns_of_fills_missing_keys():
+    assert columns_of([{"prompt": "a", "x": 1}, {"prompt": "b", "y": 2}]) == {"x": [1, None], "y": [None, 2]}
+
+
+def test_row_errors(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"question": "q", "answer": "a"}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl, row 1: no 'prompt' column \(found \['answer', 'question'\]\)"):
+        load_dataset(path)
+    with pytest.raises(ValueError, match="mixes standard"):
+        check_rows([STANDARD[0], CONVERSATIONAL[0]], "x")
+    with pytest.raises(ValueError, match="row 0: 'prompt' must be"):
+        check_rows([{"prompt": [{"text": "hi"}]}], "x")
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(ValueError, match="line 2"):
+        read_rows(str(tmp_path / "broken.jsonl"))
+    with pytest.raises(ValueError, match="not a file"):
+        load_dataset(str(tmp_path / "missing.jsonl"))
+
+
+def test_gsm8k_rows():
+    [row] = gsm8k_rows([{"question": "How many?", "answer": "3 + 4 = 7\n#### 1,007"}])
+    assert row["answer"] == "1007"
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"] and row["prompt"][1]["content"] == "How many?"
+    assert "\\boxed" in row["prompt"][0]["content"]
+
+
+def test_default_task():
+    rows = load_dataset("default", num_rows=50, seed=3)
+    assert rows == make_default_task(50, 3) and rows != load_dataset("default", split="test", num_rows=50, seed=3)
+    for row in rows:
+        assert row["prompt"] == row["target"] + "=" and set(row["prompt"]) <= set(DEFAULT_TASK_CHARS)
+    assert make_default_task(1, 0, reverse=True)[0]["target"] == make_default_task(1, 0)[0]["target"][::-1]
+
+
+def test_countdown_rows_are_solvable():
+    rows = countdown(40, seed=0)
+    assert rows == countdown(40, seed=0) and is_conversational(rows[0])
+    for row in rows:
+        assert 3 <= len(row["nums"]) <= 4 and all(1 <= n <= 100 for n in row["nums"]) and row["target"] > 0
+        assert check_equation(row["equation"], row["nums"], row["target"])
+        assert str(row["target"]) in row["prompt"][0]["content"] and "<answer>" in row["prompt"][0]["content"]
+    assert isinstance(countdown(1, 0, conversational=False)[0]["prompt"], str)
+
+
+def test_prompt_sampler_epochs_and_resume():
+    rows = [{"prompt": str(i)} for i in range(10)]
+    uninterrupted = PromptSampler(rows, 3, seed=7)
+    batches = [[r["prompt"] for r in next(uninterrupted)] for _ in range(8)]
+    first_epoch = [p for b in batches[:3] for p in b]
+    assert len(set(first_epoch)) == 9  # 3 batches of 3, one row left over
+    assert batches[:3] != batches[3:6]  # reshuffled per epoch
+
+    sampler = PromptSampler(rows, 3, seed=7)
+    for _ in range(4):  # stop mid-epoch 1
+        sampler.next_batch()
+    state = sampler.state_dict()
+    resumed = PromptSampler(rows, 3, seed=7)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert [[r["prompt"] for r in resumed.next_batch()] for _ in range(4)] == batches[4:]
+    with pytest.raises(ValueError, match="for 10 rows, this dataset has 11"):
+        PromptSampler(rows + [{"prompt": "x"}], 3).load_state_dict(state)
+    with pytest.raises(ValueError, match="prompts_per_step"):
+        PromptSampler(rows, 11)

@@ -1,0 +1,178 @@
+"""Built-in rewards on tricky inputs, name resolution, and score_completions' batching and errors."""
+
+import math
+
+import pytest
+import torch
+
+from nanogrpo.rewards import (RewardError, accuracy_reward, check_equation, countdown_reward,
+                              default_task_reward, extract_answer, format_reward, last_boxed, parse_number,
+                              resolve_reward_funcs, score_completions, soft_overlong_punishment)
+
+
+def as_messages(texts):
+    return [[{"role": "assistant", "content": t}] for t in texts]
+
+
+# --- accuracy ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, value", [
+    ("1,000", 1000), ("$1,234.50", 1234.5), ("2.50", 2.5), ("-7", -7), ("50%", 50), ("50\\%", 50),
+    ("3/4", 0.75), ("\\frac{3}{4}", 0.75), ("\\dfrac34", 0.75), ("-\\frac{1}{2}", -0.5), ("\\frac{-3}{6}", -0.5),
+    (".5", 0.5), ("x = 12", 12), ("5 \\text{ cm}", 5), ("\u221212", -12), ("+3", 3), ("4.", 4),
+])
+def test_parse_number(text, value):
+    assert parse_number(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text", ["abc", "1/0", "\\frac{1}{0}", "1,00", "", "1.2.3"])
+def test_parse_number_rejects(text):
+    assert parse_number(text) is None
+
+
+def test_extraction_order_and_nested_braces():
+    assert last_boxed("a \\boxed{1} b \\boxed{\\frac{3}{\\sqrt{4}}} c") == "\\frac{3}{\\sqrt{4}}"
+    assert last_boxed("\\boxed{2} then \\boxed{unclosed") == "2"
+    assert last_boxed("no box") is None
+    assert extract_answer("#### 9 but \\boxed{7}") == "7"  # boxed wins over ####
+    assert extract_answer("work 3 + 4\n#### 1,000\nbye") == "1,000"
+    assert extract_answer("first 12, then -3.5 apples") == "-3.5"
+    assert extract_answer("no digits") is None
+
+
+def test_accuracy_cases():
+    completions = ["so \\boxed{0.75}", "it is 3/4", "#### 1,000", "no answer here", "\\boxed{\\frac{5}{2}}",
+                   "\\boxed{6}", "The answer is $-4$.", "\\boxed{50\\%}", "\\boxed{x+1}", "\\boxed{7}"]
+    answers = ["\\frac{3}{4}", "0.75", "1000", "5", "2.50", "7", "-4", "50", "x + 1", None]
+    assert accuracy_reward(completions, answer=answers) == [1, 1, 1, 0, 1, 0, 1, 1, 1, None]
+
+
+def test_accuracy_solution_column_and_conversational():
+    solutions = ["We get \\boxed{\\frac{1}{2}}.", "Therefore\n#### 12"]
+    got = accuracy_reward(as_messages(["\\boxed{0.5}", "12"]), solution=solutions)
+    assert got == [1.0, 1.0]
+    assert accuracy_reward(["\\boxed{3}"], answer=[3]) == [1.0]  # numeric column values from JSON
+    with pytest.raises(ValueError, match="answer"):
+        accuracy_reward(["1"])
+
+
+# --- format, soft overlong, countdown, default task -------------------------------------------------
+
+
+def test_format_reward():
+    completions = ["<think>a\nb</think>\n<answer>5</answer>", "  <think></think><answer>x</answer>\n",
+                   "<think>a</think><answer>5</answer> trailing", "<answer>5</answer>",
+                   "<think>a<think>b</think><answer>5</answer>", "<think>a</think><answer>1</answer><answer>2</answer>"]
+    assert format_reward(completions) == [1, 1, 0, 0, 0, 0]
+    assert format_reward(as_messages(completions[:1])) == [1.0]
+
+
+def test_soft_overlong_punishment():
+    fn = soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)
+    got = fn(completion_ids=[[0] * n for n in (0, 6, 7, 8, 10, 11)])
+    assert got == pytest.approx([0, 0, -0.25, -0.5, -1, -1])
+    with pytest.raises(ValueError):
+        soft_overlong_punishment(10, 0)
+    [(name, resolved)] = resolve_reward_funcs(["soft_overlong"], max_completion_length=8)
+    assert name == "soft_overlong" and resolved(completion_ids=[[1] * 7]) == [-0.5]  # cache = 8 // 4
+
+
+def test_countdown_equations():
+    assert check_equation("(100 - 4) / 2 + 1", [1, 2, 4, 100], 49)
+    assert check_equation("(100 - 4) / 2 + 1 = 49", [100, 4, 2, 1], 49)
+    assert check_equation("-3 + 10", [3, 10], 7)
+    assert not check_equation("100 - 4", [100, 4, 2], 96)  # a number unused
+    assert not check_equation("2 + 2 + 3", [2, 3], 7)  # a number used twice
+    assert not check_equation("2 ** 3", [2, 3], 8)
+    assert not check_equation("2.5 * 2", [2, 2], 5)
+    assert not check_equation("__import__('os').system('x')", [1], 1)
+    assert not check_equation("7 / (3 - 3)", [7, 3, 3], 1)
+    assert not check_equation("", [1], 1)
+    completions = ["<think>try</think>\n<answer>(5 - 1) * 3</answer>", "reasoning\n5 * 3 - 1 - 2", "<answer>5+3+1</answer>"]
+    assert countdown_reward(completions, nums=[[1, 3, 5]] * 3, target=[12, 12, 12]) == [1.0, 0.0, 0.0]
+
+
+def test_default_task_reward():
+    target = "bhad"
+    completions = ["bhad", "bha", "bhadd", "dahb", "xxxx", "", "bhadbhad"]
+    scores = default_task_reward(completions, target=[target] * len(completions))
+    assert scores[0] == 1.0
+    assert all(0 <= s < 1 for s in scores[1:])
+    assert scores[1] > scores[3] > scores[4] > scores[5] == 0.0  # near misses beat permutations beat garbage
+    assert scores[2] > scores[6]  # one extra char costs less than doubling
+    assert default_task_reward(as_messages([" bhad\n"]), target=[target]) == [1.0]
+
+
+# --- resolving and scoring ----------------------------------------------------------------------
+
+
+def column_reward(completions, expected, **kwargs):
+    """Used by the "path.py:function" test below."""
+    return [float(c == e) for c, e in zip(completions, expected)]
+
+
+def test_resolve_names_callables_and_modules(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text("def length(completions, **kw):\n    return [len(c) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    resolved = resolve_reward_funcs(["accuracy", "my_rewards:length", f"{__file__}:column_reward", column_reward])
+    assert [name for name, _ in resolved] == ["accuracy", "length", "column_reward", "column_reward"]
+    assert resolved[1][1](completions=["ab", "c"]) == [2, 1]
+    assert resolve_reward_funcs("format")[0][0] == "format"
+    with pytest.raises(ValueError, match=r"did you mean 'accuracy'.*countdown"):
+        resolve_reward_funcs(["acuracy"])
+    with pytest.raises(ValueError, match="cannot import"):
+        resolve_reward_funcs(["no_such_module_xyz:f"])
+    with pytest.raises(ValueError, match="no function 'nope'"):
+        resolve_reward_funcs(["my_rewards:nope"])
+    with pytest.raises(ValueError, match="max_completion_length"):
+        resolve_reward_funcs(["soft_overlong"])
+
+
+def test_score_completions_matrix_columns_none_and_async():
+    async def slow_half(completions, **kwargs):
+        return [None if i % 2 else 0.5 for i in range(len(completions))]
+
+    def uses_column(prompts, completions, completion_ids, expected, **kwargs):
+        assert len(prompts) == len(completion_ids) == len(completions)
+        return [c == e for c, e in zip(completions, expected)]  # bools count as numbers
+
+    funcs = resolve_reward_funcs([uses_column, slow_half, "default_task"])
+    completions = ["ab", "xy", "ba"]
+    columns = {"expected": ["ab", "xx", "ba"], "target": ["ab", "ab", "ab"]}
+    r = score_completions(funcs, ["p"] * 3, completions, [[1], [2], [3]], columns)
+    assert r.shape == (3, 3) and r.dtype == torch.float32
+    assert r[:, 0].tolist() == [1, 0, 1]
+    assert r[0, 1] == 0.5 and math.isnan(r[1, 1]) and r[2, 1] == 0.5
+    assert r[0, 2] == 1.0 and r[2, 2] < 1.0
+
+
+@pytest.mark.parametrize("returned, message", [
+    ([1.0], r"'bad' returned 1 values for 2 completions"),
+    ([1.0, "x"], r"'bad' returned 'x' \(str\) at index 1"),
+    ([1.0, [2.0]], r"at index 1"),
+    ([1.0, float("inf")], r"at index 1"),
+    (0.5, r"'bad' returned float"),
+])
+def test_score_completions_bad_outputs(returned, message):
+    def bad(completions, **kwargs):
+        return returned
+
+    with pytest.raises(RewardError, match=message):
+        score_completions([bad], ["p", "q"], ["a", "b"], None, {})
+
+
+def test_score_completions_errors_name_the_function():
+    def boom(completions, **kwargs):
+        raise KeyError("missing")
+
+    async def async_boom(completions, **kwargs):
+        raise ZeroDivisionError("nope")
+
+    with pytest.raises(RewardError, match=r"'boom' raised KeyError") as err:
+        score_completions([async_boom, ("boom", boom)], ["p"], ["a"], None, {})
+    assert isinstance(err.value.__cause__, KeyError)
+    with pytest.raises(RewardError, match=r"'async_boom' raised ZeroDivisionError"):
+        score_completions([async_boom], ["p"], ["a"], None, {})
+    with pytest.raises(ValueError, match="column 'answer' has 1 values for 2"):
+        score_completions(resolve_reward_funcs(["accuracy"]), ["p", "q"], ["a", "b"], None, {"answer": ["1"]})
