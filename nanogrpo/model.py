@@ -321,6 +321,10 @@ class Transformer(nn.Module):
         of real tokens before each one (left-padding aware) or cache_start + arange(T).
         cache/cache_start: write this chunk's keys at slots cache_start.. and attend to all slots.
         """
+        return self._trunk(input_ids, attention_mask, positions, cache, cache_start)
+
+    def _trunk(self, input_ids, attention_mask, positions, cache, cache_start):
+        # (forward and hidden_states both call this, so FSDP hooks on either never nest)
         B, T = input_ids.shape
         if positions is None:
             if attention_mask is not None and cache is None:
@@ -345,7 +349,7 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, positions=None, cache=None, cache_start=0):
         """Logits [B,T,V]; arguments as in `hidden_states`."""
-        return self.lm_head(self.hidden_states(input_ids, attention_mask, positions, cache, cache_start))
+        return self.lm_head(self._trunk(input_ids, attention_mask, positions, cache, cache_start))
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         """A zeroed KV cache for `batch_size` rows of up to `max_len` tokens, in the model's dtype/device."""
