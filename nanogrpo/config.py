@@ -49,6 +49,7 @@ class TrainConfig:
     # model
     model: str = "tiny"  # checkpoint dir or hub id (the config file decides what the tiny default is)
     init_model: dict | None = None  # ModelConfig fields: create a random model at `model` if it does not exist
+    init_tokenizer_chars: str = "abcdefgh="  # with init_model: the characters of its char-level tokenizer
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 (autocast, fp32 weights) | auto (bf16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 1337  # seeds init, prompt order and sampling

@@ -58,31 +58,31 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     C = completion_mask.shape[1]
 
-    h = model.hidden_states(input_ids, attention_mask=attention_mask)  # [N,L,D]
-    # The hidden state at position i scores token i+1: positions L-C-1 .. L-2 score the completion.
-    h = h[:, L - C - 1:L - 1].reshape(N * C, -1)  # [N*C,D]
-    targets = input_ids[:, L - C:].reshape(N * C)  # [N*C]
-    active = completion_mask.reshape(N * C).bool().nonzero().squeeze(-1)  # [M] indices of scored tokens
-    h, targets = h[active], targets[active]  # [M,D], [M]
+    def score(h, lm_head):  # h [N,L,D] -> (logps, entropy) [N,C]; runs inside model.forward
+        # The hidden state at position i scores token i+1: positions L-C-1 .. L-2 score the completion.
+        h = h[:, L - C - 1:L - 1].reshape(N * C, -1)  # [N*C,D]
+        targets = input_ids[:, L - C:].reshape(N * C)  # [N*C]
+        active = completion_mask.reshape(N * C).bool().nonzero().squeeze(-1)  # [M] indices of scored tokens
+        h, targets = h[active], targets[active]  # [M,D], [M]
+        logp_parts, ent_parts = [], []
+        for start in range(0, len(active), chunk_size):
+            h_c, t_c = h[start:start + chunk_size], targets[start:start + chunk_size]
+            if torch.is_grad_enabled() and h_c.requires_grad:
+                # Recompute this chunk's [chunk,V] logits in backward rather than saving them.
+                lp, ent = checkpoint(_logps_entropy, h_c, t_c, lm_head, temperature, use_reentrant=False)
+            else:
+                lp, ent = _logps_entropy(h_c, t_c, lm_head, temperature)
+            logp_parts.append(lp)
+            ent_parts.append(ent)
+        zeros = torch.zeros(N, C, dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
+        if not logp_parts:  # nothing to score
+            return zeros, zeros.clone()
+        where = completion_mask.bool().nonzero(as_tuple=True)  # (rows, cols) of `active`, same order
+        logps = zeros.index_put(where, torch.cat(logp_parts))  # scatter back; masked slots stay 0
+        entropy = zeros.index_put(where, torch.cat(ent_parts))
+        return logps, entropy
 
-    out_dtype = torch.promote_types(h.dtype, torch.float32)
-    logp_parts, ent_parts = [], []
-    for start in range(0, len(active), chunk_size):
-        h_c, t_c = h[start:start + chunk_size], targets[start:start + chunk_size]
-        if torch.is_grad_enabled() and h_c.requires_grad:
-            # Recompute this chunk's [chunk,V] logits in backward rather than saving them.
-            lp, ent = checkpoint(_logps_entropy, h_c, t_c, model.lm_head, temperature, use_reentrant=False)
-        else:
-            lp, ent = _logps_entropy(h_c, t_c, model.lm_head, temperature)
-        logp_parts.append(lp)
-        ent_parts.append(ent)
-
-    zeros = torch.zeros(N * C, dtype=out_dtype, device=h.device)
-    if not logp_parts:  # nothing to score
-        return zeros.view(N, C), zeros.view(N, C).clone()
-    logps = zeros.index_put((active,), torch.cat(logp_parts))  # scatter back; masked slots stay 0
-    entropy = zeros.index_put((active,), torch.cat(ent_parts))
-    return logps.view(N, C), entropy.view(N, C)
+    return model(input_ids, attention_mask=attention_mask, head=score)
 
 
 # -----------------------------------------------------------------------------

@@ -239,6 +239,11 @@ class Attention(nn.Module):
             cache.k[layer][:, :, cache_start:end] = k
             cache.v[layer][:, :, cache_start:end] = v
             k, v = cache.k[layer][:, :, :end], cache.v[layer][:, :, :end]  # [B,Hkv,S,D]
+        if T == 1 and mask is not None and self.n_kv != self.n_heads:
+            # one-token decode step: fold each kv head's query heads into the query axis
+            # ([B,H,1,D] -> [B,Hkv,H/Hkv,D]) instead of copying the whole cache H/Hkv times
+            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, -1, self.head_dim), k, v, attn_mask=mask)
+            return self.o_proj(y.reshape(B, T, -1))
         if self.n_kv != self.n_heads:  # grouped-query: each kv head serves n_heads/n_kv query heads
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
@@ -347,9 +352,12 @@ class Transformer(nn.Module):
                 x = block(x, cos, sin, mask, cache, i, cache_start)
         return self.norm(x)
 
-    def forward(self, input_ids, attention_mask=None, positions=None, cache=None, cache_start=0):
-        """Logits [B,T,V]; arguments as in `hidden_states`."""
-        return self.lm_head(self._trunk(input_ids, attention_mask, positions, cache, cache_start))
+    def forward(self, input_ids, attention_mask=None, positions=None, cache=None, cache_start=0, head=None):
+        """Logits [B,T,V]; arguments as in `hidden_states`. With `head`, returns head(hidden [B,T,C],
+        self.lm_head) instead: how token_logprobs scores in chunks without full logits, inside the
+        forward call (so FSDP keeps the LM head gathered while it runs)."""
+        h = self._trunk(input_ids, attention_mask, positions, cache, cache_start)
+        return self.lm_head(h) if head is None else head(h, self.lm_head)
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         """A zeroed KV cache for `batch_size` rows of up to `max_len` tokens, in the model's dtype/device."""

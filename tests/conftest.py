@@ -1,6 +1,7 @@
 """Shared test helpers: fixture paths and tiny random models."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -26,3 +27,8 @@ def tiny_config(**overrides):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # train.py and sample.py live at the repo root
+    sys.path.insert(0, ROOT)

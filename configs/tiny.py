@@ -1,0 +1,37 @@
+# The embedded default: what `python train.py` runs. Offline, CPU, a few minutes on 2 cores.
+#
+# A ~70k-parameter Qwen2-shaped model is created from scratch (random weights, a char-level
+# tokenizer), saved in Hugging Face format at out/tiny-init, and loaded back through the same
+# from_pretrained path as any hub checkpoint. It then learns the default task by RL alone:
+# copy a 4-letter string, "bhad=" -> "bhad" + eos, with a dense per-character reward
+# (data.py and rewards.default_task_score explain the task and why it is learnable).
+
+model = "out/tiny-init"
+init_model = dict(model_type="qwen2", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=True, rope_theta=10000.0)
+init_tokenizer_chars = "abcdefgh="
+device = "cpu"
+dtype = "float32"
+seed = 1337
+
+dataset = "default"
+eval_dataset = "default"
+eval_split = "test"
+eval_size = 64
+eval_every = 50
+reward_funcs = ["default_task"]
+
+num_generations = 8
+prompts_per_step = 16
+micro_batch_size = 64
+max_completion_length = 8
+temperature = 1.0
+
+loss_type = "dapo"
+learning_rate = 3e-3
+adam_beta2 = 0.99
+max_grad_norm = 1.0
+max_steps = 150
+save_every = 50
+out_dir = "out/tiny"

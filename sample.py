@@ -1,0 +1,78 @@
+"""Sample completions from any HF checkpoint (hub id or directory) or a nanogrpo output dir.
+
+    python sample.py --model out/tiny/checkpoint --prompt "abc>" --num_samples 4
+    python sample.py --model Qwen/Qwen2.5-0.5B-Instruct --chat "What is 12*7?" --temperature 0.7 \\
+        --reward accuracy --column answer=84
+
+`--prompt` is sent as plain text; `--chat` as one user message through the chat template. With
+`--reward`, each completion is scored by that reward function (built-in name or module:function);
+`--column key=value` supplies the dataset columns the function reads (e.g. answer, target).
+"""
+
+import argparse
+
+import torch
+
+from nanogrpo.model import Transformer
+from nanogrpo.rewards import resolve_reward_funcs, score_completions
+from nanogrpo.sampler import generate
+from nanogrpo.tokenizer import Tokenizer
+
+
+def main(argv=None):
+    """Parse the command line, sample, print the completions (and their rewards)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="hub id, checkpoint dir, or a train.py out_dir/checkpoint")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="plain-text prompt")
+    text.add_argument("--chat", help="a user message, rendered with the chat template")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--num_samples", type=int, default=4)
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=0)
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--min_p", type=float, default=0.0)
+    p.add_argument("--repetition_penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
+    p.add_argument("--reward", action="append", default=[], help="reward function to score with (repeatable)")
+    p.add_argument("--column", action="append", default=[], help="key=value dataset column for the reward")
+    args = p.parse_args(argv)
+
+    tok = Tokenizer.from_pretrained(args.model)
+    model = Transformer.from_pretrained(args.model, dtype=args.dtype, device=args.device).eval()
+    if args.chat is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt = messages + [{"role": "user", "content": args.chat}]
+    else:
+        prompt = args.prompt
+    prompt_ids = tok.encode_prompt(prompt)
+    generator = torch.Generator(args.device).manual_seed(args.seed)
+    with torch.no_grad():
+        out = generate(model, [prompt_ids], num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                       repetition_penalty=args.repetition_penalty, stop_ids=tok.eos_token_ids,
+                       pad_id=tok.pad_token_id, generator=generator, vocab_size=tok.vocab_size)
+    lengths = out.completion_mask.sum(1).tolist()
+    ids = [row[: int(n)] for row, n in zip(out.completion_ids.tolist(), lengths)]
+    texts = [tok.decode(r) for r in ids]
+    rewards = None
+    if args.reward:
+        columns = dict(kv.split("=", 1) for kv in args.column)
+        funcs = resolve_reward_funcs(args.reward)
+        completions = texts if isinstance(prompt, str) else [[{"role": "assistant", "content": t}] for t in texts]
+        rewards = score_completions(funcs, [prompt] * len(texts), completions, ids,
+                                    {k: [v] * len(texts) for k, v in columns.items()})
+    print(f"prompt ({len(prompt_ids)} tokens): {tok.decode(prompt_ids, skip_special_tokens=False)!r}")
+    for i, t in enumerate(texts):
+        tail = " (truncated)" if out.truncated[i] else ""
+        score = ""
+        if rewards is not None:
+            score = " | " + ", ".join(f"{name}={rewards[i, k].item():.3f}" for k, (name, _) in enumerate(funcs))
+        print(f"--- sample {i} ({int(lengths[i])} tokens{tail}{score})\n{t}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,430 @@
+"""GRPO training, top to bottom as the algorithm.
+
+    python train.py                                   # embedded default: tiny model, CPU, ~3 minutes
+    python train.py --config small.py --learning_rate=2e-6
+    torchrun --nproc_per_node 8 train.py --config small.py
+
+One *round* of GRPO:
+    prompts -> G completions each (sampler) -> rewards -> group advantages
+    -> old log-probs (only when the update is off-policy) -> reference log-probs (only when beta > 0)
+    -> micro-batched grpo_step with gradient accumulation -> clip -> AdamW step -> log / eval / checkpoint
+
+Batch arithmetic (config.py): each optimizer step trains on `prompts_per_step` prompts x
+`num_generations` completions (all ranks together), in micro-batches of `micro_batch_size`
+completions with gradient accumulation. A round samples the prompts of `steps_per_generation`
+optimizer steps at once and replays them `num_iterations` times (TRL's spg and mu); `step` counts
+optimizer steps, as TRL's global_step does.
+
+Left out on purpose (TRL has them): vLLM generation and its importance-sampling correction, PEFT,
+tool calling, the entropy bonus, reward models (any Python function is a reward function).
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+from nanogrpo import dist
+from nanogrpo.config import ConfigError, TrainConfig, load_config
+from nanogrpo.data import PromptSampler, columns_of, load_dataset
+from nanogrpo.grpo import LossConfig, group_advantages, grpo_step
+from nanogrpo.logprobs import token_logprobs
+from nanogrpo.model import ModelConfig, Transformer, atomic_dir, to_hf_names, write_pretrained
+from nanogrpo.rewards import resolve_reward_funcs, score_completions
+from nanogrpo.sampler import generate
+from nanogrpo.tokenizer import Tokenizer, char_level_tokenizer
+
+# -----------------------------------------------------------------------------
+# Setup: model, tokenizer, optimizer, data
+
+
+def ensure_tiny_checkpoint(cfg: TrainConfig, info: dist.DistInfo):
+    """For the embedded default: build a random model + byte-level tokenizer once and save them in
+    HF format at cfg.model, so the run then loads them like any other checkpoint."""
+    if cfg.init_model is None or os.path.exists(os.path.join(cfg.model, "config.json")):
+        return
+    if info.is_main:
+        tok = char_level_tokenizer(cfg.init_tokenizer_chars)
+        torch.manual_seed(cfg.seed)
+        vocab = (tok.vocab_size + 7) // 8 * 8  # padded embedding rows, as real checkpoints have
+        model_cfg = ModelConfig(vocab_size=vocab, **cfg.init_model)
+        model = Transformer(model_cfg)
+        model.generation_config = {"eos_token_id": sorted(tok.eos_token_ids), "pad_token_id": tok.pad_token_id}
+        with atomic_dir(cfg.model) as tmp:
+            write_pretrained(tmp, model_cfg, model.hf_state_dict(), model.generation_config)
+            tok.save_pretrained(tmp)
+    dist.barrier(info)
+
+
+def load_policy(path: str, cfg: TrainConfig, info: dist.DistInfo):
+    """The model in fp32 master weights (bf16 compute on CUDA), sharded with FSDP2 when world > 1."""
+    if info.sharded:
+        return dist.load_sharded(path, info, mixed_precision=cfg.bf16(info.device))
+    return Transformer.from_pretrained(path, dtype=torch.float32, device=info.device)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning-rate multiplier: linear warmup, then constant or cosine decay to 0 at max_steps."""
+    warmup = cfg.warmup_steps or int(cfg.warmup_ratio * cfg.max_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.lr_scheduler == "cosine":
+        progress = (step - warmup) / max(1, cfg.max_steps - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return 1.0
+
+
+def round_seed(cfg: TrainConfig, rnd: int, rank: int, salt: int = 0) -> int:
+    """A seed for one round of one rank: sampling is reproducible and resume needs no RNG state."""
+    return (cfg.seed * 1_000_003 + rnd * 7919 + rank * 104_729 + salt) % (2**63)
+
+
+# -----------------------------------------------------------------------------
+# One round: sample, score, compute advantages
+
+
+def join_prompt_completion(prompt_ids: list[list[int]], completion_ids, pad_id: int, num_generations: int):
+    """Left-padded prompts (each repeated G times) followed by the completions.
+    -> input_ids [N, P+C], attention_mask [N, P+C] (1 on real prompt tokens and on the completion)."""
+    P = max(len(p) for p in prompt_ids)
+    N, C = completion_ids.shape
+    input_ids = torch.full((N, P + C), pad_id, dtype=torch.long, device=completion_ids.device)
+    attention_mask = torch.zeros((N, P + C), dtype=torch.long, device=completion_ids.device)
+    for i, p in enumerate(prompt_ids):
+        rows = slice(i * num_generations, (i + 1) * num_generations)
+        input_ids[rows, P - len(p):P] = torch.tensor(p, device=completion_ids.device)
+        attention_mask[rows, P - len(p):] = 1
+    input_ids[:, P:] = completion_ids
+    return input_ids, attention_mask
+
+
+def completion_texts(tok: Tokenizer, out, conversational: bool):
+    """Decoded completions (special tokens skipped), as strings or assistant-message lists."""
+    texts = [tok.decode(ids[: int(n)]) for ids, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1))]
+    if conversational:
+        return [[{"role": "assistant", "content": t}] for t in texts]
+    return texts
+
+
+def sample_and_score(model, tok, rows, cfg, reward_funcs, info, generator, autocast):
+    """Sample G completions for each prompt of this rank and score them.
+    Returns the batch dict for the update and the generation metrics."""
+    G = cfg.num_generations
+    prompt_ids = [tok.encode_prompt(r["prompt"]) for r in rows]
+    t0 = time.time()
+    model.eval()
+    with torch.no_grad(), dist.gathered(model), autocast:
+        out = generate(model, prompt_ids, num_samples=G, max_new_tokens=cfg.max_completion_length,
+                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
+                       repetition_penalty=cfg.repetition_penalty, stop_ids=tok.eos_token_ids,
+                       pad_id=tok.pad_token_id, generator=generator, vocab_size=tok.vocab_size)
+    model.train()
+    t_sample = time.time() - t0
+
+    t0 = time.time()
+    conversational = not isinstance(rows[0]["prompt"], str)
+    prompts = [r["prompt"] for r in rows for _ in range(G)]
+    columns = {k: [v for v in vals for _ in range(G)] for k, vals in columns_of(rows).items()}
+    completions = completion_texts(tok, out, conversational)
+    ids_list = [ids[: int(n)] for ids, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1))]
+    local_rewards = score_completions(reward_funcs, prompts, completions, ids_list, columns)  # [n, K]
+    rewards = dist.all_gather_rows(local_rewards.to(info.device), info).float()  # [N_global, K]
+    weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs), device=rewards.device)
+    advantages = group_advantages(rewards, G, reward_weights=weights, scale_rewards=cfg.scale_rewards,
+                                  multi_objective_aggregation=cfg.multi_objective_aggregation)
+    n = len(rows) * G
+    advantages = advantages[info.rank * n:(info.rank + 1) * n]  # this rank's groups
+    t_score = time.time() - t0
+
+    mask = out.completion_mask.float()
+    if cfg.mask_truncated_completions:
+        mask = mask * (~out.truncated).float()[:, None]
+    input_ids, attention_mask = join_prompt_completion(prompt_ids, out.completion_ids, tok.pad_token_id, G)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "mask": mask, "advantages": advantages,
+             "num_items": dist.all_reduce_sum(mask.sum(), info)}
+    metrics = generation_metrics(rewards, weights, out, reward_funcs, G, info)
+    metrics.update({"time/sample": t_sample, "time/score": t_score})
+    samples = [(p if isinstance(p, str) else p[-1]["content"], c if isinstance(c, str) else c[0]["content"], r)
+               for p, c, r in zip(prompts[: 2 * G: G], completions[: 2 * G: G], rewards[: 2 * G: G, 0].tolist())]
+    return batch, metrics, samples
+
+
+def generation_metrics(rewards, weights, out, reward_funcs, G, info) -> dict:
+    """TRL's reward and completion-length metrics, over the whole generation batch on all ranks."""
+    total = torch.nansum(rewards * weights, dim=1)
+    total[torch.isnan(rewards).all(1)] = float("nan")
+    ok = ~torch.isnan(total)
+    group_std = torch.stack([g[~torch.isnan(g)].std() if (~torch.isnan(g)).sum() > 1 else g.new_tensor(float("nan"))
+                             for g in total.view(-1, G)])
+    lengths = dist.all_gather_rows(out.completion_mask.sum(1).float(), info)
+    truncated = dist.all_gather_rows(out.truncated.float(), info)
+    m = {"reward": total[ok].mean().item(), "reward_std": total[ok].std().item() if ok.sum() > 1 else 0.0,
+         "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item(),
+         "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+         "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.mean().item()}
+    for k, (name, _) in enumerate(reward_funcs):
+        col = rewards[:, k][~torch.isnan(rewards[:, k])]
+        m[f"rewards/{name}/mean"] = col.mean().item() if len(col) else float("nan")
+        m[f"rewards/{name}/std"] = col.std().item() if len(col) > 1 else 0.0
+    return m
+
+
+# -----------------------------------------------------------------------------
+# Log-probs of the sampled tokens under a model (policy now, policy at sampling time, reference)
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch, cfg, autocast):
+    """Per-token log-probs [N,C] of the completions, micro-batch by micro-batch, without gradient."""
+    C = batch["mask"].shape[1]
+    parts = []
+    for i in range(0, len(batch["mask"]), cfg.micro_batch_size):
+        sl = slice(i, i + cfg.micro_batch_size)
+        with autocast:
+            logps, _ = token_logprobs(model, batch["input_ids"][sl], batch["attention_mask"][sl],
+                                      batch["mask"][sl], temperature=cfg.temperature)
+        parts.append(logps[:, -C:])
+    return torch.cat(parts)
+
+
+# -----------------------------------------------------------------------------
+# The update: micro-batched grpo_step with gradient accumulation
+
+
+def update(model, optimizer, batch, micro_rows, cfg, loss_cfg, info, autocast, spg):
+    """One optimizer step over `micro_rows` (a list of GA index tensors). `spg` = micro-batches per
+    generation round (TRL's steps_per_generation), which sets the dapo/cispo/vespo normalizer.
+    Returns the loss metrics, averaged over micro-batches."""
+    GA = len(micro_rows)
+    sums: dict[str, list[float]] = {}
+    total_loss = 0.0
+    for k, idx in enumerate(micro_rows):
+        dist.gradient_sync(model, enabled=(k == GA - 1))
+        with autocast:
+            logps, entropies = token_logprobs(model, batch["input_ids"][idx], batch["attention_mask"][idx],
+                                              batch["mask"][idx], temperature=cfg.temperature)
+        loss, metrics = grpo_step(
+            logps.float(), batch["old_logps"][idx] if "old_logps" in batch else None,
+            batch["ref_logps"][idx] if "ref_logps" in batch else None, batch["advantages"][idx],
+            batch["mask"][idx], loss_cfg, num_items=batch["num_items"], grad_accum=GA,
+            world_size=info.world_size, entropies=entropies.float(), steps_per_generation=spg)
+        loss.backward()
+        total_loss += loss.item()
+        for key, value in metrics.items():
+            sums.setdefault(key, []).append(value)
+    grad_norm = dist.clip_grad_norm(model, cfg.max_grad_norm or 0.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    out = {k: sum(v) / len(v) for k, v in sums.items()}
+    out.update({"loss": total_loss, "grad_norm": grad_norm})
+    return out
+
+
+@torch.no_grad()
+def sync_ref_model(ref, policy, alpha: float):
+    """TR-DPO: ref <- alpha * policy + (1 - alpha) * ref."""
+    for r, p in zip(ref.parameters(), policy.parameters()):
+        r.mul_(1 - alpha).add_(p.detach(), alpha=alpha)
+
+
+# -----------------------------------------------------------------------------
+# Evaluation and checkpoints
+
+
+@torch.no_grad()
+def evaluate(model, tok, rows, cfg, reward_funcs, info, autocast) -> dict:
+    """One sample per eval prompt (at the training temperature): mean reward per function, and
+    pass@1 = fraction whose first reward function gives >= 1."""
+    n = len(rows) // info.world_size
+    rows = rows[info.rank * n:(info.rank + 1) * n]
+    prompt_ids = [tok.encode_prompt(r["prompt"]) for r in rows]
+    g = torch.Generator(info.device).manual_seed(round_seed(cfg, 0, info.rank, salt=17))
+    model.eval()
+    with dist.gathered(model), autocast:
+        out = generate(model, prompt_ids, num_samples=1, max_new_tokens=cfg.max_completion_length,
+                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
+                       repetition_penalty=cfg.repetition_penalty, stop_ids=tok.eos_token_ids,
+                       pad_id=tok.pad_token_id, generator=g, vocab_size=tok.vocab_size)
+    model.train()
+    completions = completion_texts(tok, out, not isinstance(rows[0]["prompt"], str))
+    ids_list = [ids[: int(m)] for ids, m in zip(out.completion_ids.tolist(), out.completion_mask.sum(1))]
+    rewards = score_completions(reward_funcs, [r["prompt"] for r in rows], completions, ids_list, columns_of(rows))
+    rewards = dist.all_gather_rows(rewards.to(info.device), info)
+    m = {f"eval/rewards/{name}/mean": torch.nanmean(rewards[:, k]).item() for k, (name, _) in enumerate(reward_funcs)}
+    weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs), device=rewards.device)
+    m["eval/reward"] = torch.nanmean(torch.nansum(rewards * weights, 1)).item()
+    m["eval/pass@1"] = (rewards[:, 0] >= 1.0).float().mean().item()
+    return m
+
+
+def save_checkpoint(out_dir, model, tok, optimizer, cfg, state, info):
+    """out_dir/checkpoint: the policy in HF format (+ tokenizer), trainer state beside it. Written
+    into a temp dir and renamed in one go, so the latest checkpoint is never half-written."""
+    path = os.path.join(out_dir, "checkpoint")
+    full = dist.full_state_dict(model, info)
+    tmp = dist.broadcast_object(os.path.join(out_dir, f"checkpoint.tmp-{state['step']}"), info)
+    if info.is_main:
+        os.makedirs(tmp, exist_ok=True)
+        write_pretrained(tmp, model.config, to_hf_names(full, model.config), model.generation_config)
+        tok.save_pretrained(tmp)
+        with open(os.path.join(tmp, "train_config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+    dist.barrier(info)
+    dist.save_trainer_state(os.path.join(tmp, "trainer"), model, optimizer, state, info)
+    dist.barrier(info)
+    if info.is_main:
+        with atomic_dir(path) as final_tmp:
+            os.rmdir(final_tmp)
+            os.rename(tmp, final_tmp)
+    dist.barrier(info)
+    return path
+
+
+# -----------------------------------------------------------------------------
+# The loop
+
+
+def train(cfg: TrainConfig) -> list[dict]:
+    """Run GRPO as configured; returns the list of per-step metrics (also in out_dir/metrics.jsonl)."""
+    info = dist.setup(cfg.device)
+    cfg.validate(info.world_size)
+    if cfg.temperature <= 0:
+        raise ConfigError(f"temperature={cfg.temperature}: training samples, so it must be > 0 (0 = greedy is for sample.py)")
+    torch.manual_seed(cfg.seed + info.rank)
+    ensure_tiny_checkpoint(cfg, info)
+    tok = Tokenizer.from_pretrained(cfg.model)
+    ckpt = os.path.join(cfg.out_dir, "checkpoint")
+    if isinstance(cfg.resume, str) and cfg.resume.lower() not in ("true", "false"):
+        ckpt = cfg.resume
+    resuming = cfg.resume not in (False, "false") and os.path.exists(os.path.join(ckpt, "trainer"))
+    model = load_policy(ckpt if resuming else cfg.model, cfg, info)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    ref = None
+    if cfg.beta > 0:  # the reference model exists only when the KL term is on
+        ref = load_policy(cfg.model, cfg, info).eval().requires_grad_(False)
+    autocast = dist.autocast(info, cfg.bf16(info.device))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay, eps=cfg.adam_epsilon)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg))
+    loss_cfg = LossConfig(**cfg.loss_config())
+    reward_funcs = resolve_reward_funcs(cfg.reward_funcs, max_completion_length=cfg.max_completion_length,
+                                        soft_punish_cache=cfg.soft_punish_cache)
+
+    rows = load_dataset(cfg.dataset, split=cfg.dataset_split, seed=cfg.seed)
+    eval_rows = None
+    if cfg.eval_dataset and cfg.eval_every:
+        eval_rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split, seed=cfg.seed)[: cfg.eval_size]
+    prompts = PromptSampler(rows, cfg.prompts_per_round(), seed=cfg.seed)
+    G, W = cfg.num_generations, info.world_size
+    GA = cfg.gradient_accumulation_steps(W)  # micro-batches per optimizer step on each rank
+    rounds_steps = cfg.steps_per_generation or 1  # optimizer steps fed by one round's samples
+    spg = GA * rounds_steps  # micro-batches per round (TRL's steps_per_generation)
+    rows_per_round = cfg.rows_per_rank(W) * rounds_steps  # completions per rank per round
+    steps_per_round = rounds_steps * cfg.num_iterations
+    off_policy = steps_per_round > 1  # the policy changes between sampling and (some) updates
+
+    step, history = 0, []
+    if resuming:
+        state = dist.load_trainer_state(os.path.join(ckpt, "trainer"), model, optimizer, info)
+        step = state["step"]
+        scheduler.load_state_dict(state["scheduler"])
+        prompts.load_state_dict(state["prompts"])
+        history = state["history"]
+        dist.print0(f"resumed from {ckpt} at step {step}", info=info)
+    if info.is_main:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") as f:  # rewritten from history on resume
+            f.writelines(json.dumps(m) + "\n" for m in history)
+    dist.print0(f"nanogrpo: {cfg.model} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params | "
+                f"{W} process(es) on {info.device} | {cfg.prompts_per_step} prompts x {G} samples per round, "
+                f"{GA} micro-batch(es) of {cfg.micro_batch_size} per step, {steps_per_round} step(s) per round",
+                info=info)
+
+    while step < cfg.max_steps:
+        t_round, first_step = time.time(), step
+        rnd = step // steps_per_round
+        # 1. prompts: this rank's share of the round's prompts (each prompt's G samples stay on one rank)
+        batch_rows = prompts.next_batch()
+        per_rank = len(batch_rows) // W
+        my_rows = batch_rows[info.rank * per_rank:(info.rank + 1) * per_rank]
+        # 2-4. sample G completions per prompt, score them, group advantages
+        generator = torch.Generator(info.device).manual_seed(round_seed(cfg, rnd, info.rank))
+        batch, gen_metrics, samples = sample_and_score(model, tok, my_rows, cfg, reward_funcs, info, generator, autocast)
+        # 5. old log-probs only when off-policy; reference log-probs only when beta > 0
+        t0 = time.time()
+        if off_policy:
+            model.eval()
+            batch["old_logps"] = batch_logprobs(model, batch, cfg, autocast)
+            model.train()
+        if ref is not None:
+            batch["ref_logps"] = batch_logprobs(ref, batch, cfg, autocast)
+        t_logps = time.time() - t0
+        # 6. updates: shuffle once per round, replay the same micro-batches num_iterations times
+        perm = torch.randperm(rows_per_round, generator=torch.Generator().manual_seed(round_seed(cfg, rnd, info.rank, 1)))
+        micro = [perm[i:i + cfg.micro_batch_size].to(info.device) for i in range(0, rows_per_round, cfg.micro_batch_size)]
+        records = []
+        for j in [j for _ in range(cfg.num_iterations) for j in range(0, spg, GA)][: cfg.max_steps - step]:
+            t0 = time.time()
+            m = update(model, optimizer, batch, micro[j:j + GA], cfg, loss_cfg, info, autocast, spg)
+            scheduler.step()
+            step += 1
+            if ref is not None and cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:
+                sync_ref_model(ref, model, cfg.ref_model_mixup_alpha)
+            m.update(gen_metrics)
+            m.update({"step": step, "lr": scheduler.get_last_lr()[0], "time/update": time.time() - t0})
+            records.append(m)
+        # 7. log, eval, checkpoint (at round boundaries, so a resume restarts a round exactly)
+        round_time = time.time() - t_round
+        tokens = dist.all_reduce_sum(batch["attention_mask"].sum().float(), info).item()
+        for m in records:
+            m["time/update"] += t_logps / len(records)
+            m.update({"step_time": round_time / len(records), "tokens_per_sec": tokens / round_time})
+        if eval_rows and (step // cfg.eval_every > first_step // cfg.eval_every or step == cfg.max_steps):
+            records[-1].update(evaluate(model, tok, eval_rows, cfg, reward_funcs, info, autocast))
+        history.extend(records)
+        if info.is_main:
+            with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+                f.writelines(json.dumps(m) + "\n" for m in records)
+            for m in records:
+                if m["step"] % cfg.log_every == 0 or m["step"] == cfg.max_steps:
+                    print_step(m, samples if cfg.log_completions else [])
+        if (cfg.save_every and step // cfg.save_every > first_step // cfg.save_every) or step == cfg.max_steps:
+            state = {"step": step, "scheduler": scheduler.state_dict(), "prompts": prompts.state_dict(),
+                     "history": history}
+            save_checkpoint(cfg.out_dir, model, tok, optimizer, cfg, state, info)
+    summarize(history, cfg, info)
+    dist.teardown()
+    return history
+
+
+def print_step(m: dict, samples):
+    """One console line per optimizer step (and a few completions when asked)."""
+    kl = f" kl {m['kl']:.4f} |" if "kl" in m else ""
+    ev = f" | eval {m['eval/reward']:.3f}" if "eval/reward" in m else ""
+    print(f"step {m['step']:4d} | reward {m['reward']:.3f} ± {m['reward_std']:.3f} |{kl} loss {m['loss']:+.4f} | "
+          f"len {m['completions/mean_length']:.1f} | grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
+          f"{m['step_time']:.2f}s (sample {m['time/sample']:.2f}, update {m['time/update']:.2f}){ev}", flush=True)
+    for prompt, completion, reward in samples:
+        print(f"    {prompt!r} -> {completion!r} (reward {reward:.2f})")
+
+
+def summarize(history, cfg, info):
+    """Final line: mean reward over the first and last tenth of the run, and where the model is."""
+    if not info.is_main or not history:
+        return
+    k = max(1, len(history) // 10)
+    start = sum(m["reward"] for m in history[:k]) / k
+    end = sum(m["reward"] for m in history[-k:]) / k
+    ckpt = os.path.join(cfg.out_dir, "checkpoint")
+    print(f"done: {len(history)} steps, mean reward {start:.3f} -> {end:.3f} (first/last {k} steps). "
+          f"Checkpoint: {ckpt}\nSample from it: python sample.py --model {ckpt} --prompt '...'", flush=True)
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        argv = ["--config", "tiny.py"] + argv  # the embedded default
+    train(load_config(argv))
