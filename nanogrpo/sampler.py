@@ -1,0 +1,274 @@
+"""Batched, KV-cached sampling of G completions per prompt: the rollout half of GRPO.
+
+Owns: `generate` and the logit filters it applies (repetition penalty, temperature, top-k, top-p,
+min-p), each a small pure function [B,V] -> [B,V] with -inf for removed tokens. Does not know about:
+tokenization (prompts, stop ids and the pad id arrive as ints), rewards, losses, or more than one
+process. From the model it needs `hidden_states(..., cache=, cache_start=)`, `new_cache`, `lm_head`
+and `config`.
+
+Choices:
+- Prefill once, copy to G rows. The P distinct prompts are left-padded to the longest and run through
+  the model once, into a static KV cache with room for prompt + max_new_tokens slots; `cache.select`
+  then copies prompt i's rows into its G samples (rows i*G .. i*G+G-1). Nothing is reallocated per
+  decode step.
+- Left padding + per-row positions. A token's RoPE position is the number of real tokens before it
+  in its row and a key mask hides the pad slots, so a short prompt in a mixed batch is computed as if
+  it were alone. One decode step is one batched forward of [n,1] tokens: no Python loop over rows.
+- Finished rows are dropped: when a quarter of the live rows have stopped, the batch is compacted
+  with `cache.select`; the loop ends as soon as every row has stopped. Knowing that needs a
+  device->host sync: every step on CPU (where it is free), every 8 steps on GPU.
+- Output width C is the longest completion (<= max_new_tokens): a batch that all stops early comes
+  back narrower. The mask is built from the step of each row's first stop id (inclusive), never from
+  token values, so pad_id may equal an eos id; stop ids inside the prompt play no part.
+- Logits are computed for the real vocabulary only (the first `vocab_size` rows of lm_head), so
+  padded embedding rows (Qwen2.5: 151,936 rows for 151,665 tokens) can never be sampled. Sampling
+  math is fp32 whatever the model dtype. Filters run in transformers' order: repetition penalty,
+  temperature, top-k, top-p, min-p.
+- RNG: counter-based, per row. Row (prompt i, sample j) has the key hash(seed_i, j); at step t it
+  draws one uniform u = hash(key, t) and takes the first token whose cumulative probability exceeds u
+  (inverse-CDF sampling). A row's samples therefore depend only on its prompt, the model and
+  (seed_i, j): not on batch-mates, batch position, compaction or device. Passing the same per-prompt
+  `seeds` makes batched generation equal to generating each prompt alone (up to float rounding of
+  the logits). Without `seeds`, one seed per prompt is drawn from `generator` (or torch's global
+  RNG): the same generator state gives the same samples.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Generation:
+    """What `generate` returns. N = len(prompt_ids) * num_samples, C = longest completion."""
+
+    completion_ids: torch.Tensor  # [N,C] long, right-padded with pad_id
+    completion_mask: torch.Tensor  # [N,C] bool, True up to and including the row's first stop id
+    logprobs: torch.Tensor  # [N,C] fp32, log-prob of each sampled token; 0 where the mask is False
+    truncated: torch.Tensor  # [N] bool, True for rows that never sampled a stop id
+
+
+# -----------------------------------------------------------------------------
+# Logit filters: [B,V] -> [B,V], removed tokens set to -inf. Shared by the sampler and the tests.
+
+
+def apply_repetition_penalty(logits, seen, penalty):
+    """Penalize tokens already in the row (CTRL rule, as transformers): a seen token's positive logit
+    is divided by `penalty`, a negative one multiplied. seen: bool [B,V], or token ids [B,L] (ids < 0
+    or >= V are ignored, e.g. padding)."""
+    if penalty == 1.0:
+        return logits
+    if seen.dtype != torch.bool:
+        seen = token_mask(seen, logits.shape[-1])
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def token_mask(ids, V):
+    """Token ids [B,L] -> bool [B,V], True where the id occurs in the row (ids < 0 or >= V ignored)."""
+    ids = torch.where((ids >= 0) & (ids < V), ids, V).long()  # ignored ids go to an extra column
+    return torch.zeros(ids.shape[0], V + 1, dtype=torch.bool, device=ids.device).scatter_(1, ids, True)[:, :V]
+
+
+def apply_temperature(logits, temperature):
+    """logits / temperature (temperature > 0; 0 = greedy is handled by the caller)."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def apply_top_k(logits, k):
+    """Keep the k largest logits of each row. Ties with the k-th largest are all kept, so a row may
+    keep more than k (as transformers). k = 0 or k >= V: nothing is removed."""
+    if k == 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[:, -1:]  # [B,1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits, p):
+    """Nucleus filter: keep the most likely tokens until their probability reaches p, i.e. a token is
+    kept if the tokens ranked above it hold less than p (the top token always stays). Tokens tied with
+    the last kept one are kept too. p = 1: nothing is removed."""
+    if p >= 1.0:
+        return logits
+    ranked = logits.sort(dim=-1, descending=True).values  # [B,V]
+    probs = ranked.softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs  # probability of the strictly higher-ranked tokens
+    n_keep = (mass_above < p).sum(dim=-1, keepdim=True)  # [B,1], >= 1
+    cutoff = ranked.gather(-1, n_keep - 1)  # smallest kept logit
+    return logits.masked_fill(logits < cutoff, float("-inf"))
+
+
+def apply_min_p(logits, min_p):
+    """Remove tokens whose probability is below min_p times the top token's probability, i.e. whose
+    logit is below max + log(min_p) (the top token always stays). min_p = 0: nothing is removed."""
+    if min_p == 0.0:
+        return logits
+    top = logits.amax(dim=-1, keepdim=True)  # [B,1]
+    return logits.masked_fill(logits < top + math.log(min_p), float("-inf"))
+
+
+def sample_from(logits, u):
+    """Inverse-CDF draw. logits [B,V] fp32 (-inf = removed), u [B] float64 in [0,1) ->
+    (ids [B], their log-probs [B]): id is the first token whose cumulative probability exceeds u."""
+    top = logits.amax(dim=-1, keepdim=True)  # [B,1]
+    weights = (logits - top).exp()  # [B,V] unnormalized probabilities, the largest is exactly 1
+    cdf = weights.double().cumsum(dim=-1)  # fp64: tail tokens keep their exact share
+    total = cdf[:, -1:]  # [B,1], in [1, V]
+    # u * total < total, so the first cdf entry above it belongs to a token of nonzero probability
+    ids = torch.searchsorted(cdf, u[:, None] * total, right=True).clamp_(max=logits.shape[-1] - 1)
+    return ids.squeeze(-1), (logits.gather(-1, ids) - top - total.log().float()).squeeze(-1)
+
+
+# -----------------------------------------------------------------------------
+# Counter-based random numbers: pure functions of (key, step), computed with integer tensor ops.
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix(x):
+    """A bijective 32-bit integer hash, on python ints or int64 tensors holding 32-bit values."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def row_keys(seeds, num_samples):
+    """seeds [P] int64 -> keys [P*G] int64: one random stream per (prompt, sample)."""
+    sample = torch.arange(num_samples, device=seeds.device).repeat(len(seeds))  # [P*G]
+    return _mix((_mix((seeds.repeat_interleave(num_samples) & _M32) ^ 0x9E3779B9) + sample) & _M32)
+
+
+def uniforms(keys, step):
+    """keys [n] int64, step int -> [n] float64 in [0,1) (52 random bits), the same on every device."""
+    h = _mix(keys ^ _mix(step ^ 0x3C6EF372))
+    hi, lo = _mix(h ^ 0x68E31DA4) >> 6, _mix(h ^ 0x1B56C4E9) >> 6  # 26 bits each
+    return (hi * 2**26 + lo).double() / 2**52
+
+
+# -----------------------------------------------------------------------------
+# Generation
+
+
+def _check_args(model, prompt_ids, num_samples, max_new_tokens, temperature, top_k, top_p, min_p,
+                repetition_penalty, vocab_size, seeds):
+    def need(ok, name, value, rule):
+        if not ok:
+            raise ValueError(f"{name}={value!r}: {rule}")
+
+    need(num_samples >= 1, "num_samples", num_samples, "must be >= 1")
+    need(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, "must be >= 1")
+    need(temperature >= 0, "temperature", temperature, "must be >= 0 (0 means greedy)")
+    need(top_k >= 0, "top_k", top_k, "must be >= 0 (0 means off)")
+    need(0 < top_p <= 1, "top_p", top_p, "must be in (0, 1] (1 means off)")
+    need(0 <= min_p <= 1, "min_p", min_p, "must be in [0, 1] (0 means off)")
+    need(repetition_penalty > 0, "repetition_penalty", repetition_penalty, "must be > 0 (1 means off)")
+    V = model.config.vocab_size
+    need(0 < vocab_size <= V, "vocab_size", vocab_size, f"must be in [1, model.config.vocab_size={V}]")
+    need(len(prompt_ids) > 0, "prompt_ids", prompt_ids, "needs at least one prompt")
+    for i, p in enumerate(prompt_ids):
+        need(len(p) > 0, "prompt_ids", f"[..., {i}: []]", f"prompt {i} is empty")
+        need(min(p) >= 0 and max(p) < V, "prompt_ids", f"[..., {i}: [{min(p)}..{max(p)}]]",
+             f"prompt {i} has ids outside [0, {V})")
+    longest, limit = max(map(len, prompt_ids)), model.config.max_position_embeddings
+    need(longest + max_new_tokens <= limit, "max_new_tokens", max_new_tokens,
+         f"the longest prompt ({longest}) + max_new_tokens exceeds max_position_embeddings={limit}")
+    need(seeds is None or len(seeds) == len(prompt_ids), "seeds", seeds, "needs one seed per prompt")
+
+
+@torch.no_grad()  # not inference_mode: the outputs feed the trainer's autograd graph (masks, old logps)
+def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0, top_p=1.0,
+             min_p=0.0, repetition_penalty=1.0, stop_ids=(), pad_id=0, generator=None, vocab_size=None,
+             seeds=None) -> Generation:
+    """Sample `num_samples` completions of up to `max_new_tokens` tokens for each prompt.
+
+    prompt_ids: list of P non-empty lists of token ids (any lengths). Returns a `Generation` with
+    N = P * num_samples rows, prompt i's samples at rows i*G .. i*G+G-1, and C = the longest
+    completion's length (max_new_tokens if any row is truncated). A row stops at the first id of
+    `stop_ids` it samples (included in its mask); pad_id only fills the padding.
+    temperature 0 is greedy (argmax after the repetition penalty); its logprobs are then under the
+    temperature-1, unfiltered distribution.
+    top_k 0, top_p 1, min_p 0 and repetition_penalty 1 turn those filters off. vocab_size: the
+    tokenizer's real vocabulary (default model.config.vocab_size); ids >= vocab_size are never sampled.
+    seeds: optional list of P ints, one per prompt (see the module docstring); otherwise they are
+    drawn from `generator` (a torch.Generator) or from torch's global RNG.
+    """
+    cfg = model.config
+    vocab_size = cfg.vocab_size if vocab_size is None else vocab_size
+    prompt_ids = [[int(t) for t in p] for p in prompt_ids]
+    _check_args(model, prompt_ids, num_samples, max_new_tokens, temperature, top_k, top_p, min_p,
+                repetition_penalty, vocab_size, seeds)
+    dev = model.lm_head.weight.device
+    P, G, C = len(prompt_ids), num_samples, max_new_tokens
+    N = P * G
+    stops = torch.tensor(sorted({int(s) for s in stop_ids or ()}), dtype=torch.long, device=dev)
+    if seeds is None:
+        gen_dev = generator.device if generator is not None else "cpu"
+        seeds = torch.randint(0, 2**31 - 1, (P,), generator=generator, device=gen_dev)
+    keys = row_keys(torch.as_tensor(seeds, dtype=torch.long).to(dev), G)  # [N]
+    W = model.lm_head.weight[:vocab_size]  # [V,D], a view: padded-vocab rows are never scored
+    bias = None if model.lm_head.bias is None else model.lm_head.bias[:vocab_size]
+
+    def logits_of(h):  # h [n,D] -> fp32 logits [n,V]
+        return F.linear(h, W, bias).float()
+
+    # Prefill the P distinct prompts once, left-padded to the longest L.
+    lens = torch.tensor([len(p) for p in prompt_ids], device=dev)  # [P]
+    L = int(lens.max())
+    ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompt_ids], device=dev)  # [P,L]
+    valid = torch.arange(L, device=dev)[None, :] >= (L - lens)[:, None]  # [P,L], False = left padding
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    cache = model.new_cache(P, L + C)
+    h = model.hidden_states(ids, attention_mask=valid, positions=positions, cache=cache)  # [P,L,D]
+    src = torch.arange(P, device=dev).repeat_interleave(G)  # [N]: the prompt of each row
+    logits = logits_of(h[:, -1])[src]  # [N,V]
+    cache = cache.select(src)  # [N, ...]: each prompt's prefill copied to its G rows
+    key_valid = torch.cat([valid[src], valid.new_ones(N, C)], dim=1)  # [N,L+C]; generated slots are real
+    next_pos = lens[src]  # [N]: RoPE position of each row's first completion token
+    seen = None
+    if repetition_penalty != 1.0:  # [N,V] tokens present in each row (prompt, then generated)
+        seen = token_mask(torch.where(valid, ids, -1), vocab_size)[src]
+
+    out_ids = torch.full((N, C), pad_id, dtype=torch.long, device=dev)
+    out_logps = torch.zeros(N, C, device=dev)
+    rows = torch.arange(N, device=dev)  # [n]: output row of each live batch row
+    stopped = torch.zeros(N, dtype=torch.bool, device=dev)  # [n]
+    sync_every = 1 if dev.type == "cpu" else 8
+    for t in range(C):
+        if seen is not None:
+            logits = apply_repetition_penalty(logits, seen, repetition_penalty)
+        if temperature == 0:
+            tok = logits.argmax(-1)  # [n]
+            logp = logits.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
+        else:
+            logits = apply_min_p(apply_top_p(apply_top_k(apply_temperature(logits, temperature), top_k), top_p), min_p)
+            tok, logp = sample_from(logits, uniforms(keys, t))
+        out_ids[rows, t], out_logps[rows, t] = tok, logp
+        stopped |= torch.isin(tok, stops)
+        if seen is not None:
+            seen.scatter_(1, tok[:, None], True)
+        if t == C - 1:
+            break
+        if (t + 1) % sync_every == 0:
+            live = (~stopped).nonzero().squeeze(1)  # device->host sync
+            if len(live) == 0:
+                break
+            if len(live) <= 0.75 * len(rows):  # compact: finished rows stop costing compute
+                cache = cache.select(live)
+                rows, tok, keys, key_valid, next_pos, stopped = (x[live] for x in (rows, tok, keys, key_valid,
+                                                                                   next_pos, stopped))
+                seen = None if seen is None else seen[live]
+        h = model.hidden_states(tok[:, None], attention_mask=key_valid[:, :L + t + 1],
+                                positions=(next_pos + t)[:, None], cache=cache, cache_start=L + t)  # [n,1,D]
+        logits = logits_of(h[:, 0])
+
+    # Masks from positions: a row's completion ends at the first step where it sampled a stop id.
+    # (Slots after that hold garbage or pad_id and are never read as tokens.)
+    is_stop = torch.isin(out_ids, stops)  # [N,C]
+    has_stop = is_stop.any(-1)
+    length = torch.where(has_stop, is_stop.int().argmax(-1) + 1, C)  # [N]
+    C = int(length.max())
+    mask = torch.arange(C, device=dev)[None, :] < length[:, None]  # [N,C]
+    return Generation(completion_ids=torch.where(mask, out_ids[:, :C], pad_id), completion_mask=mask,
+                      logprobs=torch.where(mask, out_logps[:, :C], 0.0), truncated=~has_stop)

@@ -1,0 +1,327 @@
+"""sampler.py: cached decoding, batched == alone, parity with transformers' greedy generate, the logit
+filters against naive references, stop handling, log-probs, seeds and argument errors."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from conftest import FAMILIES, fixture_path, tiny_config
+from nanogrpo.model import KVCache, Transformer
+from nanogrpo.sampler import (apply_min_p, apply_repetition_penalty, apply_temperature, apply_top_k, apply_top_p,
+                              generate, sample_from, uniforms)
+
+TOKENIZER_VOCAB, EOS, PAD = 384, [2, 0], 0  # tests/fixtures/tokenizer: 384 real ids, eos {2, 0}, pad 0 == eos
+PROMPTS = [[5, 17, 99, 2, 31, 8, 200], [44], [150, 151, 152, 9], [7, 7, 7, 7, 7, 7, 7, 7, 7, 300, 12]]
+_models = {}
+
+
+def load(family="qwen2"):
+    if family not in _models:
+        _models[family] = Transformer.from_pretrained(fixture_path(family))
+    return _models[family]
+
+
+def left_pad(seqs, pad=PAD):
+    L = max(map(len, seqs))
+    ids = torch.tensor([[pad] * (L - len(s)) + s for s in seqs])
+    mask = torch.tensor([[0] * (L - len(s)) + [1] * len(s) for s in seqs], dtype=torch.bool)
+    return ids, mask
+
+
+def filtered(logits, seen, temperature, top_k, top_p, min_p, penalty):
+    """The sampler's processing of [B,V] logits, in transformers' order."""
+    logits = apply_repetition_penalty(logits, seen, penalty)
+    if temperature == 0:
+        return logits
+    return apply_min_p(apply_top_p(apply_top_k(apply_temperature(logits, temperature), top_k), top_p), min_p)
+
+
+# -----------------------------------------------------------------------------
+# The KV cache as the sampler drives it: left-padded prompts, per-row positions, decode steps
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_decode_matches_full_forward(family):
+    model = load(family)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (7, 2, 5)]
+    steps = torch.randint(3, 384, (3, 4), generator=g)  # 4 decode tokens per row
+    full_ids, full_mask = left_pad([p + s.tolist() for p, s in zip(prompts, steps)])
+    ids, valid = left_pad(prompts)
+    L, lens = ids.shape[1], valid.sum(1)
+    with torch.no_grad():
+        full = model(full_ids, attention_mask=full_mask)  # [3, L+4, V], positions from the mask
+        cache = model.new_cache(3, L + 4)
+        cached = [model(ids, attention_mask=valid, positions=(valid.cumsum(1) - 1).clamp(min=0), cache=cache)[:, -1]]
+        key_valid = torch.cat([valid, torch.ones(3, 4, dtype=torch.bool)], 1)
+        for t in range(4):
+            cached.append(model(steps[:, t:t + 1], attention_mask=key_valid[:, :L + t + 1],
+                                positions=(lens + t)[:, None], cache=cache, cache_start=L + t)[:, 0])
+    # full_ids are left-padded to L+4, so prompt end and decode steps line up with columns L-1 .. L+3
+    assert torch.allclose(torch.stack(cached, 1), full[:, L - 1:], atol=1e-5, rtol=1e-4)
+
+
+# -----------------------------------------------------------------------------
+# Parity with transformers' greedy generate (tests/fixtures/make_generate_fixtures.py)
+
+EXPECTED = json.load(open(os.path.join(fixture_path("generate_expected.json"))))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers(family):
+    case, model = EXPECTED["families"][family], load(family)
+    for key, penalty in (("greedy", 1.0), ("greedy_penalty", EXPECTED["repetition_penalty"])):
+        out = generate(model, case["prompts"], num_samples=2, max_new_tokens=EXPECTED["max_new_tokens"],
+                       temperature=0, repetition_penalty=penalty, stop_ids=case["stop_ids"], pad_id=PAD)
+        for i, want in enumerate(case[key]):
+            for row in (2 * i, 2 * i + 1):
+                got = out.completion_ids[row][out.completion_mask[row]].tolist()
+                assert got == want, (key, i)
+                assert bool(out.truncated[row]) == (want[-1] not in case["stop_ids"])
+
+
+# -----------------------------------------------------------------------------
+# Batched == alone, log-probs == a recomputation, stops, masks
+
+
+def sampling_args(**overrides):
+    args = dict(num_samples=3, max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.9, min_p=0.02,
+                repetition_penalty=1.3, stop_ids=[2, 0, *range(100, 130)], pad_id=PAD, vocab_size=TOKENIZER_VOCAB)
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_batched_equals_each_prompt_alone(temperature):
+    model, args = load("llama3"), sampling_args(temperature=temperature)
+    seeds = [11, 22, 33, 44]
+    out = generate(model, PROMPTS, seeds=seeds, **args)
+    G = args["num_samples"]
+    assert out.completion_mask.sum(1).min() < out.completion_mask.shape[1]  # some rows stop early
+    for i, p in enumerate(PROMPTS):
+        alone = generate(model, [p], seeds=[seeds[i]], **args)
+        rows = slice(i * G, i * G + G)
+        C = alone.completion_ids.shape[1]
+        assert torch.equal(out.completion_ids[rows, :C], alone.completion_ids)
+        assert not out.completion_mask[rows, C:].any()
+        assert torch.allclose(out.logprobs[rows, :C], alone.logprobs, atol=1e-5)
+        assert torch.equal(out.truncated[rows], alone.truncated)
+
+
+@pytest.mark.parametrize("family,temperature", [("qwen2", 0.7), ("qwen3", 0), ("mistral", 1.3)])
+def test_logprobs_equal_recomputation(family, temperature):
+    """Each sampled token's log-prob is log_softmax of the filtered, tempered logits of an uncached full
+    forward at that token; sampled tokens always survived the filters; masked slots hold 0."""
+    model, args = load(family), sampling_args(temperature=temperature)
+    out = generate(model, PROMPTS, seeds=[1, 2, 3, 4], **args)
+    N, C = out.completion_ids.shape
+    prompts = [p for p in PROMPTS for _ in range(args["num_samples"])]
+    ids, mask = left_pad([p + c.tolist() for p, c in zip(prompts, out.completion_ids)])
+    mask[:, -C:] &= out.completion_mask
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask)[:, -C - 1:-1, :TOKENIZER_VOCAB].float()  # predicts each completion token
+    for t in range(C):
+        seen = torch.where(mask[:, :ids.shape[1] - C + t], ids[:, :ids.shape[1] - C + t], -1)  # prompt + earlier tokens
+        z = filtered(logits[:, t], seen, temperature, args["top_k"], args["top_p"], args["min_p"],
+                     args["repetition_penalty"])
+        want = z.log_softmax(-1).gather(-1, out.completion_ids[:, t:t + 1]).squeeze(-1)
+        live = out.completion_mask[:, t]
+        assert torch.allclose(out.logprobs[live, t], want[live], atol=2e-4)
+        assert torch.isfinite(want[live]).all()  # never a filtered-out token
+        if temperature == 0:
+            assert torch.equal(out.completion_ids[live, t], z[live].argmax(-1))
+    assert (out.logprobs[~out.completion_mask] == 0).all() and (out.logprobs <= 0).all()
+
+
+def test_stops_masks_and_truncation():
+    model = load("qwen2")
+    stops = [0, 2, *range(40, 120)]  # pad (0) is also a stop id; ~20% of the vocabulary stops a row
+    out = generate(model, PROMPTS, **sampling_args(num_samples=4, max_new_tokens=20, temperature=1.2, stop_ids=stops,
+                                                   top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0))
+    ids, mask = out.completion_ids, out.completion_mask
+    N, C = ids.shape
+    length = mask.sum(1)
+    assert torch.equal(mask, torch.arange(C)[None] < length[:, None])  # a prefix per row
+    assert length.max() == C <= 20
+    is_stop = torch.isin(ids, torch.tensor(stops)) & mask
+    for r in range(N):
+        n = int(length[r])
+        assert is_stop[r].sum() == (0 if out.truncated[r] else 1)  # exactly one stop, the last real token
+        if out.truncated[r]:
+            assert n == 20
+        else:
+            assert is_stop[r, n - 1]
+        assert (ids[r, n:] == PAD).all()
+    assert out.truncated.any() or C < 20
+    assert (~out.truncated).sum() >= N // 2  # the stop ids fire
+    assert out.completion_ids.dtype == torch.long and out.logprobs.dtype == torch.float32
+    x = torch.ones(N, C, requires_grad=True)  # outputs are ordinary tensors: they may enter autograd
+    torch.where(out.completion_mask, x * out.logprobs, 0).sum().backward()
+
+
+def test_pad_equal_to_eos_keeps_the_eos_in_the_mask():
+    model = load("qwen2")
+    free = generate(model, PROMPTS, max_new_tokens=8, temperature=0)
+    row = free.completion_ids[0].tolist()
+    eos = next(t for i, t in enumerate(row) if i >= 2 and t not in row[:i])  # first produced at step i
+    out = generate(model, PROMPTS, max_new_tokens=8, temperature=0, stop_ids=[eos], pad_id=eos)
+    n = row.index(eos) + 1
+    assert out.completion_mask[0].tolist() == [True] * n + [False] * (out.completion_ids.shape[1] - n)
+    assert out.completion_ids[0, :n].tolist() == row[:n] and (out.completion_ids[0, n:] == eos).all()
+    assert not out.truncated[0]
+
+
+def test_stop_id_inside_prompt_is_irrelevant():
+    model = load("qwen2")
+    free = generate(model, [[9, 8, 7]], max_new_tokens=6, temperature=0)
+    first = int(free.completion_ids[0, 0])  # make the greedy first token a stop id inside the prompt too
+    out = generate(model, [[first, 9, first, 8, 7]], max_new_tokens=6, temperature=0, stop_ids=[first])
+    again = generate(model, [[first, 9, first, 8, 7]], max_new_tokens=6, temperature=0)
+    stop_at = (again.completion_ids[0] == first).nonzero()
+    want = int(stop_at[0]) + 1 if len(stop_at) else 6
+    assert int(out.completion_mask.sum()) == want and bool(out.truncated[0]) == (len(stop_at) == 0)
+
+
+def test_all_rows_stop_early_gives_narrow_output_and_compacts(monkeypatch):
+    model = load("qwen2")
+    calls = []
+    select = KVCache.select
+    monkeypatch.setattr(KVCache, "select", lambda self, rows: calls.append(len(rows)) or select(self, rows))
+    out = generate(model, PROMPTS, **sampling_args(num_samples=4, max_new_tokens=40, temperature=1.0, top_k=0,
+                                                   top_p=1.0, min_p=0.0, stop_ids=range(0, 200)))
+    assert out.completion_ids.shape[1] < 40 and not out.truncated.any()
+    assert calls[0] == 16 and len(calls) >= 2 and calls[-1] < 16  # prefill copied to 16 rows, then compacted
+
+
+def test_padded_vocab_never_sampled():
+    model = Transformer(tiny_config(vocab_size=97, tie_word_embeddings=False))
+    with torch.no_grad():
+        model.lm_head.weight[90:] *= 50  # the padded rows would dominate every distribution
+    out = generate(model, [[1, 2, 3], [4]], num_samples=8, max_new_tokens=10, vocab_size=90, temperature=1.5)
+    assert out.completion_ids.max() < 90
+    greedy = generate(model, [[1, 2, 3]], max_new_tokens=10, vocab_size=90, temperature=0)
+    assert greedy.completion_ids.max() < 90
+
+
+def test_seeds_and_generators():
+    model, args = load("qwen2"), sampling_args(stop_ids=[], top_k=0, top_p=1.0, min_p=0.0)
+    a = generate(model, PROMPTS, generator=torch.Generator().manual_seed(5), **args)
+    b = generate(model, PROMPTS, generator=torch.Generator().manual_seed(5), **args)
+    c = generate(model, PROMPTS, generator=torch.Generator().manual_seed(6), **args)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert (a.completion_ids != c.completion_ids).float().mean() > 0.5
+    torch.manual_seed(3)
+    d = generate(model, PROMPTS, **args)
+    torch.manual_seed(3)
+    assert torch.equal(d.completion_ids, generate(model, PROMPTS, **args).completion_ids)
+    G = args["num_samples"]  # the G samples of one prompt differ from each other
+    assert (a.completion_ids[0] != a.completion_ids[1]).any() and (a.completion_ids[G] != a.completion_ids[G + 1]).any()
+
+
+def test_bf16_model():
+    model = Transformer(tiny_config()).to(torch.bfloat16)
+    out = generate(model, [[1, 2, 3], [4, 5]], num_samples=2, max_new_tokens=5, seeds=[0, 1], top_p=0.9)
+    assert out.logprobs.dtype == torch.float32 and torch.isfinite(out.logprobs).all()
+    assert out.completion_ids.shape == (4, 5)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"), ({"min_p": -0.1}, "min_p"), ({"min_p": 1.1}, "min_p"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"num_samples": 0}, "num_samples"),
+    ({"prompt_ids": []}, "prompt_ids"), ({"prompt_ids": [[1, 2], []]}, "prompt_ids"),
+    ({"prompt_ids": [[1, 400]]}, "prompt_ids"), ({"max_new_tokens": 250}, "max_new_tokens"),
+    ({"max_new_tokens": 0}, "max_new_tokens"), ({"vocab_size": 401}, "vocab_size"), ({"seeds": [1, 2]}, "seeds"),
+])
+def test_invalid_arguments(kwargs, name):
+    args = {"prompt_ids": [[1] * 10], "max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=name):
+        generate(load("qwen2"), args.pop("prompt_ids"), **args)
+
+
+# -----------------------------------------------------------------------------
+# Filters and the sampling draw against naive references
+
+values = st.lists(st.sampled_from([-3.0, -1.5, -0.5, 0.0, 0.25, 1.0, 2.0, 4.5]) | st.floats(-8, 8, width=32), min_size=1,
+                  max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(values, st.integers(0, 14))
+def test_top_k_keeps_the_k_largest(xs, k):
+    out = apply_top_k(torch.tensor([xs]), k)[0].tolist()
+    kth = sorted(xs, reverse=True)[min(k, len(xs)) - 1] if k else -math.inf
+    assert [o != -math.inf for o in out] == [x >= kth for x in xs]  # ties with the k-th are kept
+    if len(set(xs)) == len(xs):
+        assert sum(o != -math.inf for o in out) == min(k, len(xs)) if k else len(xs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(values, st.floats(0.01, 1.0))
+def test_top_p_keeps_smallest_set_reaching_p(xs, p):
+    probs = torch.tensor(xs, dtype=torch.float64).softmax(0).tolist()
+    order = sorted(range(len(xs)), key=lambda i: -xs[i])
+    mass, cutoff = 0.0, None
+    for i in order:  # walk down the ranking until the kept mass reaches p
+        assume(abs(mass - p) > 1e-5)
+        if mass >= p:
+            break
+        mass, cutoff = mass + probs[i], xs[i]
+    out = apply_top_p(torch.tensor([xs]), p)[0].tolist()
+    assert [o != -math.inf for o in out] == [x >= cutoff for x in xs]
+    assert sum(probs[i] for i in range(len(xs)) if out[i] != -math.inf) >= min(p, 1.0) - 1e-5
+
+
+@settings(max_examples=150, deadline=None)
+@given(values, st.floats(0.0, 1.0))
+def test_min_p(xs, min_p):
+    probs = torch.tensor(xs, dtype=torch.float64).softmax(0)
+    assume(((probs / probs.max() - min_p).abs() > 1e-5).all())
+    out = apply_min_p(torch.tensor([xs]), min_p)[0]
+    assert torch.equal(out != -math.inf, probs >= min_p * probs.max())
+    assert out.max() == max(xs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(values, st.floats(0.1, 3.0), st.data())
+def test_repetition_penalty_and_temperature(xs, penalty, data):
+    seen_ids = data.draw(st.lists(st.integers(-1, len(xs) - 1), max_size=6))
+    want = [(x / penalty if x > 0 else x * penalty) if i in seen_ids else x for i, x in enumerate(xs)]
+    logits = torch.tensor([xs])
+    by_ids = apply_repetition_penalty(logits, torch.tensor([seen_ids + [-1]]), penalty)[0]
+    mask = torch.tensor([[i in seen_ids for i in range(len(xs))]])
+    assert torch.allclose(by_ids, torch.tensor(want), atol=1e-6)
+    assert torch.equal(apply_repetition_penalty(logits, mask, penalty), by_ids[None])
+    t = data.draw(st.floats(0.05, 5.0))
+    assert torch.allclose(apply_temperature(logits, t), logits / t)
+
+
+@settings(max_examples=60, deadline=None)
+@given(values, st.integers(0, 5), st.floats(0.05, 1.0))
+def test_filtered_tokens_are_never_sampled(xs, k, p):
+    logits = apply_top_p(apply_top_k(torch.tensor([xs]), k), p).expand(512, -1)
+    u = torch.cat([torch.tensor([0.0, 1 - 2**-52], dtype=torch.float64), uniforms(torch.arange(510), 0)])
+    ids, logp = sample_from(logits, u)
+    assert torch.isfinite(logits[0, ids]).all()
+    assert torch.allclose(logp, logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1), atol=1e-5)
+
+
+def test_sampling_frequencies_match_probabilities():
+    """The hashed uniforms + inverse CDF draw tokens with the softmax's probabilities (chi-square)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -math.inf, -3.0, 1.5]])
+    n = 40_000
+    ids, _ = sample_from(logits.expand(n, -1), uniforms(torch.arange(n) * 7919, 3))
+    expected = logits.softmax(-1)[0] * n
+    counts = torch.bincount(ids, minlength=8).double()
+    assert counts[5] == 0
+    live = expected > 0
+    chi2 = ((counts[live] - expected[live]) ** 2 / expected[live]).sum()
+    assert chi2 < 24.3  # 6 degrees of freedom, p = 0.9995
+    u = uniforms(torch.arange(n), 0)  # and the uniforms themselves look uniform, step by step
+    assert abs(u.mean() - 0.5) < 0.01 and u.min() >= 0 and u.max() < 1
+    assert not torch.equal(uniforms(torch.arange(8), 0), uniforms(torch.arange(8), 1))
