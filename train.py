@@ -49,8 +49,7 @@ def ensure_tiny_checkpoint(cfg: TrainConfig, info: dist.DistInfo):
     if info.is_main:
         tok = char_level_tokenizer(cfg.init_tokenizer_chars)
         torch.manual_seed(cfg.seed)
-        vocab = (tok.vocab_size + 7) // 8 * 8  # padded embedding rows, as real checkpoints have
-        model_cfg = ModelConfig(vocab_size=vocab, **cfg.init_model)
+        model_cfg = ModelConfig(vocab_size=tok.vocab_size, **cfg.init_model)
         model = Transformer(model_cfg)
         model.generation_config = {"eos_token_id": sorted(tok.eos_token_ids), "pad_token_id": tok.pad_token_id}
         with atomic_dir(cfg.model) as tmp:

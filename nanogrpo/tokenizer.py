@@ -150,25 +150,20 @@ class Tokenizer:
                 f.write(self.chat_template)
 
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
 
 def char_level_tokenizer(chars: str) -> Tokenizer:
-    """A tokenizer with one token per character of `chars` (anything else is <|unk|>), plus
-    <|endoftext|> (eos, also the pad), <|im_start|> and <|im_end|>, and a ChatML template.
+    """A tokenizer with one token per character of `chars` plus <|endoftext|> (the eos, also the pad)
+    and nothing else: no chat template, and no other special token a policy could learn to emit
+    invisibly. Characters outside `chars` encode as <|endoftext|>.
 
     What the embedded default trains with: a from-scratch model learns far faster over a handful of
     characters than over 256 bytes, and the result is still a standard tokenizer.json."""
     from tokenizers import Regex, decoders, models, pre_tokenizers
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
-    vocab = {t: i for i, t in enumerate(specials + sorted(set(chars)))}
-    tok = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
+    vocab = {t: i for i, t in enumerate(["<|endoftext|>"] + sorted(set(chars)))}
+    tok = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(specials)
+    tok.add_special_tokens(["<|endoftext|>"])
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-              "unk_token": "<|unk|>", "bos_token": None, "chat_template": CHATML_TEMPLATE, "model_max_length": 4096}
-    return Tokenizer(tok, config, CHATML_TEMPLATE, {"eos_token_id": [vocab["<|endoftext|>"], vocab["<|im_end|>"]]})
+              "bos_token": None, "model_max_length": 4096}
+    return Tokenizer(tok, config, None, {"eos_token_id": vocab["<|endoftext|>"]})

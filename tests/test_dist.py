@@ -1,0 +1,108 @@
+"""dist.py: FSDP2 on CPU/gloo with 2 processes gives what 1 process gives; torchrun end to end."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import ROOT, fixture_path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_step(rank, world_size, port, family, out_path):
+    """Load the fixture (sharded when world_size > 1), take one optimizer step on this rank's share of a
+    fixed global batch, save the full weights from rank 0."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    import train
+    from nanogrpo import dist
+    from nanogrpo.config import TrainConfig
+    from nanogrpo.grpo import LossConfig
+    from nanogrpo.model import Transformer
+    info = dist.setup("cpu")
+    path = fixture_path(family)
+    model = dist.load_sharded(path, info, mixed_precision=False) if info.sharded else Transformer.from_pretrained(path)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    N, P, C = 8, 5, 6  # global rows, prompt and completion lengths
+    ids = torch.randint(0, 300, (N, P + C), generator=g)
+    attention_mask = torch.ones(N, P + C, dtype=torch.long)
+    attention_mask[::3, :2] = 0  # some left-padded prompts
+    lengths = torch.randint(1, C + 1, (N,), generator=g)
+    mask = (torch.arange(C)[None] < lengths[:, None]).float()
+    batch = {"input_ids": ids, "attention_mask": attention_mask, "mask": mask,
+             "advantages": torch.randn(N, generator=g), "old_logps": -torch.rand(N, C, generator=g) * 6}
+    n = N // world_size
+    local = {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+    local["num_items"] = mask.sum()  # active tokens of the whole step on all ranks
+    micro = [torch.arange(i, i + 2) for i in range(0, n, 2)]  # micro-batches of 2 rows
+    cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, micro_batch_size=2)
+    loss_cfg = LossConfig(loss_type="dapo", epsilon_high=0.28)
+    metrics = train.update(model, optimizer, local, micro, cfg, loss_cfg, info, nullcontext(), spg=len(micro))
+    state = dist.full_state_dict(model, info)
+    if info.is_main:
+        torch.save({"state": state, "grad_norm": metrics["grad_norm"]}, out_path)
+    dist.teardown()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3"])  # tied and untied LM head
+def test_two_processes_match_one(tmp_path, family):
+    results = {}
+    for world in (1, 2):
+        out = tmp_path / f"w{world}.pt"
+        mp.start_processes(one_step, args=(world, free_port(), family, str(out)), nprocs=world,
+                           start_method="spawn", join=True)
+        results[world] = torch.load(out)
+    assert results[1]["grad_norm"] == pytest.approx(results[2]["grad_norm"], rel=1e-5)
+    one, two = results[1]["state"], results[2]["state"]
+    assert one.keys() == two.keys()
+    before = Transformer_state(family)
+    for k in one:
+        assert not torch.equal(one[k], before[k]) or k.endswith("bias"), k  # the step changed the weights
+        assert torch.allclose(one[k], two[k], atol=1e-5, rtol=1e-5), k
+
+
+def Transformer_state(family):
+    from nanogrpo.model import Transformer
+    return Transformer.from_pretrained(fixture_path(family)).state_dict()
+
+
+def torchrun(*args, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "train.py"), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_torchrun_tiny_train_save_resume(tmp_path):
+    common = ["--config", "tiny.py", f"--model={tmp_path}/init", f"--out_dir={tmp_path}/run", "--prompts_per_step=4",
+              "--num_generations=4", "--micro_batch_size=4", "--max_completion_length=6", "--eval_every=0"]
+    first = torchrun(*common, "--max_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "2 process(es)" in first.stdout and "done: 2 steps" in first.stdout
+    resumed = torchrun(*common, "--max_steps=4", "--resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "done: 4 steps" in resumed.stdout
+    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+
+    from nanogrpo.model import Transformer
+    from nanogrpo.sampler import generate
+    from nanogrpo.tokenizer import Tokenizer
+    ckpt = tmp_path / "run" / "checkpoint"
+    model, tok = Transformer.from_pretrained(ckpt), Tokenizer.from_pretrained(ckpt)
+    out = generate(model, [tok.encode("abcd=")], num_samples=2, max_new_tokens=6, stop_ids=tok.eos_token_ids,
+                   pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))
+    assert out.completion_ids.shape[0] == 2

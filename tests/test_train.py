@@ -1,0 +1,123 @@
+"""train.py end to end on the embedded default (tiny model, CPU): smoke, learning, resume, errors."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import train
+from nanogrpo.config import ConfigError, load_config
+from nanogrpo.model import Transformer
+from nanogrpo.rewards import RewardError
+from nanogrpo.tokenizer import Tokenizer
+
+TIMING = ("step_time", "tokens_per_sec", "time/sample", "time/score", "time/update")
+
+
+def tiny(tmp_path, *overrides):
+    """The embedded default config, made small, with its init checkpoint and outputs under tmp_path."""
+    return load_config(["--config", "tiny.py", f"--model={tmp_path}/init", f"--out_dir={tmp_path}/run",
+                        "--prompts_per_step=4", "--num_generations=4", "--micro_batch_size=8",
+                        "--max_completion_length=6", "--eval_every=0", "--max_steps=3", *overrides])
+
+
+def strip_timing(history):
+    return [{k: v for k, v in m.items() if k not in TIMING} for m in history]
+
+
+def test_smoke_metrics_and_checkpoint(tmp_path, capsys):
+    cfg = tiny(tmp_path, "--eval_every=2", "--eval_size=8", "--log_completions=true")
+    history = train.train(cfg)
+    assert [m["step"] for m in history] == [1, 2, 3]
+    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert strip_timing(lines) == strip_timing(history)
+    for key in ("step", "reward", "reward_std", "rewards/default_task/mean", "entropy", "clip_ratio/region_mean",
+                "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std", "loss",
+                "grad_norm", "lr", "tokens_per_sec", "time/sample", "time/score", "time/update"):
+        assert key in lines[0], key
+    assert "kl" not in lines[0]  # beta = 0: no reference model, no kl
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in lines)
+    assert "eval/reward" in lines[1] and "eval/pass@1" in lines[2]
+    out = capsys.readouterr().out
+    assert "step    3 | reward" in out and "done: 3 steps" in out and "-> '" in out
+    ckpt = tmp_path / "run" / "checkpoint"
+    model = Transformer.from_pretrained(ckpt)  # HF format, loadable with the same code as any checkpoint
+    tok = Tokenizer.from_pretrained(ckpt)
+    assert model.generation_config["eos_token_id"] == [0] and tok.eos_token_ids == {0}
+    assert not [p for p in os.listdir(tmp_path / "run") if ".tmp" in p]
+
+
+@pytest.mark.parametrize("split,args", [
+    (3, ["--beta=0.04"]),  # on-policy, with a reference model: 3 + resume + 3
+    (4, ["--num_iterations=2", "--loss_type=grpo"]),  # off-policy rounds of 2 steps: resume at a round boundary
+])
+def test_resume_is_exact(tmp_path, split, args):
+    full = train.train(tiny(tmp_path / "a", "--max_steps=6", *args))
+    first = train.train(tiny(tmp_path / "b", f"--max_steps={split}", *args))
+    resumed = train.train(tiny(tmp_path / "b", "--resume=true", "--max_steps=6", *args))
+    assert len(full) == 6
+    assert strip_timing(first) == strip_timing(full[:split])
+    assert strip_timing(resumed) == strip_timing(full)
+    a = Transformer.from_pretrained(tmp_path / "a" / "run" / "checkpoint").state_dict()
+    b = Transformer.from_pretrained(tmp_path / "b" / "run" / "checkpoint").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_learning_default_task(tmp_path):
+    # fixed seed: the mean reward of the last 10 steps clearly beats the first 10
+    cfg = tiny(tmp_path, "--max_steps=40", "--prompts_per_step=8", "--num_generations=8", "--micro_batch_size=64",
+               "--max_completion_length=8")
+    history = train.train(cfg)
+    start = sum(m["reward"] for m in history[:10]) / 10
+    end = sum(m["reward"] for m in history[-10:]) / 10
+    assert end > start + 0.15, (start, end)
+
+
+def bad_length_reward(completions, **kwargs):
+    return [1.0]
+
+
+SEEN = []
+
+
+def column_reward(prompts, completions, completion_ids, difficulty, **kwargs):
+    SEEN.append((prompts, completions, completion_ids, difficulty))
+    return [float(d) for d in difficulty]
+
+
+def test_reward_function_errors_name_the_function(tmp_path):
+    cfg = tiny(tmp_path, f"--reward_funcs={__name__}:bad_length_reward")
+    with pytest.raises(RewardError, match="bad_length_reward.*returned 1 values for 16 completions"):
+        train.train(cfg)
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="did you mean learning_rate"):
+        load_config(["--config", "tiny.py", "--learnng_rate=1e-3"])
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        load_config(["--config", "tiny.py", "--micro_batch_size=48"])
+    with pytest.raises(ConfigError, match="num_generations"):
+        load_config(["--config", "tiny.py", "--num_generations=1"])
+
+
+def test_conversational_jsonl_with_extra_columns(tmp_path):
+    from nanogrpo.tokenizer import char_level_tokenizer
+    rows = [{"prompt": [{"role": "user", "content": "abc" + "abcdefgh"[i] + "="}], "difficulty": i} for i in range(8)]
+    with open(tmp_path / "data.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    cfg = tiny(tmp_path, f"--dataset={tmp_path}/data.jsonl", f"--reward_funcs={__name__}:column_reward",
+               "--max_steps=1")
+    train.ensure_tiny_checkpoint(cfg, train.dist.DistInfo())
+    config = dict(char_level_tokenizer("abcdefgh=").config, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    json.dump(config, open(os.path.join(cfg.model, "tokenizer_config.json"), "w"))
+    SEEN.clear()
+    history = train.train(cfg)
+    prompts, completions, completion_ids, difficulty = SEEN[0]
+    assert len(prompts) == len(completions) == len(completion_ids) == len(difficulty) == 16  # 4 prompts x G=4
+    for i, (p, c, d) in enumerate(zip(prompts, completions, difficulty)):
+        assert p == prompts[i // 4 * 4]  # a prompt's G completions are consecutive
+        assert d == "abcdefgh".index(p[-1]["content"][3])  # its own row's column value
+        assert c[0]["role"] == "assistant" and isinstance(c[0]["content"], str)
+    assert history[0]["rewards/column_reward/mean"] == pytest.approx(sum(difficulty) / 16)
