@@ -22,10 +22,11 @@ in ~150 steps on a CPU. It works because (1) the reward (rewards.default_task_sc
 random policy already earns partial credit for using the right letters and stopping at the right
 length, so groups have reward variance from step 0; (2) the fixed length makes every output
 position read the prompt at one constant relative offset, a single attention pattern that RoPE
-models pick up easily. With a char-level vocabulary over `DEFAULT_TASK_CHARS` (plus eos) a 2-layer,
-64-wide model reached 0.66-0.99 mean reward (from 0.07) in 150 steps of 16 prompts x 8 samples at
-lr 3e-3 over 4 seeds. Reversal or variable lengths did not learn in that budget, nor did a 257-token
-byte vocabulary at lr 3e-3 (it first has to find the 8 useful letters among 256 bytes).
+models pick up easily; (3) the vocabulary is tiny: a char-level tokenizer over `DEFAULT_TASK_CHARS`
+plus a few specials. Measured with train.py and configs/tiny.py (2 layers, width 64, 16 prompts x 8,
+lr 3e-3): mean reward 0.15 -> 0.85 in 150 steps for seed 1337, 0.14 -> 0.64 for seed 2, 0.15 ->
+0.26 for seed 1; RL from scratch is seed-sensitive. In a stand-alone probe, reversal, variable
+lengths and a 257-token byte vocabulary all stayed below 0.45 within 150 steps.
 """
 
 import json

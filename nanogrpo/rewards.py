@@ -42,8 +42,6 @@ def completion_text(completion) -> str:
     """The text of one completion: the string itself, or the last message's content."""
     if isinstance(completion, str):
         return completion
-    if isinstance(completion, dict):
-        return completion.get("content") or ""
     if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict):
         return completion[-1].get("content") or ""
     raise TypeError(f"expected a string or a list of messages as a completion, got {completion!r}")
@@ -115,8 +113,8 @@ def answers_match(predicted: str, gold: str) -> bool:
     p, g = parse_number(predicted), parse_number(gold)
     if p is not None and g is not None:
         return p == g
-    squash = lambda s: re.sub(r"\s+|\$", "", str(s))  # noqa: E731
-    return squash(predicted) == squash(gold) and squash(gold) != ""
+    predicted, gold = (re.sub(r"\s+|\$", "", str(s)) for s in (predicted, gold))
+    return predicted == gold != ""
 
 
 def accuracy_reward(completions, answer=None, solution=None, **kwargs) -> list[float | None]:
@@ -160,13 +158,10 @@ def soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int):
     With L = len(ids), M = max_completion_len, C = soft_punish_cache: 0 when L <= M - C, falling
     linearly to -1 across the last C tokens ((M - C - L) / C), and -1 beyond M."""
     if not 0 < soft_punish_cache <= max_completion_len:
-        raise ValueError(f"soft_punish_cache must be in [1, max_completion_len={max_completion_len}], "
-                         f"got {soft_punish_cache}")
+        raise ValueError(f"soft_punish_cache={soft_punish_cache} must be in [1, {max_completion_len}]")
     free = max_completion_len - soft_punish_cache
 
     def soft_overlong(completion_ids, **kwargs) -> list[float]:
-        if completion_ids is None:
-            raise ValueError("soft_overlong needs completion_ids")
         lengths = [len(ids) for ids in completion_ids]
         return [0.0 if n <= free else -1.0 if n > max_completion_len else (free - n) / soft_punish_cache
                 for n in lengths]
@@ -227,23 +222,28 @@ def countdown_reward(completions, nums, target, **kwargs) -> list[float]:
 # default task (data.make_default_task): copy a short string
 
 
-def default_task_score(completion: str, target: str) -> float:
-    """Dense score in [0, 1], 1.0 only for the exact target.
+def default_task_score(completion: str, target: str, num_tokens: int | None = None) -> float:
+    """Dense score in [0, 1], 1.0 only for the exact target at the exact length.
 
-    0.7 * fraction of positions right (over max(len completion, len target)) + 0.15 * multiset overlap
-    of characters (same normaliser) + 0.15 * length closeness (1 - |len diff| / len target, >= 0)."""
-    if completion == target:
+    0.7 * fraction of positions right + 0.15 * multiset overlap of characters (both over
+    max(length, len target)) + 0.15 * length closeness (1 - |length - len target| / len target, >= 0).
+    length = len(completion), or num_tokens - 1 if larger: num_tokens counts the generated ids up to and
+    including the stop token, so tokens that decode to nothing (special tokens) still count as length
+    and the policy must learn to stop rather than pad with invisible tokens."""
+    length = len(completion) if num_tokens is None else max(len(completion), num_tokens - 1)
+    if completion == target and length == len(target):
         return 1.0
-    longest = max(len(completion), len(target), 1)
+    longest = max(length, len(target), 1)
     positions = sum(a == b for a, b in zip(completion, target)) / longest
     overlap = sum((collections.Counter(completion) & collections.Counter(target)).values()) / longest
-    length = max(0.0, 1.0 - abs(len(completion) - len(target)) / max(len(target), 1))
-    return 0.7 * positions + 0.15 * overlap + 0.15 * length
+    closeness = max(0.0, 1.0 - abs(length - len(target)) / max(len(target), 1))
+    return 0.7 * positions + 0.15 * overlap + 0.15 * closeness
 
 
-def default_task_reward(completions, target, **kwargs) -> list[float]:
+def default_task_reward(completions, target, completion_ids=None, **kwargs) -> list[float]:
     """`default_task_score` of each completion against the dataset column `target`."""
-    return [default_task_score(completion_text(c).strip(), str(t)) for c, t in zip(completions, target)]
+    counts = [None] * len(completions) if completion_ids is None else [len(ids) for ids in completion_ids]
+    return [default_task_score(completion_text(c).strip(), str(t), n) for c, t, n in zip(completions, target, counts)]
 
 
 # -----------------------------------------------------------------------------
@@ -307,7 +307,7 @@ def resolve_reward_funcs(names_or_callables, *, max_completion_length: int | Non
 
 def _check_scores(name: str, scores, n: int) -> list[float]:
     """Validate one function's output: n numbers or None -> n floats with NaN for None."""
-    if isinstance(scores, torch.Tensor) or hasattr(scores, "tolist"):
+    if hasattr(scores, "tolist"):  # tensor, numpy array
         scores = scores.tolist()
     if not isinstance(scores, (list, tuple)):
         raise RewardError(f"reward function {name!r} returned {type(scores).__name__} {scores!r:.80}, "

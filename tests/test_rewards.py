@@ -102,6 +102,9 @@ def test_default_task_reward():
     assert scores[1] > scores[3] > scores[4] > scores[5] == 0.0  # near misses beat permutations beat garbage
     assert scores[2] > scores[6]  # one extra char costs less than doubling
     assert default_task_reward(as_messages([" bhad\n"]), target=[target]) == [1.0]
+    # with completion_ids, tokens that decode to nothing still count as length: stop, don't pad
+    stopped, padded = default_task_reward(["bhad", "bhad"], target=[target] * 2, completion_ids=[[0] * 5, [0] * 8])
+    assert stopped == 1.0 and padded < 0.8
 
 
 # --- resolving and scoring ----------------------------------------------------------------------
