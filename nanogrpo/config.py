@@ -53,7 +53,6 @@ class TrainConfig:
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 (autocast, fp32 weights) | auto (bf16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 1337  # seeds init, prompt order and sampling
-    compile: bool = False  # torch.compile the model
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     # data
     dataset: str = "default"  # see data.load_dataset: file, hf://datasets/..., gsm8k, default, countdown

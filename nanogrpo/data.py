@@ -37,8 +37,9 @@ import torch
 
 DEFAULT_TASK_ALPHABET = "abcdefgh"
 DEFAULT_TASK_CHARS = DEFAULT_TASK_ALPHABET + "="  # every character in the default task's prompts and targets
-GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then write the final answer "
-                       "as a number inside \\boxed{}, for example \\boxed{42}.")
+GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Think step by step inside <think> </think> tags, then give "
+                       "the final answer as a number in \\boxed{} inside <answer> </answer> tags, for example "
+                       "<think> ... </think>\n<answer>\\boxed{42}</answer>")  # what the accuracy + format rewards check
 GSM8K_FILES = {"train": "main/train-00000-of-00001.parquet", "test": "main/test-00000-of-00001.parquet"}
 
 # -----------------------------------------------------------------------------

@@ -25,14 +25,14 @@ def not_a_setting():
 def test_file_then_overrides(tmp_path):
     path = tmp_path / "run.py"
     path.write_text(CONFIG_FILE)
-    cfg = load_config(["--config", str(path), "--learning_rate=2e-6", "--top-p", "0.9", "--compile",
+    cfg = load_config(["--config", str(path), "--learning_rate=2e-6", "--top-p", "0.9", "--gradient_checkpointing",
                        "--eval_dataset=None", "--resume=runs/a", "--reward_weights=2,3", "--epsilon_high", "0.28"])
-    assert cfg.learning_rate == 2e-6 and cfg.top_p == 0.9 and cfg.compile is True
+    assert cfg.learning_rate == 2e-6 and cfg.top_p == 0.9 and cfg.gradient_checkpointing is True
     assert cfg.reward_funcs == ["accuracy", "format"] and cfg.reward_weights == [2.0, 3.0]
     assert cfg.eval_dataset is None and cfg.resume == "runs/a" and cfg.epsilon_high == 0.28
     assert cfg.init_model == {"hidden_size": 64, "num_hidden_layers": 2}
     assert load_config(["--config", str(path)]).learning_rate == pytest.approx(3e-5)
-    assert load_config(["--resume=true"]).resume is True and load_config(["--compile=0"]).compile is False
+    assert load_config(["--resume=true"]).resume is True and load_config(["--gradient_checkpointing=0"]).gradient_checkpointing is False
 
 
 def test_bare_names_are_found_in_configs_dirs(tmp_path, monkeypatch):
@@ -55,7 +55,7 @@ def test_unknown_keys_suggest_the_closest(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--learning_rate=fast"], "learning_rate='fast': expected float"),
     (["--seed=1.5"], "seed='1.5': expected int"),
-    (["--compile=maybe"], "compile='maybe': expected bool"),
+    (["--gradient_checkpointing=maybe"], "gradient_checkpointing='maybe': expected bool"),
     (["--reward_weights=[1, 'a']"], "reward_weights"),
     (["--reward_weights=[1,"], "not a Python literal"),
     (["--max_steps"], "--max_steps needs a value"),
@@ -68,7 +68,7 @@ def test_wrong_types(argv, message):
 
 def test_file_values_are_type_checked():
     assert convert("learning_rate", 1) == 1.0
-    for key, value in [("max_steps", True), ("max_steps", 2.0), ("compile", 1), ("model", 3), ("init_model", [1])]:
+    for key, value in [("max_steps", True), ("max_steps", 2.0), ("gradient_checkpointing", 1), ("model", 3), ("init_model", [1])]:
         with pytest.raises(ConfigError, match=key):
             convert(key, value)
 

@@ -1,0 +1,41 @@
+# Qwen2.5-0.5B-Instruct on GSM8K with accuracy + format rewards, for 8 GPUs:
+#
+#     torchrun --nproc_per_node 8 train.py --config small.py
+#
+# Each optimizer step: 64 prompts x 8 completions = 512 completions, 64 per GPU in micro-batches of
+# 16 (gradient accumulation 4). FSDP2 shards the model; bf16 compute with fp32 master weights.
+# On fewer GPUs it still runs (prompts_per_step must stay divisible by the GPU count): each GPU then
+# accumulates more micro-batches for the same global batch.
+
+model = "Qwen/Qwen2.5-0.5B-Instruct"
+device = "cuda"
+dtype = "bfloat16"
+gradient_checkpointing = True
+
+dataset = "gsm8k"
+dataset_split = "train"
+eval_dataset = "gsm8k"
+eval_split = "test"
+eval_size = 256
+eval_every = 50
+reward_funcs = ["accuracy", "format"]
+reward_weights = [1.0, 0.2]
+
+num_generations = 8
+prompts_per_step = 64
+micro_batch_size = 16
+max_completion_length = 512
+temperature = 1.0
+
+loss_type = "dapo"
+epsilon = 0.2
+epsilon_high = 0.28  # DAPO's clip-higher
+beta = 0.0
+learning_rate = 1e-6
+lr_scheduler = "constant"
+warmup_steps = 10
+max_grad_norm = 1.0
+max_steps = 500
+save_every = 100
+log_completions = True
+out_dir = "out/small"
