@@ -66,13 +66,12 @@ def test_resume_is_exact(tmp_path, split, args):
 
 
 def test_learning_default_task(tmp_path):
-    # fixed seed: the mean reward of the last 10 steps clearly beats the first 10
-    cfg = tiny(tmp_path, "--max_steps=40", "--prompts_per_step=8", "--num_generations=8", "--micro_batch_size=64",
-               "--max_completion_length=8")
-    history = train.train(cfg)
+    # the embedded default's batch for 80 steps (~40 s): the last 10 steps clearly beat the first 10
+    history = train.train(tiny(tmp_path, "--max_steps=80", "--prompts_per_step=16", "--num_generations=8",
+                               "--micro_batch_size=64", "--max_completion_length=8"))
     start = sum(m["reward"] for m in history[:10]) / 10
     end = sum(m["reward"] for m in history[-10:]) / 10
-    assert end > start + 0.15, (start, end)
+    assert end > start + 0.1, (start, end)
 
 
 def bad_length_reward(completions, **kwargs):
