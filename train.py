@@ -143,7 +143,9 @@ def sample_and_score(model, tok, rows, cfg, reward_funcs, info, generator, autoc
         mask = mask * (~out.truncated).float()[:, None]
     input_ids, attention_mask = join_prompt_completion(prompt_ids, out.completion_ids, tok.pad_token_id, G)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "mask": mask, "advantages": advantages,
-             "num_items": dist.all_reduce_sum(mask.sum(), info)}
+             "num_items": dist.all_reduce_sum(mask.sum(), info),
+             "num_tokens": torch.tensor(float(sum(map(len, prompt_ids)) * G + out.completion_mask.sum().item()),
+                                       device=info.device)}
     metrics = generation_metrics(rewards, weights, out, reward_funcs, G, info)
     metrics.update({"time/sample": t_sample, "time/score": t_score})
     samples = [(p if isinstance(p, str) else p[-1]["content"], c if isinstance(c, str) else c[0]["content"], r)
@@ -377,7 +379,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             records.append(m)
         # 7. log, eval, checkpoint (at round boundaries, so a resume restarts a round exactly)
         round_time = time.time() - t_round
-        tokens = dist.all_reduce_sum(batch["attention_mask"].sum().float(), info).item()
+        tokens = dist.all_reduce_sum(batch["num_tokens"], info).item()
         for m in records:
             m["time/update"] += t_logps / len(records)
             m.update({"step_time": round_time / len(records), "tokens_per_sec": tokens / round_time})

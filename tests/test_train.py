@@ -47,6 +47,11 @@ def test_smoke_metrics_and_checkpoint(tmp_path, capsys):
     tok = Tokenizer.from_pretrained(ckpt)
     assert model.generation_config["eos_token_id"] == [0] and tok.eos_token_ids == {0}
     assert not [p for p in os.listdir(tmp_path / "run") if ".tmp" in p]
+    import sample  # sample.py on the trained checkpoint, scored by the task's reward
+    sample.main(["--model", str(ckpt), "--prompt", "abcd=", "--num_samples", "2", "--max_new_tokens", "6",
+                 "--reward", "default_task", "--column", "target=abcd", "--device", "cpu", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert "prompt (5 tokens): 'abcd='" in out and out.count("default_task=") == 2
 
 
 @pytest.mark.parametrize("split,args", [
