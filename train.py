@@ -100,12 +100,30 @@ def join_prompt_completion(prompt_ids: list[list[int]], completion_ids, pad_id: 
     return input_ids, attention_mask
 
 
-def completion_texts(tok: Tokenizer, out, conversational: bool):
-    """Decoded completions (special tokens skipped), as strings or assistant-message lists."""
-    texts = [tok.decode(ids[: int(n)]) for ids, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1))]
-    if conversational:
-        return [[{"role": "assistant", "content": t}] for t in texts]
-    return texts
+def rollout(model, tok, prompt_ids, cfg, num_samples, generator, autocast):
+    """num_samples completions per prompt with the config's sampling settings; the parameters are
+    gathered once for the whole phase (FSDP), not once per decode step."""
+    model.eval()
+    with torch.no_grad(), dist.gathered(model), autocast:
+        out = generate(model, prompt_ids, num_samples=num_samples, max_new_tokens=cfg.max_completion_length,
+                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
+                       repetition_penalty=cfg.repetition_penalty, stop_ids=tok.eos_token_ids,
+                       pad_id=tok.pad_token_id, generator=generator, vocab_size=tok.vocab_size)
+    model.train()
+    return out
+
+
+def score(tok, reward_funcs, rows, out, num_samples):
+    """Decode the completions (special tokens skipped) and call every reward function with TRL's
+    convention: prompts and dataset columns repeated per completion, completions as strings or as
+    assistant messages (conversational prompts). -> rewards [n,K] (NaN = unscored), prompts, completions."""
+    prompts = [r["prompt"] for r in rows for _ in range(num_samples)]
+    columns = {k: [v for v in vals for _ in range(num_samples)] for k, vals in columns_of(rows).items()}
+    ids = [row[: int(n)] for row, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1))]
+    completions = [tok.decode(r) for r in ids]
+    if not isinstance(rows[0]["prompt"], str):
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    return score_completions(reward_funcs, prompts, completions, ids, columns), prompts, completions
 
 
 def sample_and_score(model, tok, rows, cfg, reward_funcs, info, generator, autocast):
@@ -114,22 +132,11 @@ def sample_and_score(model, tok, rows, cfg, reward_funcs, info, generator, autoc
     G = cfg.num_generations
     prompt_ids = [tok.encode_prompt(r["prompt"]) for r in rows]
     t0 = time.time()
-    model.eval()
-    with torch.no_grad(), dist.gathered(model), autocast:
-        out = generate(model, prompt_ids, num_samples=G, max_new_tokens=cfg.max_completion_length,
-                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
-                       repetition_penalty=cfg.repetition_penalty, stop_ids=tok.eos_token_ids,
-                       pad_id=tok.pad_token_id, generator=generator, vocab_size=tok.vocab_size)
-    model.train()
+    out = rollout(model, tok, prompt_ids, cfg, G, generator, autocast)
     t_sample = time.time() - t0
 
     t0 = time.time()
-    conversational = not isinstance(rows[0]["prompt"], str)
-    prompts = [r["prompt"] for r in rows for _ in range(G)]
-    columns = {k: [v for v in vals for _ in range(G)] for k, vals in columns_of(rows).items()}
-    completions = completion_texts(tok, out, conversational)
-    ids_list = [ids[: int(n)] for ids, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1))]
-    local_rewards = score_completions(reward_funcs, prompts, completions, ids_list, columns)  # [n, K]
+    local_rewards, prompts, completions = score(tok, reward_funcs, rows, out, G)  # [n, K]
     rewards = dist.all_gather_rows(local_rewards.to(info.device), info).float()  # [N_global, K]
     weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs), device=rewards.device)
     advantages = group_advantages(rewards, G, reward_weights=weights, scale_rewards=cfg.scale_rewards,
@@ -242,17 +249,9 @@ def evaluate(model, tok, rows, cfg, reward_funcs, info, autocast) -> dict:
     n = len(rows) // info.world_size
     rows = rows[info.rank * n:(info.rank + 1) * n]
     prompt_ids = [tok.encode_prompt(r["prompt"]) for r in rows]
-    g = torch.Generator(info.device).manual_seed(round_seed(cfg, 0, info.rank, salt=17))
-    model.eval()
-    with dist.gathered(model), autocast:
-        out = generate(model, prompt_ids, num_samples=1, max_new_tokens=cfg.max_completion_length,
-                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
-                       repetition_penalty=cfg.repetition_penalty, stop_ids=tok.eos_token_ids,
-                       pad_id=tok.pad_token_id, generator=g, vocab_size=tok.vocab_size)
-    model.train()
-    completions = completion_texts(tok, out, not isinstance(rows[0]["prompt"], str))
-    ids_list = [ids[: int(m)] for ids, m in zip(out.completion_ids.tolist(), out.completion_mask.sum(1))]
-    rewards = score_completions(reward_funcs, [r["prompt"] for r in rows], completions, ids_list, columns_of(rows))
+    generator = torch.Generator(info.device).manual_seed(round_seed(cfg, 0, info.rank, salt=17))
+    out = rollout(model, tok, prompt_ids, cfg, 1, generator, autocast)
+    rewards, _, _ = score(tok, reward_funcs, rows, out, 1)
     rewards = dist.all_gather_rows(rewards.to(info.device), info)
     m = {f"eval/rewards/{name}/mean": torch.nanmean(rewards[:, k]).item() for k, (name, _) in enumerate(reward_funcs)}
     weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs), device=rewards.device)
