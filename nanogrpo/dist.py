@@ -179,8 +179,9 @@ def gathered(model):
 
 def gradient_sync(model, enabled: bool):
     """Turn FSDP's gradient reduce-scatter on (last micro-step) or off (earlier micro-steps)."""
-    for m in fsdp_modules(model)[-1:]:  # the root: applies to every FSDP module below it
-        m.set_requires_gradient_sync(enabled, recurse=True)
+    from torch.distributed.fsdp import FSDPModule
+    if isinstance(model, FSDPModule):  # the root; recurse=True reaches every block
+        model.set_requires_gradient_sync(enabled, recurse=True)
 
 
 def clip_grad_norm(model, max_norm: float) -> float:
