@@ -124,7 +124,7 @@ def test_logprobs_equal_recomputation(family, temperature):
     ids, mask = left_pad([p + c.tolist() for p, c in zip(prompts, out.completion_ids)])
     mask[:, -C:] &= out.completion_mask
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask)[:, -C - 1:-1, :TOKENIZER_VOCAB].float()  # predicts each completion token
+        logits = model(ids, attention_mask=mask)[:, -C - 1:-1, :TOKENIZER_VOCAB].float()  # predicts completion tokens
     for t in range(C):
         seen = torch.where(mask[:, :ids.shape[1] - C + t], ids[:, :ids.shape[1] - C + t], -1)  # prompt + earlier tokens
         z = filtered(logits[:, t], seen, temperature, args["top_k"], args["top_p"], args["min_p"],
@@ -247,8 +247,8 @@ def test_invalid_arguments(kwargs, name):
 # -----------------------------------------------------------------------------
 # Filters and the sampling draw against naive references
 
-values = st.lists(st.sampled_from([-3.0, -1.5, -0.5, 0.0, 0.25, 1.0, 2.0, 4.5]) | st.floats(-8, 8, width=32), min_size=1,
-                  max_size=12)
+ties = st.sampled_from([-3.0, -1.5, -0.5, 0.0, 0.25, 1.0, 2.0, 4.5])  # repeated values make ties likely
+values = st.lists(ties | st.floats(-8, 8, width=32), min_size=1, max_size=12)
 
 
 @settings(max_examples=150, deadline=None)
