@@ -185,7 +185,7 @@ def generation_metrics(rewards, weights, out, reward_funcs, G, info) -> dict:
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch, cfg, autocast):
+def batch_logprobs(model, batch, cfg, autocast, vocab_size):
     """Per-token log-probs [N,C] of the completions, micro-batch by micro-batch, without gradient."""
     C = batch["mask"].shape[1]
     parts = []
@@ -193,7 +193,7 @@ def batch_logprobs(model, batch, cfg, autocast):
         sl = slice(i, i + cfg.micro_batch_size)
         with autocast:
             logps, _ = token_logprobs(model, batch["input_ids"][sl], batch["attention_mask"][sl],
-                                      batch["mask"][sl], temperature=cfg.temperature)
+                                      batch["mask"][sl], temperature=cfg.temperature, vocab_size=vocab_size)
         parts.append(logps[:, -C:])
     return torch.cat(parts)
 
@@ -202,7 +202,7 @@ def batch_logprobs(model, batch, cfg, autocast):
 # The update: micro-batched grpo_step with gradient accumulation
 
 
-def update(model, optimizer, batch, micro_rows, cfg, loss_cfg, info, autocast, spg):
+def update(model, optimizer, batch, micro_rows, cfg, loss_cfg, info, autocast, spg, vocab_size=None):
     """One optimizer step over `micro_rows` (a list of GA index tensors). `spg` = micro-batches per
     generation round (TRL's steps_per_generation), which sets the dapo/cispo/vespo normalizer.
     Returns the loss metrics, averaged over micro-batches."""
@@ -213,7 +213,8 @@ def update(model, optimizer, batch, micro_rows, cfg, loss_cfg, info, autocast, s
         dist.gradient_sync(model, enabled=(k == GA - 1))
         with autocast:
             logps, entropies = token_logprobs(model, batch["input_ids"][idx], batch["attention_mask"][idx],
-                                              batch["mask"][idx], temperature=cfg.temperature)
+                                              batch["mask"][idx], temperature=cfg.temperature,
+                                              vocab_size=vocab_size)
         loss, metrics = grpo_step(
             logps.float(), batch["old_logps"][idx] if "old_logps" in batch else None,
             batch["ref_logps"][idx] if "ref_logps" in batch else None, batch["advantages"][idx],
@@ -357,10 +358,10 @@ def train(cfg: TrainConfig) -> list[dict]:
         t0 = time.time()
         if off_policy:
             model.eval()
-            batch["old_logps"] = batch_logprobs(model, batch, cfg, autocast)
+            batch["old_logps"] = batch_logprobs(model, batch, cfg, autocast, tok.vocab_size)
             model.train()
         if ref is not None:
-            batch["ref_logps"] = batch_logprobs(ref, batch, cfg, autocast)
+            batch["ref_logps"] = batch_logprobs(ref, batch, cfg, autocast, tok.vocab_size)
         t_logps = time.time() - t0
         # 6. updates: shuffle once per round, replay the same micro-batches num_iterations times
         perm = torch.randperm(rows_per_round, generator=torch.Generator().manual_seed(round_seed(cfg, rnd, info.rank, 1)))
@@ -368,7 +369,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         records = []
         for j in [j for _ in range(cfg.num_iterations) for j in range(0, spg, GA)][: cfg.max_steps - step]:
             t0 = time.time()
-            m = update(model, optimizer, batch, micro[j:j + GA], cfg, loss_cfg, info, autocast, spg)
+            m = update(model, optimizer, batch, micro[j:j + GA], cfg, loss_cfg, info, autocast, spg, tok.vocab_size)
             scheduler.step()
             step += 1
             if ref is not None and cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:

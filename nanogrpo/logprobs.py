@@ -24,9 +24,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
-def _logps_entropy(h, targets, lm_head, temperature):
+def _logps_entropy(h, targets, lm_head, temperature, vocab_size=None):
     """h [n,D], targets [n] -> (logp [n], entropy [n]) in fp32 (fp64 for an fp64 model)."""
-    logits = lm_head(h)  # [n,V] in the model dtype
+    logits = lm_head(h)[:, :vocab_size]  # [n,V] in the model dtype (real vocabulary only, if given)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     logz = logits.logsumexp(dim=-1)  # [n]
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
@@ -35,7 +35,8 @@ def _logps_entropy(h, targets, lm_head, temperature):
     return logp, entropy
 
 
-def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_size=256):
+def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_size=256,
+                   vocab_size=None):
     """Log-prob and entropy of each completion token under `model` at `temperature`.
 
     input_ids, attention_mask: [N,L], a left-padded prompt followed by a right-padded completion that
@@ -44,6 +45,9 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     Returns (logps, entropy), each [N,C] float32 (float64 for a float64 model), exactly 0 where
     completion_mask == 0. Differentiable w.r.t. the model's parameters; peak memory is a few
     [chunk_size, V] blocks of logits, independent of N and C (see the module docstring).
+    vocab_size: normalize over the first vocab_size logits only, the support the sampler draws from
+    when the embedding has padded rows (Qwen2.5: 151,936 rows, 151,665 tokens). None = all rows, as
+    TRL does; the two agree whenever the padded rows carry no probability, as in trained checkpoints.
     """
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids and attention_mask must both be [N,L]; got {tuple(input_ids.shape)} "
@@ -69,9 +73,9 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
             h_c, t_c = h[start:start + chunk_size], targets[start:start + chunk_size]
             if torch.is_grad_enabled() and h_c.requires_grad:
                 # Recompute this chunk's [chunk,V] logits in backward rather than saving them.
-                lp, ent = checkpoint(_logps_entropy, h_c, t_c, lm_head, temperature, use_reentrant=False)
+                lp, ent = checkpoint(_logps_entropy, h_c, t_c, lm_head, temperature, vocab_size, use_reentrant=False)
             else:
-                lp, ent = _logps_entropy(h_c, t_c, lm_head, temperature)
+                lp, ent = _logps_entropy(h_c, t_c, lm_head, temperature, vocab_size)
             logp_parts.append(lp)
             ent_parts.append(ent)
         zeros = torch.zeros(N, C, dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
