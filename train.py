@@ -22,6 +22,7 @@ tool calling, the entropy bonus, reward models (any Python function is a reward 
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -262,13 +263,16 @@ def evaluate(model, tok, rows, cfg, reward_funcs, info, autocast) -> dict:
 
 
 def save_checkpoint(out_dir, model, tok, optimizer, cfg, state, info):
-    """out_dir/checkpoint: the policy in HF format (+ tokenizer), trainer state beside it. Written
-    into a temp dir and renamed in one go, so the latest checkpoint is never half-written."""
-    path = os.path.join(out_dir, "checkpoint")
+    """out_dir/checkpoint-<step>: the policy in HF format (+ tokenizer) with the trainer state beside
+    it, written under a temporary name and renamed when complete; then the link out_dir/checkpoint is
+    swapped to it in one atomic os.replace, and older checkpoints are removed. A crash at any point
+    leaves `checkpoint` pointing at a complete checkpoint."""
+    step_dir = os.path.join(out_dir, f"checkpoint-{state['step']}")
+    tmp = step_dir + ".tmp"
     full = dist.full_state_dict(model, info)
-    tmp = dist.broadcast_object(os.path.join(out_dir, f"checkpoint.tmp-{state['step']}"), info)
     if info.is_main:
-        os.makedirs(tmp, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash
+        os.makedirs(tmp)
         write_pretrained(tmp, model.config, to_hf_names(full, model.config), model.generation_config)
         tok.save_pretrained(tmp)
         with open(os.path.join(tmp, "train_config.json"), "w") as f:
@@ -277,11 +281,18 @@ def save_checkpoint(out_dir, model, tok, optimizer, cfg, state, info):
     dist.save_trainer_state(os.path.join(tmp, "trainer"), model, optimizer, state, info)
     dist.barrier(info)
     if info.is_main:
-        with atomic_dir(path) as final_tmp:
-            os.rmdir(final_tmp)
-            os.rename(tmp, final_tmp)
+        shutil.rmtree(step_dir, ignore_errors=True)
+        os.rename(tmp, step_dir)
+        link = os.path.join(out_dir, "checkpoint")
+        if os.path.lexists(link + ".tmp"):
+            os.remove(link + ".tmp")
+        os.symlink(os.path.basename(step_dir), link + ".tmp")
+        os.replace(link + ".tmp", link)  # atomic: readers see the old or the new checkpoint
+        for name in os.listdir(out_dir):
+            if name.startswith("checkpoint-") and name != os.path.basename(step_dir):
+                shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     dist.barrier(info)
-    return path
+    return step_dir
 
 
 # -----------------------------------------------------------------------------

@@ -70,6 +70,25 @@ def test_resume_is_exact(tmp_path, split, args):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_crash_while_saving_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    train.train(tiny(tmp_path, "--max_steps=2"))
+    ckpt = tmp_path / "run" / "checkpoint"
+    assert os.path.realpath(ckpt).endswith("checkpoint-2")
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C in the middle of writing the next checkpoint
+
+    monkeypatch.setattr(train, "write_pretrained", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(tiny(tmp_path, "--max_steps=3", "--resume=true"))
+    assert os.path.realpath(ckpt).endswith("checkpoint-2")  # still the last complete one
+    Transformer.from_pretrained(ckpt)
+    monkeypatch.undo()
+    history = train.train(tiny(tmp_path, "--max_steps=3", "--resume=true"))
+    assert [m["step"] for m in history] == [1, 2, 3]
+    assert sorted(p for p in os.listdir(tmp_path / "run") if p.startswith("checkpoint")) == ["checkpoint", "checkpoint-3"]
+
+
 def test_learning_default_task(tmp_path):
     # the embedded default's batch for 80 steps (~40 s): the last 10 steps clearly beat the first 10
     history = train.train(tiny(tmp_path, "--max_steps=80", "--prompts_per_step=16", "--num_generations=8",
