@@ -261,22 +261,15 @@ def convert(key: str, value, tp=None, from_text: bool = False):
             return value.lower() in ("true", "1", "yes")
         if isinstance(value, bool):
             return value
-    elif tp is int:
+    elif tp in (int, float):
         if from_text and isinstance(value, str):
             try:
-                return int(value)
+                return tp(value)
             except ValueError:
                 pass
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if from_text and isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+        accepted = (int, float) if tp is float else int  # an int is a fine float, not vice versa
+        if isinstance(value, accepted) and not isinstance(value, bool):
+            return tp(value)
     elif tp is str and isinstance(value, str):
         return value
     raise ConfigError(f"{key}={value!r}: expected {getattr(tp, '__name__', tp)}")
