@@ -1,6 +1,6 @@
 """GRPO training, top to bottom as the algorithm.
 
-    python train.py                                   # embedded default: tiny model, CPU, ~3 minutes
+    python train.py                                   # embedded default: tiny model, CPU, ~2 minutes
     python train.py --config small.py --learning_rate=2e-6
     torchrun --nproc_per_node 8 train.py --config small.py
 
@@ -310,7 +310,10 @@ def train(cfg: TrainConfig) -> list[dict]:
     tok = Tokenizer.from_pretrained(cfg.model)
     ckpt = os.path.join(cfg.out_dir, "checkpoint")
     if isinstance(cfg.resume, str) and cfg.resume.lower() not in ("true", "false"):
-        ckpt = cfg.resume
+        ckpt = cfg.resume  # an explicit checkpoint must exist; resume=True without one starts fresh
+        if not os.path.exists(os.path.join(ckpt, "trainer")):
+            raise FileNotFoundError(f"resume={ckpt!r}: no trainer state at {ckpt}/trainer; point it at an "
+                                    "out_dir/checkpoint written by train.py, or use --resume=true")
     resuming = cfg.resume not in (False, "false") and os.path.exists(os.path.join(ckpt, "trainer"))
     model = load_policy(ckpt if resuming else cfg.model, cfg, info)
     model.gradient_checkpointing = cfg.gradient_checkpointing

@@ -116,6 +116,11 @@ def test_reward_function_errors_name_the_function(tmp_path):
         train.train(cfg)
 
 
+def test_resume_from_a_missing_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no trainer state"):
+        train.train(tiny(tmp_path, f"--resume={tmp_path}/nowhere"))
+
+
 def test_config_errors():
     with pytest.raises(ConfigError, match="did you mean learning_rate"):
         load_config(["--config", "tiny.py", "--learnng_rate=1e-3"])
