@@ -17,6 +17,8 @@ optimizer steps, as TRL's global_step does.
 
 Left out on purpose (TRL has them): vLLM generation and its importance-sampling correction, PEFT,
 tool calling, the entropy bonus, reward models (any Python function is a reward function).
+Known gap: with sync_ref_model (TR-DPO) the synced reference weights are not checkpointed, so a
+resumed run restarts from the initial reference model.
 """
 
 import json
