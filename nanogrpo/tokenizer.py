@@ -31,6 +31,18 @@ def _read_json_if_exists(path) -> dict:
         return json.load(f)
 
 
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # first found wins, as in transformers
+
+
+def _template_message(message: dict) -> dict:
+    """A message as transformers hands it to a chat template: None values dropped, reasoning aliased."""
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in REASONING_KEYS if k in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
 def compile_chat_template(source: str):
     """Compile a chat template the way transformers does: sandboxed jinja2 with trim_blocks and
     lstrip_blocks, loop controls, and the helpers templates use (raise_exception, strftime_now, a
@@ -120,7 +132,12 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **kwargs) -> str:
-        """Render a conversation (list of {"role", "content"} dicts) to the prompt text."""
+        """Render a conversation (list of {"role", "content"} dicts) to the prompt text.
+
+        The messages are seen as transformers shows them to a template: keys whose value is None are
+        dropped (an OpenAI-style `"content": None` beside `tool_calls` reads as absent), and a
+        message's reasoning given as `reasoning_content`, `thinking` or `reasoning` is offered under
+        the first two names (Qwen3's template reads `reasoning_content`, gpt-oss's `thinking`)."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (no chat_template in tokenizer_config.json "
                              "and no chat_template.jinja): use plain-text prompts instead")
@@ -128,8 +145,8 @@ class Tokenizer:
             self._template = compile_chat_template(self.chat_template)
         context = {k: v for k, v in self.special_tokens.items() if v is not None}
         context.update(kwargs)
-        return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                     **context)
+        return self._template.render(messages=[_template_message(m) for m in messages], tools=tools,
+                                     add_generation_prompt=add_generation_prompt, **context)
 
     def encode_prompt(self, prompt) -> list[int]:
         """Token ids of a prompt as TRL makes them: a string is encoded with its special tokens; a

@@ -71,3 +71,22 @@ def test_chat_template_jinja_file_and_save(tmp_path, tok):
 def test_missing_tokenizer_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_pretrained(tmp_path)
+
+
+def test_messages_seen_as_transformers_shows_them(tok):
+    """None values are dropped (an OpenAI-style tool call has content None) and reasoning under
+    `reasoning_content`, `thinking` or `reasoning` reaches the template under the first two names.
+    Expected string rendered by transformers 5.23 (apply_chat_template with this chat_template)."""
+    template = ("{% for m in messages %}{{ m.role }}:{{ m.content if m.content is defined else '(none)' }}"
+                "{% if m.reasoning_content is defined %} r={{ m.reasoning_content }}{% endif %}"
+                "{% if m.thinking is defined %} t={{ m.thinking }}{% endif %}"
+                "{% if m.tool_calls %} calls={{ m.tool_calls | length }}{% endif %};{% endfor %}")
+    messages = [{"role": "user", "content": "hi", "reasoning_content": None},
+                {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+                                                                       "function": {"name": "f", "arguments": {}}}]},
+                {"role": "assistant", "content": "4", "reasoning": "2+2"},
+                {"role": "assistant", "content": "5", "thinking": "2+3", "reasoning_content": "two plus three"}]
+    t2 = Tokenizer(tok.tokenizer, tok.config, chat_template=template)
+    assert t2.apply_chat_template(messages, add_generation_prompt=False) == (
+        "user:hi;assistant:(none) calls=1;assistant:4 r=2+2 t=2+2;assistant:5 r=two plus three t=2+3;")
+    assert messages[0] == {"role": "user", "content": "hi", "reasoning_content": None}  # the caller's are untouched
