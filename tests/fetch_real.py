@@ -129,8 +129,8 @@ def hf_tensor_name(name: str) -> str:
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row order. HF's rotate-half RoPE pairs dimension i with i + head_dim/2
-    of each head; llama.cpp's converter interleaved those halves so pairs sit next to each other
-    (row 2i and 2i+1). Rows [n_heads * head_dim, in] read as [head, i, half] go back to [head, half, i]."""
+    of each head; llama.cpp's converter interleaved those halves so a pair sits in adjacent rows.
+    w: [n_heads * head_dim, in]; a head's GGUF row 2i + half goes back to row half * head_dim/2 + i."""
     head_dim = w.shape[0] // n_heads
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
