@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from nanogrpo.model import Transformer
+from nanogrpo.checkpoint import load_model
 from nanogrpo.rewards import resolve_reward_funcs, score_completions
 from nanogrpo.sampler import generate
 from nanogrpo.tokenizer import Tokenizer
@@ -42,7 +42,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     tok = Tokenizer.from_pretrained(args.model)
-    model = Transformer.from_pretrained(args.model, dtype=args.dtype, device=args.device).eval()
+    model = load_model(args.model, dtype=args.dtype, device=args.device).eval()
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt = messages + [{"role": "user", "content": args.chat}]

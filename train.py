@@ -24,7 +24,6 @@ resumed run restarts from the initial reference model.
 import json
 import math
 import os
-import shutil
 import sys
 import time
 
@@ -35,7 +34,8 @@ from nanogrpo.config import ConfigError, TrainConfig, load_config
 from nanogrpo.data import PromptSampler, columns_of, load_dataset
 from nanogrpo.grpo import LossConfig, group_advantages, grpo_step
 from nanogrpo.logprobs import token_logprobs
-from nanogrpo.model import ModelConfig, Transformer, atomic_dir, to_hf_names, write_pretrained
+from nanogrpo import checkpoint
+from nanogrpo.model import ModelConfig, Transformer
 from nanogrpo.rewards import resolve_reward_funcs, score_completions
 from nanogrpo.sampler import generate
 from nanogrpo.tokenizer import Tokenizer, char_level_tokenizer
@@ -54,18 +54,15 @@ def ensure_tiny_checkpoint(cfg: TrainConfig, info: dist.DistInfo):
         torch.manual_seed(cfg.seed)
         model_cfg = ModelConfig(vocab_size=tok.vocab_size, **cfg.init_model)
         model = Transformer(model_cfg)
-        model.generation_config = {"eos_token_id": sorted(tok.eos_token_ids), "pad_token_id": tok.pad_token_id}
-        with atomic_dir(cfg.model) as tmp:
-            write_pretrained(tmp, model_cfg, model.hf_state_dict(), model.generation_config)
-            tok.save_pretrained(tmp)
+        checkpoint.save_model(model, cfg.model, tokenizer=tok, generation_config={
+            "eos_token_id": sorted(tok.eos_token_ids), "pad_token_id": tok.pad_token_id})
     dist.barrier(info)
 
 
 def load_policy(path: str, cfg: TrainConfig, info: dist.DistInfo):
     """The model in fp32 master weights (bf16 compute on CUDA), sharded with FSDP2 when world > 1."""
-    if info.sharded:
-        return dist.load_sharded(path, info, mixed_precision=cfg.bf16(info.device))
-    return Transformer.from_pretrained(path, dtype=torch.float32, device=info.device)
+    return checkpoint.load_model(path, dtype=torch.float32, device=info.device, info=info,
+                                 mixed_precision=cfg.bf16(info.device))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -264,39 +261,6 @@ def evaluate(model, tok, rows, cfg, reward_funcs, info, autocast) -> dict:
     return m
 
 
-def save_checkpoint(out_dir, model, tok, optimizer, cfg, state, info):
-    """out_dir/checkpoint-<step>: the policy in HF format (+ tokenizer) with the trainer state beside
-    it, written under a temporary name and renamed when complete; then the link out_dir/checkpoint is
-    swapped to it in one atomic os.replace, and older checkpoints are removed. A crash at any point
-    leaves `checkpoint` pointing at a complete checkpoint."""
-    step_dir = os.path.join(out_dir, f"checkpoint-{state['step']}")
-    tmp = step_dir + ".tmp"
-    full = dist.full_state_dict(model, info)
-    if info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash
-        os.makedirs(tmp)
-        write_pretrained(tmp, model.config, to_hf_names(full, model.config), model.generation_config)
-        tok.save_pretrained(tmp)
-        with open(os.path.join(tmp, "train_config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
-    dist.barrier(info)
-    dist.save_trainer_state(os.path.join(tmp, "trainer"), model, optimizer, state, info)
-    dist.barrier(info)
-    if info.is_main:
-        shutil.rmtree(step_dir, ignore_errors=True)
-        os.rename(tmp, step_dir)
-        link = os.path.join(out_dir, "checkpoint")
-        if os.path.lexists(link + ".tmp"):
-            os.remove(link + ".tmp")
-        os.symlink(os.path.basename(step_dir), link + ".tmp")
-        os.replace(link + ".tmp", link)  # atomic: readers see the old or the new checkpoint
-        for name in os.listdir(out_dir):
-            if name.startswith("checkpoint-") and name != os.path.basename(step_dir):
-                shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-    dist.barrier(info)
-    return step_dir
-
-
 # -----------------------------------------------------------------------------
 # The loop
 
@@ -317,6 +281,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             raise FileNotFoundError(f"resume={ckpt!r}: no trainer state at {ckpt}/trainer; point it at an "
                                     "out_dir/checkpoint written by train.py, or use --resume=true")
     resuming = cfg.resume not in (False, "false") and os.path.exists(os.path.join(ckpt, "trainer"))
+    resume_source = os.path.realpath(ckpt) if resuming else None  # never pruned (the link moves on)
     model = load_policy(ckpt if resuming else cfg.model, cfg, info)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     ref = None
@@ -343,14 +308,15 @@ def train(cfg: TrainConfig) -> list[dict]:
     steps_per_round = rounds_steps * cfg.num_iterations
     off_policy = steps_per_round > 1  # the policy changes between sampling and (some) updates
 
-    step, history = 0, []
+    step, history, written = 0, [], []  # written: the checkpoints this run (and the runs it resumes) wrote
     if resuming:
-        state = dist.load_trainer_state(os.path.join(ckpt, "trainer"), model, optimizer, info)
+        state = checkpoint.load_trainer_state(ckpt, model, optimizer, info)
         step = state["step"]
         scheduler.load_state_dict(state["scheduler"])
         prompts.load_state_dict(state["prompts"])
         history = state["history"]
-        dist.print0(f"resumed from {ckpt} at step {step}", info=info)
+        written = [n for n in state.get("checkpoints", []) if os.path.isdir(os.path.join(cfg.out_dir, n))]
+        dist.print0(f"resumed from {ckpt} at step {step}")
     if info.is_main:
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") as f:  # rewritten from history on resume
@@ -358,7 +324,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     dist.print0(f"nanogrpo: {cfg.model} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params | "
                 f"{W} process(es) on {info.device} | {cfg.prompts_per_step} prompts x {G} samples per round, "
                 f"{GA} micro-batch(es) of {cfg.micro_batch_size} per step, {steps_per_round} step(s) per round",
-                info=info)
+                )
 
     while step < cfg.max_steps:
         t_round, first_step = time.time(), step
@@ -409,9 +375,13 @@ def train(cfg: TrainConfig) -> list[dict]:
                 if m["step"] % cfg.log_every == 0 or m["step"] == cfg.max_steps:
                     print_step(m, samples if cfg.log_completions else [])
         if (cfg.save_every and step // cfg.save_every > first_step // cfg.save_every) or step == cfg.max_steps:
+            written.append(f"checkpoint-{step}")
             state = {"step": step, "scheduler": scheduler.state_dict(), "prompts": prompts.state_dict(),
-                     "history": history}
-            save_checkpoint(cfg.out_dir, model, tok, optimizer, cfg, state, info)
+                     "history": history, "checkpoints": written}
+            checkpoint.save_checkpoint(cfg.out_dir, step, model, optimizer, tok, state, cfg.to_dict(), info)
+            if info.is_main:
+                written = checkpoint.prune_checkpoints(cfg.out_dir, written, cfg.save_total_limit,
+                                                       keep=resume_source)
     summarize(history, cfg, info)
     dist.teardown()
     return history
@@ -443,5 +413,5 @@ def summarize(history, cfg, info):
 if __name__ == "__main__":
     argv = sys.argv[1:]
     if not any(a == "--config" or a.startswith("--config=") for a in argv):
-        argv = ["--config", "tiny.py"] + argv  # the embedded default
+        argv = ["--config", "tiny"] + argv  # the embedded default (the built-in configs/tiny.py)
     train(load_config(argv))

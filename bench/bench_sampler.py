@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nanogrpo.checkpoint import load_model, save_model
 from nanogrpo.model import ModelConfig, Transformer  # noqa: E402
 from nanogrpo.sampler import generate  # noqa: E402
 
@@ -118,7 +119,7 @@ def main():
             print("transformers not installed: skipping the baseline")
         else:
             with tempfile.TemporaryDirectory() as tmp:
-                model.save_pretrained(tmp)
+                save_model(model, tmp)
                 hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
             ids = torch.tensor(prompts, device=device)
 

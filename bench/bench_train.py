@@ -81,7 +81,8 @@ def make_big_checkpoint(path: str, seed: int = 0):
     import torch
 
     from nanogrpo.data import DEFAULT_TASK_CHARS
-    from nanogrpo.model import ModelConfig, Transformer, atomic_dir, write_pretrained
+    from nanogrpo.checkpoint import save_model
+    from nanogrpo.model import ModelConfig, Transformer
     from nanogrpo.tokenizer import char_level_tokenizer
 
     extra = 32000 - 1 - len(DEFAULT_TASK_CHARS)
@@ -91,9 +92,7 @@ def make_big_checkpoint(path: str, seed: int = 0):
     cfg = ModelConfig(**BIG_MODEL)
     model = Transformer(cfg)
     gen = {"eos_token_id": sorted(tok.eos_token_ids), "pad_token_id": tok.pad_token_id}
-    with atomic_dir(path) as tmp:
-        write_pretrained(tmp, cfg, model.hf_state_dict(), gen)
-        tok.save_pretrained(tmp)
+    save_model(model, path, tokenizer=tok, generation_config=gen)
     del model
 
 

@@ -25,7 +25,7 @@ def main(path):
     from nanogrpo.data import load_dataset
     from nanogrpo.grpo import LossConfig, grpo_step
     from nanogrpo.logprobs import token_logprobs
-    from nanogrpo.model import Transformer
+    from nanogrpo.checkpoint import load_model
     from nanogrpo.rewards import default_task_reward
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -41,7 +41,7 @@ def main(path):
     trl_loss.backward()
     trl_grads = dict(hf.named_parameters())
 
-    ours = Transformer.from_pretrained(path)
+    ours = load_model(path)
     ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
     attention = torch.cat([mb["prompt_mask"], mb["completion_mask"]], 1)
     logps, _ = token_logprobs(ours, ids, attention, mb["completion_mask"])

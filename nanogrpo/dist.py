@@ -1,16 +1,16 @@
 """Everything that knows about more than one process: torch.distributed setup and FSDP2.
 
 Owns: process-group setup from torchrun's environment (nccl on CUDA, gloo on CPU), sharding the
-model with PyTorch's own FSDP2 (`fully_shard` on each block, then the root), loading a checkpoint
-into a sharded model without any rank holding a full copy on the GPU, gathering parameters once
-for a whole sampling phase, the collectives the trainer needs, and sharded checkpoints of the
-trainer state with `torch.distributed.checkpoint`.
+model with PyTorch's own FSDP2 (`fully_shard` on each block, then the root), filling a sharded model
+from rank 0's full state dict and gathering one back, gathering parameters once for a whole sampling
+phase, and the collectives the trainer needs.
 
 With one process (no torchrun) every function here degrades to a plain no-op or identity: the
 trainer calls the same functions either way, and the model is a plain `nn.Module` (no FSDP wrapper,
 bf16 through autocast on CUDA).
 
-Does not know about: GRPO, rewards, or the model's internals beyond `model.layers`.
+Does not know about: files (checkpoint.py decides what is read and written), GRPO, rewards, or the
+model's internals beyond `model.layers`; it imports nothing of the package.
 """
 
 import os
@@ -40,17 +40,22 @@ class DistInfo:
 
 
 def setup(device: str = "auto") -> DistInfo:
-    """Read torchrun's RANK/WORLD_SIZE/LOCAL_RANK (absent: one process) and pick the device;
-    initialise the process group (nccl on CUDA, gloo on CPU) when there is more than one process."""
+    """Read torchrun's RANK/WORLD_SIZE/LOCAL_RANK (absent: one process) and pick the device (each
+    rank its LOCAL_RANK's GPU); initialise the process group (nccl on CUDA, gloo on CPU) when there
+    is more than one process. `cuda:N` names one GPU, so it is for one process only."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
+    if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ValueError("device='cuda' but no CUDA device is visible; use device='cpu'")
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
+            raise ValueError(f"device={device!r} but no CUDA device is visible; use device='cpu'")
+        if device != "cuda" and world_size > 1:
+            raise ValueError(f"device={device!r} puts every one of the {world_size} processes on one GPU; "
+                             "use device='cuda' (each rank takes its LOCAL_RANK's GPU) or CUDA_VISIBLE_DEVICES")
+        index = local_rank if device == "cuda" else int(device.split(":")[1])
+        torch.cuda.set_device(index)
+        dev = torch.device("cuda", index)
     else:
         dev = torch.device(device)
     if world_size > 1 and not dist.is_initialized():
@@ -60,14 +65,21 @@ def setup(device: str = "auto") -> DistInfo:
 
 
 def teardown():
-    """Destroy the process group, if any."""
+    """Destroy the process group, if any, once every rank got here (a rank that tears down while
+    another is still in a collective can abort the process)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
-def print0(*args, info: DistInfo | None = None, **kwargs):
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def print0(*args, **kwargs):
     """print on rank 0 only."""
-    if (info.rank if info else int(os.environ.get("RANK", "0"))) == 0:
+    if rank() == 0:
         print(*args, **kwargs, flush=True)
 
 
@@ -92,18 +104,18 @@ def all_gather_rows(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return torch.cat(parts, 0)
 
 
-def broadcast_object(obj, info: DistInfo):
+def broadcast_object(obj, info: DistInfo | None = None):
     """Rank 0's Python object on every rank."""
-    if not info.sharded:
+    if not dist.is_initialized():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def barrier(info: DistInfo):
+def barrier(info: DistInfo | None = None):
     """Wait for every rank."""
-    if info.sharded:
+    if dist.is_initialized():
         dist.barrier()
 
 
@@ -124,35 +136,16 @@ def shard_model(model, info: DistInfo, mixed_precision: bool):
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    # the sampler and token_logprobs call model.hidden_states, not forward: hook it the same way
+    # the sampler calls model.hidden_states, not forward: hook it the same way
     register_fsdp_forward_method(model, "hidden_states")
     return model
 
 
-def load_sharded(path: str, info: DistInfo, mixed_precision: bool):
-    """Build the model on the meta device, shard it, then fill the shards from the checkpoint:
-    rank 0 reads the safetensors on CPU and the tensors are broadcast shard by shard, so no GPU
-    ever holds a full copy (torch.distributed.checkpoint's broadcast_from_rank0)."""
+def fill_from_rank0(model, full: dict):
+    """Fill a sharded model (allocated, values undefined) from rank 0's full state dict, broadcast
+    shard by shard (other ranks pass {}), so no GPU ever holds a full copy."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from nanogrpo.model import ModelConfig, Transformer, load_safetensors, read_json
-    from nanogrpo.model import resolve_checkpoint
-    path = resolve_checkpoint(path) if info.is_main else None
-    path = broadcast_object(path, info)
-    cfg = ModelConfig.from_hf(read_json(os.path.join(path, "config.json")))
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    full = {}
-    if info.is_main:
-        full = model.check_hf_state_dict(load_safetensors(path, dtype=torch.float32, device="cpu"))
-        if cfg.tie_word_embeddings:
-            full["lm_head.weight"] = full["embed_tokens.weight"]
-    shard_model(model, info, mixed_precision)
-    model.to_empty(device=info.device)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    gen_path = os.path.join(path, "generation_config.json")
-    model.generation_config = read_json(gen_path) if os.path.exists(gen_path) else None
-    model.name_or_path = path
-    return model
 
 
 def fsdp_modules(model):
@@ -201,37 +194,11 @@ def autocast(info: DistInfo, bf16: bool):
     return nullcontext()
 
 
-def full_state_dict(model, info: DistInfo) -> dict:
-    """The full (unsharded) model state dict on rank 0's CPU, our names; {} on other ranks."""
-    if not info.sharded:
+def full_state_dict(model) -> dict:
+    """The full (unsharded) model state dict on rank 0's CPU, our names; {} on other ranks of a
+    sharded model (every rank must call it: it gathers)."""
+    if not fsdp_modules(model):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return state if info.is_main else {}
-
-
-def save_trainer_state(path: str, model, optimizer, extra: dict, info: DistInfo):
-    """Optimizer state (sharded, written by every rank with torch.distributed.checkpoint when
-    sharded; torch.save otherwise) plus `extra` (step, scheduler, data position) from rank 0."""
-    os.makedirs(path, exist_ok=True)
-    if info.sharded:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(path, "optimizer"))
-    else:
-        torch.save(optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
-    if info.is_main:
-        torch.save(extra, os.path.join(path, "trainer_state.pt"))
-
-
-def load_trainer_state(path: str, model, optimizer, info: DistInfo) -> dict:
-    """Restore what save_trainer_state wrote (same world size); returns `extra`."""
-    if info.sharded:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    else:
-        optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=False))
-    return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    return state if rank() == 0 else {}

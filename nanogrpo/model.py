@@ -1,14 +1,15 @@
-"""The decoder transformer, its KV cache, and Hugging Face checkpoint loading/saving.
+"""The decoder transformer and its KV cache: the network and nothing else.
 
-Owns: `ModelConfig` (read from / written to an HF `config.json`), the `Transformer` (Llama 3.x,
-Mistral, Qwen2/Qwen2.5 and Qwen3 families: RMSNorm, RoPE, grouped-query attention through
-`F.scaled_dot_product_attention`, SwiGLU MLP), a static `KVCache`, and safetensors I/O.
+Owns: `ModelConfig` (architecture hyper-parameters, named as in HF's config.json), the `Transformer`
+(Llama 3.x, Mistral, Qwen2/Qwen2.5 and Qwen3 families: RMSNorm, RoPE, grouped-query attention
+through `F.scaled_dot_product_attention`, SwiGLU MLP) and a static `KVCache`.
 
-Does not know about: tokenization, sampling strategies, losses, or more than one process.
+Does not know about: files (checkpoint.py reads and writes config.json and safetensors),
+tokenization, sampling strategies, losses, or more than one process.
 
 Choices:
-- Parameter names mirror HF's (`layers.0.self_attn.q_proj.weight`, ...) so loading is a prefix strip,
-  and what we save is what transformers and vLLM expect.
+- Parameter names mirror HF's (`layers.0.self_attn.q_proj.weight`, ...) so a checkpoint's names are
+  ours with a `model.` prefix, and what we save is what transformers and vLLM expect.
 - One attention code path for everything: training (no cache), prefill and decode. Positions
   (for RoPE) are explicit per row, and keys are masked with an explicit boolean mask
   `key_valid & causal`, so left-padded prompts of different lengths batch together and a query
@@ -18,13 +19,8 @@ Choices:
 - Every query may always attend to its own slot, so a fully padded row never divides by zero (NaN).
 """
 
-import json
 import math
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -81,57 +77,6 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         """Qwen3 normalizes each query/key head with an RMSNorm before RoPE."""
         return self.model_type == "qwen3"
-
-    @classmethod
-    def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Build from the dict of an HF config.json; unsupported features raise ValueError."""
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"config.json: model_type={model_type!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-            if hf.get(key):
-                raise ValueError(f"config.json: {key}={hf[key]} (mixture of experts) is not supported; "
-                                 f"only dense {', '.join(SUPPORTED_MODEL_TYPES)} models are")
-        window = hf.get("sliding_window")
-        if window and (model_type == "mistral" or hf.get("use_sliding_window")):
-            raise ValueError(f"config.json: sliding_window={window} (sliding-window attention) is not "
-                             "supported; only full attention is (set sliding_window to null)")
-        bad_layers = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
-        if bad_layers:
-            raise ValueError(f"config.json: layer_types contains {bad_layers[0]!r}; only 'full_attention' is supported")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
-        # RoPE: transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`.
-        rope = dict(hf.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-        scaling = rope or hf.get("rope_scaling")
-        if scaling is not None:
-            scaling = dict(scaling)
-            scaling["rope_type"] = scaling.get("rope_type", scaling.pop("type", "default"))
-            if scaling["rope_type"] == "default":
-                scaling = None
-        known = {f.name for f in fields(cls)} - {"extra", "rope_theta", "rope_scaling"}
-        kwargs = {k: hf[k] for k in known if hf.get(k) is not None}
-        return cls(**kwargs, rope_theta=float(theta), rope_scaling=scaling, extra=dict(hf))
-
-    def to_hf(self) -> dict:
-        """The dict to write as config.json (keeps unknown keys of the loaded file)."""
-        hf = dict(self.extra)
-        for f in fields(self):
-            if f.name not in ("extra", "rope_theta", "rope_scaling"):
-                hf[f.name] = getattr(self, f.name)
-        if "rope_parameters" in hf:  # transformers >= 5 layout
-            hf["rope_parameters"] = {"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"})}
-        else:  # the classic layout, read by every transformers and vLLM version
-            hf["rope_theta"] = self.rope_theta
-            hf["rope_scaling"] = self.rope_scaling
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
-        hf["architectures"] = [arch]
-        if self.model_type == "qwen2":
-            hf.pop("attention_bias", None)  # implied by the family
-        return hf
 
 
 # -----------------------------------------------------------------------------
@@ -305,12 +250,16 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.inv_freq = rope_inv_freq(cfg)  # on CPU, fp32, kept out of state_dict and of .to(dtype)
+        self.tie_weights()
+        self.inv_freq = rope_inv_freq(cfg)  # fp32, kept out of state_dict and of .to(dtype); follows the input's device
         self.gradient_checkpointing = False
         if self.embed_tokens.weight.device.type != "meta":
             self.apply(self._init_weights)
+
+    def tie_weights(self):
+        """With tie_word_embeddings, the LM head is the embedding matrix (one Parameter, not a copy)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -344,7 +293,9 @@ class Transformer(nn.Module):
                 attention_mask = torch.ones(B, cache_start + T, dtype=torch.bool, device=input_ids.device)
             mask = attention_mask_for(attention_mask, T, cache_start)
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.inv_freq.to(x.device), positions, x.dtype)
+        if self.inv_freq.device != x.device:  # moved once, on the first forward on a new device
+            self.inv_freq = self.inv_freq.to(x.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, block in enumerate(self.layers):
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, use_reentrant=False)
@@ -363,187 +314,3 @@ class Transformer(nn.Module):
         """A zeroed KV cache for `batch_size` rows of up to `max_len` tokens, in the model's dtype/device."""
         w = self.embed_tokens.weight
         return KVCache(self.config, batch_size, max_len, w.dtype, w.device)
-
-    # --- checkpoints ------------------------------------------------------------------------
-
-    @classmethod
-    def from_pretrained(cls, path_or_hub_id, dtype=torch.float32, device="cpu") -> "Transformer":
-        """Load an HF checkpoint (local dir or hub id) straight into `dtype` on `device`.
-
-        The model is built on the meta device and each tensor is read from safetensors, cast and
-        moved once, so no second full copy ever exists in memory.
-        """
-        path = resolve_checkpoint(path_or_hub_id)
-        cfg = ModelConfig.from_hf(read_json(os.path.join(path, "config.json")))
-        dtype = parse_dtype(dtype)
-        with torch.device("meta"):
-            model = cls(cfg)
-        state = load_safetensors(path, dtype=dtype, device=device)
-        model.load_hf_state_dict(state)
-        gen_path = os.path.join(path, "generation_config.json")
-        if os.path.exists(gen_path):
-            model.generation_config = read_json(gen_path)
-        model.name_or_path = str(path_or_hub_id)
-        return model
-
-    def load_hf_state_dict(self, state: dict):
-        """Assign tensors named as in HF checkpoints (`model.layers.0...`, `lm_head.weight`); strict."""
-        self.load_state_dict(self.check_hf_state_dict(state), strict=False, assign=True)
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def check_hf_state_dict(self, state: dict) -> dict:
-        """HF-named tensors -> our names, with a clear error listing missing/unexpected tensors and
-        shape mismatches (works on a meta-device model)."""
-        ours = {k.removeprefix("model."): v for k, v in state.items()}
-        tied = self.config.tie_word_embeddings
-        if tied:
-            ours.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
-        expected = {k: v for k, v in self.state_dict().items() if not (tied and k == "lm_head.weight")}
-        missing = sorted(set(expected) - set(ours))
-        unexpected = sorted(set(ours) - set(expected))
-        if missing or unexpected:
-            raise ValueError("checkpoint does not match the config: "
-                             f"missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}; "
-                             f"unexpected tensors {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
-        for name, tensor in ours.items():
-            if tuple(tensor.shape) != tuple(expected[name].shape):
-                raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                                 f"the config implies {tuple(expected[name].shape)}")
-        return ours
-
-    def hf_state_dict(self) -> dict:
-        """Our weights under HF's names (tied lm_head omitted), contiguous, ready for safetensors."""
-        return to_hf_names(self.state_dict(), self.config)
-
-    def save_pretrained(self, out_dir, max_shard_bytes: int = 5 * 2**30):
-        """Write config.json, safetensors (sharded with an index above `max_shard_bytes`) and
-        generation_config.json (when known) into `out_dir`, atomically."""
-        with atomic_dir(out_dir) as tmp:
-            write_pretrained(tmp, self.config, self.hf_state_dict(), self.generation_config, max_shard_bytes)
-
-
-# -----------------------------------------------------------------------------
-# Files
-
-
-def to_hf_names(state: dict, cfg: ModelConfig) -> dict:
-    """A state dict under our names -> HF's names (`model.` prefix; tied lm_head omitted)."""
-    out = {}
-    for name, tensor in state.items():
-        if name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out[name] = tensor.detach().contiguous()
-        else:
-            out["model." + name] = tensor.detach().contiguous()
-    return out
-
-
-def parse_dtype(dtype) -> torch.dtype:
-    """torch.dtype from a dtype or a name like "bfloat16"/"bf16"/"float32"."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-             "fp16": torch.float16, "float64": torch.float64}
-    if dtype not in names:
-        raise ValueError(f"dtype={dtype!r} is not known; use one of {sorted(names)}")
-    return names[dtype]
-
-
-def read_json(path) -> dict:
-    """Parse a JSON file, with an error naming the file when it is missing."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: a checkpoint directory needs config.json and *.safetensors")
-    with open(path) as f:
-        return json.load(f)
-
-
-HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
-
-
-def resolve_checkpoint(path_or_hub_id) -> str:
-    """A local directory as is; otherwise download a hub repo's config, weights and tokenizer."""
-    path = str(path_or_hub_id)
-    if os.path.isdir(path):
-        return path
-    if os.path.exists(path) or path.startswith((".", "/")) or path.count("/") != 1:
-        raise FileNotFoundError(f"{path!r} is neither a checkpoint directory nor a hub id like 'Qwen/Qwen2.5-0.5B'")
-    from huggingface_hub import snapshot_download
-    return snapshot_download(path, allow_patterns=HUB_FILES)
-
-
-def load_safetensors(path, dtype, device) -> dict:
-    """Every tensor of a single-file or sharded checkpoint, cast to `dtype` on `device`."""
-    from safetensors import safe_open
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        files = sorted(set(read_json(index)["weight_map"].values()))
-    elif os.path.exists(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
-    state = {}
-    for name in files:
-        with safe_open(os.path.join(path, name), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                state[key] = f.get_tensor(key).to(device=device, dtype=dtype)
-    return state
-
-
-@contextmanager
-def atomic_dir(out_dir):
-    """Yield a temporary directory beside `out_dir`; on success it replaces `out_dir` in one rename.
-
-    A crash (or Ctrl-C) inside the block leaves the old `out_dir` untouched and no half-written one.
-    """
-    out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
-    try:
-        yield tmp
-        if os.path.exists(out_dir):
-            old = tmp + ".old"
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def write_pretrained(out_dir, cfg: ModelConfig, state: dict, generation_config=None, max_shard_bytes=5 * 2**30):
-    """Write config.json + safetensors (+ index when sharded) + generation_config.json into out_dir."""
-    from safetensors.torch import save_file
-    hf = cfg.to_hf()
-    dtypes = {v.dtype for v in state.values()}
-    hf["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
-    if "dtype" in hf:  # transformers >= 5 spells it `dtype`
-        hf["dtype"] = hf["torch_dtype"]
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    if generation_config:
-        with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-            json.dump(generation_config, f, indent=2)
-    shards, size = [{}], 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.cpu()
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        weight_map.update({name: fname for name in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -15,7 +15,7 @@ from datetime import datetime
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from nanogrpo.model import resolve_checkpoint
+from nanogrpo.checkpoint import resolve_path
 
 def _token_text(value):
     """A special token from tokenizer_config.json: a string or an AddedToken dict -> its text."""
@@ -88,7 +88,7 @@ class Tokenizer:
     def from_pretrained(cls, path_or_hub_id) -> "Tokenizer":
         """Load tokenizer.json (+ tokenizer_config.json, chat_template.jinja, generation_config.json)
         from a local directory or a hub id."""
-        path = resolve_checkpoint(path_or_hub_id)
+        path = resolve_path(path_or_hub_id)
         tok_path = os.path.join(path, "tokenizer.json")
         if not os.path.exists(tok_path):
             raise FileNotFoundError(f"{tok_path} not found: nanogrpo needs a fast tokenizer (tokenizer.json)")

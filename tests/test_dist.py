@@ -30,10 +30,9 @@ def one_step(rank, world_size, port, family, out_path):
     from nanogrpo import dist
     from nanogrpo.config import TrainConfig
     from nanogrpo.grpo import LossConfig
-    from nanogrpo.model import Transformer
+    from nanogrpo.checkpoint import load_model
     info = dist.setup("cpu")
-    path = fixture_path(family)
-    model = dist.load_sharded(path, info, mixed_precision=False) if info.sharded else Transformer.from_pretrained(path)
+    model = load_model(fixture_path(family), info=info)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(0)
     N, P, C = 8, 5, 6  # global rows, prompt and completion lengths
@@ -51,7 +50,7 @@ def one_step(rank, world_size, port, family, out_path):
     cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, micro_batch_size=2)
     loss_cfg = LossConfig(loss_type="dapo", epsilon_high=0.28)
     metrics = train.update(model, optimizer, local, micro, cfg, loss_cfg, info, nullcontext(), spg=len(micro))
-    state = dist.full_state_dict(model, info)
+    state = dist.full_state_dict(model)
     if info.is_main:
         torch.save({"state": state, "grad_norm": metrics["grad_norm"]}, out_path)
     dist.teardown()
@@ -75,8 +74,8 @@ def test_two_processes_match_one(tmp_path, family):
 
 
 def Transformer_state(family):
-    from nanogrpo.model import Transformer
-    return Transformer.from_pretrained(fixture_path(family)).state_dict()
+    from nanogrpo.checkpoint import load_model
+    return load_model(fixture_path(family)).state_dict()
 
 
 def torchrun(*args, timeout=300):
@@ -98,11 +97,11 @@ def test_torchrun_tiny_train_save_resume(tmp_path):
     lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
 
-    from nanogrpo.model import Transformer
+    from nanogrpo.checkpoint import load_model
     from nanogrpo.sampler import generate
     from nanogrpo.tokenizer import Tokenizer
     ckpt = tmp_path / "run" / "checkpoint"
-    model, tok = Transformer.from_pretrained(ckpt), Tokenizer.from_pretrained(ckpt)
+    model, tok = load_model(ckpt), Tokenizer.from_pretrained(ckpt)
     out = generate(model, [tok.encode("abcd=")], num_samples=2, max_new_tokens=6, stop_ids=tok.eos_token_ids,
                    pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))
     assert out.completion_ids.shape[0] == 2

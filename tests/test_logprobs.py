@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from conftest import tiny_config
 from nanogrpo.logprobs import token_logprobs
+from nanogrpo.checkpoint import load_model
 from nanogrpo.model import Transformer
 
 PROMPT_LENS = [2, 5, 3]
@@ -132,7 +133,7 @@ def test_scoring_matches_the_sampler_on_a_padded_vocabulary():
     import train
     from conftest import fixture_path
     from nanogrpo.sampler import generate
-    model = Transformer.from_pretrained(fixture_path("qwen2"))
+    model = load_model(fixture_path("qwen2"))
     prompts = [[5, 17, 250, 3], [99, 100]]
     out = generate(model, prompts, num_samples=3, max_new_tokens=5, temperature=0.8, stop_ids={2}, pad_id=0,
                    generator=torch.Generator().manual_seed(0), vocab_size=384)

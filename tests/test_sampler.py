@@ -11,6 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import FAMILIES, fixture_path, tiny_config
+from nanogrpo.checkpoint import load_model
 from nanogrpo.model import KVCache, Transformer
 from nanogrpo.sampler import (apply_min_p, apply_repetition_penalty, apply_temperature, apply_top_k, apply_top_p,
                               generate, sample_from, uniforms)
@@ -22,7 +23,7 @@ _models = {}
 
 def load(family="qwen2"):
     if family not in _models:
-        _models[family] = Transformer.from_pretrained(fixture_path(family))
+        _models[family] = load_model(fixture_path(family))
     return _models[family]
 
 

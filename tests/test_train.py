@@ -9,7 +9,7 @@ import torch
 
 import train
 from nanogrpo.config import ConfigError, load_config
-from nanogrpo.model import Transformer
+from nanogrpo.checkpoint import load_model
 from nanogrpo.rewards import RewardError
 from nanogrpo.tokenizer import Tokenizer
 
@@ -43,7 +43,7 @@ def test_smoke_metrics_and_checkpoint(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step    3 | reward" in out and "done: 3 steps" in out and "-> '" in out
     ckpt = tmp_path / "run" / "checkpoint"
-    model = Transformer.from_pretrained(ckpt)  # HF format, loadable with the same code as any checkpoint
+    model = load_model(ckpt)  # HF format, loadable with the same code as any checkpoint
     tok = Tokenizer.from_pretrained(ckpt)
     assert model.generation_config["eos_token_id"] == [0] and tok.eos_token_ids == {0}
     assert not [p for p in os.listdir(tmp_path / "run") if ".tmp" in p]
@@ -65,8 +65,8 @@ def test_resume_is_exact(tmp_path, split, args):
     assert len(full) == 6
     assert strip_timing(first) == strip_timing(full[:split])
     assert strip_timing(resumed) == strip_timing(full)
-    a = Transformer.from_pretrained(tmp_path / "a" / "run" / "checkpoint").state_dict()
-    b = Transformer.from_pretrained(tmp_path / "b" / "run" / "checkpoint").state_dict()
+    a = load_model(tmp_path / "a" / "run" / "checkpoint").state_dict()
+    b = load_model(tmp_path / "b" / "run" / "checkpoint").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -78,15 +78,31 @@ def test_crash_while_saving_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C in the middle of writing the next checkpoint
 
-    monkeypatch.setattr(train, "write_pretrained", crash)
+    monkeypatch.setattr(train.checkpoint, "write_model", crash)
     with pytest.raises(KeyboardInterrupt):
         train.train(tiny(tmp_path, "--max_steps=3", "--resume=true"))
     assert os.path.realpath(ckpt).endswith("checkpoint-2")  # still the last complete one
-    Transformer.from_pretrained(ckpt)
+    load_model(ckpt)
     monkeypatch.undo()
     history = train.train(tiny(tmp_path, "--max_steps=3", "--resume=true"))
     assert [m["step"] for m in history] == [1, 2, 3]
-    assert sorted(p for p in os.listdir(tmp_path / "run") if p.startswith("checkpoint")) == ["checkpoint", "checkpoint-3"]
+    # save_total_limit=None (TRL's default) keeps every checkpoint; no half-written one is left
+    assert sorted(p for p in os.listdir(tmp_path / "run") if p.startswith("checkpoint")) == [
+        "checkpoint", "checkpoint-2", "checkpoint-3"]
+
+
+def test_save_total_limit_prunes_only_this_runs_checkpoints(tmp_path):
+    """Regression: saving used to delete every other checkpoint-* in out_dir, the resume source and
+    checkpoints a user put there included."""
+    os.makedirs(tmp_path / "run" / "checkpoint-99-mine")
+    train.train(tiny(tmp_path, "--max_steps=2", "--save_every=1", "--save_total_limit=1"))
+    run = tmp_path / "run"
+    assert sorted(p for p in os.listdir(run) if p.startswith("checkpoint")) == [
+        "checkpoint", "checkpoint-2", "checkpoint-99-mine"]
+    train.train(tiny(tmp_path, "--max_steps=4", "--save_every=1", "--save_total_limit=1", "--resume=true"))
+    # the resume source (checkpoint-2) is kept; checkpoint-3 went when checkpoint-4 came
+    assert sorted(p for p in os.listdir(run) if p.startswith("checkpoint")) == [
+        "checkpoint", "checkpoint-2", "checkpoint-4", "checkpoint-99-mine"]
 
 
 def test_learning_default_task(tmp_path):

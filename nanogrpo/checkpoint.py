@@ -1,0 +1,408 @@
+"""Everything that lives on disk: model checkpoints in Hugging Face's format, and trainer checkpoints.
+
+Owns: resolving a local directory or hub id, config.json <-> ModelConfig, safetensors (single file or
+shards + index), `load_model` / `save_model` (one process or FSDP2), atomic directories, and the
+trainer checkpoint (`checkpoint-<step>/`: the policy, its tokenizer, the optimizer and the trainer
+state) with its `checkpoint` link and pruning.
+
+Does not know about: the network's arithmetic (model.py), the GRPO algorithm, or how processes talk
+(dist.py does the collectives; this module decides what is read and written, and by which rank).
+
+Choices:
+- Tensor names: ours are HF's without the `model.` prefix. Tied embeddings are ONE rule, in
+  `to_hf_names` / `from_hf_names`: the tied `lm_head.weight` is never written, and on load it is
+  the embedding (a checkpoint that stores the tied copy too loads fine).
+- Loading builds the model on the meta device and assigns each tensor read from safetensors, cast and
+  moved once: no second full copy. Under FSDP2 the meta model is sharded first, rank 0 reads the
+  files, and the shards are filled by broadcast, so no GPU ever holds the whole model.
+- Every directory is written under a temporary name and renamed when complete (`atomic_dir`); the
+  `checkpoint` link is swapped with one os.replace. A crash leaves the previous state intact.
+- No pickle: the trainer state is JSON, the optimizer state is read with `weights_only=True`, so a
+  checkpoint from someone else cannot run code on `--resume`.
+"""
+
+import errno
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import fields
+
+import torch
+
+from nanogrpo import dist
+from nanogrpo.model import SUPPORTED_MODEL_TYPES, ModelConfig, Transformer
+
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# -----------------------------------------------------------------------------
+# Paths, JSON, dtypes
+
+
+def resolve_path(path_or_hub_id) -> str:
+    """A local directory as is; a hub id ('Qwen/Qwen2.5-0.5B') is downloaded (config, weights,
+    tokenizer) and its local snapshot returned. A path that looks local but does not exist is an error."""
+    path = str(path_or_hub_id)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise NotADirectoryError(f"{path!r} is a file; a checkpoint is a directory (config.json, *.safetensors)")
+    first = path.split("/")[0]
+    if path.startswith((".", "/", "~")) or path.count("/") != 1 or os.path.isdir(first):
+        raise FileNotFoundError(f"no such directory: {path!r} (and it is not a hub id like 'Qwen/Qwen2.5-0.5B')")
+    from huggingface_hub import snapshot_download
+    return snapshot_download(path, allow_patterns=HUB_FILES)
+
+
+def read_json(path) -> dict:
+    """A JSON file's contents, with errors that name the file and what is wrong with it."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON (truncated or corrupt?): {e}") from None
+
+
+def write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    """torch.dtype from a dtype or a name like "bfloat16"/"bf16"/"float32"."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+             "fp16": torch.float16, "float64": torch.float64}
+    if dtype not in names:
+        raise ValueError(f"dtype={dtype!r} is not known; use one of {sorted(names)}")
+    return names[dtype]
+
+
+# -----------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """ModelConfig from the dict of an HF config.json; features we do not implement raise ValueError."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"config.json: model_type={model_type!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if hf.get(key):
+            raise ValueError(f"config.json: {key}={hf[key]} (mixture of experts) is not supported; "
+                             f"only dense {', '.join(SUPPORTED_MODEL_TYPES)} models are")
+    window = hf.get("sliding_window")
+    if window and (model_type == "mistral" or hf.get("use_sliding_window")):
+        raise ValueError(f"config.json: sliding_window={window} (sliding-window attention) is not "
+                         "supported; only full attention is (set sliding_window to null)")
+    bad_layers = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+    if bad_layers:
+        raise ValueError(f"config.json: layer_types contains {bad_layers[0]!r}; only 'full_attention' is supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
+    # RoPE: transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`.
+    rope = dict(hf.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = rope or hf.get("rope_scaling")
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling["rope_type"] = scaling.get("rope_type", scaling.pop("type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    known = {f.name for f in fields(ModelConfig)} - {"extra", "rope_theta", "rope_scaling"}
+    kwargs = {k: hf[k] for k in known if hf.get(k) is not None}
+    return ModelConfig(**kwargs, rope_theta=float(theta), rope_scaling=scaling, extra=dict(hf))
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """The dict to write as config.json (keeps the unknown keys of the file it was loaded from)."""
+    hf = dict(cfg.extra)
+    for f in fields(cfg):
+        if f.name not in ("extra", "rope_theta", "rope_scaling"):
+            hf[f.name] = getattr(cfg, f.name)
+    if "rope_parameters" in hf:  # transformers >= 5 layout
+        hf["rope_parameters"] = {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {"rope_type": "default"})}
+    else:  # the classic layout, read by every transformers and vLLM version
+        hf["rope_theta"] = cfg.rope_theta
+        hf["rope_scaling"] = cfg.rope_scaling
+    hf["architectures"] = [ARCHITECTURES[cfg.model_type]]
+    if cfg.model_type == "qwen2":
+        hf.pop("attention_bias", None)  # implied by the family
+    return hf
+
+
+# -----------------------------------------------------------------------------
+# Tensors under HF's names (the one place that knows about tied embeddings)
+
+
+def to_hf_names(state: dict, cfg: ModelConfig) -> dict:
+    """Our state dict -> HF's names (`model.` prefix), contiguous; a tied lm_head is left out."""
+    out = {}
+    for name, tensor in state.items():
+        if name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out[name] = tensor.detach().contiguous()
+        else:
+            out["model." + name] = tensor.detach().contiguous()
+    return out
+
+
+def from_hf_names(state: dict, model: Transformer) -> dict:
+    """HF-named tensors -> a complete state dict of `model` (a tied lm_head is the embedding), with an
+    error listing missing or unexpected tensors and shape mismatches. Works on a meta-device model."""
+    ours = {k.removeprefix("model."): v for k, v in state.items()}
+    tied = model.config.tie_word_embeddings
+    if tied:
+        ours.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(ours) - ({"lm_head.weight"} if tied else set()))
+    unexpected = sorted(set(ours) - set(expected))
+    if missing or unexpected:
+        raise ValueError("checkpoint does not match its config.json: "
+                         f"missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}; "
+                         f"unexpected tensors {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+    for name, tensor in ours.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                             f"config.json implies {tuple(expected[name].shape)}")
+    if tied:
+        ours["lm_head.weight"] = ours["embed_tokens.weight"]
+    return ours
+
+
+def read_safetensors(path, dtype=None, device="cpu") -> dict:
+    """Every tensor of a single-file or sharded checkpoint directory (cast to `dtype` on `device`)."""
+    from safetensors import SafetensorError, safe_open
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        files = sorted(set(read_json(index)["weight_map"].values()))
+    elif os.path.exists(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    state = {}
+    for name in files:
+        file = os.path.join(path, name)
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    state[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file} cannot be read (truncated or corrupt?): {e}") from None
+    return state
+
+
+def write_safetensors(out_dir, state: dict, max_shard_bytes: int = 5 * 2**30):
+    """model.safetensors, or shards of at most max_shard_bytes + model.safetensors.index.json."""
+    from safetensors.torch import save_file
+    shards, size = [{}], 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.cpu()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    write_json(os.path.join(out_dir, "model.safetensors.index.json"),
+               {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+# -----------------------------------------------------------------------------
+# Atomic directories
+
+
+@contextmanager
+def atomic_dir(out_dir):
+    """Yield a temporary directory beside `out_dir`; on success it replaces `out_dir` in one rename.
+
+    A crash (or Ctrl-C) inside the block leaves the old `out_dir` untouched and no half-written one;
+    a full disk says so and leaves nothing behind."""
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
+    try:
+        yield tmp
+        if os.path.isdir(out_dir) and not os.path.islink(out_dir):
+            old = tmp + ".old"
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old)
+        elif os.path.lexists(out_dir):
+            raise FileExistsError(f"{out_dir} exists and is not a directory; not replacing it")
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"no space left on device while writing {out_dir}; "
+                                        "the partial copy was removed, the previous one is intact") from e
+        raise
+
+
+# -----------------------------------------------------------------------------
+# Models
+
+
+def load_model(path_or_hub_id, dtype=torch.float32, device="cpu", info: dist.DistInfo | None = None,
+               mixed_precision: bool = False) -> Transformer:
+    """Load an HF checkpoint (local dir or hub id) straight into `dtype` on `device`.
+
+    With `info` of more than one process, the model is sharded with FSDP2 (dist.shard_model) and
+    filled from rank 0's copy; `mixed_precision` then makes its blocks compute in bf16."""
+    sharded = info is not None and info.sharded
+    path = dist.broadcast_object(resolve_path(path_or_hub_id) if not sharded or info.is_main else None, info)
+    cfg = config_from_hf(read_json(os.path.join(path, "config.json")))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if sharded:
+        full = from_hf_names(read_safetensors(path, torch.float32), model) if info.is_main else {}
+        dist.shard_model(model, info, mixed_precision)
+        model.to_empty(device=info.device)
+        dist.fill_from_rank0(model, full)
+    else:
+        model.load_state_dict(from_hf_names(read_safetensors(path, parse_dtype(dtype), device), model),
+                              strict=True, assign=True)
+        model.tie_weights()
+    gen_path = os.path.join(path, "generation_config.json")
+    model.generation_config = read_json(gen_path) if os.path.exists(gen_path) else None
+    model.name_or_path = str(path_or_hub_id)
+    return model
+
+
+def write_model(out_dir, cfg: ModelConfig, state: dict, generation_config=None, tokenizer=None,
+                max_shard_bytes: int = 5 * 2**30):
+    """Write config.json, safetensors, generation_config.json and the tokenizer into the existing
+    directory out_dir. `state` is under our names (a full, unsharded state dict)."""
+    hf_state = to_hf_names(state, cfg)
+    hf = config_to_hf(cfg)
+    dtypes = {v.dtype for v in hf_state.values()}
+    hf["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+    if "dtype" in hf:  # transformers >= 5 spells it `dtype`
+        hf["dtype"] = hf["torch_dtype"]
+    write_json(os.path.join(out_dir, "config.json"), hf)
+    if generation_config:
+        write_json(os.path.join(out_dir, "generation_config.json"), generation_config)
+    write_safetensors(out_dir, hf_state, max_shard_bytes)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+
+
+def save_model(model, out_dir, tokenizer=None, generation_config=None, max_shard_bytes: int = 5 * 2**30):
+    """Save `model` (plain or FSDP2-sharded) as an HF checkpoint directory, atomically; transformers
+    and vLLM load it. A sharded model: every rank calls it, rank 0 writes. A plain one: whoever calls it
+    writes, alone."""
+    sharded = bool(dist.fsdp_modules(model))
+    state = dist.full_state_dict(model)
+    if not sharded or dist.rank() == 0:
+        with atomic_dir(out_dir) as tmp:
+            write_model(tmp, model.config, state, generation_config or model.generation_config, tokenizer,
+                        max_shard_bytes)
+    if sharded:
+        dist.barrier()
+
+
+# -----------------------------------------------------------------------------
+# Trainer checkpoints: out_dir/checkpoint-<step>/ {HF model files, train_config.json, trainer/}
+
+
+def save_checkpoint(out_dir, step: int, model, optimizer, tokenizer, trainer_state: dict, train_config: dict,
+                    info: dist.DistInfo) -> str:
+    """Write out_dir/checkpoint-<step> (the policy in HF format + tokenizer, train_config.json, and
+    trainer/ with the optimizer and `trainer_state`) under a temporary name, rename it when complete,
+    then swap the link out_dir/checkpoint to it in one os.replace. Returns the checkpoint's path."""
+    step_dir = os.path.join(out_dir, f"checkpoint-{step}")
+    tmp = step_dir + ".tmp"
+    state = dist.full_state_dict(model)
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash
+        os.makedirs(os.path.join(tmp, "trainer"))
+    dist.barrier(info)
+    try:
+        if info.is_main:
+            write_model(tmp, model.config, state, model.generation_config, tokenizer)
+            write_json(os.path.join(tmp, "train_config.json"), train_config)
+            write_json(os.path.join(tmp, "trainer", "trainer_state.json"), trainer_state)
+        save_optimizer(os.path.join(tmp, "trainer"), model, optimizer, info)
+        dist.barrier(info)
+    except BaseException as e:
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"no space left on device while saving {step_dir}; the partial "
+                                        "checkpoint was removed, the previous one is intact") from e
+        raise
+    if info.is_main:
+        shutil.rmtree(step_dir, ignore_errors=True)
+        os.rename(tmp, step_dir)
+        link = os.path.join(out_dir, "checkpoint")
+        if os.path.lexists(link + ".tmp"):
+            os.remove(link + ".tmp")
+        os.symlink(os.path.basename(step_dir), link + ".tmp")
+        os.replace(link + ".tmp", link)  # atomic: readers see the old or the new checkpoint
+    dist.barrier(info)
+    return step_dir
+
+
+def prune_checkpoints(out_dir, written: list[str], limit: int | None, keep: str | None = None) -> list[str]:
+    """Delete the oldest checkpoints of `written` (names this run wrote, oldest first) beyond the newest
+    `limit` (None = keep all); `keep` (the resume source) is never deleted. Returns what remains."""
+    if limit is None or len(written) <= limit:
+        return written
+    keep_real = os.path.realpath(keep) if keep else None
+    remaining = list(written[-limit:])
+    for name in written[:-limit]:
+        path = os.path.join(out_dir, name)
+        if os.path.realpath(path) == keep_real:
+            remaining.insert(0, name)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+    return remaining
+
+
+def save_optimizer(path, model, optimizer, info: dist.DistInfo):
+    """Optimizer state: sharded with torch.distributed.checkpoint (every rank writes its shard), or
+    one optimizer.pt (tensors and plain numbers only, so it loads with weights_only=True)."""
+    if info.sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(path, "optimizer"))
+    else:
+        torch.save(optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+
+
+def load_trainer_state(ckpt_dir, model, optimizer, info: dist.DistInfo) -> dict:
+    """Restore the optimizer from ckpt_dir/trainer and return the trainer state (same world size).
+    Never unpickles: a checkpoint cannot run code."""
+    path = os.path.join(ckpt_dir, "trainer")
+    if info.sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    else:
+        file = os.path.join(path, "optimizer.pt")
+        try:
+            optimizer.load_state_dict(torch.load(file, weights_only=True))
+        except Exception as e:
+            raise ValueError(f"{file} cannot be loaded as plain tensors (corrupt, or it holds pickled code, "
+                             f"which is refused): {e}") from None
+    return read_json(os.path.join(path, "trainer_state.json"))
