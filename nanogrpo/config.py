@@ -115,6 +115,7 @@ class TrainConfig:
     eval_every: int = 0  # steps between evaluations, 0 = never
     log_every: int = 1  # steps between log lines
     save_every: int = 0  # steps between checkpoints, 0 = only at the end
+    save_total_limit: int | None = None  # keep the newest this-many checkpoints this run wrote; None = all (TRL)
     log_completions: bool = False  # print a sample of completions at each log step
     out_dir: str = "out"  # checkpoints, config.json and logs
     resume: bool | str = False  # True = latest checkpoint in out_dir, or a checkpoint path
@@ -187,6 +188,7 @@ class TrainConfig:
         need(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or None")
         need(0 <= self.ref_model_mixup_alpha <= 1, "ref_model_mixup_alpha", "must be in [0, 1]")
+        need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "must be None or >= 1")
         need(not self.sync_ref_model or self.beta > 0, "sync_ref_model", "needs beta > 0 (a reference model)")
         for key in ("eval_every", "save_every"):
             need(getattr(self, key) >= 0, key, "must be >= 0 (0 = never)")
@@ -275,15 +277,26 @@ def convert(key: str, value, tp=None, from_text: bool = False):
     raise ConfigError(f"{key}={value!r}: expected {getattr(tp, '__name__', tp)}")
 
 
+def config_path(name: str) -> str:
+    """The file a --config value names. A name without a '/' ('tiny', 'small.py') is a built-in config
+    of the repo's configs/ directory when one has that name, whatever the current directory holds, so
+    a stray tiny.py where you run train.py is never executed in its place; otherwise a `.py` name or a
+    path is your own file."""
+    if "/" not in name and os.sep not in name:
+        builtin = os.path.join(CONFIGS_DIR, name if name.endswith(".py") else name + ".py")
+        if os.path.isfile(builtin):
+            return builtin
+    if (name.endswith(".py") or "/" in name) and os.path.isfile(name):
+        return name
+    known = sorted(f[:-3] for f in os.listdir(CONFIGS_DIR) if f.endswith(".py"))
+    raise ConfigError(f"config {name!r} not found: not a file, nor one of the built-in configs {known} "
+                      f"in {CONFIGS_DIR}")
+
+
 def read_config_file(name: str) -> dict:
     """Names a config file assigns (skipping _private names, modules, functions and classes).
-
-    A name that is not an existing path is looked up in ./configs, then in the repo's configs/ dir
-    (next to train.py), with or without .py."""
-    candidates = [name] + [os.path.join(d, n) for d in ("configs", CONFIGS_DIR) for n in (name, name + ".py")]
-    path = next((p for p in candidates if os.path.isfile(p)), None)
-    if path is None:
-        raise ConfigError(f"config file {name!r} not found (also looked in {CONFIGS_DIR})")
+    A config file is Python and is executed as code, like a reward-function file: run only your own."""
+    path = config_path(name)
     namespace: dict = {}
     with open(path) as f:
         exec(compile(f.read(), path, "exec"), namespace)

@@ -44,6 +44,20 @@ def test_bare_names_are_found_in_configs_dirs(tmp_path, monkeypatch):
         load_config(["--config=absent"])
 
 
+def test_a_stray_config_in_the_current_directory_never_replaces_a_builtin(tmp_path, monkeypatch):
+    """Security regression: `python train.py` (= --config tiny.py) run from a directory holding any
+    tiny.py used to execute that file instead of the built-in default."""
+    marker = tmp_path / "ran"
+    (tmp_path / "tiny.py").write_text(f"open({str(marker)!r}, 'w').write('pwned')\nmax_steps = 3\n")
+    monkeypatch.chdir(tmp_path)
+    for name in ("tiny", "tiny.py"):
+        assert load_config(["--config", name]).max_steps == 150  # the built-in configs/tiny.py
+    assert not marker.exists()
+    (tmp_path / "mine.py").write_text("max_steps = 9\n")  # a .py of your own (no built-in of that name)
+    assert load_config(["--config", "mine.py"]).max_steps == 9
+    assert load_config(["--config", "./tiny.py"]).max_steps == 3  # an explicit path is yours
+
+
 def test_unknown_keys_suggest_the_closest(tmp_path):
     with pytest.raises(ConfigError, match="'learnng_rate' on the command line; did you mean learning_rate"):
         load_config(["--learnng_rate=1e-6"])
