@@ -1,6 +1,6 @@
 """Sample completions from any HF checkpoint (hub id or directory) or a nanogrpo output dir.
 
-    python sample.py --model out/tiny/checkpoint --prompt "abc>" --num_samples 4
+    python sample.py --model out/tiny/checkpoint --prompt "bhad=" --num_samples 4
     python sample.py --model Qwen/Qwen2.5-0.5B-Instruct --chat "What is 12*7?" --temperature 0.7 \\
         --reward accuracy --column answer=84
 

@@ -32,7 +32,7 @@ import torch
 from nanogrpo import dist
 from nanogrpo.config import ConfigError, TrainConfig, load_config
 from nanogrpo.data import PromptSampler, columns_of, load_dataset
-from nanogrpo.grpo import LossConfig, group_advantages, grpo_step
+from nanogrpo.grpo import LossConfig, group_advantages, grpo_step, nanstd
 from nanogrpo.logprobs import token_logprobs
 from nanogrpo import checkpoint
 from nanogrpo.model import ModelConfig, Transformer
@@ -45,17 +45,26 @@ from nanogrpo.tokenizer import Tokenizer, char_level_tokenizer
 
 
 def ensure_tiny_checkpoint(cfg: TrainConfig, info: dist.DistInfo):
-    """For the embedded default: build a random model + byte-level tokenizer once and save them in
-    HF format at cfg.model, so the run then loads them like any other checkpoint."""
-    if cfg.init_model is None or os.path.exists(os.path.join(cfg.model, "config.json")):
+    """For the embedded default: build a random model + char-level tokenizer and save them in HF
+    format at cfg.model, so the run then loads them like any other checkpoint. The directory records
+    what built it (init.json); when init_model, the characters or the seed change, it is rebuilt
+    rather than silently reused. A checkpoint there that this function did not write is left alone."""
+    if cfg.init_model is None:
         return
+    recipe = {"init_model": cfg.init_model, "init_tokenizer_chars": cfg.init_tokenizer_chars, "seed": cfg.seed}
+    marker = os.path.join(cfg.model, "init.json")
+    if os.path.exists(os.path.join(cfg.model, "config.json")):
+        if not os.path.exists(marker) or checkpoint.read_json(marker) == recipe:
+            return
+        dist.print0(f"{cfg.model} was built from another init_model/init_tokenizer_chars/seed: rebuilding it")
     if info.is_main:
         tok = char_level_tokenizer(cfg.init_tokenizer_chars)
         torch.manual_seed(cfg.seed)
-        model_cfg = ModelConfig(vocab_size=tok.vocab_size, **cfg.init_model)
-        model = Transformer(model_cfg)
-        checkpoint.save_model(model, cfg.model, tokenizer=tok, generation_config={
-            "eos_token_id": sorted(tok.eos_token_ids), "pad_token_id": tok.pad_token_id})
+        model = Transformer(ModelConfig(vocab_size=tok.vocab_size, **cfg.init_model))
+        with checkpoint.atomic_dir(cfg.model) as tmp:
+            checkpoint.write_model(tmp, model.config, model.state_dict(), tokenizer=tok, generation_config={
+                "eos_token_id": sorted(tok.eos_token_ids), "pad_token_id": tok.pad_token_id})
+            checkpoint.write_json(os.path.join(tmp, "init.json"), recipe)
     dist.barrier(info)
 
 
@@ -119,7 +128,8 @@ def score(tok, reward_funcs, rows, out, num_samples):
     assistant messages (conversational prompts). -> rewards [n,K] (NaN = unscored), prompts, completions."""
     prompts = [r["prompt"] for r in rows for _ in range(num_samples)]
     columns = {k: [v for v in vals for _ in range(num_samples)] for k, vals in columns_of(rows).items()}
-    ids = [row[: int(n)] for row, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1))]
+    lengths = out.completion_mask.sum(1).tolist()  # one device-to-host transfer for the batch
+    ids = [row[:n] for row, n in zip(out.completion_ids.tolist(), lengths)]
     completions = [tok.decode(r) for r in ids]
     if not isinstance(rows[0]["prompt"], str):
         completions = [[{"role": "assistant", "content": c}] for c in completions]
@@ -165,8 +175,7 @@ def generation_metrics(rewards, weights, out, reward_funcs, G, info) -> dict:
     total = torch.nansum(rewards * weights, dim=1)
     total[torch.isnan(rewards).all(1)] = float("nan")
     ok = ~torch.isnan(total)
-    group_std = torch.stack([g[~torch.isnan(g)].std() if (~torch.isnan(g)).sum() > 1 else g.new_tensor(float("nan"))
-                             for g in total.view(-1, G)])
+    group_std = nanstd(total.view(-1, G), dim=1)  # [N/G], NaN where < 2 scored
     lengths = dist.all_gather_rows(out.completion_mask.sum(1).float(), info)
     truncated = dist.all_gather_rows(out.truncated.float(), info)
     m = {"reward": total[ok].mean().item(), "reward_std": total[ok].std().item() if ok.sum() > 1 else 0.0,

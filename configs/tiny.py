@@ -1,8 +1,8 @@
 # The embedded default: what `python train.py` runs. Offline, CPU, a few minutes on 2 cores.
 #
-# A ~70k-parameter Qwen2-shaped model is created from scratch (random weights, a char-level
+# A ~124k-parameter Qwen2-shaped model is created from scratch (random weights, a char-level
 # tokenizer), saved in Hugging Face format at out/tiny-init, and loaded back through the same
-# from_pretrained path as any hub checkpoint. It then learns the default task by RL alone:
+# load_model path as any hub checkpoint. It then learns the default task by RL alone:
 # copy a 4-letter string, "bhad=" -> "bhad" + eos, with a dense per-character reward
 # (data.py and rewards.default_task_score explain the task and why it is learnable).
 

@@ -1,1 +1,2 @@
-"""nanogrpo: GRPO post-training in plain PyTorch (see README.md and DESIGN in the docs)."""
+"""nanogrpo: GRPO post-training in plain PyTorch. README.md shows the commands and the module map;
+train.py is the algorithm, top to bottom."""

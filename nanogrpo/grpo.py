@@ -1,5 +1,6 @@
 """GRPO's two pieces of math: group-relative advantages, and the clipped policy loss with all of
-TRL GRPOTrainer's variants, in plain tensor code (reference: shared/trl_grpo_spec.md, TRL 1.16).
+TRL GRPOTrainer's variants, in plain tensor code (reference: TRL 1.16, trl/trainer/grpo_trainer.py,
+`_compute_loss` and `_generate_and_score_completions`; the papers are cited where each variant is).
 
 Owns: `LossConfig` (TRL's GRPOConfig names and defaults), `group_advantages` (rewards -> advantages)
 and `grpo_step` (per-token log-probs -> one micro-batch's scalar loss + metrics).
@@ -75,10 +76,10 @@ class LossConfig:
 
 
 # -----------------------------------------------------------------------------
-# Advantages (spec 1.4-1.8)
+# Advantages (TRL: _generate_and_score_completions; DeepSeekMath arXiv 2402.03300, GDPO)
 
 
-def _nanstd(x, dim=None, keepdim=False):
+def nanstd(x, dim=None, keepdim=False):
     """Unbiased (Bessel) std ignoring NaN; NaN where fewer than 2 values are present."""
     dim = tuple(range(x.dim())) if dim is None else dim
     mean = torch.nanmean(x, dim=dim, keepdim=True)
@@ -131,14 +132,14 @@ def group_advantages(rewards, num_generations, reward_weights=None, scale_reward
         r = torch.where(unscorable, torch.nan, (rewards * w).nansum(dim=1)).view(-1, G)  # [N/G,G]
         adv = r - torch.nanmean(r, dim=1, keepdim=True)
         if scale_rewards == "group":
-            adv = adv / (_nanstd(r, dim=1, keepdim=True) + 1e-4)
+            adv = adv / (nanstd(r, dim=1, keepdim=True) + 1e-4)
         elif scale_rewards == "batch":
-            adv = adv / (_nanstd(r) + 1e-4)
+            adv = adv / (nanstd(r) + 1e-4)
     else:
         grouped = rewards.view(-1, G, K)  # [N/G,G,K]
-        z = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (_nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+        z = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
         r = torch.where(unscorable, torch.nan, (z.view(N, K) * w).nansum(dim=1))  # [N]
-        adv = (r - torch.nanmean(r)) / (_nanstd(r) + 1e-4)
+        adv = (r - torch.nanmean(r)) / (nanstd(r) + 1e-4)
     return torch.nan_to_num(adv.reshape(N), nan=0.0)
 
 
@@ -212,7 +213,7 @@ def high_entropy_mask(entropies, mask, quantile):
 
 
 def aggregate(per_token_loss, mask, cfg, num_items, grad_accum, world_size, steps_per_generation):
-    """One micro-batch's loss from L [N,C] (spec 4.4), scaled so that summing over the grad_accum
+    """One micro-batch's loss from L [N,C] (TRL: the loss_type branches of _compute_loss), scaled so that summing over the grad_accum
     micro-batches and averaging over the world_size ranks gives the loss type's definition:
       grpo, sapo   mean over sequences of (sum_t L / |o|)             (GRPO; per-sequence token mean)
       bnpo         sum L / local active tokens                          (TRL's batch-normalized variant)

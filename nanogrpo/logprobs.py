@@ -2,8 +2,9 @@
 
 Owns: `token_logprobs` (what the policy, the old policy and the reference model are scored with)
 and `kl_divergence`. Does not know about: losses, advantages, sampling, or how the model is built
-beyond two methods: `model.hidden_states(input_ids, attention_mask=...)` -> [N,L,D] after the final
-norm, and `model.lm_head` (an nn.Linear D -> V).
+beyond one call: `model(input_ids, attention_mask=..., head=fn)` runs the trunk and returns
+fn(hidden [N,L,D] after the final norm, model.lm_head) instead of the logits, inside forward, so
+FSDP2 keeps the LM head gathered while the chunks are scored.
 
 Choices:
 - Memory. Qwen2.5 has V = 151,936: fp32 logits for 8 x 512 completion tokens are 2.5 GB, and a
@@ -13,7 +14,7 @@ Choices:
   under `torch.utils.checkpoint`, so its [chunk,V] logits are recomputed in backward instead of
   being stored: peak memory is a few (about 6, measured) [chunk,V] fp32 blocks whatever N x C is;
   lower chunk_size if that is still too much (bench/bench_logprobs.py measures it).
-- Temperature divides the logits before the softmax, exactly as TRL scores (spec 2.1), and the
+- Temperature divides the logits before the softmax, exactly as TRL scores (`_get_per_token_logps_and_entropies`), and the
   entropy is the tempered distribution's, in nats.
 - Positions with completion_mask == 0 are never scored: they come out as exactly 0 (no NaN).
 - Positions come from the attention mask (left-pad aware) inside the model; for RoPE models this

@@ -54,6 +54,10 @@ def one_step(rank, world_size, port, family, out_path):
     if info.is_main:
         torch.save({"state": state, "grad_norm": metrics["grad_norm"]}, out_path)
     dist.teardown()
+    # Known, not ours to fix here: about 1 run in 10, a spawned gloo rank aborts in C++ static
+    # destructors at interpreter exit ("terminate called without an active exception") after all its
+    # work is done. Leave without running them; the result is already on disk.
+    os._exit(0)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama3"])  # tied and untied LM head

@@ -165,3 +165,14 @@ def test_conversational_jsonl_with_extra_columns(tmp_path):
         assert d == "abcdefgh".index(p[-1]["content"][3])  # its own row's column value
         assert c[0]["role"] == "assistant" and isinstance(c[0]["content"], str)
     assert history[0]["rewards/column_reward/mean"] == pytest.approx(sum(difficulty) / 16)
+
+
+def test_a_stale_init_model_is_rebuilt_not_reused(tmp_path):
+    """Regression: out/tiny-init was reused after init_model or the tokenizer characters changed."""
+    train.ensure_tiny_checkpoint(tiny(tmp_path), train.dist.DistInfo())
+    assert load_model(tmp_path / "init").config.hidden_size == 64
+    train.ensure_tiny_checkpoint(tiny(tmp_path, "--init_model={'hidden_size': 32, 'intermediate_size': 64, "
+                                      "'num_hidden_layers': 1, 'num_attention_heads': 2}",
+                                      "--init_tokenizer_chars=abc="), train.dist.DistInfo())
+    model, tok = load_model(tmp_path / "init"), Tokenizer.from_pretrained(tmp_path / "init")
+    assert model.config.hidden_size == 32 and tok.vocab_size == 5
