@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from nanogrpo.checkpoint import load_model
-from nanogrpo.rewards import resolve_reward_funcs, score_completions
+from nanogrpo.rewards import resolve_reward_funcs, score_completions, total_reward
 from nanogrpo.sampler import generate
 from nanogrpo.tokenizer import Tokenizer
 
@@ -71,6 +71,8 @@ def main(argv=None):
         score = ""
         if rewards is not None:
             score = " | " + ", ".join(f"{name}={rewards[i, k].item():.3f}" for k, (name, _) in enumerate(funcs))
+            if len(funcs) > 1:
+                score += f", total={total_reward(rewards[i:i + 1]).item():.3f}"
         print(f"--- sample {i} ({int(lengths[i])} tokens{tail}{score})\n{t}")
 
 

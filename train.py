@@ -36,7 +36,7 @@ from nanogrpo.grpo import LossConfig, group_advantages, grpo_step, nanstd
 from nanogrpo.logprobs import token_logprobs
 from nanogrpo import checkpoint
 from nanogrpo.model import ModelConfig, Transformer
-from nanogrpo.rewards import resolve_reward_funcs, score_completions
+from nanogrpo.rewards import resolve_reward_funcs, score_completions, total_reward
 from nanogrpo.sampler import generate
 from nanogrpo.tokenizer import Tokenizer, char_level_tokenizer
 
@@ -165,15 +165,15 @@ def sample_and_score(model, tok, rows, cfg, reward_funcs, info, generator, autoc
                                        device=info.device)}
     metrics = generation_metrics(rewards, weights, out, reward_funcs, G, info)
     metrics.update({"time/sample": t_sample, "time/score": t_score})
+    shown = total_reward(rewards[: 2 * G: G], weights).tolist()  # the weighted total, as training sees it
     samples = [(p if isinstance(p, str) else p[-1]["content"], c if isinstance(c, str) else c[0]["content"], r)
-               for p, c, r in zip(prompts[: 2 * G: G], completions[: 2 * G: G], rewards[: 2 * G: G, 0].tolist())]
+               for p, c, r in zip(prompts[: 2 * G: G], completions[: 2 * G: G], shown)]
     return batch, metrics, samples
 
 
 def generation_metrics(rewards, weights, out, reward_funcs, G, info) -> dict:
     """TRL's reward and completion-length metrics, over the whole generation batch on all ranks."""
-    total = torch.nansum(rewards * weights, dim=1)
-    total[torch.isnan(rewards).all(1)] = float("nan")
+    total = total_reward(rewards, weights)  # [N], NaN = unscored
     ok = ~torch.isnan(total)
     group_std = nanstd(total.view(-1, G), dim=1)  # [N/G], NaN where < 2 scored
     lengths = dist.all_gather_rows(out.completion_mask.sum(1).float(), info)
@@ -264,8 +264,7 @@ def evaluate(model, tok, rows, cfg, reward_funcs, info, autocast) -> dict:
     rewards, _, _ = score(tok, reward_funcs, rows, out, 1)
     rewards = dist.all_gather_rows(rewards.to(info.device), info)
     m = {f"eval/rewards/{name}/mean": torch.nanmean(rewards[:, k]).item() for k, (name, _) in enumerate(reward_funcs)}
-    weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs), device=rewards.device)
-    m["eval/reward"] = torch.nanmean(torch.nansum(rewards * weights, 1)).item()
+    m["eval/reward"] = torch.nanmean(total_reward(rewards, cfg.reward_weights)).item()  # unscored rows excluded
     m["eval/pass@1"] = (rewards[:, 0] >= 1.0).float().mean().item()
     return m
 

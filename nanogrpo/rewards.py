@@ -1,8 +1,8 @@
 """Reward functions, and turning their outputs into one [N, K] reward matrix.
 
 Owns: the built-in rewards (`accuracy`, `format`, `soft_overlong`, `countdown`, `default_task`),
-resolving reward names from a config (`resolve_reward_funcs`), and calling every function on a batch
-of completions (`score_completions`).
+resolving reward names from a config (`resolve_reward_funcs`), calling every function on a batch
+of completions (`score_completions`), and their weighted total (`total_reward`).
 
 Does not know about: tokenizers, models, advantages (grpo.py turns the matrix into advantages) or
 where the dataset columns come from (data.py).
@@ -359,3 +359,12 @@ def score_completions(reward_funcs, prompts, completions, completion_ids, column
             getattr(coroutine, "close", lambda: None)()
     rows = [_check_scores(funcs[k][0], results[k], n) for k in range(len(funcs))]
     return torch.tensor(rows, dtype=torch.float32).reshape(len(funcs), n).T.contiguous()
+
+
+def total_reward(rewards: torch.Tensor, weights=None) -> torch.Tensor:
+    """The weighted total [N] of a reward matrix [N,K]: sum_k w_k R_k over the scored (non-NaN)
+    entries, NaN for a row no function scored. The one definition that training metrics, evaluation,
+    printed samples and sample.py use (group_advantages applies the same rule)."""
+    w = torch.ones(rewards.shape[1]) if weights is None else torch.as_tensor(weights, dtype=rewards.dtype)
+    total = torch.nansum(rewards * w.to(rewards.device), dim=1)
+    return torch.where(torch.isnan(rewards).all(dim=1), torch.nan, total)

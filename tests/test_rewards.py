@@ -179,3 +179,37 @@ def test_score_completions_errors_name_the_function():
         score_completions([async_boom], ["p"], ["a"], None, {})
     with pytest.raises(ValueError, match="column 'answer' has 1 values for 2"):
         score_completions(resolve_reward_funcs(["accuracy"]), ["p", "q"], ["a", "b"], None, {"answer": ["1"]})
+
+
+def test_total_reward_is_the_weighted_nan_aware_sum():
+    from nanogrpo.rewards import total_reward
+    nan = float("nan")
+    r = torch.tensor([[1.0, 2.0], [nan, 3.0], [nan, nan]])
+    total = total_reward(r, [0.5, 2.0])
+    assert total[:2].tolist() == [4.5, 6.0] and torch.isnan(total[2])  # unscored stays NaN, not 0
+    assert total_reward(r)[:2].tolist() == [3.0, 3.0]
+
+
+def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
+    """Regression: eval/reward counted a row no function scored as 0, training excluded it."""
+    import train
+    from nanogrpo import dist
+    from nanogrpo.config import TrainConfig
+    from nanogrpo.sampler import Generation
+    out = Generation(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool), torch.zeros(2, 1),
+                     torch.zeros(2, dtype=torch.bool))
+    monkeypatch.setattr(train, "rollout", lambda *a, **k: out)
+
+    class Tok:
+        def encode_prompt(self, p):
+            return [1]
+
+        def decode(self, ids):
+            return "x"
+
+    def half_scored(completions, **kw):
+        return [1.0, None]
+
+    m = train.evaluate(None, Tok(), [{"prompt": "a"}, {"prompt": "b"}], TrainConfig(),
+                       [("half", half_scored)], dist.DistInfo(), None)
+    assert m["eval/reward"] == 1.0
