@@ -252,17 +252,26 @@ def sync_ref_model(ref, policy, alpha: float):
 # Evaluation and checkpoints
 
 
+def eval_indices(num_rows: int, rank: int, world_size: int) -> list[int]:
+    """The eval rows one rank scores: a contiguous block of ceil(num_rows / world_size), so every rank
+    has the same count (all_gather needs equal shapes). Past the end the indices wrap around; the
+    gathered results are cut back to num_rows, so each row counts exactly once."""
+    n = -(-num_rows // world_size)
+    return [(rank * n + i) % num_rows for i in range(n)]
+
+
 @torch.no_grad()
 def evaluate(model, tok, rows, cfg, reward_funcs, info, autocast) -> dict:
     """One sample per eval prompt (at the training temperature): mean reward per function, and
-    pass@1 = fraction whose first reward function gives >= 1."""
-    n = len(rows) // info.world_size
-    rows = rows[info.rank * n:(info.rank + 1) * n]
+    pass@1 = fraction whose first reward function gives >= 1. Every eval row counts exactly once,
+    on any number of ranks."""
+    num_rows = len(rows)
+    rows = [rows[i] for i in eval_indices(num_rows, info.rank, info.world_size)]
     prompt_ids = [tok.encode_prompt(r["prompt"]) for r in rows]
     generator = torch.Generator(info.device).manual_seed(round_seed(cfg, 0, info.rank, salt=17))
     out = rollout(model, tok, prompt_ids, cfg, 1, generator, autocast)
     rewards, _, _ = score(tok, reward_funcs, rows, out, 1)
-    rewards = dist.all_gather_rows(rewards.to(info.device), info)
+    rewards = dist.all_gather_rows(rewards.to(info.device), info)[:num_rows]  # drop the wrapped-around padding
     m = {f"eval/rewards/{name}/mean": torch.nanmean(rewards[:, k]).item() for k, (name, _) in enumerate(reward_funcs)}
     m["eval/reward"] = torch.nanmean(total_reward(rewards, cfg.reward_weights)).item()  # unscored rows excluded
     m["eval/pass@1"] = (rewards[:, 0] >= 1.0).float().mean().item()

@@ -176,3 +176,13 @@ def test_a_stale_init_model_is_rebuilt_not_reused(tmp_path):
                                       "--init_tokenizer_chars=abc="), train.dist.DistInfo())
     model, tok = load_model(tmp_path / "init"), Tokenizer.from_pretrained(tmp_path / "init")
     assert model.config.hidden_size == 32 and tok.vocab_size == 5
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 7, 8])
+def test_every_eval_row_counts_once_on_any_world_size(num_rows, world_size):
+    """Regression: eval dropped len(rows) % world_size rows, and eval_size < world_size failed."""
+    shards = [train.eval_indices(num_rows, r, world_size) for r in range(world_size)]
+    assert len({len(s) for s in shards}) == 1  # equal shapes for all_gather
+    gathered = [i for s in shards for i in s][:num_rows]  # what evaluate keeps after the gather
+    assert gathered == list(range(num_rows))
