@@ -26,20 +26,17 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, LossConfig
+from nanogrpo.sampler import check_sampling
+
 
 class ConfigError(ValueError):
     """A config key is unknown, has the wrong type, or is inconsistent with the others."""
 
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
-CHOICES = {"dtype": ("float32", "bfloat16", "auto"), "loss_type": LOSS_TYPES,
-           "importance_sampling_level": ("token", "sequence"), "scale_rewards": ("group", "batch", "none"),
-           "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
-           "lr_scheduler": ("constant", "cosine")}
-LOSS_FIELDS = ("loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
-               "max_completion_length", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
-               "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "use_bias_correction_kl",
-               "top_entropy_quantile")
+CHOICES = {"dtype": ("float32", "bfloat16", "auto"), "scale_rewards": SCALE_REWARDS,
+           "multi_objective_aggregation": AGGREGATIONS, "lr_scheduler": ("constant", "cosine")}
+LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig))  # TrainConfig has each, same name and default
 
 
 @dataclass
@@ -159,22 +156,11 @@ class TrainConfig:
         rows = self.rows_per_rank(world_size)
         need(rows % self.micro_batch_size == 0, "micro_batch_size",
              f"must divide the {rows} completions per rank (prompts_per_step * num_generations / world_size)")
-        need(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
-        need(self.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
-        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        need(0 <= self.min_p < 1, "min_p", "must be in [0, 1)")
-        need(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
-        need(self.beta >= 0, "beta", "must be >= 0")
-        need(self.epsilon > 0, "epsilon", "must be > 0")
-        need(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", "must be None or > 0")
-        need(min(self.sapo_temperature_pos, self.sapo_temperature_neg) > 0, "sapo_temperature_pos",
-             "sapo temperatures must be > 0")
-        need(self.delta is None or self.delta > 1, "delta", "is an upper bound on the ratio, must be > 1")
-        need(0 <= self.top_entropy_quantile <= 1, "top_entropy_quantile", "must be in [0, 1]")
-        need(self.loss_type != "luspo" or self.importance_sampling_level == "sequence", "loss_type",
-             "luspo needs importance_sampling_level='sequence'")
-        need(self.loss_type != "vespo" or self.importance_sampling_level == "token", "loss_type",
-             "vespo needs importance_sampling_level='token'")
+        try:  # the sampler's and the loss's own rules, not restated here
+            check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty)
+            LossConfig(**self.loss_config())
+        except ValueError as e:
+            raise ConfigError(str(e).removeprefix("LossConfig.")) from None
         need(len(self.reward_funcs) >= 1, "reward_funcs", "needs at least one reward function")
         need(self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs), "reward_weights",
              f"needs one weight per reward function ({len(self.reward_funcs)})")

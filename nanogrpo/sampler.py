@@ -151,19 +151,26 @@ def uniforms(keys, step):
 # Generation
 
 
+def _need(ok, name, value, rule):
+    if not ok:
+        raise ValueError(f"{name}={value!r}: {rule}")
+
+
+def check_sampling(temperature, top_k, top_p, min_p, repetition_penalty):
+    """The one rule for the sampling settings (generate and TrainConfig both call it); ValueError if off."""
+    _need(temperature >= 0, "temperature", temperature, "must be >= 0 (0 means greedy)")
+    _need(top_k >= 0, "top_k", top_k, "must be >= 0 (0 means off)")
+    _need(0 < top_p <= 1, "top_p", top_p, "must be in (0, 1] (1 means off)")
+    _need(0 <= min_p <= 1, "min_p", min_p, "must be in [0, 1] (0 means off)")
+    _need(repetition_penalty > 0, "repetition_penalty", repetition_penalty, "must be > 0 (1 means off)")
+
+
 def _check_args(model, prompt_ids, num_samples, max_new_tokens, temperature, top_k, top_p, min_p,
                 repetition_penalty, vocab_size, seeds):
-    def need(ok, name, value, rule):
-        if not ok:
-            raise ValueError(f"{name}={value!r}: {rule}")
-
+    need = _need
     need(num_samples >= 1, "num_samples", num_samples, "must be >= 1")
     need(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, "must be >= 1")
-    need(temperature >= 0, "temperature", temperature, "must be >= 0 (0 means greedy)")
-    need(top_k >= 0, "top_k", top_k, "must be >= 0 (0 means off)")
-    need(0 < top_p <= 1, "top_p", top_p, "must be in (0, 1] (1 means off)")
-    need(0 <= min_p <= 1, "min_p", min_p, "must be in [0, 1] (0 means off)")
-    need(repetition_penalty > 0, "repetition_penalty", repetition_penalty, "must be > 0 (1 means off)")
+    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     V = model.config.vocab_size
     need(0 < vocab_size <= V, "vocab_size", vocab_size, f"must be in [1, model.config.vocab_size={V}]")
     need(len(prompt_ids) > 0, "prompt_ids", prompt_ids, "needs at least one prompt")

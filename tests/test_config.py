@@ -124,13 +124,19 @@ def test_defaults_follow_trl_and_loss_config():
     assert (cfg.learning_rate, cfg.adam_beta2, cfg.scale_rewards, cfg.use_bias_correction_kl) == (1e-6, 0.99, "group", True)
     kwargs = cfg.loss_config()
     assert set(kwargs) == set(LOSS_FIELDS) and kwargs["max_completion_length"] == cfg.max_completion_length
-    try:
-        from nanogrpo.grpo import LossConfig
-    except ImportError:
-        return
-    loss_fields = {f.name for f in dataclasses.fields(LossConfig)}
-    assert set(kwargs) <= loss_fields
+    import dataclasses
+
+    from nanogrpo.grpo import LossConfig
+    for f in dataclasses.fields(LossConfig):  # one default for each loss setting
+        assert getattr(TrainConfig(), f.name) == f.default, f.name
     assert LossConfig(**kwargs).loss_type == "dapo"
+
+
+def test_min_p_has_one_rule():
+    """Regression: min_p=1 was rejected by the config (< 1) but accepted by the sampler (<= 1)."""
+    assert TrainConfig(min_p=1.0).validate().min_p == 1.0
+    with pytest.raises(ConfigError, match="min_p"):
+        TrainConfig(min_p=1.5).validate()
 
 
 def test_to_dict_round_trips():
