@@ -9,11 +9,11 @@ One *round* of GRPO:
     -> old log-probs (only when the update is off-policy) -> reference log-probs (only when beta > 0)
     -> micro-batched grpo_step with gradient accumulation -> clip -> AdamW step -> log / eval / checkpoint
 
-Batch arithmetic (config.py): each optimizer step trains on `prompts_per_step` prompts x
-`num_generations` completions (all ranks together), in micro-batches of `micro_batch_size`
-completions with gradient accumulation. A round samples the prompts of `steps_per_generation`
-optimizer steps at once and replays them `num_iterations` times (TRL's spg and mu); `step` counts
-optimizer steps, as TRL's global_step does.
+Batch arithmetic (config.Schedule, printed at the start of every run): each optimizer step trains on
+`prompts_per_step` prompts x `num_generations` completions (all ranks together), in micro-batches of
+`micro_batch_size` completions with gradient accumulation. A round samples `steps_per_generation`
+micro-batches at once (TRL's meaning) and replays them `num_iterations` times (TRL's mu); `step`
+counts optimizer steps, as TRL's global_step does.
 
 Left out on purpose (TRL has them): vLLM generation and its importance-sampling correction, PEFT,
 tool calling, the entropy bonus, reward models (any Python function is a reward function).
@@ -316,14 +316,9 @@ def train(cfg: TrainConfig) -> list[dict]:
     eval_rows = None
     if cfg.eval_dataset and cfg.eval_every:
         eval_rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split, seed=cfg.seed)[: cfg.eval_size]
-    prompts = PromptSampler(rows, cfg.prompts_per_round(), seed=cfg.seed)
-    G, W = cfg.num_generations, info.world_size
-    GA = cfg.gradient_accumulation_steps(W)  # micro-batches per optimizer step on each rank
-    rounds_steps = cfg.steps_per_generation or 1  # optimizer steps fed by one round's samples
-    spg = GA * rounds_steps  # micro-batches per round (TRL's steps_per_generation)
-    rows_per_round = cfg.rows_per_rank(W) * rounds_steps  # completions per rank per round
-    steps_per_round = rounds_steps * cfg.num_iterations
-    off_policy = steps_per_round > 1  # the policy changes between sampling and (some) updates
+    sched = cfg.schedule(info.world_size)
+    prompts = PromptSampler(rows, sched.prompts_per_round, seed=cfg.seed)
+    W, GA = info.world_size, sched.micro_batches_per_step
 
     step, history, written = 0, [], []  # written: the checkpoints this run (and the runs it resumes) wrote
     if resuming:
@@ -339,13 +334,11 @@ def train(cfg: TrainConfig) -> list[dict]:
         with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") as f:  # rewritten from history on resume
             f.writelines(json.dumps(m) + "\n" for m in history)
     dist.print0(f"nanogrpo: {cfg.model} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params | "
-                f"{W} process(es) on {info.device} | {cfg.prompts_per_step} prompts x {G} samples per round, "
-                f"{GA} micro-batch(es) of {cfg.micro_batch_size} per step, {steps_per_round} step(s) per round",
-                )
+                f"{W} process(es) on {info.device}\n{sched.table()}")
 
     while step < cfg.max_steps:
         t_round, first_step = time.time(), step
-        rnd = step // steps_per_round
+        rnd = step // sched.updates_per_round
         # 1. prompts: this rank's share of the round's prompts (each prompt's G samples stay on one rank)
         batch_rows = prompts.next_batch()
         per_rank = len(batch_rows) // W
@@ -355,7 +348,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         batch, gen_metrics, samples = sample_and_score(model, tok, my_rows, cfg, reward_funcs, info, generator, autocast)
         # 5. old log-probs only when off-policy; reference log-probs only when beta > 0
         t0 = time.time()
-        if off_policy:
+        if sched.off_policy:
             model.eval()
             batch["old_logps"] = batch_logprobs(model, batch, cfg, autocast, tok.vocab_size)
             model.train()
@@ -363,12 +356,14 @@ def train(cfg: TrainConfig) -> list[dict]:
             batch["ref_logps"] = batch_logprobs(ref, batch, cfg, autocast, tok.vocab_size)
         t_logps = time.time() - t0
         # 6. updates: shuffle once per round, replay the same micro-batches num_iterations times
-        perm = torch.randperm(rows_per_round, generator=torch.Generator().manual_seed(round_seed(cfg, rnd, info.rank, 1)))
-        micro = [perm[i:i + cfg.micro_batch_size].to(info.device) for i in range(0, rows_per_round, cfg.micro_batch_size)]
+        n = sched.completions_per_round_per_rank
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(round_seed(cfg, rnd, info.rank, 1)))
+        micro = [perm[i:i + cfg.micro_batch_size].to(info.device) for i in range(0, n, cfg.micro_batch_size)]
         records = []
-        for j in [j for _ in range(cfg.num_iterations) for j in range(0, spg, GA)][: cfg.max_steps - step]:
+        for j in sched.replay_order()[: cfg.max_steps - step]:
             t0 = time.time()
-            m = update(model, optimizer, batch, micro[j:j + GA], cfg, loss_cfg, info, autocast, spg, tok.vocab_size)
+            m = update(model, optimizer, batch, micro[j:j + GA], cfg, loss_cfg, info, autocast,
+                       sched.steps_per_generation, tok.vocab_size)
             scheduler.step()
             step += 1
             if ref is not None and cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:

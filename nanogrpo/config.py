@@ -66,8 +66,8 @@ class TrainConfig:
     prompts_per_step: int = 16  # prompts per optimizer step, all ranks together
     micro_batch_size: int = 32  # completions per forward/backward on one rank
     num_iterations: int = 1  # optimizer passes over each generated batch (mu)
-    steps_per_generation: int | None = None  # optimizer steps fed by one generation round (None = 1);
-    # unlike TRL's, counted in optimizer steps: a round samples prompts_per_step * steps_per_generation prompts
+    steps_per_generation: int | None = None  # TRL's: micro-batches (per rank) fed by one generation round;
+    # None = one optimizer step's worth. A multiple of the micro-batches per step: see Schedule
     # generation
     max_completion_length: int = 512  # new tokens per completion, also dr_grpo's constant
     temperature: float = 1.0  # 0 = greedy
@@ -119,17 +119,13 @@ class TrainConfig:
 
     # --- derived sizes ---------------------------------------------------------------------
 
-    def rows_per_rank(self, world_size: int = 1) -> int:
-        """Completions each rank trains on per optimizer step."""
-        return self.prompts_per_step * self.num_generations // world_size
-
-    def prompts_per_round(self) -> int:
-        """Prompts sampled per generation round, all ranks together."""
-        return self.prompts_per_step * (self.steps_per_generation or 1)
-
-    def gradient_accumulation_steps(self, world_size: int = 1) -> int:
-        """Micro-batches per optimizer step on each rank."""
-        return self.rows_per_rank(world_size) // self.micro_batch_size
+    def schedule(self, world_size: int = 1) -> "Schedule":
+        """Every count derived from the batch settings on `world_size` ranks (call validate first)."""
+        per_rank = self.prompts_per_step * self.num_generations // world_size
+        micro_per_step = per_rank // self.micro_batch_size
+        spg = self.steps_per_generation or micro_per_step
+        return Schedule(world_size, self.num_generations, self.prompts_per_step, per_rank, self.micro_batch_size,
+                        micro_per_step, spg, spg // micro_per_step, self.num_iterations)
 
     # --- checks and conversions ---------------------------------------------------------------
 
@@ -153,9 +149,13 @@ class TrainConfig:
              "must be None or at least 1")
         need(self.prompts_per_step % world_size == 0, "prompts_per_step",
              f"must be divisible by world_size={world_size} so each rank holds whole groups")
-        rows = self.rows_per_rank(world_size)
+        rows = self.prompts_per_step * self.num_generations // world_size
         need(rows % self.micro_batch_size == 0, "micro_batch_size",
              f"must divide the {rows} completions per rank (prompts_per_step * num_generations / world_size)")
+        micro_per_step = rows // self.micro_batch_size
+        need(self.steps_per_generation is None or self.steps_per_generation % micro_per_step == 0,
+             "steps_per_generation", f"counts micro-batches per round, as in TRL: it must be a multiple of the "
+             f"{micro_per_step} micro-batches of one optimizer step on each rank")
         try:  # the sampler's and the loss's own rules, not restated here
             check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty)
             LossConfig(**self.loss_config())
@@ -191,6 +191,63 @@ class TrainConfig:
     def loss_config(self) -> dict:
         """Keyword arguments for nanogrpo.grpo.LossConfig (TRL's names): `LossConfig(**cfg.loss_config())`."""
         return {key: getattr(self, key) for key in LOSS_FIELDS}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What one optimizer step and one generation round are, on every rank: the counts the loop,
+    grpo_step's scaling, the replay order and the logs all read. TRL's names where TRL has them."""
+
+    world_size: int
+    num_generations: int  # G completions per prompt
+    prompts_per_step: int  # prompts per optimizer step, all ranks together
+    completions_per_step_per_rank: int
+    micro_batch_size: int  # completions per forward/backward
+    micro_batches_per_step: int  # gradient accumulation steps, on each rank
+    steps_per_generation: int  # TRL's: micro-batches per generation round, on each rank
+    optimizer_steps_per_generation: int  # optimizer steps one round's samples feed, in one pass
+    num_iterations: int  # passes over each round's samples (TRL's mu)
+
+    @property
+    def prompts_per_round(self) -> int:
+        """Prompts sampled per generation round, all ranks together."""
+        return self.prompts_per_step * self.optimizer_steps_per_generation
+
+    @property
+    def completions_per_round_per_rank(self) -> int:
+        return self.completions_per_step_per_rank * self.optimizer_steps_per_generation
+
+    @property
+    def updates_per_round(self) -> int:
+        """Optimizer steps per round: one per step-sized slice of the samples, num_iterations times."""
+        return self.optimizer_steps_per_generation * self.num_iterations
+
+    @property
+    def off_policy(self) -> bool:
+        """Whether the policy changes between sampling and some update (then old log-probs are needed)."""
+        return self.updates_per_round > 1
+
+    def replay_order(self) -> list[int]:
+        """The first micro-batch of each optimizer step of a round, in order: the round's micro-batches
+        in step-sized slices, the whole sequence repeated num_iterations times."""
+        one_pass = list(range(0, self.steps_per_generation, self.micro_batches_per_step))
+        return one_pass * self.num_iterations
+
+    def table(self) -> str:
+        """A short table for the start of a run: what one step and one round are."""
+        G, W = self.num_generations, self.world_size
+        rows = [("ranks", W),
+                ("prompts x completions per optimizer step (all ranks)", f"{self.prompts_per_step} x {G}"),
+                ("completions per step per rank", self.completions_per_step_per_rank),
+                ("micro-batches per step per rank (of {} completions)".format(self.micro_batch_size),
+                 self.micro_batches_per_step),
+                ("micro-batches per generation round per rank (steps_per_generation)", self.steps_per_generation),
+                ("prompts sampled per round (all ranks)", self.prompts_per_round),
+                ("passes over each round (num_iterations)", self.num_iterations),
+                ("optimizer steps per round", self.updates_per_round),
+                ("old log-probs (off-policy)", "yes" if self.off_policy else "no: ratio is exactly 1")]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
 # -----------------------------------------------------------------------------

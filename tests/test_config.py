@@ -109,9 +109,15 @@ def test_inconsistent_settings(overrides, key):
 
 
 def test_batch_arithmetic_and_world_size():
-    cfg = TrainConfig(prompts_per_step=16, num_generations=8, micro_batch_size=16, steps_per_generation=2).validate()
-    assert cfg.rows_per_rank() == 128 and cfg.gradient_accumulation_steps() == 8 and cfg.prompts_per_round() == 32
-    assert cfg.validate(world_size=4).gradient_accumulation_steps(4) == 2
+    cfg = TrainConfig(prompts_per_step=16, num_generations=8, micro_batch_size=16, steps_per_generation=16).validate()
+    s = cfg.schedule()
+    assert (s.completions_per_step_per_rank, s.micro_batches_per_step, s.steps_per_generation) == (128, 8, 16)
+    assert (s.optimizer_steps_per_generation, s.prompts_per_round, s.completions_per_round_per_rank) == (2, 32, 256)
+    s4 = cfg.validate(world_size=4).schedule(4)
+    assert (s4.micro_batches_per_step, s4.steps_per_generation, s4.optimizer_steps_per_generation) == (2, 16, 8)
+    assert TrainConfig().schedule().steps_per_generation == TrainConfig().schedule().micro_batches_per_step  # TRL's default
+    with pytest.raises(ConfigError, match="steps_per_generation.*multiple of the 8 micro-batches"):
+        TrainConfig(prompts_per_step=16, num_generations=8, micro_batch_size=16, steps_per_generation=12).validate()
     with pytest.raises(ConfigError, match="world_size=3"):
         cfg.validate(world_size=3)
     with pytest.raises(ConfigError, match="micro_batch_size"):
@@ -144,3 +150,15 @@ def test_to_dict_round_trips():
     saved = json.loads(json.dumps(cfg.to_dict()))
     assert TrainConfig(**saved) == cfg
     assert cfg.bf16("cuda:0") is False and TrainConfig(dtype="auto").bf16("cuda") and not TrainConfig(dtype="auto").bf16("cpu")
+
+
+def test_replay_order_and_the_schedule_table():
+    """Each round: step-sized slices of the round's micro-batches, all of them, num_iterations times."""
+    s = TrainConfig(prompts_per_step=4, num_generations=4, micro_batch_size=4, steps_per_generation=12,
+                    num_iterations=2).validate().schedule()
+    assert s.micro_batches_per_step == 4 and s.replay_order() == [0, 4, 8, 0, 4, 8]
+    assert s.updates_per_round == 6 and s.off_policy
+    on_policy = TrainConfig().validate().schedule()
+    assert on_policy.replay_order() == [0] and not on_policy.off_policy
+    table = s.table()
+    assert "4 x 4" in table and "steps_per_generation)  12" in table and "optimizer steps per round" in table
