@@ -1,24 +1,17 @@
-"""Everything that lives on disk: model checkpoints in Hugging Face's format, and trainer checkpoints.
+"""Everything that lives on disk: Hugging Face model checkpoints and trainer checkpoints.
 
-Owns: resolving a local directory or hub id, config.json <-> ModelConfig, safetensors (single file or
-shards + index), `load_model` / `save_model` (one process or FSDP2), atomic directories, and the
-trainer checkpoint (`checkpoint-<step>/`: the policy, its tokenizer, the optimizer and the trainer
-state) with its `checkpoint` link and pruning.
-
-Does not know about: the network's arithmetic (model.py), the GRPO algorithm, or how processes talk
-(dist.py does the collectives; this module decides what is read and written, and by which rank).
+Owns: hub-id/path resolution, config.json <-> ModelConfig, safetensors (one file or shards + index),
+`load_model` / `save_model` (one process or FSDP2), atomic directories, and the trainer checkpoint
+(`checkpoint-<step>/`: policy, tokenizer, optimizer, trainer state; the `checkpoint` link; pruning).
+Does not know about: the network's arithmetic (model.py), GRPO, or collectives (dist.py).
 
 Choices:
-- Tensor names: ours are HF's without the `model.` prefix. Tied embeddings are ONE rule, in
-  `to_hf_names` / `from_hf_names`: the tied `lm_head.weight` is never written, and on load it is
-  the embedding (a checkpoint that stores the tied copy too loads fine).
-- Loading builds the model on the meta device and assigns each tensor read from safetensors, cast and
-  moved once: no second full copy. Under FSDP2 the meta model is sharded first, rank 0 reads the
-  files, and the shards are filled by broadcast, so no GPU ever holds the whole model.
-- Every directory is written under a temporary name and renamed when complete (`atomic_dir`); the
-  `checkpoint` link is swapped with one os.replace. A crash leaves the previous state intact.
-- No pickle: the trainer state is JSON, the optimizer state is read with `weights_only=True`, so a
-  checkpoint from someone else cannot run code on `--resume`.
+- Our tensor names are HF's without `model.`. Tied embeddings are ONE rule (`to_hf_names` /
+  `from_hf_names`): the tied lm_head is never written and on load it is the embedding.
+- Loading builds on the meta device and assigns each tensor once (no second copy); under FSDP2 the
+  meta model is sharded, rank 0 reads, and the shards are filled by broadcast.
+- Directories are written under a temporary name and renamed when complete; the `checkpoint` link is
+  swapped with one os.replace. No pickle: trainer state is JSON, the optimizer loads weights_only.
 """
 
 import errno
@@ -77,9 +70,8 @@ def parse_dtype(dtype) -> torch.dtype:
     """torch.dtype from a dtype or a name like "bfloat16"/"bf16"/"float32"."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-             "fp16": torch.float16, "float64": torch.float64}
+    names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
     if dtype not in names:
         raise ValueError(f"dtype={dtype!r} is not known; use one of {sorted(names)}")
     return names[dtype]
@@ -250,11 +242,16 @@ def atomic_dir(out_dir):
         else:
             os.rename(tmp, out_dir)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"no space left on device while writing {out_dir}; "
-                                        "the partial copy was removed, the previous one is intact") from e
+        _remove_partial(tmp, out_dir, e)
         raise
+
+
+def _remove_partial(tmp, target, error):
+    """Delete a half-written `tmp`; a full disk is re-raised as a message that says so."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        raise OSError(errno.ENOSPC, f"no space left on device while writing {target}; the partial copy "
+                                    "was removed, the previous one is intact") from error
 
 
 # -----------------------------------------------------------------------------
@@ -344,10 +341,7 @@ def save_checkpoint(out_dir, step: int, model, optimizer, tokenizer, trainer_sta
         dist.barrier(info)
     except BaseException as e:
         if info.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"no space left on device while saving {step_dir}; the partial "
-                                        "checkpoint was removed, the previous one is intact") from e
+            _remove_partial(tmp, step_dir, e)
         raise
     if info.is_main:
         shutil.rmtree(step_dir, ignore_errors=True)
@@ -366,14 +360,12 @@ def prune_checkpoints(out_dir, written: list[str], limit: int | None, keep: str 
     `limit` (None = keep all); `keep` (the resume source) is never deleted. Returns what remains."""
     if limit is None or len(written) <= limit:
         return written
-    keep_real = os.path.realpath(keep) if keep else None
-    remaining = list(written[-limit:])
-    for name in written[:-limit]:
-        path = os.path.join(out_dir, name)
-        if os.path.realpath(path) == keep_real:
+    keep_real, remaining = os.path.realpath(keep) if keep else None, list(written[-limit:])
+    for name in reversed(written[:-limit]):
+        if os.path.realpath(os.path.join(out_dir, name)) == keep_real:
             remaining.insert(0, name)
-            continue
-        shutil.rmtree(path, ignore_errors=True)
+        else:
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     return remaining
 
 
