@@ -55,9 +55,7 @@ def main(argv=None):
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                        repetition_penalty=args.repetition_penalty, stop_ids=tok.eos_token_ids,
                        pad_id=tok.pad_token_id, generator=generator, vocab_size=tok.vocab_size)
-    lengths = out.completion_mask.sum(1).tolist()
-    ids = [row[: int(n)] for row, n in zip(out.completion_ids.tolist(), lengths)]
-    texts = [tok.decode(r) for r in ids]
+    ids, texts = tok.decode_completions(out.completion_ids, out.completion_mask)
     rewards = None
     if args.reward:
         columns = dict(kv.split("=", 1) for kv in args.column)
@@ -73,7 +71,7 @@ def main(argv=None):
             score = " | " + ", ".join(f"{name}={rewards[i, k].item():.3f}" for k, (name, _) in enumerate(funcs))
             if len(funcs) > 1:
                 score += f", total={total_reward(rewards[i:i + 1]).item():.3f}"
-        print(f"--- sample {i} ({int(lengths[i])} tokens{tail}{score})\n{t}")
+        print(f"--- sample {i} ({len(ids[i])} tokens{tail}{score})\n{t}")
 
 
 if __name__ == "__main__":

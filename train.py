@@ -128,9 +128,7 @@ def score(tok, reward_funcs, rows, out, num_samples):
     assistant messages (conversational prompts). -> rewards [n,K] (NaN = unscored), prompts, completions."""
     prompts = [r["prompt"] for r in rows for _ in range(num_samples)]
     columns = {k: [v for v in vals for _ in range(num_samples)] for k, vals in columns_of(rows).items()}
-    lengths = out.completion_mask.sum(1).tolist()  # one device-to-host transfer for the batch
-    ids = [row[:n] for row, n in zip(out.completion_ids.tolist(), lengths)]
-    completions = [tok.decode(r) for r in ids]
+    ids, completions = tok.decode_completions(out.completion_ids, out.completion_mask)
     if not isinstance(rows[0]["prompt"], str):
         completions = [[{"role": "assistant", "content": c}] for c in completions]
     return score_completions(reward_funcs, prompts, completions, ids, columns), prompts, completions

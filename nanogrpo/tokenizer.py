@@ -130,6 +130,13 @@ class Tokenizer:
         """decode() of each row."""
         return [self.decode(r, skip_special_tokens) for r in rows]
 
+    def decode_completions(self, completion_ids, completion_mask) -> tuple[list[list[int]], list[str]]:
+        """Generated rows [N,C] (right-padded, mask [N,C]) -> (each row's ids up to its length, its text
+        with special tokens skipped). One device-to-host transfer for the lengths of the whole batch."""
+        lengths = completion_mask.sum(1).tolist()
+        ids = [row[:n] for row, n in zip(completion_ids.tolist(), lengths)]
+        return ids, self.batch_decode(ids)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **kwargs) -> str:
         """Render a conversation (list of {"role", "content"} dicts) to the prompt text.

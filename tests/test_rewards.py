@@ -200,11 +200,16 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
                      torch.zeros(2, dtype=torch.bool))
     monkeypatch.setattr(train, "rollout", lambda *a, **k: out)
 
+    from nanogrpo.tokenizer import Tokenizer
+
     class Tok:
+        decode_completions = Tokenizer.decode_completions
+        batch_decode = Tokenizer.batch_decode
+
         def encode_prompt(self, p):
             return [1]
 
-        def decode(self, ids):
+        def decode(self, ids, skip_special_tokens=True):
             return "x"
 
     def half_scored(completions, **kw):

@@ -90,3 +90,15 @@ def test_messages_seen_as_transformers_shows_them(tok):
     assert t2.apply_chat_template(messages, add_generation_prompt=False) == (
         "user:hi;assistant:(none) calls=1;assistant:4 r=2+2 t=2+2;assistant:5 r=two plus three t=2+3;")
     assert messages[0] == {"role": "user", "content": "hi", "reasoning_content": None}  # the caller's are untouched
+
+
+def test_decode_completions_cuts_each_row_at_its_mask():
+    import torch
+
+    from nanogrpo.tokenizer import char_level_tokenizer
+    tok = char_level_tokenizer("ab=")
+    a, b, eq = (tok.encode(c) for c in "ab=")
+    ids = torch.tensor([a + b + [0], eq + [0, 0]])  # right-padded with the eos/pad id 0
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    rows, texts = tok.decode_completions(ids, mask)
+    assert rows == [a + b + [0], eq + [0]] and texts == ["ab", "="]  # eos kept in ids, skipped in text
