@@ -49,9 +49,14 @@ def main(argv=None):
     else:
         prompt = args.prompt
     prompt_ids = tok.encode_prompt(prompt)
+    room = model.config.max_position_embeddings - len(prompt_ids)  # the context caps generation
+    if room < 1:
+        raise SystemExit(f"the prompt ({len(prompt_ids)} tokens) fills the model's whole context "
+                         f"({model.config.max_position_embeddings} positions)")
+    max_new_tokens = min(args.max_new_tokens, room)
     generator = torch.Generator(args.device).manual_seed(args.seed)
     with torch.no_grad():
-        out = generate(model, [prompt_ids], num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
+        out = generate(model, [prompt_ids], num_samples=args.num_samples, max_new_tokens=max_new_tokens,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                        repetition_penalty=args.repetition_penalty, stop_ids=tok.eos_token_ids,
                        pad_id=tok.pad_token_id, generator=generator, vocab_size=tok.vocab_size)

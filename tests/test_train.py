@@ -52,6 +52,9 @@ def test_smoke_metrics_and_checkpoint(tmp_path, capsys):
                  "--reward", "default_task", "--column", "target=abcd", "--device", "cpu", "--dtype", "float32"])
     out = capsys.readouterr().out
     assert "prompt (5 tokens): 'abcd='" in out and out.count("default_task=") == 2
+    sample.main(["--model", str(ckpt), "--prompt", "abcd=", "--num_samples", "1", "--device", "cpu",
+                 "--dtype", "float32"])  # default max_new_tokens=128 > the tiny 64-position context: capped
+    assert "--- sample 0" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("split,args", [
