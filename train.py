@@ -4,8 +4,8 @@
     python train.py --config small.py --learning_rate=2e-6
     torchrun --nproc_per_node 8 train.py --config small.py
 
-One *round* of GRPO:
-    prompts -> G completions each (sampler) -> rewards -> group advantages
+One *round* of GRPO (train_round; train() is setup, then rounds with log / eval / save between them):
+    prompts -> G completions each (rollout.py) -> rewards -> group advantages
     -> old log-probs (only when the update is off-policy) -> reference log-probs (only when beta > 0)
     -> micro-batched grpo_step with gradient accumulation -> clip -> AdamW step -> log / eval / checkpoint
 
@@ -26,18 +26,19 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from nanogrpo import dist
-from nanogrpo.config import ConfigError, TrainConfig, load_config
+from nanogrpo.config import ConfigError, Schedule, TrainConfig, load_config
 from nanogrpo.data import PromptSampler, columns_of, load_dataset
 from nanogrpo.grpo import LossConfig, group_advantages, grpo_step, nanstd
 from nanogrpo.logprobs import token_logprobs
 from nanogrpo import checkpoint
 from nanogrpo.model import ModelConfig, Transformer
 from nanogrpo.rewards import resolve_reward_funcs, score_completions, total_reward
-from nanogrpo.sampler import generate
+from nanogrpo.rollout import Rollout, rollout
 from nanogrpo.tokenizer import Tokenizer, char_level_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -91,117 +92,166 @@ def round_seed(cfg: TrainConfig, rnd: int, rank: int, salt: int = 0) -> int:
 
 
 # -----------------------------------------------------------------------------
-# One round: sample, score, compute advantages
+# Setup: everything a run holds between rounds
 
 
-def join_prompt_completion(prompt_ids: list[list[int]], completion_ids, pad_id: int, num_generations: int):
-    """Left-padded prompts (each repeated G times) followed by the completions.
-    -> input_ids [N, P+C], attention_mask [N, P+C] (1 on real prompt tokens and on the completion)."""
-    P = max(len(p) for p in prompt_ids)
-    N, C = completion_ids.shape
-    input_ids = torch.full((N, P + C), pad_id, dtype=torch.long, device=completion_ids.device)
-    attention_mask = torch.zeros((N, P + C), dtype=torch.long, device=completion_ids.device)
-    for i, p in enumerate(prompt_ids):
-        rows = slice(i * num_generations, (i + 1) * num_generations)
-        input_ids[rows, P - len(p):P] = torch.tensor(p, device=completion_ids.device)
-        attention_mask[rows, P - len(p):] = 1
-    input_ids[:, P:] = completion_ids
-    return input_ids, attention_mask
+@dataclass
+class Run:
+    """The state of a run between rounds: what setup() builds and the loop reads and advances."""
+
+    cfg: TrainConfig
+    info: dist.DistInfo
+    sched: Schedule  # every derived batch count (printed at the start)
+    tok: Tokenizer
+    model: torch.nn.Module  # the policy (FSDP2-sharded when world_size > 1)
+    ref: torch.nn.Module | None  # the reference model, only when beta > 0
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    loss_cfg: LossConfig
+    reward_funcs: list  # [(name, fn)]
+    reward_weights: torch.Tensor  # [K]
+    prompts: PromptSampler  # the round's prompts, all ranks together (resumable)
+    eval_rows: list | None
+    autocast: object  # bf16 autocast context on CUDA, a no-op otherwise
+    step: int = 0  # optimizer steps done
+    history: list = field(default_factory=list)  # per-step metrics (also out_dir/metrics.jsonl)
+    written: list = field(default_factory=list)  # checkpoints this run lineage wrote, oldest first
+    resume_source: str | None = None  # the checkpoint resumed from: never pruned
+    samples: list = field(default_factory=list)  # a few (prompt, completion, reward) of the last round
 
 
-def rollout(model, tok, prompt_ids, cfg, num_samples, generator, autocast):
-    """num_samples completions per prompt with the config's sampling settings; the parameters are
-    gathered once for the whole phase (FSDP), not once per decode step."""
-    model.eval()
-    with torch.no_grad(), dist.gathered(model), autocast:
-        out = generate(model, prompt_ids, num_samples=num_samples, max_new_tokens=cfg.max_completion_length,
-                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
-                       repetition_penalty=cfg.repetition_penalty, stop_ids=tok.eos_token_ids,
-                       pad_id=tok.pad_token_id, generator=generator, vocab_size=tok.vocab_size)
-    model.train()
-    return out
+def setup(cfg: TrainConfig) -> Run:
+    """Processes, model (+ reference), tokenizer, optimizer, reward functions, data; restores the
+    trainer state when resuming."""
+    info = dist.setup(cfg.device)
+    cfg.validate(info.world_size)
+    if cfg.temperature <= 0:
+        raise ConfigError(f"temperature={cfg.temperature}: training samples, so it must be > 0 (0 = greedy is for sample.py)")
+    torch.manual_seed(cfg.seed + info.rank)
+    ensure_tiny_checkpoint(cfg, info)
+    tok = Tokenizer.from_pretrained(cfg.model)
+    ckpt = os.path.join(cfg.out_dir, "checkpoint")
+    if isinstance(cfg.resume, str) and cfg.resume.lower() not in ("true", "false"):
+        ckpt = cfg.resume  # an explicit checkpoint must exist; resume=True without one starts fresh
+        if not os.path.exists(os.path.join(ckpt, "trainer")):
+            raise FileNotFoundError(f"resume={ckpt!r}: no trainer state at {ckpt}/trainer; point it at an "
+                                    "out_dir/checkpoint written by train.py, or use --resume=true")
+    resuming = cfg.resume not in (False, "false") and os.path.exists(os.path.join(ckpt, "trainer"))
+    model = load_policy(ckpt if resuming else cfg.model, cfg, info)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    ref = None
+    if cfg.beta > 0:  # the reference model exists only when the KL term is on
+        ref = load_policy(cfg.model, cfg, info).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay, eps=cfg.adam_epsilon)
+    reward_funcs = resolve_reward_funcs(cfg.reward_funcs, max_completion_length=cfg.max_completion_length,
+                                        soft_punish_cache=cfg.soft_punish_cache)
+    rows = load_dataset(cfg.dataset, split=cfg.dataset_split, seed=cfg.seed)
+    eval_rows = None
+    if cfg.eval_dataset and cfg.eval_every:
+        eval_rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split, seed=cfg.seed)[: cfg.eval_size]
+    sched = cfg.schedule(info.world_size)
+    run = Run(cfg, info, sched, tok, model, ref, optimizer,
+              torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg)), LossConfig(**cfg.loss_config()),
+              reward_funcs, torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs), device=info.device),
+              PromptSampler(rows, sched.prompts_per_round, seed=cfg.seed), eval_rows,
+              dist.autocast(info, cfg.bf16(info.device)))
+    if resuming:
+        state = checkpoint.load_trainer_state(ckpt, model, optimizer, info)
+        run.step, run.history = state["step"], state["history"]
+        run.scheduler.load_state_dict(state["scheduler"])
+        run.prompts.load_state_dict(state["prompts"])
+        run.written = [n for n in state.get("checkpoints", []) if os.path.isdir(os.path.join(cfg.out_dir, n))]
+        run.resume_source = os.path.realpath(ckpt)  # never pruned (the link moves on)
+        dist.print0(f"resumed from {ckpt} at step {run.step}")
+    if info.is_main:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") as f:  # rewritten from history on resume
+            f.writelines(json.dumps(m) + "\n" for m in run.history)
+    dist.print0(f"nanogrpo: {cfg.model} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params | "
+                f"{info.world_size} process(es) on {info.device}\n{sched.table()}")
+    return run
 
 
-def score(tok, reward_funcs, rows, out, num_samples):
-    """Decode the completions (special tokens skipped) and call every reward function with TRL's
-    convention: prompts and dataset columns repeated per completion, completions as strings or as
-    assistant messages (conversational prompts). -> rewards [n,K] (NaN = unscored), prompts, completions."""
-    prompts = [r["prompt"] for r in rows for _ in range(num_samples)]
-    columns = {k: [v for v in vals for _ in range(num_samples)] for k, vals in columns_of(rows).items()}
-    ids, completions = tok.decode_completions(out.completion_ids, out.completion_mask)
-    if not isinstance(rows[0]["prompt"], str):
-        completions = [[{"role": "assistant", "content": c}] for c in completions]
-    return score_completions(reward_funcs, prompts, completions, ids, columns), prompts, completions
+# -----------------------------------------------------------------------------
+# One round: prompts -> completions (rollout.py) -> rewards -> advantages
 
 
-def sample_and_score(model, tok, rows, cfg, reward_funcs, info, generator, autocast):
-    """Sample G completions for each prompt of this rank and score them.
-    Returns the batch dict for the update and the generation metrics."""
-    G = cfg.num_generations
-    prompt_ids = [tok.encode_prompt(r["prompt"]) for r in rows]
-    t0 = time.time()
-    out = rollout(model, tok, prompt_ids, cfg, G, generator, autocast)
-    t_sample = time.time() - t0
+def round_prompts(run: Run) -> list[dict]:
+    """This rank's share of the round's prompts (each prompt's G samples stay on one rank)."""
+    rows = run.prompts.next_batch()
+    per_rank = len(rows) // run.info.world_size
+    return rows[run.info.rank * per_rank:(run.info.rank + 1) * per_rank]
 
-    t0 = time.time()
-    local_rewards, prompts, completions = score(tok, reward_funcs, rows, out, G)  # [n, K]
-    rewards = dist.all_gather_rows(local_rewards.to(info.device), info).float()  # [N_global, K]
-    weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs), device=rewards.device)
-    advantages = group_advantages(rewards, G, reward_weights=weights, scale_rewards=cfg.scale_rewards,
+
+def score(ro: Rollout, reward_funcs) -> torch.Tensor:
+    """Call every reward function with TRL's convention: prompts and dataset columns repeated per
+    completion. -> rewards [n, K] float32, NaN = not scored."""
+    G = ro.num_generations
+    columns = {k: [v for v in vals for _ in range(G)] for k, vals in columns_of(ro.rows).items()}
+    return score_completions(reward_funcs, ro.prompts, ro.completions, ro.completion_token_ids, columns)
+
+
+def compute_advantages(run: Run, ro: Rollout, rewards: torch.Tensor) -> torch.Tensor:
+    """Gather every rank's rewards (groups are normalised over the whole batch when scale_rewards is
+    "batch"), compute group advantages, fill ro.advantages with this rank's share.
+    -> the gathered rewards [N_global, K]."""
+    cfg, info = run.cfg, run.info
+    rewards = dist.all_gather_rows(rewards.to(info.device), info).float()  # [N_global, K]
+    advantages = group_advantages(rewards, ro.num_generations, reward_weights=run.reward_weights,
+                                  scale_rewards=cfg.scale_rewards,
                                   multi_objective_aggregation=cfg.multi_objective_aggregation)
-    n = len(rows) * G
-    advantages = advantages[info.rank * n:(info.rank + 1) * n]  # this rank's groups
-    t_score = time.time() - t0
-
-    mask = out.completion_mask.float()
-    if cfg.mask_truncated_completions:
-        mask = mask * (~out.truncated).float()[:, None]
-    input_ids, attention_mask = join_prompt_completion(prompt_ids, out.completion_ids, tok.pad_token_id, G)
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "mask": mask, "advantages": advantages,
-             "num_items": dist.all_reduce_sum(mask.sum(), info),
-             "num_tokens": torch.tensor(float(sum(map(len, prompt_ids)) * G + out.completion_mask.sum().item()),
-                                       device=info.device)}
-    metrics = generation_metrics(rewards, weights, out, reward_funcs, G, info)
-    metrics.update({"time/sample": t_sample, "time/score": t_score})
-    shown = total_reward(rewards[: 2 * G: G], weights).tolist()  # the weighted total, as training sees it
-    samples = [(p if isinstance(p, str) else p[-1]["content"], c if isinstance(c, str) else c[0]["content"], r)
-               for p, c, r in zip(prompts[: 2 * G: G], completions[: 2 * G: G], shown)]
-    return batch, metrics, samples
+    n = len(ro.completions)
+    ro.advantages = advantages[info.rank * n:(info.rank + 1) * n]
+    return rewards
 
 
-def generation_metrics(rewards, weights, out, reward_funcs, G, info) -> dict:
-    """TRL's reward and completion-length metrics, over the whole generation batch on all ranks."""
-    total = total_reward(rewards, weights)  # [N], NaN = unscored
+def generation_metrics(run: Run, ro: Rollout, rewards: torch.Tensor) -> dict:
+    """TRL's reward and completion-length metrics, over the whole generation batch on all ranks.
+    rewards: [N_global, K] (all ranks)."""
+    total = total_reward(rewards, run.reward_weights)  # [N], NaN = unscored
     ok = ~torch.isnan(total)
-    group_std = nanstd(total.view(-1, G), dim=1)  # [N/G], NaN where < 2 scored
-    lengths = dist.all_gather_rows(out.completion_mask.sum(1).float(), info)
-    truncated = dist.all_gather_rows(out.truncated.float(), info)
+    group_std = nanstd(total.view(-1, ro.num_generations), dim=1)  # [N/G], NaN where < 2 scored
+    lengths = dist.all_gather_rows(ro.completion_lengths.float(), run.info)
+    truncated = dist.all_gather_rows(ro.truncated.float(), run.info)
     m = {"reward": total[ok].mean().item(), "reward_std": total[ok].std().item() if ok.sum() > 1 else 0.0,
          "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item(),
          "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
          "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.mean().item()}
-    for k, (name, _) in enumerate(reward_funcs):
+    for k, (name, _) in enumerate(run.reward_funcs):
         col = rewards[:, k][~torch.isnan(rewards[:, k])]
         m[f"rewards/{name}/mean"] = col.mean().item() if len(col) else float("nan")
         m[f"rewards/{name}/std"] = col.std().item() if len(col) > 1 else 0.0
     return m
 
 
+def shown_samples(ro: Rollout, rewards: torch.Tensor, weights, k: int = 2) -> list[tuple[str, str, float]]:
+    """(prompt, completion, weighted total reward) of the first sample of the first k prompts."""
+    G, out = ro.num_generations, []
+    for i in range(0, min(k * G, len(ro.prompts)), G):
+        p, c = ro.prompts[i], ro.completions[i]
+        out.append((p if isinstance(p, str) else p[-1]["content"], c if isinstance(c, str) else c[0]["content"],
+                    total_reward(rewards[i:i + 1], weights).item()))
+    return out
+
+
 # -----------------------------------------------------------------------------
-# Log-probs of the sampled tokens under a model (policy now, policy at sampling time, reference)
+# Log-probs of the sampled tokens under a model (policy at sampling time, reference)
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch, cfg, autocast, vocab_size):
-    """Per-token log-probs [N,C] of the completions, micro-batch by micro-batch, without gradient."""
-    C = batch["mask"].shape[1]
+def batch_logprobs(model, ro: Rollout, cfg, autocast, vocab_size):
+    """Per-token log-probs [n,C] of the completions, micro-batch by micro-batch, without gradient."""
+    was_training = model.training
+    model.eval()
     parts = []
-    for i in range(0, len(batch["mask"]), cfg.micro_batch_size):
+    for i in range(0, len(ro.input_ids), cfg.micro_batch_size):
         sl = slice(i, i + cfg.micro_batch_size)
         with autocast:
-            logps, _ = token_logprobs(model, batch["input_ids"][sl], batch["attention_mask"][sl],
-                                      batch["mask"][sl], temperature=cfg.temperature, vocab_size=vocab_size)
-        parts.append(logps[:, -C:])
+            logps, _ = token_logprobs(model, ro.input_ids[sl], ro.attention_mask[sl], ro.completion_mask[sl],
+                                      temperature=cfg.temperature, vocab_size=vocab_size)
+        parts.append(logps)
+    model.train(was_training)
     return torch.cat(parts)
 
 
@@ -209,24 +259,31 @@ def batch_logprobs(model, batch, cfg, autocast, vocab_size):
 # The update: micro-batched grpo_step with gradient accumulation
 
 
-def update(model, optimizer, batch, micro_rows, cfg, loss_cfg, info, autocast, spg, vocab_size=None):
-    """One optimizer step over `micro_rows` (a list of GA index tensors). `spg` = micro-batches per
-    generation round (TRL's steps_per_generation), which sets the dapo/cispo/vespo normalizer.
-    Returns the loss metrics, averaged over micro-batches."""
+def micro_batches(run: Run, rnd: int) -> list[torch.Tensor]:
+    """The round's rows shuffled once (seeded by the round), cut into micro-batches of index tensors."""
+    n, size = run.sched.completions_per_round_per_rank, run.cfg.micro_batch_size
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(round_seed(run.cfg, rnd, run.info.rank, 1)))
+    return [perm[i:i + size].to(run.info.device) for i in range(0, n, size)]
+
+
+def update(model, optimizer, ro: Rollout, micro_rows, cfg, loss_cfg, info, autocast, spg, vocab_size=None) -> dict:
+    """One optimizer step over `micro_rows` (a list of GA index tensors into the rollout's rows).
+    `spg` = micro-batches per generation round (TRL's steps_per_generation), which sets the
+    dapo/cispo/vespo normalizer. Returns the loss metrics, averaged over micro-batches."""
     GA = len(micro_rows)
     sums: dict[str, list[float]] = {}
     total_loss = 0.0
     for k, idx in enumerate(micro_rows):
         dist.gradient_sync(model, enabled=(k == GA - 1))
         with autocast:
-            logps, entropies = token_logprobs(model, batch["input_ids"][idx], batch["attention_mask"][idx],
-                                              batch["mask"][idx], temperature=cfg.temperature,
+            logps, entropies = token_logprobs(model, ro.input_ids[idx], ro.attention_mask[idx],
+                                              ro.completion_mask[idx], temperature=cfg.temperature,
                                               vocab_size=vocab_size)
         loss, metrics = grpo_step(
-            logps.float(), batch["old_logps"][idx] if "old_logps" in batch else None,
-            batch["ref_logps"][idx] if "ref_logps" in batch else None, batch["advantages"][idx],
-            batch["mask"][idx], loss_cfg, num_items=batch["num_items"], grad_accum=GA,
-            world_size=info.world_size, entropies=entropies.float(), steps_per_generation=spg)
+            logps.float(), None if ro.old_logps is None else ro.old_logps[idx],
+            None if ro.ref_logps is None else ro.ref_logps[idx], ro.advantages[idx], ro.completion_mask[idx],
+            loss_cfg, num_items=ro.num_items, grad_accum=GA, world_size=info.world_size,
+            entropies=entropies.float(), steps_per_generation=spg)
         loss.backward()
         total_loss += loss.item()
         for key, value in metrics.items():
@@ -237,6 +294,24 @@ def update(model, optimizer, batch, micro_rows, cfg, loss_cfg, info, autocast, s
     out = {k: sum(v) / len(v) for k, v in sums.items()}
     out.update({"loss": total_loss, "grad_norm": grad_norm})
     return out
+
+
+def updates(run: Run, ro: Rollout, rnd: int) -> list[dict]:
+    """The round's optimizer steps: the same micro-batches replayed num_iterations times
+    (Schedule.replay_order), the TR-DPO reference sync after each step when due. -> one record per step."""
+    cfg, GA = run.cfg, run.sched.micro_batches_per_step
+    micro, records = micro_batches(run, rnd), []
+    for j in run.sched.replay_order()[: cfg.max_steps - run.step]:
+        t0 = time.time()
+        m = update(run.model, run.optimizer, ro, micro[j:j + GA], cfg, run.loss_cfg, run.info, run.autocast,
+                   run.sched.steps_per_generation, run.tok.vocab_size)
+        run.scheduler.step()
+        run.step += 1
+        if run.ref is not None and cfg.sync_ref_model and run.step % cfg.ref_model_sync_steps == 0:
+            sync_ref_model(run.ref, run.model, cfg.ref_model_mixup_alpha)
+        m.update({"step": run.step, "lr": run.scheduler.get_last_lr()[0], "time/update": time.time() - t0})
+        records.append(m)
+    return records
 
 
 @torch.no_grad()
@@ -265,10 +340,8 @@ def evaluate(model, tok, rows, cfg, reward_funcs, info, autocast) -> dict:
     on any number of ranks."""
     num_rows = len(rows)
     rows = [rows[i] for i in eval_indices(num_rows, info.rank, info.world_size)]
-    prompt_ids = [tok.encode_prompt(r["prompt"]) for r in rows]
     generator = torch.Generator(info.device).manual_seed(round_seed(cfg, 0, info.rank, salt=17))
-    out = rollout(model, tok, prompt_ids, cfg, 1, generator, autocast)
-    rewards, _, _ = score(tok, reward_funcs, rows, out, 1)
+    rewards = score(rollout(model, tok, rows, cfg, 1, generator, autocast), reward_funcs)
     rewards = dist.all_gather_rows(rewards.to(info.device), info)[:num_rows]  # drop the wrapped-around padding
     m = {f"eval/rewards/{name}/mean": torch.nanmean(rewards[:, k]).item() for k, (name, _) in enumerate(reward_funcs)}
     m["eval/reward"] = torch.nanmean(total_reward(rewards, cfg.reward_weights)).item()  # unscored rows excluded
@@ -276,125 +349,83 @@ def evaluate(model, tok, rows, cfg, reward_funcs, info, autocast) -> dict:
     return m
 
 
+def save(run: Run):
+    """checkpoint-<step> (policy, tokenizer, optimizer, trainer state), then prune to save_total_limit."""
+    cfg = run.cfg
+    run.written.append(f"checkpoint-{run.step}")
+    state = {"step": run.step, "scheduler": run.scheduler.state_dict(), "prompts": run.prompts.state_dict(),
+             "history": run.history, "checkpoints": run.written}
+    checkpoint.save_checkpoint(cfg.out_dir, run.step, run.model, run.optimizer, run.tok, state, cfg.to_dict(), run.info)
+    if run.info.is_main:
+        run.written = checkpoint.prune_checkpoints(cfg.out_dir, run.written, cfg.save_total_limit,
+                                                   keep=run.resume_source)
+
+
+def log(run: Run, records: list[dict]):
+    """Append the round's records to history and metrics.jsonl; print the step lines."""
+    run.history.extend(records)
+    if not run.info.is_main:
+        return
+    with open(os.path.join(run.cfg.out_dir, "metrics.jsonl"), "a") as f:
+        f.writelines(json.dumps(m) + "\n" for m in records)
+    for m in records:
+        if m["step"] % run.cfg.log_every == 0 or m["step"] == run.cfg.max_steps:
+            print_step(m, run.samples if run.cfg.log_completions else [])
+
+
 # -----------------------------------------------------------------------------
 # The loop
 
 
+def train_round(run: Run) -> list[dict]:
+    """One generation round: sample, score, advantages, (old/ref log-probs), the round's optimizer
+    steps. -> one metrics record per optimizer step."""
+    cfg, info = run.cfg, run.info
+    t_round, rnd = time.time(), run.step // run.sched.updates_per_round
+    generator = torch.Generator(info.device).manual_seed(round_seed(cfg, rnd, info.rank))
+    ro = rollout(run.model, run.tok, round_prompts(run), cfg, cfg.num_generations, generator, run.autocast)
+    t_sample = time.time() - t_round
+    rewards = compute_advantages(run, ro, score(ro, run.reward_funcs))  # [N_global, K]
+    ro.num_items = dist.all_reduce_sum(ro.completion_mask.sum(), info)
+    gen_metrics = generation_metrics(run, ro, rewards)
+    n = len(ro.completions)
+    run.samples = shown_samples(ro, rewards[info.rank * n:(info.rank + 1) * n], run.reward_weights)
+    t_score = time.time() - t_round - t_sample
+    if run.sched.off_policy:  # the policy changes within the round: freeze its sampling-time log-probs
+        ro.old_logps = batch_logprobs(run.model, ro, cfg, run.autocast, run.tok.vocab_size)
+    if run.ref is not None:
+        ro.ref_logps = batch_logprobs(run.ref, ro, cfg, run.autocast, run.tok.vocab_size)
+    t_logps = time.time() - t_round - t_sample - t_score
+    records = updates(run, ro, rnd)
+    round_time = time.time() - t_round
+    tokens = dist.all_reduce_sum(torch.tensor(float(ro.num_tokens()), device=info.device), info).item()
+    for m in records:
+        m.update(gen_metrics)
+        m.update({"time/sample": t_sample, "time/score": t_score, "time/update": m["time/update"] + t_logps / len(records),
+                  "step_time": round_time / len(records), "tokens_per_sec": tokens / round_time})
+    return records
+
+
+def crossed(every: int, before: int, after: int) -> bool:
+    """Whether a multiple of `every` (0 = never) lies in (before, after]: an eval or save is due."""
+    return every > 0 and after // every > before // every
+
+
 def train(cfg: TrainConfig) -> list[dict]:
     """Run GRPO as configured; returns the list of per-step metrics (also in out_dir/metrics.jsonl)."""
-    info = dist.setup(cfg.device)
-    cfg.validate(info.world_size)
-    if cfg.temperature <= 0:
-        raise ConfigError(f"temperature={cfg.temperature}: training samples, so it must be > 0 (0 = greedy is for sample.py)")
-    torch.manual_seed(cfg.seed + info.rank)
-    ensure_tiny_checkpoint(cfg, info)
-    tok = Tokenizer.from_pretrained(cfg.model)
-    ckpt = os.path.join(cfg.out_dir, "checkpoint")
-    if isinstance(cfg.resume, str) and cfg.resume.lower() not in ("true", "false"):
-        ckpt = cfg.resume  # an explicit checkpoint must exist; resume=True without one starts fresh
-        if not os.path.exists(os.path.join(ckpt, "trainer")):
-            raise FileNotFoundError(f"resume={ckpt!r}: no trainer state at {ckpt}/trainer; point it at an "
-                                    "out_dir/checkpoint written by train.py, or use --resume=true")
-    resuming = cfg.resume not in (False, "false") and os.path.exists(os.path.join(ckpt, "trainer"))
-    resume_source = os.path.realpath(ckpt) if resuming else None  # never pruned (the link moves on)
-    model = load_policy(ckpt if resuming else cfg.model, cfg, info)
-    model.gradient_checkpointing = cfg.gradient_checkpointing
-    ref = None
-    if cfg.beta > 0:  # the reference model exists only when the KL term is on
-        ref = load_policy(cfg.model, cfg, info).eval().requires_grad_(False)
-    autocast = dist.autocast(info, cfg.bf16(info.device))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay, eps=cfg.adam_epsilon)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg))
-    loss_cfg = LossConfig(**cfg.loss_config())
-    reward_funcs = resolve_reward_funcs(cfg.reward_funcs, max_completion_length=cfg.max_completion_length,
-                                        soft_punish_cache=cfg.soft_punish_cache)
-
-    rows = load_dataset(cfg.dataset, split=cfg.dataset_split, seed=cfg.seed)
-    eval_rows = None
-    if cfg.eval_dataset and cfg.eval_every:
-        eval_rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split, seed=cfg.seed)[: cfg.eval_size]
-    sched = cfg.schedule(info.world_size)
-    prompts = PromptSampler(rows, sched.prompts_per_round, seed=cfg.seed)
-    W, GA = info.world_size, sched.micro_batches_per_step
-
-    step, history, written = 0, [], []  # written: the checkpoints this run (and the runs it resumes) wrote
-    if resuming:
-        state = checkpoint.load_trainer_state(ckpt, model, optimizer, info)
-        step = state["step"]
-        scheduler.load_state_dict(state["scheduler"])
-        prompts.load_state_dict(state["prompts"])
-        history = state["history"]
-        written = [n for n in state.get("checkpoints", []) if os.path.isdir(os.path.join(cfg.out_dir, n))]
-        dist.print0(f"resumed from {ckpt} at step {step}")
-    if info.is_main:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") as f:  # rewritten from history on resume
-            f.writelines(json.dumps(m) + "\n" for m in history)
-    dist.print0(f"nanogrpo: {cfg.model} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params | "
-                f"{W} process(es) on {info.device}\n{sched.table()}")
-
-    while step < cfg.max_steps:
-        t_round, first_step = time.time(), step
-        rnd = step // sched.updates_per_round
-        # 1. prompts: this rank's share of the round's prompts (each prompt's G samples stay on one rank)
-        batch_rows = prompts.next_batch()
-        per_rank = len(batch_rows) // W
-        my_rows = batch_rows[info.rank * per_rank:(info.rank + 1) * per_rank]
-        # 2-4. sample G completions per prompt, score them, group advantages
-        generator = torch.Generator(info.device).manual_seed(round_seed(cfg, rnd, info.rank))
-        batch, gen_metrics, samples = sample_and_score(model, tok, my_rows, cfg, reward_funcs, info, generator, autocast)
-        # 5. old log-probs only when off-policy; reference log-probs only when beta > 0
-        t0 = time.time()
-        if sched.off_policy:
-            model.eval()
-            batch["old_logps"] = batch_logprobs(model, batch, cfg, autocast, tok.vocab_size)
-            model.train()
-        if ref is not None:
-            batch["ref_logps"] = batch_logprobs(ref, batch, cfg, autocast, tok.vocab_size)
-        t_logps = time.time() - t0
-        # 6. updates: shuffle once per round, replay the same micro-batches num_iterations times
-        n = sched.completions_per_round_per_rank
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(round_seed(cfg, rnd, info.rank, 1)))
-        micro = [perm[i:i + cfg.micro_batch_size].to(info.device) for i in range(0, n, cfg.micro_batch_size)]
-        records = []
-        for j in sched.replay_order()[: cfg.max_steps - step]:
-            t0 = time.time()
-            m = update(model, optimizer, batch, micro[j:j + GA], cfg, loss_cfg, info, autocast,
-                       sched.steps_per_generation, tok.vocab_size)
-            scheduler.step()
-            step += 1
-            if ref is not None and cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:
-                sync_ref_model(ref, model, cfg.ref_model_mixup_alpha)
-            m.update(gen_metrics)
-            m.update({"step": step, "lr": scheduler.get_last_lr()[0], "time/update": time.time() - t0})
-            records.append(m)
-        # 7. log, eval, checkpoint (at round boundaries, so a resume restarts a round exactly)
-        round_time = time.time() - t_round
-        tokens = dist.all_reduce_sum(batch["num_tokens"], info).item()
-        for m in records:
-            m["time/update"] += t_logps / len(records)
-            m.update({"step_time": round_time / len(records), "tokens_per_sec": tokens / round_time})
-        if eval_rows and (step // cfg.eval_every > first_step // cfg.eval_every or step == cfg.max_steps):
-            records[-1].update(evaluate(model, tok, eval_rows, cfg, reward_funcs, info, autocast))
-        history.extend(records)
-        if info.is_main:
-            with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
-                f.writelines(json.dumps(m) + "\n" for m in records)
-            for m in records:
-                if m["step"] % cfg.log_every == 0 or m["step"] == cfg.max_steps:
-                    print_step(m, samples if cfg.log_completions else [])
-        if (cfg.save_every and step // cfg.save_every > first_step // cfg.save_every) or step == cfg.max_steps:
-            written.append(f"checkpoint-{step}")
-            state = {"step": step, "scheduler": scheduler.state_dict(), "prompts": prompts.state_dict(),
-                     "history": history, "checkpoints": written}
-            checkpoint.save_checkpoint(cfg.out_dir, step, model, optimizer, tok, state, cfg.to_dict(), info)
-            if info.is_main:
-                written = checkpoint.prune_checkpoints(cfg.out_dir, written, cfg.save_total_limit,
-                                                       keep=resume_source)
-    summarize(history, cfg, info)
+    run = setup(cfg)
+    while run.step < cfg.max_steps:
+        first_step = run.step
+        records = train_round(run)  # rollout -> score -> advantages -> update
+        if run.eval_rows and (crossed(cfg.eval_every, first_step, run.step) or run.step == cfg.max_steps):
+            records[-1].update(evaluate(run.model, run.tok, run.eval_rows, cfg, run.reward_funcs, run.info,
+                                        run.autocast))
+        log(run, records)
+        if crossed(cfg.save_every, first_step, run.step) or run.step == cfg.max_steps:  # at round boundaries: resume is exact
+            save(run)
+    summarize(run.history, cfg, run.info)
     dist.teardown()
-    return history
+    return run.history
 
 
 def print_step(m: dict, samples):

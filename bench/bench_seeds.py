@@ -50,9 +50,10 @@ def run_nanogrpo(arm, seed, work):
     """One 150-step run in this process; returns the per-step rewards."""
     import torch
     import train
+    from nanogrpo import rollout
     from nanogrpo.config import load_config
     if arm == "plain":
-        train.generate = plain_generate
+        rollout.generate = plain_generate
     torch.manual_seed(seed)
     cfg = load_config(["--config", "tiny.py", f"--model={work}/init-{seed}", f"--seed={seed}",
                        f"--out_dir={work}/{arm}-{seed}", "--eval_every=0", "--save_every=0", "--log_every=1000", *TINY])

@@ -31,6 +31,7 @@ def one_step(rank, world_size, port, family, out_path):
     from nanogrpo.config import TrainConfig
     from nanogrpo.grpo import LossConfig
     from nanogrpo.checkpoint import load_model
+    from nanogrpo.rollout import Rollout
     info = dist.setup("cpu")
     model = load_model(fixture_path(family), info=info)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -41,11 +42,14 @@ def one_step(rank, world_size, port, family, out_path):
     attention_mask[::3, :2] = 0  # some left-padded prompts
     lengths = torch.randint(1, C + 1, (N,), generator=g)
     mask = (torch.arange(C)[None] < lengths[:, None]).float()
-    batch = {"input_ids": ids, "attention_mask": attention_mask, "mask": mask,
-             "advantages": torch.randn(N, generator=g), "old_logps": -torch.rand(N, C, generator=g) * 6}
+    advantages, old_logps = torch.randn(N, generator=g), -torch.rand(N, C, generator=g) * 6
     n = N // world_size
-    local = {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
-    local["num_items"] = mask.sum()  # active tokens of the whole step on all ranks
+    mine = slice(rank * n, (rank + 1) * n)
+    local = Rollout(rows=[], num_generations=2, prompt_ids=[], input_ids=ids[mine],
+                    attention_mask=attention_mask[mine], completion_mask=mask[mine],
+                    completion_lengths=mask[mine].sum(1).long(), truncated=torch.zeros(n, dtype=torch.bool),
+                    prompts=[], completions=[], completion_token_ids=[], advantages=advantages[mine],
+                    old_logps=old_logps[mine], num_items=mask.sum())  # active tokens of the step on all ranks
     micro = [torch.arange(i, i + 2) for i in range(0, n, 2)]  # micro-batches of 2 rows
     cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, micro_batch_size=2)
     loss_cfg = LossConfig(loss_type="dapo", epsilon_high=0.28)

@@ -130,14 +130,14 @@ def test_no_vocab_sized_tensor_is_kept_for_backward():
 
 def test_scoring_matches_the_sampler_on_a_padded_vocabulary():
     # the qwen2 fixture has 400 embedding rows for a 384-token tokenizer, like Qwen2.5's padding
-    import train
     from conftest import fixture_path
+    from nanogrpo.rollout import join_prompt_completion
     from nanogrpo.sampler import generate
     model = load_model(fixture_path("qwen2"))
     prompts = [[5, 17, 250, 3], [99, 100]]
     out = generate(model, prompts, num_samples=3, max_new_tokens=5, temperature=0.8, stop_ids={2}, pad_id=0,
                    generator=torch.Generator().manual_seed(0), vocab_size=384)
-    ids, attention = train.join_prompt_completion(prompts, out.completion_ids, 0, 3)
+    ids, attention = join_prompt_completion(prompts, out.completion_ids, 0, 3)
     with torch.no_grad():
         same, _ = token_logprobs(model, ids, attention, out.completion_mask, temperature=0.8, vocab_size=384)
         full, _ = token_logprobs(model, ids, attention, out.completion_mask, temperature=0.8)

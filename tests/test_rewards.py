@@ -195,26 +195,19 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
     import train
     from nanogrpo import dist
     from nanogrpo.config import TrainConfig
-    from nanogrpo.sampler import Generation
-    out = Generation(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool), torch.zeros(2, 1),
-                     torch.zeros(2, dtype=torch.bool))
-    monkeypatch.setattr(train, "rollout", lambda *a, **k: out)
+    from nanogrpo.rollout import Rollout
 
-    from nanogrpo.tokenizer import Tokenizer
+    def fake_rollout(model, tok, rows, cfg, num_generations, *args):
+        n = len(rows) * num_generations
+        return Rollout(rows, num_generations, [[1]] * len(rows), torch.ones(n, 2, dtype=torch.long),
+                       torch.ones(n, 2, dtype=torch.long), torch.ones(n, 1), torch.ones(n, dtype=torch.long),
+                       torch.zeros(n, dtype=torch.bool), [r["prompt"] for r in rows], ["x"] * n, [[1]] * n)
 
-    class Tok:
-        decode_completions = Tokenizer.decode_completions
-        batch_decode = Tokenizer.batch_decode
-
-        def encode_prompt(self, p):
-            return [1]
-
-        def decode(self, ids, skip_special_tokens=True):
-            return "x"
+    monkeypatch.setattr(train, "rollout", fake_rollout)
 
     def half_scored(completions, **kw):
         return [1.0, None]
 
-    m = train.evaluate(None, Tok(), [{"prompt": "a"}, {"prompt": "b"}], TrainConfig(),
+    m = train.evaluate(None, None, [{"prompt": "a"}, {"prompt": "b"}], TrainConfig(),
                        [("half", half_scored)], dist.DistInfo(), None)
     assert m["eval/reward"] == 1.0
