@@ -24,6 +24,9 @@ resumed run restarts from the initial reference model.
 import json
 import math
 import os
+import re
+import shlex
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,12 +35,12 @@ import torch
 
 from nanogrpo import dist
 from nanogrpo.config import ConfigError, Schedule, TrainConfig, load_config
-from nanogrpo.data import PromptSampler, columns_of, load_dataset
+from nanogrpo.data import PromptSampler, check_prompts, columns_of, load_dataset
 from nanogrpo.grpo import LossConfig, group_advantages, grpo_step, nanstd
 from nanogrpo.logprobs import token_logprobs
 from nanogrpo import checkpoint
 from nanogrpo.model import ModelConfig, Transformer
-from nanogrpo.rewards import resolve_reward_funcs, score_completions, total_reward
+from nanogrpo.rewards import RewardError, check_reward_columns, resolve_reward_funcs, score_completions, total_reward
 from nanogrpo.rollout import Rollout, rollout
 from nanogrpo.tokenizer import Tokenizer, char_level_tokenizer
 
@@ -118,6 +121,75 @@ class Run:
     written: list = field(default_factory=list)  # checkpoints this run lineage wrote, oldest first
     resume_source: str | None = None  # the checkpoint resumed from: never pruned
     samples: list = field(default_factory=list)  # a few (prompt, completion, reward) of the last round
+    reporters: list = field(default_factory=list)  # report_to's trackers: function(metrics, step)
+    pending: list = field(default_factory=list)  # the current round's per-step records, not yet logged
+    round_prompts_state: dict | None = None  # the prompt sampler where the current round began
+    round_start_step: int = 0  # the step the current round began at
+    started: tuple = (0.0, 0)  # (time, step) when this process started training: for the ETA
+    warned: set = field(default_factory=set)  # warnings already printed
+    zero_spread_steps: int = 0  # consecutive steps in which every group's rewards were all equal
+
+
+def clear_out_dir(cfg: TrainConfig, info: dist.DistInfo):
+    """A fresh run never silently replaces another: an out_dir holding what train.py writes (metrics.jsonl,
+    checkpoint-<step>) is an error, unless overwrite_output_dir asks to delete those (only those)."""
+    if not os.path.isdir(cfg.out_dir):
+        return
+    names = sorted(n for n in os.listdir(cfg.out_dir) if re.fullmatch(r"metrics\.jsonl|checkpoint(-\d+)?(\.tmp)?", n))
+    if not names:
+        return
+    if not cfg.overwrite_output_dir:
+        raise ConfigError(f"out_dir={cfg.out_dir!r} holds a run ({', '.join(names[:4])}): continue it with "
+                          "--resume=true, start over with --overwrite_output_dir=true (deletes them), or choose "
+                          "another --out_dir")
+    if info.is_main:
+        for name in names:
+            path = os.path.join(cfg.out_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+    dist.barrier(info)
+
+
+IGNORED_ON_RESUME = {"learning_rate": "the optimizer's", "adam_beta1": "the optimizer's", "adam_beta2": "the optimizer's",
+                     "adam_epsilon": "the optimizer's", "weight_decay": "the optimizer's",
+                     "model": "the checkpoint's weights (the reference model and tokenizer do load it)"}
+
+
+def report_changes(saved: dict, cfg: TrainConfig):
+    """On resume, name every setting that differs from the checkpoint's run, and which of them are
+    ignored because the checkpoint's state wins."""
+    now = cfg.to_dict()
+    for key in sorted(k for k in now if k in saved and saved[k] != now[k] and k not in ("resume", "max_steps")):
+        ignored = f" (ignored: {IGNORED_ON_RESUME[key]} is restored)" if key in IGNORED_ON_RESUME else ""
+        dist.print0(f"note: {key} was {saved[key]!r} in the checkpoint's run, now {now[key]!r}{ignored}")
+
+
+def open_reporters(cfg: TrainConfig, info: dist.DistInfo) -> list:
+    """report_to's experiment trackers (main process only), each a function(metrics, step). Metrics
+    are named as TRL logs them: train/<name> (learning_rate for lr), eval/<name> as they are."""
+    def names(m):
+        return {(k if k.startswith("eval/") else "train/" + ("learning_rate" if k == "lr" else k)): v
+                for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}
+
+    out = []
+    for name in (cfg.reporters() if info.is_main else []):
+        package = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}[name]
+        try:
+            if name == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter
+                writer = SummaryWriter(os.path.join(cfg.out_dir, "runs"))
+                out.append(lambda m, step: [writer.add_scalar(k, v, step) for k, v in names(m).items()] + [writer.flush()])
+            elif name == "wandb":
+                import wandb
+                wb = wandb.init(project=os.environ.get("WANDB_PROJECT", "nanogrpo"), config=cfg.to_dict(), dir=cfg.out_dir)
+                out.append(lambda m, step: wb.log(names(m), step=step))
+            else:
+                import trackio
+                trackio.init(project=os.environ.get("TRACKIO_PROJECT", "nanogrpo"), config=cfg.to_dict())
+                out.append(lambda m, step: trackio.log(names(m), step=step))
+        except ImportError as e:
+            raise ConfigError(f"report_to={name!r}, but {package} cannot be imported ({e}): pip install {package}, "
+                              "or use --report_to=none") from None
+    return out
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -137,7 +209,15 @@ def setup(cfg: TrainConfig) -> Run:
             raise FileNotFoundError(f"resume={ckpt!r}: no trainer state at {ckpt}/trainer; point it at an "
                                     "out_dir/checkpoint written by train.py, or use --resume=true")
     resuming = cfg.resume not in (False, "false") and os.path.exists(os.path.join(ckpt, "trainer"))
+    if cfg.resume not in (False, "false") and not resuming:
+        dist.print0(f"resume={cfg.resume}: no checkpoint in {cfg.out_dir} yet, so this run starts fresh")
+    elif not resuming:
+        clear_out_dir(cfg, info)
     model = load_policy(ckpt if resuming else cfg.model, cfg, info)
+    context = model.config.max_position_embeddings
+    if cfg.max_completion_length >= context:
+        raise ConfigError(f"max_completion_length={cfg.max_completion_length}: the model's context is {context} "
+                          "positions and the prompt needs some; lower it")
     model.gradient_checkpointing = cfg.gradient_checkpointing
     ref = None
     if cfg.beta > 0:  # the reference model exists only when the KL term is on
@@ -150,6 +230,12 @@ def setup(cfg: TrainConfig) -> Run:
     eval_rows = None
     if cfg.eval_dataset and cfg.eval_every:
         eval_rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split, seed=cfg.seed)[: cfg.eval_size]
+    elif cfg.eval_dataset or cfg.eval_every:
+        dist.print0(f"warning: eval_dataset={cfg.eval_dataset!r} with eval_every={cfg.eval_every}: no evaluation "
+                    "(both are needed)")
+    for source, checked in ((cfg.dataset, rows), (cfg.eval_dataset, eval_rows or [])):
+        check_prompts(checked, source, tok, context - cfg.max_completion_length)
+        check_reward_columns(reward_funcs, checked, source)
     sched = cfg.schedule(info.world_size)
     run = Run(cfg, info, sched, tok, model, ref, optimizer,
               torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg)), LossConfig(**cfg.loss_config()),
@@ -164,10 +250,12 @@ def setup(cfg: TrainConfig) -> Run:
         run.written = [n for n in state.get("checkpoints", []) if os.path.isdir(os.path.join(cfg.out_dir, n))]
         run.resume_source = os.path.realpath(ckpt)  # never pruned (the link moves on)
         dist.print0(f"resumed from {ckpt} at step {run.step}")
+        report_changes(checkpoint.read_json(os.path.join(ckpt, "train_config.json")), cfg)
     if info.is_main:
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") as f:  # rewritten from history on resume
             f.writelines(json.dumps(m) + "\n" for m in run.history)
+    run.reporters = open_reporters(cfg, info)
     dist.print0(f"nanogrpo: {cfg.model} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params | "
                 f"{info.world_size} process(es) on {info.device}\n{sched.table()}")
     return run
@@ -179,6 +267,7 @@ def setup(cfg: TrainConfig) -> Run:
 
 def round_prompts(run: Run) -> list[dict]:
     """This rank's share of the round's prompts (each prompt's G samples stay on one rank)."""
+    run.round_prompts_state, run.round_start_step = run.prompts.state_dict(), run.step  # for a Ctrl-C save
     rows = run.prompts.next_batch()
     per_rank = len(rows) // run.info.world_size
     return rows[run.info.rank * per_rank:(run.info.rank + 1) * per_rank]
@@ -222,7 +311,27 @@ def generation_metrics(run: Run, ro: Rollout, rewards: torch.Tensor) -> dict:
         col = rewards[:, k][~torch.isnan(rewards[:, k])]
         m[f"rewards/{name}/mean"] = col.mean().item() if len(col) else float("nan")
         m[f"rewards/{name}/std"] = col.std().item() if len(col) > 1 else 0.0
+    warn_about_rewards(run, total, m["frac_reward_zero_std"])
     return m
+
+
+def warn_about_rewards(run: Run, total: torch.Tensor, frac_zero_std: float, patience: int = 10):
+    """Say so (once each) when the rewards cannot teach anything: none scored, too large for float32
+    statistics (advantages become 0), or no spread within any group for `patience` steps in a row."""
+    def warn(key, message):
+        if key not in run.warned:
+            run.warned.add(key)
+            dist.print0(f"warning: {message}")
+
+    if torch.isnan(total).all():
+        warn("unscored", "no reward function scored any completion this round (all returned None)")
+    elif total[~torch.isnan(total)].abs().max() > 1e18:
+        warn("overflow", f"rewards up to {total.abs().nanmean():.2e} overflow float32 statistics (the group "
+             "std becomes inf, advantages 0): rescale the reward functions")
+    run.zero_spread_steps = run.zero_spread_steps + 1 if frac_zero_std == 1.0 else 0
+    if run.zero_spread_steps >= patience:
+        warn("zero_spread", f"every group's rewards were identical for {patience} steps in a row: advantages are 0 "
+             "and nothing is learned; make the task easier, the reward more graded, or num_generations larger")
 
 
 def shown_samples(ro: Rollout, rewards: torch.Tensor, weights, k: int = 2) -> list[tuple[str, str, float]]:
@@ -361,16 +470,23 @@ def save(run: Run):
                                                    keep=run.resume_source)
 
 
-def log(run: Run, records: list[dict]):
-    """Append the round's records to history and metrics.jsonl; print the step lines."""
+def log(run: Run):
+    """Move the round's records (run.pending) to history and metrics.jsonl (NaN written as null, never
+    as a number), send them to report_to's trackers, print the step lines with an ETA."""
+    records = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in m.items()} for m in run.pending]
+    run.pending = []
     run.history.extend(records)
     if not run.info.is_main:
         return
     with open(os.path.join(run.cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.writelines(json.dumps(m) + "\n" for m in records)
+    t0, step0 = run.started
+    eta = (time.time() - t0) / max(1, run.step - step0) * (run.cfg.max_steps - run.step)
     for m in records:
+        for report in run.reporters:
+            report(m, m["step"])
         if m["step"] % run.cfg.log_every == 0 or m["step"] == run.cfg.max_steps:
-            print_step(m, run.samples if run.cfg.log_completions else [])
+            print_step(m, run.cfg.max_steps, eta, run.samples if run.cfg.log_completions else [])
 
 
 # -----------------------------------------------------------------------------
@@ -414,45 +530,130 @@ def crossed(every: int, before: int, after: int) -> bool:
 def train(cfg: TrainConfig) -> list[dict]:
     """Run GRPO as configured; returns the list of per-step metrics (also in out_dir/metrics.jsonl)."""
     run = setup(cfg)
-    while run.step < cfg.max_steps:
-        first_step = run.step
-        records = train_round(run)  # rollout -> score -> advantages -> update
-        if run.eval_rows and (crossed(cfg.eval_every, first_step, run.step) or run.step == cfg.max_steps):
-            records[-1].update(evaluate(run.model, run.tok, run.eval_rows, cfg, run.reward_funcs, run.info,
-                                        run.autocast))
-        log(run, records)
-        if crossed(cfg.save_every, first_step, run.step) or run.step == cfg.max_steps:  # at round boundaries: resume is exact
-            save(run)
-    summarize(run.history, cfg, run.info)
+    if run.step >= cfg.max_steps:
+        dist.print0(f"nothing to do: the checkpoint is at step {run.step} and max_steps={cfg.max_steps}; "
+                    "raise --max_steps to train further")
+        return run.history
+    run.started = (time.time(), run.step)
+    try:
+        while run.step < cfg.max_steps:
+            first_step = run.step
+            run.pending = train_round(run)  # rollout -> score -> advantages -> update
+            run.round_prompts_state = None  # the round's optimizer steps are all taken
+            if run.eval_rows and (crossed(cfg.eval_every, first_step, run.step) or run.step == cfg.max_steps):
+                try:
+                    run.pending[-1].update(evaluate(run.model, run.tok, run.eval_rows, cfg, run.reward_funcs,
+                                                    run.info, run.autocast))
+                except Exception:
+                    log(run)
+                    save(run)  # what was trained is kept even when the evaluation fails
+                    raise
+            log(run)
+            if crossed(cfg.save_every, first_step, run.step) or run.step == cfg.max_steps:
+                save(run)  # at round boundaries, so a resumed run continues exactly
+    except KeyboardInterrupt:
+        save_on_interrupt(run)
+        raise
+    summarize(run)
     dist.teardown()
     return run.history
 
 
-def print_step(m: dict, samples):
+def save_on_interrupt(run: Run):
+    """Ctrl-C: keep what was trained and say how to continue. Interrupted inside a round before its
+    first optimizer step (always so with on-policy updates: the step is the round's last act), the
+    checkpoint records the prompt sampler where the round began, and the resumed run redoes that
+    round exactly."""
+    cfg = run.cfg
+    mid_round = run.round_prompts_state is not None
+    why = ("several processes cannot save together after an interrupt" if run.info.world_size > 1 else
+           "no optimizer step was taken yet" if run.step == 0 else
+           "it stopped between two optimizer steps of one round" if mid_round and run.step > run.round_start_step
+           else None)
+    if why:
+        dist.print0(f"\ninterrupted at step {run.step}/{cfg.max_steps}: not saved ({why}); the latest checkpoint "
+                    f"is {os.path.join(cfg.out_dir, 'checkpoint')}")
+        return
+    log(run)  # a finished round's records, when the interrupt came during its evaluation
+    if not (run.written and run.written[-1] == f"checkpoint-{run.step}"):
+        if mid_round:
+            run.prompts.load_state_dict(run.round_prompts_state)
+        save(run)
+    args = [a for a in (COMMAND or ["train.py"]) if not a.startswith(("--resume", "--overwrite_output_dir"))]
+    dist.print0(f"\ninterrupted at step {run.step}/{cfg.max_steps}: saved {cfg.out_dir}/checkpoint-{run.step}. "
+                f"Continue with:\n  python {shlex.join(args + ['--resume=true'])}")
+
+
+def print_step(m: dict, max_steps: int, eta_s: float, samples):
     """One console line per optimizer step (and a few completions when asked)."""
-    kl = f" kl {m['kl']:.4f} |" if "kl" in m else ""
-    ev = f" | eval {m['eval/reward']:.3f}" if "eval/reward" in m else ""
-    print(f"step {m['step']:4d} | reward {m['reward']:.3f} ± {m['reward_std']:.3f} |{kl} loss {m['loss']:+.4f} | "
-          f"len {m['completions/mean_length']:.1f} | grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
-          f"{m['step_time']:.2f}s (sample {m['time/sample']:.2f}, update {m['time/update']:.2f}){ev}", flush=True)
+    def num(key, spec):
+        return "n/a" if m.get(key) is None else format(m[key], spec)
+
+    kl = f" kl {num('kl', '.4f')} |" if "kl" in m else ""
+    ev = f" | eval {num('eval/reward', '.3f')}" if "eval/reward" in m else ""
+    print(f"step {m['step']:4d}/{max_steps} | reward {num('reward', '.3f')} ± {num('reward_std', '.3f')} |{kl} "
+          f"loss {m['loss']:+.4f} | len {m['completions/mean_length']:.1f} | grad {m['grad_norm']:.3f} | "
+          f"lr {m['lr']:.2e} | {m['step_time']:.2f}s (sample {m['time/sample']:.2f}, update "
+          f"{m['time/update']:.2f}) | eta {eta_s / 60:.1f} min{ev}", flush=True)
     for prompt, completion, reward in samples:
         print(f"    {prompt!r} -> {completion!r} (reward {reward:.2f})")
 
 
-def summarize(history, cfg, info):
-    """Final line: mean reward over the first and last tenth of the run, and where the model is."""
-    if not info.is_main or not history:
+def summarize(run: Run):
+    """The end of a run: mean reward over the first and last tenth, a few completions of the last
+    round with their rewards, the reward curve (out_dir/reward.png), and a sample command that works."""
+    cfg, history = run.cfg, run.history
+    if not run.info.is_main or not history:
         return
     k = max(1, len(history) // 10)
-    start = sum(m["reward"] for m in history[:k]) / k
-    end = sum(m["reward"] for m in history[-k:]) / k
+    rewards = [m["reward"] for m in history if m["reward"] is not None]
+    start, end = sum(rewards[:k]) / max(1, len(rewards[:k])), sum(rewards[-k:]) / max(1, len(rewards[-k:]))
+    print(f"done: {len(history)} steps, mean reward {start:.3f} -> {end:.3f} (first/last {k} steps). Last round:")
+    for prompt, completion, reward in run.samples:
+        print(f"    {prompt!r} -> {completion!r} (reward {reward:.2f})")
     ckpt = os.path.join(cfg.out_dir, "checkpoint")
-    print(f"done: {len(history)} steps, mean reward {start:.3f} -> {end:.3f} (first/last {k} steps). "
-          f"Checkpoint: {ckpt}\nSample from it: python sample.py --model {ckpt} --prompt '...'", flush=True)
+    prompt = run.prompts.rows[0]["prompt"]
+    text = f"--prompt {shlex.quote(prompt)}" if isinstance(prompt, str) else f"--chat {shlex.quote(prompt[-1]['content'])}"
+    print(f"Checkpoint: {ckpt}\nReward curve: {plot_rewards(cfg)}\n"
+          f"Sample from it: python sample.py --model {ckpt} {text}", flush=True)
+
+
+def plot_rewards(cfg: TrainConfig) -> str:
+    """Draw out_dir/reward.png from metrics.jsonl with bench/plot.py when matplotlib is installed;
+    otherwise say how to get it."""
+    metrics, png = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "reward.png")
+    try:
+        import matplotlib  # noqa: F401
+        from bench import plot
+    except ImportError:
+        return f"pip install matplotlib, then: python bench/plot.py {metrics} -o {png}"
+    plot.main([metrics, "-o", png, "--quiet"])
+    return png
+
+
+COMMAND = None  # the command line of this process, for the resume hint (set when run as a script)
+
+
+def main(argv: list[str]) -> int:
+    """`python train.py [--config FILE] [--key=value ...]`: user errors are one line (the traceback with
+    --debug or NANOGRPO_DEBUG=1); Ctrl-C saves and exits with 130."""
+    global COMMAND
+    debug = "--debug" in argv or os.environ.get("NANOGRPO_DEBUG") == "1"
+    argv = [a for a in argv if a != "--debug"]
+    COMMAND = ["train.py"] + argv
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        argv = ["--config", "tiny"] + argv  # the embedded default (the built-in configs/tiny.py)
+    try:
+        train(load_config(argv))
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError, RewardError) as e:  # ConfigError is a ValueError
+        if debug:
+            raise
+        print(f"train.py: error: {e}\n(the traceback: add --debug)", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    if not any(a == "--config" or a.startswith("--config=") for a in argv):
-        argv = ["--config", "tiny"] + argv  # the embedded default (the built-in configs/tiny.py)
-    train(load_config(argv))
+    sys.exit(main(sys.argv[1:]))

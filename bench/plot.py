@@ -18,7 +18,7 @@ def series_from(path: str, key: str) -> list[tuple[str, list[float], bool]]:
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         label = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
-        return [(label, [r[key] for r in rows if key in r], True)]
+        return [(label, [float("nan") if r[key] is None else r[key] for r in rows if key in r], True)]
     with open(path) as f:
         curves = json.load(f)["curves"]
     out = []
@@ -37,6 +37,7 @@ def main(argv=None):
     p.add_argument("inputs", nargs="+", help="train_bench.json and/or metrics.jsonl files")
     p.add_argument("-o", "--output", default="reward_curves.png")
     p.add_argument("--key", default="reward", help="metric to plot (default: reward)")
+    p.add_argument("--quiet", action="store_true", help="do not print the output path")
     args = p.parse_args(argv)
     try:
         import matplotlib
@@ -59,7 +60,8 @@ def main(argv=None):
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.output, dpi=110)
-    print(f"wrote {args.output}")
+    if not args.quiet:
+        print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ Choices:
 import ast
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import types
@@ -36,6 +37,7 @@ class ConfigError(ValueError):
 
 CHOICES = {"dtype": ("float32", "bfloat16", "auto"), "scale_rewards": SCALE_REWARDS,
            "multi_objective_aggregation": AGGREGATIONS, "lr_scheduler": ("constant", "cosine")}
+REPORTERS = ("none", "tensorboard", "wandb", "trackio")
 LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig))  # TrainConfig has each, same name and default
 
 
@@ -67,7 +69,7 @@ class TrainConfig:
     micro_batch_size: int = 32  # completions per forward/backward on one rank
     num_iterations: int = 1  # optimizer passes over each generated batch (mu)
     steps_per_generation: int | None = None  # TRL's: micro-batches (per rank) fed by one generation round;
-    # None = one optimizer step's worth. A multiple of the micro-batches per step: see Schedule
+    #   None = one optimizer step's worth. A multiple of the micro-batches per step: see Schedule
     # generation
     max_completion_length: int = 512  # new tokens per completion, also dr_grpo's constant
     temperature: float = 1.0  # 0 = greedy
@@ -111,11 +113,13 @@ class TrainConfig:
     max_steps: int = 150  # optimizer steps
     eval_every: int = 0  # steps between evaluations, 0 = never
     log_every: int = 1  # steps between log lines
-    save_every: int = 0  # steps between checkpoints, 0 = only at the end
+    save_every: int = 500  # steps between checkpoints (TRL's save_steps), 0 = only at the end; also on Ctrl-C
     save_total_limit: int | None = None  # keep the newest this-many checkpoints this run wrote; None = all (TRL)
     log_completions: bool = False  # print a sample of completions at each log step
     out_dir: str = "out"  # checkpoints, config.json and logs
     resume: bool | str = False  # True = latest checkpoint in out_dir, or a checkpoint path
+    overwrite_output_dir: bool = False  # start over in an out_dir holding a run (deletes its checkpoints and logs)
+    report_to: str = "none"  # none | tensorboard | wandb | trackio, or several comma-separated (TRL's name)
 
     # --- derived sizes ---------------------------------------------------------------------
 
@@ -178,7 +182,12 @@ class TrainConfig:
         need(not self.sync_ref_model or self.beta > 0, "sync_ref_model", "needs beta > 0 (a reference model)")
         for key in ("eval_every", "save_every"):
             need(getattr(self, key) >= 0, key, "must be >= 0 (0 = never)")
+        need(all(r in REPORTERS for r in self.reporters()), "report_to", f"takes names from {list(REPORTERS)}")
         return self
+
+    def reporters(self) -> list[str]:
+        """The experiment trackers report_to names ("none" = only metrics.jsonl and the console)."""
+        return [r.strip() for r in self.report_to.split(",") if r.strip() not in ("", "none")]
 
     def bf16(self, device) -> bool:
         """Whether to compute in bfloat16 on `device` (a torch.device or string)."""
@@ -309,11 +318,13 @@ def convert(key: str, value, tp=None, from_text: bool = False):
     elif tp in (int, float):
         if from_text and isinstance(value, str):
             try:
-                return tp(value)
+                value = tp(value)
             except ValueError:
                 pass
         accepted = (int, float) if tp is float else int  # an int is a fine float, not vice versa
         if isinstance(value, accepted) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{key}={value!r}: must be a finite number")
             return tp(value)
     elif tp is str and isinstance(value, str):
         return value
@@ -347,11 +358,40 @@ def read_config_file(name: str) -> dict:
             and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
 
 
+def help_text() -> str:
+    """Every key with its default and comment, grouped as in TrainConfig (for `train.py --help`)."""
+    import inspect
+    lines = ["usage: train.py [--config FILE] [--key=value ...]   (FILE: a built-in of configs/ or your own .py)",
+             "Command-line values override the file's. Keys, with TrainConfig's defaults (a config file sets its own):"]
+    body = inspect.getsource(TrainConfig).split('"""', 2)[2].split("# --- derived sizes")[0]
+    for raw in body.splitlines():
+        line = raw.strip()
+        if line.startswith("#  "):  # the continuation of a field's comment
+            lines.append(f"      {line[1:].strip()}")
+        elif line.startswith("#"):  # a group title
+            lines.append(f"\n  {line[1:].strip()}:")
+        elif ":" in line and "=" in line:
+            name = line.split(":")[0]
+            default = line.split("=", 1)[1].split("  #")[0].strip()
+            if default.startswith("field("):
+                default = repr(getattr(TrainConfig(), name))
+            comment = line.split("  # ", 1)[1] if "  # " in line else ""
+            lines.append(f"  --{name}={default}    {comment}")
+    return "\n".join(lines)
+
+
 def load_config(argv: list[str] | None = None) -> TrainConfig:
     """`[--config FILE] [--key=value | --key value | --bool_key] ...` -> a validated TrainConfig.
 
-    Command-line values override the file's. Keys may use dashes for underscores."""
+    Command-line values override the file's. Keys may use dashes for underscores. `--help` prints
+    every key and exits. Two file settings do not follow a command-line change they were not written
+    for: a new `--model` drops the file's `init_model` (a random model is built only where the file
+    says, or where --init_model is also given), and a new `--dataset` drops the file's `eval_dataset`
+    (an eval set of another task), unless the command line names them too."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        raise SystemExit(0)
     pairs, i = [], 0
     while i < len(argv):
         arg = argv[i]
@@ -368,16 +408,26 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
                 raise ConfigError(f"--{key} needs a value")
         pairs.append((key, value))
         i += 1
-    settings = {}
+    settings, from_file = {}, {}
     for key, value in pairs:
         if key == "config":
             for file_key, file_value in read_config_file(value).items():
                 if file_key not in FIELD_TYPES:
                     raise _unknown_key(file_key, f"in config file {value}")
-                settings[file_key] = convert(file_key, file_value)
+                settings[file_key] = from_file[file_key] = convert(file_key, file_value)
+    command_line = set()
     for key, value in pairs:
         if key != "config":
             if key not in FIELD_TYPES:
                 raise _unknown_key(key, "on the command line")
             settings[key] = convert(key, value, from_text=True)
+            command_line.add(key)
+    for key, follows in (("model", "init_model"), ("dataset", "eval_dataset")):
+        if key in command_line and follows not in command_line and from_file.get(follows) is not None \
+                and settings[key] != from_file.get(key):
+            settings[follows] = None
+            if follows == "eval_dataset" and os.environ.get("RANK", "0") == "0":
+                print(f"note: --dataset={settings[key]} replaces the config file's dataset, so its "
+                      f"eval_dataset={from_file[follows]!r} (another task) is not used; pass --eval_dataset=... "
+                      "to evaluate", file=sys.stderr)
     return TrainConfig(**settings).validate()

@@ -197,10 +197,31 @@ def check_rows(rows: list[dict], source: str) -> list[dict]:
         if not ok:
             raise ValueError(f"dataset {source}, row {i}: 'prompt' must be a string or a list of "
                              f"{{'role', 'content'}} messages, got {prompt!r:.100}")
+        if not (prompt.strip() if isinstance(prompt, str) else any(str(m["content"] or "").strip() for m in prompt)):
+            raise ValueError(f"dataset {source}, row {i}: the prompt is empty")
         if is_conversational(row) != is_conversational(rows[0]):
             raise ValueError(f"dataset {source}, row {i}: mixes standard (string) and conversational "
                              "(message list) prompts")
     return rows
+
+
+def check_prompts(rows: list[dict], source: str, tok, max_prompt_tokens: int) -> None:
+    """Encode every prompt once, at load time, so a bad row stops the run before step 1, named:
+    a prompt longer than `max_prompt_tokens` (the model's context minus max_completion_length), or
+    a character the tokenizer can only map to its unknown token (silently, e.g. the char-level one)."""
+    unk = tok.token_to_id(getattr(tok.tokenizer.model, "unk_token", None))
+    for i, row in enumerate(rows):
+        ids = tok.encode_prompt(row["prompt"])
+        if len(ids) > max_prompt_tokens:
+            raise ValueError(f"dataset {source}, row {i}: the prompt is {len(ids)} tokens, more than the "
+                             f"{max_prompt_tokens} the model's context leaves beside max_completion_length; "
+                             "shorten or drop that row, or lower max_completion_length")
+        if unk is not None and unk in ids:
+            text = row["prompt"] if isinstance(row["prompt"], str) else "".join(str(m["content"]) for m in row["prompt"])
+            bad = sorted({c for c in text if tok.encode(c, add_special_tokens=False) == [unk]})
+            if bad:
+                raise ValueError(f"dataset {source}, row {i}: the tokenizer has no token for {bad} (they would "
+                                 "be read as its unknown token); remove them or use a tokenizer that has them")
 
 
 def columns_of(rows: list[dict]) -> dict[str, list]:

@@ -305,6 +305,23 @@ def resolve_reward_funcs(names_or_callables, *, max_completion_length: int | Non
     return resolved
 
 
+def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
+    """Every column a reward function requires (a parameter without default, besides prompts,
+    completions and completion_ids) must be in every row: found at load time, not as a crash at step 50."""
+    for name, fn in reward_funcs:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+            continue
+        needed = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                  and p.name not in ("prompts", "completions", "completion_ids")]
+        for i, row in enumerate(rows):
+            missing = [c for c in needed if row.get(c) is None]
+            if missing:
+                raise ValueError(f"reward function {name!r} needs the column(s) {missing}, which row {i} of "
+                                 f"dataset {source} lacks (its columns: {sorted(row)})")
+
+
 def _check_scores(name: str, scores, n: int) -> list[float]:
     """Validate one function's output: n numbers or None -> n floats with NaN for None."""
     if hasattr(scores, "tolist"):  # tensor, numpy array

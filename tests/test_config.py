@@ -162,3 +162,19 @@ def test_replay_order_and_the_schedule_table():
     assert on_policy.replay_order() == [0] and not on_policy.off_policy
     table = s.table()
     assert "4 x 4" in table and "steps_per_generation)  12" in table and "optimizer steps per round" in table
+
+
+def test_non_finite_numbers_are_rejected():
+    """Regression: --epsilon=inf was accepted."""
+    for arg in ("--epsilon=inf", "--learning_rate=nan", "--beta=-inf"):
+        with pytest.raises(ConfigError, match="finite"):
+            load_config(["--config", "tiny.py", arg])
+
+
+def test_a_new_dataset_does_not_inherit_the_files_eval_set(capsys):
+    """Regression: --dataset=mine.jsonl kept tiny.py's eval_dataset='default' and crashed at the first eval."""
+    cfg = load_config(["--config", "tiny.py", "--dataset=countdown"])
+    assert cfg.eval_dataset is None and "eval_dataset='default' (another task) is not used" in capsys.readouterr().err
+    cfg = load_config(["--config", "tiny.py", "--dataset=countdown", "--eval_dataset=countdown"])
+    assert cfg.eval_dataset == "countdown"
+    assert load_config(["--config", "tiny.py"]).eval_dataset == "default"

@@ -117,3 +117,18 @@ def test_prompt_sampler_epochs_and_resume():
         PromptSampler(rows + [{"prompt": "x"}], 3).load_state_dict(state)
     with pytest.raises(ValueError, match="prompts_per_step"):
         PromptSampler(rows, 11)
+
+
+def test_prompts_are_checked_at_load():
+    from nanogrpo.data import check_prompts
+    from nanogrpo.tokenizer import char_level_tokenizer
+    tok = char_level_tokenizer("abcdefgh=")
+    check_prompts([{"prompt": "abc="}, {"prompt": [{"role": "user", "content": "ab="}]}][:1], "x", tok, 8)
+    with pytest.raises(ValueError, match=r"dataset x, row 1: the tokenizer has no token for \['z'\]"):
+        check_prompts([{"prompt": "abc="}, {"prompt": "abz="}], "x", tok, 8)  # z used to become eos silently
+    with pytest.raises(ValueError, match="row 0: the prompt is 9 tokens, more than the 8"):
+        check_prompts([{"prompt": "abcdefgh="}], "x", tok, 8)
+    for empty in ("", "  ", [{"role": "user", "content": ""}]):
+        with pytest.raises(ValueError, match="row 1: the prompt is empty"):
+            check_rows([{"prompt": "a"} if isinstance(empty, str) else {"prompt": [{"role": "user", "content": "a"}]},
+                        {"prompt": empty}], "x")

@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import ROOT, fixture_path
+from nanogrpo.config import read_config_file
 
 
 def free_port() -> int:
@@ -94,7 +95,8 @@ def torchrun(*args, timeout=300):
 
 
 def test_torchrun_tiny_train_save_resume(tmp_path):
-    common = ["--config", "tiny.py", f"--model={tmp_path}/init", f"--out_dir={tmp_path}/run", "--prompts_per_step=4",
+    init = f"--init_model={read_config_file('tiny')['init_model']!r}"
+    common = ["--config", "tiny.py", f"--model={tmp_path}/init", init, f"--out_dir={tmp_path}/run", "--prompts_per_step=4",
               "--num_generations=4", "--micro_batch_size=4", "--max_completion_length=6", "--eval_every=0"]
     first = torchrun(*common, "--max_steps=2")
     assert first.returncode == 0, first.stderr[-3000:]

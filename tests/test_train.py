@@ -8,17 +8,18 @@ import pytest
 import torch
 
 import train
-from nanogrpo.config import ConfigError, load_config
+from nanogrpo.config import ConfigError, load_config, read_config_file
 from nanogrpo.checkpoint import load_model
 from nanogrpo.rewards import RewardError
 from nanogrpo.tokenizer import Tokenizer
 
 TIMING = ("step_time", "tokens_per_sec", "time/sample", "time/score", "time/update")
+INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"  # build tiny.py's random model elsewhere
 
 
 def tiny(tmp_path, *overrides):
     """The embedded default config, made small, with its init checkpoint and outputs under tmp_path."""
-    return load_config(["--config", "tiny.py", f"--model={tmp_path}/init", f"--out_dir={tmp_path}/run",
+    return load_config(["--config", "tiny.py", f"--model={tmp_path}/init", INIT, f"--out_dir={tmp_path}/run",
                         "--prompts_per_step=4", "--num_generations=4", "--micro_batch_size=8",
                         "--max_completion_length=6", "--eval_every=0", "--max_steps=3", *overrides])
 
@@ -41,7 +42,7 @@ def test_smoke_metrics_and_checkpoint(tmp_path, capsys):
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in lines)
     assert "eval/reward" in lines[1] and "eval/pass@1" in lines[2]
     out = capsys.readouterr().out
-    assert "step    3 | reward" in out and "done: 3 steps" in out and "-> '" in out
+    assert "step    3/3 | reward" in out and "eta" in out and "done: 3 steps" in out and "-> '" in out
     ckpt = tmp_path / "run" / "checkpoint"
     model = load_model(ckpt)  # HF format, loadable with the same code as any checkpoint
     tok = Tokenizer.from_pretrained(ckpt)
@@ -189,3 +190,140 @@ def test_every_eval_row_counts_once_on_any_world_size(num_rows, world_size):
     assert len({len(s) for s in shards}) == 1  # equal shapes for all_gather
     gathered = [i for s in shards for i in s][:num_rows]  # what evaluate keeps after the gather
     assert gathered == list(range(num_rows))
+
+
+# -----------------------------------------------------------------------------
+# A newcomer's first hour: nothing lost without being asked, errors at load, a visible result
+
+
+def test_a_second_run_never_overwrites_the_first(tmp_path):
+    train.train(tiny(tmp_path, "--max_steps=1"))
+    with pytest.raises(ConfigError, match="holds a run.*--resume=true.*--overwrite_output_dir=true"):
+        train.train(tiny(tmp_path, "--max_steps=1"))
+    assert os.path.isdir(tmp_path / "run" / "checkpoint-1")  # untouched by the refused run
+    os.makedirs(tmp_path / "run" / "checkpoint-7-mine")
+    train.train(tiny(tmp_path, "--max_steps=2", "--overwrite_output_dir=true"))
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint", "checkpoint-2", "checkpoint-7-mine", "metrics.jsonl"]
+
+
+def test_model_paths_that_are_not_checkpoints_are_errors(tmp_path):
+    user_file = tmp_path / "notes.txt"
+    user_file.write_text("mine")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        train.train(load_config(["--config", "tiny.py", f"--model={user_file}", f"--out_dir={tmp_path}/run"]))
+    assert user_file.read_text() == "mine" and os.listdir(tmp_path) == ["notes.txt"]
+    cfg = load_config(["--config", "tiny.py", f"--model={tmp_path}/missing", f"--out_dir={tmp_path}/run"])
+    assert cfg.init_model is None  # the file's init_model builds only at the file's own model path
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        train.train(cfg)
+    assert not os.path.exists(tmp_path / "missing")
+
+
+def test_reward_columns_are_checked_at_load(tmp_path):
+    with open(tmp_path / "data.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": "abc=", "target": "abc"} if i != 3 else {"prompt": "abd="}) + "\n"
+                     for i in range(8))
+    with pytest.raises(ValueError, match=r"'default_task' needs the column\(s\) \['target'\], which row 3"):
+        train.train(tiny(tmp_path, f"--dataset={tmp_path}/data.jsonl"))
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")  # stopped before step 1
+
+
+def test_a_prompt_longer_than_the_context_is_named_at_load(tmp_path):
+    with open(tmp_path / "data.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": "ab" * (30 if i == 5 else 2) + "=", "target": "ab"}) + "\n" for i in range(8))
+    with pytest.raises(ValueError, match="row 5: the prompt is 61 tokens"):
+        train.train(tiny(tmp_path, f"--dataset={tmp_path}/data.jsonl"))
+    with pytest.raises(ConfigError, match="max_completion_length=64: the model's context is 64"):
+        train.train(tiny(tmp_path, "--max_completion_length=64"))
+
+
+def test_a_failing_evaluation_keeps_what_was_trained(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("eval broke")
+
+    monkeypatch.setattr(train, "evaluate", broken)
+    with pytest.raises(RuntimeError, match="eval broke"):
+        train.train(tiny(tmp_path, "--eval_every=2", "--save_every=0", "--max_steps=4"))
+    assert os.path.isdir(tmp_path / "run" / "checkpoint-2")
+    assert [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+
+
+def test_ctrl_c_saves_and_the_resumed_run_is_exact(tmp_path, monkeypatch, capsys):
+    full = train.train(tiny(tmp_path / "a", "--max_steps=4", "--save_every=0"))
+    calls, score = [], train.score
+
+    def interrupted(*args):  # Ctrl-C while the third round is being scored
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return score(*args)
+
+    monkeypatch.setattr(train, "score", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(tiny(tmp_path / "b", "--max_steps=4", "--save_every=0"))
+    out = capsys.readouterr().out
+    assert "interrupted at step 2/4: saved" in out and "--resume=true" in out
+    monkeypatch.setattr(train, "score", score)
+    resumed = train.train(tiny(tmp_path / "b", "--max_steps=4", "--save_every=0", "--resume=true"))
+    assert strip_timing(resumed) == strip_timing(full)
+    a, b = load_model(tmp_path / "a" / "run" / "checkpoint"), load_model(tmp_path / "b" / "run" / "checkpoint")
+    assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def unscored(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def huge(completions, **kwargs):
+    return [1e30 * len(c) for c in completions]
+
+
+def constant(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize("func,steps,warning", [
+    ("unscored", 1, "no reward function scored any completion"), ("huge", 1, "overflow float32"),
+    ("constant", 10, "identical for 10 steps")])
+def test_rewards_that_cannot_teach_are_warned_about(tmp_path, capsys, func, steps, warning):
+    history = train.train(tiny(tmp_path, f"--reward_funcs={__name__}:{func}", f"--max_steps={steps}"))
+    assert f"warning: " in capsys.readouterr().out.split(warning)[0][-200:]
+    if func == "unscored":  # NaN is written as null, never as a number
+        line = open(tmp_path / "run" / "metrics.jsonl").read()
+        assert "NaN" not in line and json.loads(line)["reward"] is None and history[0]["reward"] is None
+
+
+def test_resume_reports_what_it_does(tmp_path, capsys):
+    train.train(tiny(tmp_path, "--max_steps=2", "--resume=true"))
+    assert "no checkpoint in" in capsys.readouterr().out
+    train.train(tiny(tmp_path, "--max_steps=2", "--resume=true"))
+    assert "nothing to do: the checkpoint is at step 2 and max_steps=2" in capsys.readouterr().out
+    train.train(tiny(tmp_path, "--max_steps=3", "--resume=true", "--learning_rate=0.5"))
+    assert "note: learning_rate was 0.003 in the checkpoint's run, now 0.5 (ignored" in capsys.readouterr().out
+
+
+def test_report_to(tmp_path, monkeypatch):
+    import sys
+    import types
+    logged = []
+    fake = types.SimpleNamespace(init=lambda **kw: None, log=lambda m, step: logged.append((step, m)))
+    monkeypatch.setitem(sys.modules, "trackio", fake)
+    train.train(tiny(tmp_path, "--max_steps=2", "--report_to=trackio"))
+    assert [s for s, _ in logged] == [1, 2]
+    assert {"train/reward", "train/loss", "train/learning_rate", "train/completions/mean_length"} <= set(logged[0][1])
+    monkeypatch.setitem(sys.modules, "trackio", None)  # not installed
+    with pytest.raises(ConfigError, match="report_to='trackio', but trackio cannot be imported.*pip install trackio"):
+        train.train(tiny(tmp_path, "--max_steps=2", "--report_to=trackio", "--overwrite_output_dir=true"))
+
+
+def test_command_line_help_errors_and_the_reward_curve_hint(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    done = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0 and "--learning_rate=1e-6" in done.stdout and "optimizer (AdamW):" in done.stdout
+    bad = subprocess.run([sys.executable, "train.py", "--max_steps=-1"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.startswith("train.py: error: max_steps=-1: must be at least 1")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert train.plot_rewards(tiny(tmp_path)).startswith("pip install matplotlib, then: python bench/plot.py")
