@@ -80,4 +80,12 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    import os
+    import sys
+    debug = "--debug" in sys.argv or os.environ.get("NANOGRPO_DEBUG") == "1"
+    try:
+        main([a for a in sys.argv[1:] if a != "--debug"])
+    except (ValueError, OSError) as e:  # a user error: one line (the traceback with --debug)
+        if debug:
+            raise
+        sys.exit(f"sample.py: error: {e}\n(the traceback: add --debug)")

@@ -21,6 +21,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from nanogrpo.config import read_config_file  # noqa: E402
+
+INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"  # tiny.py's random model, built at --model
 TINY = ["--num_generations=8", "--prompts_per_step=16", "--micro_batch_size=64", "--max_completion_length=8",
         "--temperature=1.0", "--loss_type=dapo", "--beta=0.0", "--learning_rate=0.003", "--adam_beta2=0.99",
         "--max_grad_norm=1.0"]
@@ -55,8 +58,9 @@ def run_nanogrpo(arm, seed, work):
     if arm == "plain":
         rollout.generate = plain_generate
     torch.manual_seed(seed)
-    cfg = load_config(["--config", "tiny.py", f"--model={work}/init-{seed}", f"--seed={seed}",
-                       f"--out_dir={work}/{arm}-{seed}", "--eval_every=0", "--save_every=0", "--log_every=1000", *TINY])
+    cfg = load_config(["--config", "tiny.py", f"--model={work}/init-{seed}", INIT, f"--seed={seed}",
+                       f"--out_dir={work}/{arm}-{seed}", "--overwrite_output_dir=true", "--eval_every=0",
+                       "--save_every=0", "--log_every=1000", *TINY])
     return [m["reward"] for m in train.train(cfg)]
 
 

@@ -50,6 +50,9 @@ from importlib import metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from nanogrpo.config import read_config_file  # noqa: E402
+
+INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"  # tiny.py's random model, built at --model
 
 # Settings passed identically to both trainers (names are nanogrpo's train.py keys and trl_runner's flags).
 TINY = dict(num_generations=8, prompts_per_step=16, micro_batch_size=64, max_completion_length=8,
@@ -71,7 +74,7 @@ def make_tiny_checkpoint(path: str, seed: int):
     from nanogrpo.dist import DistInfo
     from train import ensure_tiny_checkpoint
 
-    ensure_tiny_checkpoint(load_config(["--config", "tiny.py", f"--model={path}", f"--seed={seed}"]), DistInfo())
+    ensure_tiny_checkpoint(load_config(["--config", "tiny.py", f"--model={path}", INIT, f"--seed={seed}"]), DistInfo())
 
 
 def make_big_checkpoint(path: str, seed: int = 0):
@@ -129,7 +132,7 @@ def run_child(cmd: list[str], log_path: str) -> dict:
 def trainer_cmd(trainer: str, model: str, out_dir: str, steps: int, seed: int, settings: dict) -> list[str]:
     if trainer == "nanogrpo":
         return [sys.executable, "train.py", "--config", "tiny.py", f"--model={model}", f"--out_dir={out_dir}",
-                f"--max_steps={steps}", f"--seed={seed}", "--eval_every=0", "--save_every=0",
+                f"--max_steps={steps}", f"--seed={seed}", "--eval_every=0", "--save_every=0", "--overwrite_output_dir=true",
                 *[f"--{k}={v}" for k, v in settings.items()]]
     return [sys.executable, "bench/trl_runner.py", "--model", model, "--out_dir", out_dir,
             "--max_steps", str(steps), "--seed", str(seed),
