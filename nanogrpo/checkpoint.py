@@ -1,7 +1,8 @@
 """Everything that lives on disk: Hugging Face model checkpoints and trainer checkpoints.
 
 Owns: hub-id/path resolution, config.json <-> ModelConfig, safetensors (one file or shards + index),
-`load_model` / `save_model` (one process or FSDP2), atomic directories, and the trainer checkpoint
+`load_model` / `save_model` (one process or FSDP2; a LoRA model as PEFT's adapter_config.json +
+adapter_model.safetensors, names and fields from lora.py), atomic directories, and the trainer checkpoint
 (`checkpoint-<step>/`: policy, tokenizer, optimizer, trainer state; the `checkpoint` link; pruning).
 Does not know about: the network's arithmetic (model.py), GRPO, or collectives (dist.py).
 
@@ -24,7 +25,7 @@ from dataclasses import fields
 
 import torch
 
-from nanogrpo import dist
+from nanogrpo import dist, lora
 from nanogrpo.model import SUPPORTED_MODEL_TYPES, ModelConfig, Transformer
 
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
@@ -43,8 +44,7 @@ def resolve_path(path_or_hub_id) -> str:
         return path
     if os.path.exists(path):
         raise NotADirectoryError(f"{path!r} is a file; a checkpoint is a directory (config.json, *.safetensors)")
-    first = path.split("/")[0]
-    if path.startswith((".", "/", "~")) or path.count("/") != 1 or os.path.isdir(first):
+    if path.startswith((".", "/", "~")) or path.count("/") != 1 or os.path.isdir(path.split("/")[0]):
         raise FileNotFoundError(f"no such directory: {path!r} (and it is not a hub id like 'Qwen/Qwen2.5-0.5B')")
     from huggingface_hub import snapshot_download
     return snapshot_download(path, allow_patterns=HUB_FILES)
@@ -52,8 +52,6 @@ def resolve_path(path_or_hub_id) -> str:
 
 def read_json(path) -> dict:
     """A JSON file's contents, with errors that name the file and what is wrong with it."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found")
     try:
         with open(path) as f:
             return json.load(f)
@@ -68,13 +66,11 @@ def write_json(path, obj):
 
 def parse_dtype(dtype) -> torch.dtype:
     """torch.dtype from a dtype or a name like "bfloat16"/"bf16"/"float32"."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
     names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
-    if dtype not in names:
+    if not isinstance(dtype, torch.dtype) and dtype not in names:
         raise ValueError(f"dtype={dtype!r} is not known; use one of {sorted(names)}")
-    return names[dtype]
+    return dtype if isinstance(dtype, torch.dtype) else names[dtype]
 
 
 # -----------------------------------------------------------------------------
@@ -117,14 +113,12 @@ def config_from_hf(hf: dict) -> ModelConfig:
 def config_to_hf(cfg: ModelConfig) -> dict:
     """The dict to write as config.json (keeps the unknown keys of the file it was loaded from)."""
     hf = dict(cfg.extra)
-    for f in fields(cfg):
-        if f.name not in ("extra", "rope_theta", "rope_scaling"):
-            hf[f.name] = getattr(cfg, f.name)
+    hf.update({f.name: getattr(cfg, f.name) for f in fields(cfg)
+               if f.name not in ("extra", "rope_theta", "rope_scaling")})
     if "rope_parameters" in hf:  # transformers >= 5 layout
         hf["rope_parameters"] = {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {"rope_type": "default"})}
     else:  # the classic layout, read by every transformers and vLLM version
-        hf["rope_theta"] = cfg.rope_theta
-        hf["rope_scaling"] = cfg.rope_scaling
+        hf.update(rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling)
     hf["architectures"] = [ARCHITECTURES[cfg.model_type]]
     if cfg.model_type == "qwen2":
         hf.pop("attention_bias", None)  # implied by the family
@@ -137,14 +131,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 def to_hf_names(state: dict, cfg: ModelConfig) -> dict:
     """Our state dict -> HF's names (`model.` prefix), contiguous; a tied lm_head is left out."""
-    out = {}
-    for name, tensor in state.items():
-        if name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out[name] = tensor.detach().contiguous()
-        else:
-            out["model." + name] = tensor.detach().contiguous()
-    return out
+    return {(k if k == "lm_head.weight" else "model." + k): v.detach().contiguous() for k, v in state.items()
+            if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
 
 
 def from_hf_names(state: dict, model: Transformer) -> dict:
@@ -170,54 +158,49 @@ def from_hf_names(state: dict, model: Transformer) -> dict:
     return ours
 
 
-def read_safetensors(path, dtype=None, device="cpu") -> dict:
-    """Every tensor of a single-file or sharded checkpoint directory (cast to `dtype` on `device`)."""
+def read_safetensors(path, dtype=None, device="cpu", file=None) -> dict:
+    """Every tensor of a single-file or sharded checkpoint directory, or of its `file` (cast to `dtype`
+    on `device`)."""
     from safetensors import SafetensorError, safe_open
     index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
+    if file is None and os.path.exists(index):
         files = sorted(set(read_json(index)["weight_map"].values()))
-    elif os.path.exists(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
+    elif os.path.exists(os.path.join(path, file or "model.safetensors")):
+        files = [file or "model.safetensors"]
     else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+        raise FileNotFoundError(f"no {file or 'model.safetensors or model.safetensors.index.json'} in {path}")
     state = {}
     for name in files:
         file = os.path.join(path, name)
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    state[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+                state.update({key: f.get_tensor(key).to(device=device, dtype=dtype) for key in f.keys()})
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{file} cannot be read (truncated or corrupt?): {e}") from None
     return state
 
 
-def write_safetensors(out_dir, state: dict, max_shard_bytes: int = 5 * 2**30):
-    """model.safetensors, or shards of at most max_shard_bytes + model.safetensors.index.json."""
+def write_safetensors(out_dir, state: dict, max_shard_bytes: int = 5 * 2**30, name="model.safetensors"):
+    """`name` (model.safetensors), or shards of at most max_shard_bytes + model.safetensors.index.json."""
     from safetensors.torch import save_file
     shards, size = [{}], 0
-    for name, tensor in state.items():
+    for key, tensor in state.items():
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.cpu()
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            shards, size = shards + [{}], 0
+        shards[-1][key], size = tensor.cpu(), size + nbytes
+    n = len(shards)
+    names = [name] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for fname, shard in zip(names, shards):
         save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        weight_map.update({name: fname for name in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    write_json(os.path.join(out_dir, "model.safetensors.index.json"),
-               {"metadata": {"total_size": total}, "weight_map": weight_map})
+    if n > 1:
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        write_json(os.path.join(out_dir, "model.safetensors.index.json"), {"metadata": {"total_size": total},
+                   "weight_map": {key: fname for fname, shard in zip(names, shards) for key in shard}})
 
 
 # -----------------------------------------------------------------------------
-# Atomic directories
+# Models, in directories written atomically
 
 
 @contextmanager
@@ -227,16 +210,14 @@ def atomic_dir(out_dir):
     A crash (or Ctrl-C) inside the block leaves the old `out_dir` untouched and no half-written one;
     a full disk says so and leaves nothing behind."""
     out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=os.path.dirname(out_dir))
     try:
         yield tmp
         if os.path.isdir(out_dir) and not os.path.islink(out_dir):
-            old = tmp + ".old"
-            os.rename(out_dir, old)
+            os.rename(out_dir, tmp + ".old")
             os.rename(tmp, out_dir)
-            shutil.rmtree(old)
+            shutil.rmtree(tmp + ".old")
         elif os.path.lexists(out_dir):
             raise FileExistsError(f"{out_dir} exists and is not a directory; not replacing it")
         else:
@@ -254,30 +235,44 @@ def _remove_partial(tmp, target, error):
                                     "was removed, the previous one is intact") from error
 
 
-# -----------------------------------------------------------------------------
-# Models
-
-
 def load_model(path_or_hub_id, dtype=torch.float32, device="cpu", info: dist.DistInfo | None = None,
-               mixed_precision: bool = False) -> Transformer:
-    """Load an HF checkpoint (local dir or hub id) straight into `dtype` on `device`.
-
-    With `info` of more than one process, the model is sharded with FSDP2 (dist.shard_model) and
-    filled from rank 0's copy; `mixed_precision` then makes its blocks compute in bf16."""
+               mixed_precision: bool = False, lora_settings: dict | None = None) -> Transformer:
+    """Load an HF checkpoint (local dir or hub id) straight into `dtype` on `device`; `lora_settings`
+    (lora.apply_lora's keywords) put a fresh LoRA adapter on it. A directory with adapter_config.json is
+    a PEFT adapter: its base_model_name_or_path is loaded and the adapter put on it, with the adapter's
+    own settings (as PEFT's AutoPeftModel does). With `info` of more than one process, the model is
+    sharded with FSDP2 (dist.shard_model) and filled from rank 0's copy; `mixed_precision` then makes
+    its blocks compute in bf16."""
     sharded = info is not None and info.sharded
-    path = dist.broadcast_object(resolve_path(path_or_hub_id) if not sharded or info.is_main else None, info)
-    cfg = config_from_hf(read_json(os.path.join(path, "config.json")))
+    main = not sharded or info.is_main
+    path = dist.broadcast_object(resolve_path(path_or_hub_id) if main else None, info)
+    adapter, base_name = None, os.path.abspath(path) if os.path.isdir(str(path_or_hub_id)) else str(path_or_hub_id)
+    if os.path.exists(os.path.join(path, "adapter_config.json")):
+        adapter, peft = path, read_json(os.path.join(path, "adapter_config.json"))
+        lora_settings, base_name = lora.settings_from_peft_config(peft, path), peft["base_model_name_or_path"]
+        path = dist.broadcast_object(resolve_path(base_name) if main else None, info)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(config_from_hf(read_json(os.path.join(path, "config.json"))))
+    dtype, where = (torch.float32, "cpu") if sharded else (parse_dtype(dtype), device)
+    full = base = from_hf_names(read_safetensors(path, dtype, where), model) if main else {}
+    if lora_settings:
+        lora.apply_lora(model, **lora_settings)
+        if sharded and model.lora_config["modules_to_save"]:
+            raise ValueError("lora_modules_to_save is not supported with FSDP2 (more than one process) yet")
+        if main:  # the adapter's tensors, or a fresh adapter (rank 0's, broadcast when sharded)
+            new = read_safetensors(adapter, dtype, where, "adapter_model.safetensors") if adapter else None
+            full = {**base, **(lora.from_peft_state(new, model) if adapter else
+                               lora.fresh_adapter_state(model, dtype, where))}
     if sharded:
-        full = from_hf_names(read_safetensors(path, torch.float32), model) if info.is_main else {}
         dist.shard_model(model, info, mixed_precision)
         model.to_empty(device=info.device)
         dist.fill_from_rank0(model, full)
     else:
-        model.load_state_dict(from_hf_names(read_safetensors(path, parse_dtype(dtype), device), model),
-                              strict=True, assign=True)
+        model.load_state_dict(full, strict=True, assign=True)
         model.tie_weights()
+    if lora_settings:
+        lora.mark_trainable(model, base)  # frozen base copies of modules_to_save, for disable_adapters
+        model.base_model_name_or_path = base_name
     gen_path = os.path.join(path, "generation_config.json")
     model.generation_config = read_json(gen_path) if os.path.exists(gen_path) else None
     model.name_or_path = str(path_or_hub_id)
@@ -285,33 +280,38 @@ def load_model(path_or_hub_id, dtype=torch.float32, device="cpu", info: dist.Dis
 
 
 def write_model(out_dir, cfg: ModelConfig, state: dict, generation_config=None, tokenizer=None,
-                max_shard_bytes: int = 5 * 2**30):
+                max_shard_bytes: int = 5 * 2**30, adapter: dict | None = None):
     """Write config.json, safetensors, generation_config.json and the tokenizer into the existing
-    directory out_dir. `state` is under our names (a full, unsharded state dict)."""
-    hf_state = to_hf_names(state, cfg)
-    hf = config_to_hf(cfg)
-    dtypes = {v.dtype for v in hf_state.values()}
-    hf["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
-    if "dtype" in hf:  # transformers >= 5 spells it `dtype`
-        hf["dtype"] = hf["torch_dtype"]
-    write_json(os.path.join(out_dir, "config.json"), hf)
+    directory out_dir. `state` is under our names (a full, unsharded state dict). With `adapter`
+    (adapter_config.json's dict), only the adapter's tensors are written, as PEFT writes them."""
+    if adapter is not None:
+        write_json(os.path.join(out_dir, "adapter_config.json"), adapter)
+        write_safetensors(out_dir, lora.adapter_state(state, adapter), name="adapter_model.safetensors")
+    else:
+        hf_state, hf = to_hf_names(state, cfg), config_to_hf(cfg)
+        dtypes = {v.dtype for v in hf_state.values()}
+        hf["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+        if "dtype" in hf:  # transformers >= 5 spells it `dtype`
+            hf["dtype"] = hf["torch_dtype"]
+        write_json(os.path.join(out_dir, "config.json"), hf)
+        write_safetensors(out_dir, hf_state, max_shard_bytes)
     if generation_config:
         write_json(os.path.join(out_dir, "generation_config.json"), generation_config)
-    write_safetensors(out_dir, hf_state, max_shard_bytes)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
 
 
 def save_model(model, out_dir, tokenizer=None, generation_config=None, max_shard_bytes: int = 5 * 2**30):
     """Save `model` (plain or FSDP2-sharded) as an HF checkpoint directory, atomically; transformers
-    and vLLM load it. A sharded model: every rank calls it, rank 0 writes. A plain one: whoever calls it
-    writes, alone."""
+    and vLLM load it. A model with LoRA adapters is saved as its adapter (PEFT's files; merge_lora
+    first for a full checkpoint). A sharded model: every rank calls it, rank 0 writes. A plain one:
+    whoever calls it writes, alone."""
     sharded = bool(dist.fsdp_modules(model))
     state = dist.full_state_dict(model)
     if not sharded or dist.rank() == 0:
         with atomic_dir(out_dir) as tmp:
             write_model(tmp, model.config, state, generation_config or model.generation_config, tokenizer,
-                        max_shard_bytes)
+                        max_shard_bytes, lora.peft_config_of(model))
     if sharded:
         dist.barrier()
 
@@ -326,7 +326,7 @@ def save_checkpoint(out_dir, step: int, model, optimizer, tokenizer, trainer_sta
     trainer/ with the optimizer and `trainer_state`) under a temporary name, rename it when complete,
     then swap the link out_dir/checkpoint to it in one os.replace. Returns the checkpoint's path."""
     step_dir = os.path.join(out_dir, f"checkpoint-{step}")
-    tmp = step_dir + ".tmp"
+    tmp, adapter = step_dir + ".tmp", lora.peft_config_of(model)
     state = dist.full_state_dict(model)
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash
@@ -334,7 +334,7 @@ def save_checkpoint(out_dir, step: int, model, optimizer, tokenizer, trainer_sta
     dist.barrier(info)
     try:
         if info.is_main:
-            write_model(tmp, model.config, state, model.generation_config, tokenizer)
+            write_model(tmp, model.config, state, model.generation_config, tokenizer, adapter=adapter)
             write_json(os.path.join(tmp, "train_config.json"), train_config)
             write_json(os.path.join(tmp, "trainer", "trainer_state.json"), trainer_state)
         save_optimizer(os.path.join(tmp, "trainer"), model, optimizer, info)

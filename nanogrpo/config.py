@@ -53,6 +53,15 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 1337  # seeds init, prompt order and sampling
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    # LoRA (TRL's ModelConfig names)
+    use_peft: bool = False  # train LoRA adapters (nanogrpo/lora.py) instead of every weight; base frozen
+    lora_r: int = 16  # adapter rank
+    lora_alpha: int = 32  # adapter scaling = lora_alpha / lora_r
+    lora_dropout: float = 0.05  # dropout on each adapter's input
+    lora_target_modules: list[str] | str | None = None  # None = q_proj, v_proj (PEFT's default); "all-linear"
+    lora_modules_to_save: list[str] | None = None  # trained in full and saved with the adapter: embed_tokens, lm_head
+    use_rslora: bool = False  # rank-stabilized scaling lora_alpha / sqrt(lora_r)
+    merge_adapter: bool = False  # at the end, also write the adapter merged into a full HF checkpoint (out_dir/merged)
     # data
     dataset: str = "default"  # see data.load_dataset: file, hf://datasets/..., gsm8k, default, countdown
     dataset_split: str | None = None  # split for gsm8k / procedural tasks (None = "train")
@@ -147,7 +156,7 @@ class TrainConfig:
              "must be auto, cpu, cuda or cuda:N")
         need(self.num_generations >= 2, "num_generations", "GRPO needs at least 2 completions per prompt")
         for key in ("prompts_per_step", "micro_batch_size", "num_iterations", "max_completion_length",
-                    "max_steps", "log_every", "ref_model_sync_steps", "eval_size"):
+                    "max_steps", "log_every", "ref_model_sync_steps", "eval_size", "lora_r"):
             need(getattr(self, key) >= 1, key, "must be at least 1")
         need(self.steps_per_generation is None or self.steps_per_generation >= 1, "steps_per_generation",
              "must be None or at least 1")
@@ -170,16 +179,17 @@ class TrainConfig:
              f"needs one weight per reward function ({len(self.reward_funcs)})")
         need(self.soft_punish_cache is None or 1 <= self.soft_punish_cache <= self.max_completion_length,
              "soft_punish_cache", "must be in [1, max_completion_length]")
-        need(self.learning_rate >= 0, "learning_rate", "must be >= 0")
-        need(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
-        need(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
-        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-        need(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
+        for key in ("learning_rate", "weight_decay", "warmup_steps"):
+            need(getattr(self, key) >= 0, key, "must be >= 0")
+        for key in ("adam_beta1", "adam_beta2", "warmup_ratio", "lora_dropout"):
+            need(0 <= getattr(self, key) < 1, key, "must be in [0, 1)")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or None")
         need(0 <= self.ref_model_mixup_alpha <= 1, "ref_model_mixup_alpha", "must be in [0, 1]")
         need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "must be None or >= 1")
         need(not self.sync_ref_model or self.beta > 0, "sync_ref_model", "needs beta > 0 (a reference model)")
+        need(not (self.sync_ref_model and self.use_peft), "sync_ref_model", "is refused with use_peft, as TRL does")
+        need(not self.merge_adapter or self.use_peft, "merge_adapter", "needs use_peft=true (an adapter to merge)")
+        need(self.lora_alpha > 0, "lora_alpha", "must be > 0")  # module names: lora.apply_lora checks them
         for key in ("eval_every", "save_every"):
             need(getattr(self, key) >= 0, key, "must be >= 0 (0 = never)")
         need(all(r in REPORTERS for r in self.reporters()), "report_to", f"takes names from {list(REPORTERS)}")
@@ -196,6 +206,13 @@ class TrainConfig:
     def to_dict(self) -> dict:
         """Plain dict of every field (JSON-serialisable), e.g. to save next to a checkpoint."""
         return dataclasses.asdict(self)
+
+    def lora_settings(self) -> dict | None:
+        """Keyword arguments for nanogrpo.lora.apply_lora (PEFT's names), or None without use_peft."""
+        targets = "all-linear" if self.lora_target_modules == ["all-linear"] else self.lora_target_modules
+        return {"r": self.lora_r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
+                "target_modules": targets, "modules_to_save": self.lora_modules_to_save,
+                "use_rslora": self.use_rslora} if self.use_peft else None
 
     def loss_config(self) -> dict:
         """Keyword arguments for nanogrpo.grpo.LossConfig (TRL's names): `LossConfig(**cfg.loss_config())`."""
