@@ -21,9 +21,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_step(rank, world_size, port, family, out_path):
-    """Load the fixture (sharded when world_size > 1), take one optimizer step on this rank's share of a
-    fixed global batch, save the full weights from rank 0."""
+def one_step(rank, world_size, port, family, out_path, lora_settings=None):
+    """Load the fixture (sharded when world_size > 1; with LoRA adapters when lora_settings), take one
+    optimizer step on this rank's share of a fixed global batch, save the full weights from rank 0."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -34,8 +34,9 @@ def one_step(rank, world_size, port, family, out_path):
     from nanogrpo.checkpoint import load_model
     from nanogrpo.rollout import Rollout
     info = dist.setup("cpu")
-    model = load_model(fixture_path(family), info=info)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    torch.manual_seed(0)  # a fresh adapter's A (rank 0's is broadcast)
+    model = load_model(fixture_path(family), info=info, lora_settings=lora_settings)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(0)
     N, P, C = 8, 5, 6  # global rows, prompt and completion lengths
     ids = torch.randint(0, 300, (N, P + C), generator=g)
@@ -65,12 +66,13 @@ def one_step(rank, world_size, port, family, out_path):
     os._exit(0)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama3"])  # tied and untied LM head
-def test_two_processes_match_one(tmp_path, family):
+@pytest.mark.parametrize("family,lora", [("qwen2", None), ("llama3", None),  # tied and untied LM head
+                                         ("llama3", {"r": 4, "target_modules": "all-linear", "lora_dropout": 0.0})])
+def test_two_processes_match_one(tmp_path, family, lora):
     results = {}
     for world in (1, 2):
         out = tmp_path / f"w{world}.pt"
-        mp.start_processes(one_step, args=(world, free_port(), family, str(out)), nprocs=world,
+        mp.start_processes(one_step, args=(world, free_port(), family, str(out), lora), nprocs=world,
                            start_method="spawn", join=True)
         results[world] = torch.load(out)
     assert results[1]["grad_norm"] == pytest.approx(results[2]["grad_norm"], rel=1e-5)
@@ -78,7 +80,12 @@ def test_two_processes_match_one(tmp_path, family):
     assert one.keys() == two.keys()
     before = Transformer_state(family)
     for k in one:
-        assert not torch.equal(one[k], before[k]) or k.endswith("bias"), k  # the step changed the weights
+        if ".lora_B" in k:
+            assert one[k].abs().sum() > 0, k  # the adapter trained (B starts at zero)
+        elif lora and ".lora_A" not in k:
+            assert torch.equal(one[k], before[k]), k  # the frozen base did not move
+        elif not lora:
+            assert not torch.equal(one[k], before[k]) or k.endswith("bias"), k  # the step changed the weights
         assert torch.allclose(one[k], two[k], atol=1e-5, rtol=1e-5), k
 
 

@@ -1,0 +1,223 @@
+"""lora.py and the PEFT-format adapter files: PEFT's arithmetic, reference = adapters off, merge,
+only adapters train, round trips with peft (fixtures from tests/fixtures/make_lora_fixtures.py)."""
+
+import json
+import os
+import shutil
+import sys
+from contextlib import nullcontext
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from safetensors.torch import load_file
+
+from conftest import FIXTURES, fixture_path, tiny_config
+from nanogrpo import lora
+from nanogrpo.checkpoint import load_model, save_model
+from nanogrpo.config import ConfigError, load_config
+from nanogrpo.logprobs import token_logprobs
+from nanogrpo.model import Transformer
+
+sys.path.insert(0, FIXTURES)
+from make_lora_fixtures import OUR_SETTINGS, input_ids, make_ours  # noqa: E402  (nanogrpo only, no peft)
+
+IDS = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(0))
+
+
+def perturbed(model, scale=0.1, seed=1):
+    """Move every trainable tensor (so B is nonzero and modules_to_save differ from the base)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora.trainable_parameters(model):
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+@settings(max_examples=8, deadline=None)
+@given(r=st.integers(1, 8), alpha=st.sampled_from([1, 8, 32]), rslora=st.booleans(), tied=st.booleans(),
+       targets=st.sampled_from([None, "all-linear", ["k_proj", "down_proj"], ["o_proj"]]),
+       save=st.sampled_from([[], ["lm_head"], ["embed_tokens", "lm_head"]]))
+def test_fresh_adapter_is_base_and_merge_is_exact(r, alpha, rslora, tied, targets, save):
+    if tied and save == ["lm_head"]:
+        save = ["embed_tokens", "lm_head"]  # a tied model needs both names (tested in test_errors)
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(tie_word_embeddings=tied)).eval()
+    base = model(IDS)
+    lora.apply_lora(model, r=r, lora_alpha=alpha, target_modules=targets, modules_to_save=save, use_rslora=rslora)
+    assert torch.equal(model(IDS), base)  # B = 0: a fresh adapter changes no logit
+    with_adapter = perturbed(model)(IDS)
+    assert not torch.allclose(with_adapter, base, atol=1e-4)
+    with lora.disable_adapters(model):
+        assert torch.equal(model(IDS), base)  # adapters off = the base model, modules_to_save included
+    state = lora.merged_state_dict(model.state_dict(), model.lora_config)
+    merged = lora.merge_lora(model)
+    assert not lora.lora_layers(merged) and not hasattr(merged, "lora_config")
+    assert torch.allclose(merged(IDS), with_adapter, atol=1e-5)
+    assert state.keys() == merged.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in merged.state_dict().items())  # the dict path is the same merge
+
+
+def test_peft_arithmetic_scaling_init_and_names():
+    torch.manual_seed(0)
+    model = lora.apply_lora(Transformer(tiny_config()), r=4, lora_alpha=8, use_rslora=True)
+    layer = model.layers[0].self_attn.q_proj
+    assert isinstance(layer, lora.LoRALinear) and not isinstance(model.layers[0].self_attn.k_proj, lora.LoRALinear)
+    assert layer.scaling == 8 / 2 and lora.apply_lora(Transformer(tiny_config()), r=4, lora_alpha=8).layers[0] \
+        .self_attn.q_proj.scaling == 2
+    bound = 1 / 32 ** 0.5  # kaiming-uniform(a=sqrt(5)) on [r, in=32]: U(-1/sqrt(in), 1/sqrt(in))
+    assert layer.lora_A.weight.abs().max() <= bound and layer.lora_A.weight.std() > bound / 3
+    assert torch.equal(layer.lora_B.weight, torch.zeros(32, 4))
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+        want = x @ layer.weight.T + layer.bias + 4 * (x @ layer.lora_A.weight.T @ layer.lora_B.weight.T)
+    assert torch.allclose(layer.eval()(x), want, atol=1e-5)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"layers.{i}.self_attn.{m}.lora_{ab}.weight" for i in (0, 1) for m in ("q_proj", "v_proj")
+                         for ab in "AB"}
+    assert lora.to_peft_name("layers.1.mlp.up_proj.lora_B.weight") == \
+        "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"
+    assert lora.to_peft_name("lm_head.weight") == "base_model.model.lm_head.weight"
+    for name in trainable | {"lm_head.weight", "embed_tokens.weight"}:
+        assert lora.from_peft_name(lora.to_peft_name(name)) == name
+
+
+def test_reference_logprobs_with_adapters_off_are_the_base_models():
+    base = load_model(fixture_path("llama3"))
+    model = perturbed(load_model(fixture_path("llama3"), lora_settings=dict(
+        r=4, target_modules="all-linear", modules_to_save=["lm_head"])))
+    ids = input_ids()
+    mask = torch.ones(2, 4)
+    attention = torch.ones_like(ids)
+    attention[0, :2] = 0
+    want, _ = token_logprobs(base, ids, attention, mask, temperature=0.7)
+    with torch.no_grad(), lora.disable_adapters(model):
+        got, _ = token_logprobs(model, ids, attention, mask, temperature=0.7)
+    assert torch.equal(got, want)
+    policy, _ = token_logprobs(model, ids, attention, mask, temperature=0.7)
+    assert not torch.allclose(policy, want, atol=1e-3)  # and with them on, the policy differs
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
+    import train
+    from nanogrpo import dist
+    from nanogrpo.config import TrainConfig
+    from nanogrpo.grpo import LossConfig
+    torch.manual_seed(0)
+    model = perturbed(load_model(fixture_path("qwen2"), lora_settings=dict(
+        r=4, target_modules="all-linear", modules_to_save=["embed_tokens", "lm_head"])), seed=2).train()
+    model.gradient_checkpointing = checkpointing
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 400, (4, 10), generator=g)
+    mask = torch.ones(4, 5)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mask": mask, "num_items": mask.sum(),
+             "advantages": torch.randn(4, generator=g)}
+    cfg = TrainConfig(micro_batch_size=2)
+    micro = [torch.arange(0, 2), torch.arange(2, 4)]
+    torch.manual_seed(3)  # the dropout masks
+    m = train.update(model, optimizer, batch, micro, cfg, LossConfig(), dist.DistInfo(), nullcontext(), spg=2)
+    after = model.state_dict()
+    changed = {k for k in after if not torch.equal(after[k], before[k])}
+    adapters = {k for k in after if ".lora_" in k}
+    assert changed == adapters | {"embed_tokens.weight", "lm_head.weight"}
+    assert model.lm_head.weight is model.embed_tokens.weight  # still tied
+    if checkpointing:  # the same step without checkpointing gives the same weights
+        test_a_step_changes_only_adapters_and_modules_to_save.result = (m["grad_norm"], after)
+    elif hasattr(test_a_step_changes_only_adapters_and_modules_to_save, "result"):
+        norm, other = test_a_step_changes_only_adapters_and_modules_to_save.result
+        assert m["grad_norm"] == pytest.approx(norm, rel=1e-5)
+        assert all(torch.allclose(other[k], after[k], atol=1e-6) for k in adapters)
+
+
+def copied_adapter(tmp_path, name, family):
+    """A fixture adapter copied to tmp_path, its base_model_name_or_path pointed at this checkout's fixture."""
+    out = tmp_path / name
+    shutil.copytree(os.path.join(FIXTURES, "lora", name), out)
+    cfg = json.load(open(out / "adapter_config.json"))
+    json.dump(dict(cfg, base_model_name_or_path=fixture_path(family)), open(out / "adapter_config.json", "w"))
+    return out, cfg
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_an_adapter_made_by_peft_loads_with_peft_logits(tmp_path, family):
+    path, cfg = copied_adapter(tmp_path, f"peft-{family}", family)
+    model = load_model(path).eval()
+    expected = load_file(path / "expected.safetensors")
+    assert torch.allclose(model(expected["input_ids"]), expected["logits"], atol=1e-5)
+    assert model.lora_config["r"] == cfg["r"] and lora.lora_layers(model)
+    assert all(".lora_" in n or n.startswith("lm_head") for n, p in model.named_parameters() if p.requires_grad)
+    save_model(model, tmp_path / "again")  # and it saves back to the same tensors
+    again, original = load_file(tmp_path / "again" / "adapter_model.safetensors"), load_file(
+        path / "adapter_model.safetensors")
+    assert again.keys() == original.keys() and all(torch.equal(again[k], original[k]) for k in again)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_our_adapter_loaded_by_peft_gives_our_logits(tmp_path, family):
+    model = make_ours(family)
+    save_model(model, tmp_path / "ours")
+    committed = os.path.join(FIXTURES, "lora", f"ours-{family}")
+    ours, theirs = load_file(tmp_path / "ours" / "adapter_model.safetensors"), load_file(
+        os.path.join(committed, "adapter_model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    cfg = json.load(open(tmp_path / "ours" / "adapter_config.json"))
+    assert cfg["peft_type"] == "LORA" and cfg["task_type"] == "CAUSAL_LM" and cfg["r"] == OUR_SETTINGS[family]["r"]
+    assert cfg["base_model_name_or_path"] == fixture_path(family)
+    assert {k: v for k, v in cfg.items() if k != "base_model_name_or_path"} == {
+        k: v for k, v in json.load(open(os.path.join(committed, "adapter_config.json"))).items()
+        if k != "base_model_name_or_path"}
+    expected = load_file(os.path.join(committed, "expected.safetensors"))  # peft's logits on our adapter
+    with torch.no_grad():
+        assert torch.allclose(model(expected["input_ids"]), expected["logits"], atol=1e-5)
+    assert torch.allclose(load_model(tmp_path / "ours").eval()(expected["input_ids"]), expected["logits"], atol=1e-5)
+
+
+def test_merged_model_saves_as_a_plain_checkpoint(tmp_path):
+    model = make_ours("llama3")
+    with torch.no_grad():
+        want = model(input_ids())
+    save_model(lora.merge_lora(model), tmp_path / "merged")
+    assert not os.path.exists(tmp_path / "merged" / "adapter_config.json")
+    merged = load_model(tmp_path / "merged")
+    assert not lora.lora_layers(merged)
+    assert torch.allclose(merged(input_ids()), want, atol=1e-5)
+
+
+def test_errors(tmp_path):
+    model = Transformer(tiny_config(tie_word_embeddings=True))
+    with pytest.raises(ValueError, match="lora_r=0"):
+        lora.apply_lora(model, r=0)
+    with pytest.raises(ValueError, match="'qkv_proj' names no linear.*q_proj, k_proj, v_proj, o_proj, gate_proj"):
+        lora.apply_lora(model, target_modules=["q_proj", "qkv_proj"])
+    with pytest.raises(ValueError, match="'norm' is not supported; valid names: embed_tokens, lm_head"):
+        lora.apply_lora(model, modules_to_save=["norm"])
+    with pytest.raises(ValueError, match="ties embed_tokens and lm_head.*name both"):
+        lora.apply_lora(model, modules_to_save=["lm_head"])
+    with pytest.raises(ValueError, match="lora_dropout=1"):
+        lora.apply_lora(model, lora_dropout=1)
+    lora.apply_lora(model)
+    with pytest.raises(ValueError, match="already has LoRA adapters"):
+        lora.apply_lora(model)
+    path, cfg = copied_adapter(tmp_path, "peft-qwen2", "qwen2")
+    for bad, match in [({"use_dora": True}, "use_dora=True is not supported"),
+                       ({"rank_pattern": {"q_proj": 8}}, "rank_pattern"),
+                       ({"peft_type": "IA3"}, "only LORA"),
+                       ({"base_model_name_or_path": None}, "base_model_name_or_path is empty"),
+                       ({"r": 5}, "shape")]:
+        json.dump({**cfg, "base_model_name_or_path": fixture_path("qwen2"), **bad}, open(path / "adapter_config.json", "w"))
+        with pytest.raises(ValueError, match=match):
+            load_model(path)
+    args = ["--config", "tiny.py", "--use_peft=true"]
+    with pytest.raises(ConfigError, match="sync_ref_model.*use_peft"):
+        load_config(args + ["--beta=0.1", "--sync_ref_model=true"])
+    with pytest.raises(ConfigError, match="merge_adapter.*needs use_peft"):
+        load_config(["--config", "tiny.py", "--merge_adapter=true"])
+    with pytest.raises(ConfigError, match="lora_r"):
+        load_config(args + ["--lora_r=0"])
+    assert load_config(args + ["--lora_target_modules=all-linear"]).lora_settings()["target_modules"] == "all-linear"
+    assert load_config(args + ["--lora_target_modules=q_proj,o_proj"]).lora_settings()["target_modules"] == [
+        "q_proj", "o_proj"]
