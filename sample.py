@@ -1,4 +1,5 @@
-"""Sample completions from any HF checkpoint (hub id or directory) or a nanogrpo output dir.
+"""Sample completions from any HF checkpoint (hub id or directory), a PEFT LoRA adapter directory
+(base + adapter), or a nanogrpo output dir.
 
     python sample.py --model out/tiny/checkpoint --prompt "bhad=" --num_samples 4
     python sample.py --model Qwen/Qwen2.5-0.5B-Instruct --chat "What is 12*7?" --temperature 0.7 \\
@@ -41,8 +42,13 @@ def main(argv=None):
     p.add_argument("--column", action="append", default=[], help="key=value dataset column for the reward")
     args = p.parse_args(argv)
 
-    tok = Tokenizer.from_pretrained(args.model)
-    model = load_model(args.model, dtype=args.dtype, device=args.device).eval()
+    model = load_model(args.model, dtype=args.dtype, device=args.device).eval()  # a LoRA adapter: base + adapter
+    try:
+        tok = Tokenizer.from_pretrained(args.model)
+    except FileNotFoundError:  # a PEFT adapter saved without its tokenizer: the base model's
+        if not hasattr(model, "lora_config"):
+            raise
+        tok = Tokenizer.from_pretrained(model.base_model_name_or_path)
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt = messages + [{"role": "user", "content": args.chat}]
