@@ -15,7 +15,11 @@ Batch arithmetic (config.Schedule, printed at the start of every run): each opti
 micro-batches at once (TRL's meaning) and replays them `num_iterations` times (TRL's mu); `step`
 counts optimizer steps, as TRL's global_step does.
 
-Left out on purpose (TRL has them): vLLM generation and its importance-sampling correction, PEFT,
+With use_peft (TRL's LoRA settings, nanogrpo/lora.py) only the adapters train; the reference model is
+the policy with its adapters off (no second copy), checkpoints hold the adapter in PEFT's format, and
+merge_adapter writes the merged full model at the end.
+
+Left out on purpose (TRL has them): vLLM generation and its importance-sampling correction,
 tool calling, the entropy bonus, reward models (any Python function is a reward function).
 Known gap: with sync_ref_model (TR-DPO) the synced reference weights are not checkpointed, so a
 resumed run restarts from the initial reference model.
@@ -29,11 +33,12 @@ import shlex
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
-from nanogrpo import dist
+from nanogrpo import dist, lora
 from nanogrpo.config import ConfigError, Schedule, TrainConfig, load_config
 from nanogrpo.data import PromptSampler, check_prompts, columns_of, load_dataset
 from nanogrpo.grpo import LossConfig, group_advantages, grpo_step, nanstd
@@ -72,10 +77,11 @@ def ensure_tiny_checkpoint(cfg: TrainConfig, info: dist.DistInfo):
     dist.barrier(info)
 
 
-def load_policy(path: str, cfg: TrainConfig, info: dist.DistInfo):
-    """The model in fp32 master weights (bf16 compute on CUDA), sharded with FSDP2 when world > 1."""
+def load_policy(path: str, cfg: TrainConfig, info: dist.DistInfo, lora_settings: dict | None = None):
+    """The model in fp32 master weights (bf16 compute on CUDA), sharded with FSDP2 when world > 1;
+    with lora_settings, fresh LoRA adapters on it (a PEFT adapter directory brings its own)."""
     return checkpoint.load_model(path, dtype=torch.float32, device=info.device, info=info,
-                                 mixed_precision=cfg.bf16(info.device))
+                                 mixed_precision=cfg.bf16(info.device), lora_settings=lora_settings)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -107,7 +113,7 @@ class Run:
     sched: Schedule  # every derived batch count (printed at the start)
     tok: Tokenizer
     model: torch.nn.Module  # the policy (FSDP2-sharded when world_size > 1)
-    ref: torch.nn.Module | None  # the reference model, only when beta > 0
+    ref: torch.nn.Module | None  # the reference model, only when beta > 0 without LoRA (else adapters off)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     loss_cfg: LossConfig
@@ -213,17 +219,21 @@ def setup(cfg: TrainConfig) -> Run:
         dist.print0(f"resume={cfg.resume}: no checkpoint in {cfg.out_dir} yet, so this run starts fresh")
     elif not resuming:
         clear_out_dir(cfg, info)
-    model = load_policy(ckpt if resuming else cfg.model, cfg, info)
+    model = load_policy(ckpt if resuming else cfg.model, cfg, info, cfg.lora_settings())
     context = model.config.max_position_embeddings
     if cfg.max_completion_length >= context:
         raise ConfigError(f"max_completion_length={cfg.max_completion_length}: the model's context is {context} "
                           "positions and the prompt needs some; lower it")
     model.gradient_checkpointing = cfg.gradient_checkpointing
+    peft = hasattr(model, "lora_config")  # use_peft, or cfg.model is a PEFT adapter directory
+    if peft and cfg.sync_ref_model:
+        raise ConfigError("sync_ref_model is refused with LoRA adapters, as TRL does")
     ref = None
-    if cfg.beta > 0:  # the reference model exists only when the KL term is on
+    if cfg.beta > 0 and not peft:  # the reference model exists only when the KL term is on
         ref = load_policy(cfg.model, cfg, info).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay, eps=cfg.adam_epsilon)
+    optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.learning_rate,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
+                                  eps=cfg.adam_epsilon)
     reward_funcs = resolve_reward_funcs(cfg.reward_funcs, max_completion_length=cfg.max_completion_length,
                                         soft_punish_cache=cfg.soft_punish_cache)
     rows = load_dataset(cfg.dataset, split=cfg.dataset_split, seed=cfg.seed)
@@ -256,8 +266,9 @@ def setup(cfg: TrainConfig) -> Run:
         with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") as f:  # rewritten from history on resume
             f.writelines(json.dumps(m) + "\n" for m in run.history)
     run.reporters = open_reporters(cfg, info)
-    dist.print0(f"nanogrpo: {cfg.model} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params | "
-                f"{info.world_size} process(es) on {info.device}\n{sched.table()}")
+    trainable = f" ({sum(p.numel() for p in optimizer.param_groups[0]['params']) / 1e6:.3f}M trainable: LoRA)"
+    dist.print0(f"nanogrpo: {cfg.model} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params"
+                f"{trainable if peft else ''} | {info.world_size} process(es) on {info.device}\n{sched.table()}")
     return run
 
 
@@ -470,6 +481,16 @@ def save(run: Run):
                                                    keep=run.resume_source)
 
 
+def save_merged(run: Run):
+    """merge_adapter: the adapters folded into the base weights, a full HF checkpoint at out_dir/merged."""
+    state = dist.full_state_dict(run.model)  # every rank gathers, rank 0 writes
+    if run.info.is_main:
+        with checkpoint.atomic_dir(os.path.join(run.cfg.out_dir, "merged")) as tmp:
+            checkpoint.write_model(tmp, run.model.config, lora.merged_state_dict(state, run.model.lora_config),
+                                   run.model.generation_config, run.tok)
+    dist.barrier(run.info)
+
+
 def log(run: Run):
     """Move the round's records (run.pending) to history and metrics.jsonl (NaN written as null, never
     as a number), send them to report_to's trackers, print the step lines with an ETA."""
@@ -499,6 +520,7 @@ def train_round(run: Run) -> list[dict]:
     cfg, info = run.cfg, run.info
     t_round, rnd = time.time(), run.step // run.sched.updates_per_round
     generator = torch.Generator(info.device).manual_seed(round_seed(cfg, rnd, info.rank))
+    torch.manual_seed(round_seed(cfg, rnd, info.rank, 2))  # LoRA dropout's masks: per round, so resume is exact
     ro = rollout(run.model, run.tok, round_prompts(run), cfg, cfg.num_generations, generator, run.autocast)
     t_sample = time.time() - t_round
     rewards = compute_advantages(run, ro, score(ro, run.reward_funcs))  # [N_global, K]
@@ -509,8 +531,10 @@ def train_round(run: Run) -> list[dict]:
     t_score = time.time() - t_round - t_sample
     if run.sched.off_policy:  # the policy changes within the round: freeze its sampling-time log-probs
         ro.old_logps = batch_logprobs(run.model, ro, cfg, run.autocast, run.tok.vocab_size)
-    if run.ref is not None:
-        ro.ref_logps = batch_logprobs(run.ref, ro, cfg, run.autocast, run.tok.vocab_size)
+    if cfg.beta > 0:  # the reference model, or with LoRA the policy with its adapters off
+        with nullcontext() if run.ref is not None else lora.disable_adapters(run.model):
+            ref = run.model if run.ref is None else run.ref
+            ro.ref_logps = batch_logprobs(ref, ro, cfg, run.autocast, run.tok.vocab_size)
     t_logps = time.time() - t_round - t_sample - t_score
     records = updates(run, ro, rnd)
     round_time = time.time() - t_round
@@ -554,6 +578,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     except KeyboardInterrupt:
         save_on_interrupt(run)
         raise
+    if cfg.merge_adapter:
+        save_merged(run)
     summarize(run)
     dist.teardown()
     return run.history

@@ -105,6 +105,7 @@ def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
     from nanogrpo import dist
     from nanogrpo.config import TrainConfig
     from nanogrpo.grpo import LossConfig
+    from nanogrpo.rollout import Rollout
     torch.manual_seed(0)
     model = perturbed(load_model(fixture_path("qwen2"), lora_settings=dict(
         r=4, target_modules="all-linear", modules_to_save=["embed_tokens", "lm_head"])), seed=2).train()
@@ -114,12 +115,14 @@ def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 400, (4, 10), generator=g)
     mask = torch.ones(4, 5)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mask": mask, "num_items": mask.sum(),
-             "advantages": torch.randn(4, generator=g)}
+    ro = Rollout(rows=[], num_generations=2, prompt_ids=[], input_ids=ids, attention_mask=torch.ones_like(ids),
+                 completion_mask=mask, completion_lengths=mask.sum(1).long(), truncated=torch.zeros(4, dtype=torch.bool),
+                 prompts=[], completions=[], completion_token_ids=[], advantages=torch.randn(4, generator=g),
+                 num_items=mask.sum())
     cfg = TrainConfig(micro_batch_size=2)
     micro = [torch.arange(0, 2), torch.arange(2, 4)]
     torch.manual_seed(3)  # the dropout masks
-    m = train.update(model, optimizer, batch, micro, cfg, LossConfig(), dist.DistInfo(), nullcontext(), spg=2)
+    m = train.update(model, optimizer, ro, micro, cfg, LossConfig(), dist.DistInfo(), nullcontext(), spg=2)
     after = model.state_dict()
     changed = {k for k in after if not torch.equal(after[k], before[k])}
     adapters = {k for k in after if ".lora_" in k}
@@ -221,3 +224,32 @@ def test_errors(tmp_path):
     assert load_config(args + ["--lora_target_modules=all-linear"]).lora_settings()["target_modules"] == "all-linear"
     assert load_config(args + ["--lora_target_modules=q_proj,o_proj"]).lora_settings()["target_modules"] == [
         "q_proj", "o_proj"]
+
+
+def test_train_with_lora_resumes_exactly_samples_and_merges(tmp_path, capsys):
+    import sample
+    import train
+    from test_train import strip_timing, tiny
+    args = ["--use_peft=true", "--lora_target_modules=all-linear", "--lora_r=4", "--learning_rate=1e-2",
+            "--beta=0.04", "--merge_adapter=true"]
+    full = train.train(tiny(tmp_path / "a", "--max_steps=6", *args))
+    assert "kl" in full[-1] and full[-1]["kl"] > 0  # the reference = adapters off, and the policy moved away
+    train.train(tiny(tmp_path / "b", "--max_steps=3", *args))
+    resumed = train.train(tiny(tmp_path / "b", "--resume=true", "--max_steps=6", *args))
+    assert strip_timing(resumed) == strip_timing(full)
+    ckpt = tmp_path / "b" / "run" / "checkpoint"
+    files = set(os.listdir(ckpt))
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "trainer"} <= files
+    assert "model.safetensors" not in files  # the adapter, not a second copy of the base
+    a, b = (load_file(tmp_path / x / "run" / "checkpoint" / "adapter_model.safetensors") for x in "ab")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    adapter = load_model(ckpt).eval()  # base + adapter, from the checkpoint directory alone
+    merged = load_model(tmp_path / "b" / "run" / "merged")  # merge_adapter: a plain, full HF checkpoint
+    assert not lora.lora_layers(merged)
+    assert torch.allclose(merged(input_ids() % 10), adapter(input_ids() % 10), atol=1e-5)
+    assert torch.equal(load_model(tmp_path / "b" / "init").layers[0].mlp.up_proj.weight,
+                       adapter.layers[0].mlp.up_proj.weight)  # the base never moved
+    capsys.readouterr()
+    sample.main(["--model", str(ckpt), "--prompt", "abcd=", "--num_samples", "2", "--max_new_tokens", "6",
+                 "--device", "cpu", "--dtype", "float32"])
+    assert capsys.readouterr().out.count("--- sample") == 2
