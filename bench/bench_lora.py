@@ -1,6 +1,6 @@
 """LoRA: sampling with adapters active vs merged for the round; full fine-tuning vs LoRA (memory, time).
 
-    python bench/bench_lora.py [--parts sample,train] [--shapes bench47m,smollm2] [--runs 2] [--threads 1] [--device cpu]
+    python bench/bench_lora.py [--parts sample,train] [--shapes bench47m,smollm2] [--runs 2] [--threads 1]
 
 Two random-weight shapes (the weights do not change the cost):
   bench47m  the benchmarks' ~47M Qwen2 (hidden 512, 8 layers, 8 heads, 2 kv heads, ffn 2048, vocab 32000, tied)

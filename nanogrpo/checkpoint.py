@@ -317,14 +317,14 @@ def save_model(model, out_dir, tokenizer=None, generation_config=None, max_shard
 
 
 # -----------------------------------------------------------------------------
-# Trainer checkpoints: out_dir/checkpoint-<step>/ {HF model files, train_config.json, trainer/}
+# Trainer checkpoints: out_dir/checkpoint-<step>/ {HF model or adapter files, train_config.json, trainer/}
 
 
 def save_checkpoint(out_dir, step: int, model, optimizer, tokenizer, trainer_state: dict, train_config: dict,
                     info: dist.DistInfo) -> str:
-    """Write out_dir/checkpoint-<step> (the policy in HF format + tokenizer, train_config.json, and
-    trainer/ with the optimizer and `trainer_state`) under a temporary name, rename it when complete,
-    then swap the link out_dir/checkpoint to it in one os.replace. Returns the checkpoint's path."""
+    """Write out_dir/checkpoint-<step> (the policy in HF format, or its LoRA adapter in PEFT's, + tokenizer,
+    train_config.json, trainer/ with the optimizer and `trainer_state`) under a temporary name, rename it
+    when complete, then swap the link out_dir/checkpoint to it in one os.replace. Returns its path."""
     step_dir = os.path.join(out_dir, f"checkpoint-{step}")
     tmp, adapter = step_dir + ".tmp", lora.peft_config_of(model)
     state = dist.full_state_dict(model)

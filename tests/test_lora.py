@@ -116,7 +116,8 @@ def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
     ids = torch.randint(0, 400, (4, 10), generator=g)
     mask = torch.ones(4, 5)
     ro = Rollout(rows=[], num_generations=2, prompt_ids=[], input_ids=ids, attention_mask=torch.ones_like(ids),
-                 completion_mask=mask, completion_lengths=mask.sum(1).long(), truncated=torch.zeros(4, dtype=torch.bool),
+                 completion_mask=mask, completion_lengths=mask.sum(1).long(),
+                 truncated=torch.zeros(4, dtype=torch.bool),
                  prompts=[], completions=[], completion_token_ids=[], advantages=torch.randn(4, generator=g),
                  num_items=mask.sum())
     cfg = TrainConfig(micro_batch_size=2)
@@ -211,7 +212,8 @@ def test_errors(tmp_path):
                        ({"peft_type": "IA3"}, "only LORA"),
                        ({"base_model_name_or_path": None}, "base_model_name_or_path is empty"),
                        ({"r": 5}, "shape")]:
-        json.dump({**cfg, "base_model_name_or_path": fixture_path("qwen2"), **bad}, open(path / "adapter_config.json", "w"))
+        json.dump({**cfg, "base_model_name_or_path": fixture_path("qwen2"), **bad},
+                  open(path / "adapter_config.json", "w"))
         with pytest.raises(ValueError, match=match):
             load_model(path)
     args = ["--config", "tiny.py", "--use_peft=true"]
@@ -232,10 +234,10 @@ def test_train_with_lora_resumes_exactly_samples_and_merges(tmp_path, capsys):
     from test_train import strip_timing, tiny
     args = ["--use_peft=true", "--lora_target_modules=all-linear", "--lora_r=4", "--learning_rate=1e-2",
             "--beta=0.04", "--merge_adapter=true"]
-    full = train.train(tiny(tmp_path / "a", "--max_steps=6", *args))
+    full = train.train(tiny(tmp_path / "a", "--max_steps=4", *args))
     assert "kl" in full[-1] and full[-1]["kl"] > 0  # the reference = adapters off, and the policy moved away
-    train.train(tiny(tmp_path / "b", "--max_steps=3", *args))
-    resumed = train.train(tiny(tmp_path / "b", "--resume=true", "--max_steps=6", *args))
+    train.train(tiny(tmp_path / "b", "--max_steps=2", *args))
+    resumed = train.train(tiny(tmp_path / "b", "--resume=true", "--max_steps=4", *args))
     assert strip_timing(resumed) == strip_timing(full)
     ckpt = tmp_path / "b" / "run" / "checkpoint"
     files = set(os.listdir(ckpt))
