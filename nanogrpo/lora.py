@@ -20,10 +20,10 @@ Choices:
   does. With tied embeddings the two names are one matrix, so both must be named (PEFT's
   `ensure_weight_tying=True`); naming one is ambiguous and refused.
 - Sampling runs with the adapters active, not merged for the round. bench/bench_lora.py (r = 16,
-  all-linear, 16 rows x 32 new tokens, CPU): on the 47M bench shape active costs 1.37x the plain
-  model and merged-for-the-round 1.45x (merge + unmerge alone ~6 s); and an exact unmerge would need a
-  copy of every targeted weight, while `W -= s B A` rounds the frozen base each round (the reference
-  model drifts, resume is no longer bitwise). Active is exact, costs no memory, and was not slower.
+  all-linear, 16 rows x 32 new tokens, CPU, 1 thread, heavily loaded machine): active / merged-for-the-
+  round = 0.95 on the 47M bench shape and 1.24 on SmolLM2-135M, i.e. no clear winner in time. Merging
+  decides it: an exact unmerge needs a copy of every targeted weight (the memory LoRA saves), and
+  `W -= s B A` rounds the frozen base each round (the reference model drifts, resume is not bitwise).
 """
 
 import math

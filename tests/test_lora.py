@@ -26,11 +26,14 @@ IDS = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(0))
 
 
 def perturbed(model, scale=0.1, seed=1):
-    """Move every trainable tensor (so B is nonzero and modules_to_save differ from the base)."""
+    """Move every trainable tensor (so B is nonzero and modules_to_save differ from the base); B by
+    scale / scaling, so that the update scaling * B A stays of the weights' size for any lora_alpha."""
     g = torch.Generator().manual_seed(seed)
+    scalings = {f"{n}.lora_B.weight": m.scaling for n, m in lora.lora_layers(model).items()}
     with torch.no_grad():
-        for p in lora.trainable_parameters(model):
-            p.add_(scale * torch.randn(p.shape, generator=g))
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(scale / scalings.get(name, 1.0) * torch.randn(p.shape, generator=g))
     return model.eval()
 
 
@@ -234,10 +237,10 @@ def test_train_with_lora_resumes_exactly_samples_and_merges(tmp_path, capsys):
     from test_train import strip_timing, tiny
     args = ["--use_peft=true", "--lora_target_modules=all-linear", "--lora_r=4", "--learning_rate=1e-2",
             "--beta=0.04", "--merge_adapter=true"]
-    full = train.train(tiny(tmp_path / "a", "--max_steps=4", *args))
+    full = train.train(tiny(tmp_path / "a", "--max_steps=2", *args))
     assert "kl" in full[-1] and full[-1]["kl"] > 0  # the reference = adapters off, and the policy moved away
-    train.train(tiny(tmp_path / "b", "--max_steps=2", *args))
-    resumed = train.train(tiny(tmp_path / "b", "--resume=true", "--max_steps=4", *args))
+    train.train(tiny(tmp_path / "b", "--max_steps=1", *args))
+    resumed = train.train(tiny(tmp_path / "b", "--resume=true", "--max_steps=2", *args))
     assert strip_timing(resumed) == strip_timing(full)
     ckpt = tmp_path / "b" / "run" / "checkpoint"
     files = set(os.listdir(ckpt))
