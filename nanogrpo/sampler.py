@@ -89,15 +89,22 @@ def apply_top_k(logits, k):
 def apply_top_p(logits, p):
     """Nucleus filter: keep the most likely tokens until their probability reaches p, i.e. a token is
     kept if the tokens ranked above it hold less than p (the top token always stays). Tokens tied with
-    the last kept one are kept too. p = 1: nothing is removed."""
+    the last kept one are kept too. p = 1: nothing is removed. (The reference: `filter_candidates`
+    computes the same set without sorting; both round identically, see there.)"""
     if p >= 1.0:
         return logits
+    top = logits.amax(dim=-1, keepdim=True)  # [B,1]
+    total = (logits - top).exp().sum(dim=-1, keepdim=True)  # [B,1], summed in vocabulary order
     ranked = logits.sort(dim=-1, descending=True).values  # [B,V]
-    probs = ranked.softmax(dim=-1)
-    mass_above = probs.cumsum(dim=-1) - probs  # probability of the strictly higher-ranked tokens
-    n_keep = (mass_above < p).sum(dim=-1, keepdim=True)  # [B,1], >= 1
+    n_keep = (_mass_above(ranked, top, total) < p).sum(dim=-1, keepdim=True)  # [B,1], >= 1
     cutoff = ranked.gather(-1, n_keep - 1)  # smallest kept logit
     return logits.masked_fill(logits < cutoff, float("-inf"))
+
+
+def _mass_above(ranked, top, total):
+    """Descending logits [B,K] -> [B,K]: probability of the strictly higher-ranked tokens. An exclusive
+    cumsum, so it never decreases (on CPU the cumsum is sequential: a prefix is computed alike for any K)."""
+    return F.pad(((ranked - top).exp() / total).cumsum(dim=-1)[:, :-1], (1, 0))
 
 
 def apply_min_p(logits, min_p):
@@ -109,16 +116,56 @@ def apply_min_p(logits, min_p):
     return logits.masked_fill(logits < top + math.log(min_p), float("-inf"))
 
 
-def sample_from(logits, u):
+def sample_from(logits, u, token_ids=None):
     """Inverse-CDF draw. logits [B,V] fp32 (-inf = removed), u [B] float64 in [0,1) ->
-    (ids [B], their log-probs [B]): id is the first token whose cumulative probability exceeds u."""
+    (ids [B], their log-probs [B]): id is the first token whose cumulative probability exceeds u.
+    With token_ids [B,K] (ascending), logits [B,K] are those tokens' logits, all others removed: the
+    same draw, as zero weights leave a cumulative sum unchanged."""
     top = logits.amax(dim=-1, keepdim=True)  # [B,1]
     weights = (logits - top).exp()  # [B,V] unnormalized probabilities, the largest is exactly 1
     cdf = weights.double().cumsum(dim=-1)  # fp64: tail tokens keep their exact share
     total = cdf[:, -1:]  # [B,1], in [1, V]
     # u * total < total, so the first cdf entry above it belongs to a token of nonzero probability
     ids = torch.searchsorted(cdf, u[:, None] * total, right=True).clamp_(max=logits.shape[-1] - 1)
-    return ids.squeeze(-1), (logits.gather(-1, ids) - top - total.log().float()).squeeze(-1)
+    logp = (logits.gather(-1, ids) - top - total.log().float()).squeeze(-1)
+    return (ids if token_ids is None else token_ids.gather(-1, ids)).squeeze(-1), logp
+
+
+def filter_candidates(logits, top_k, top_p, min_p):
+    """top-k -> top-p -> min-p without sorting the vocabulary: logits [B,V] -> (values [B,K], token ids
+    [B,K]) of the K largest logits, removed ones -inf; every token outside them is removed too. Equal to
+    apply_min_p(apply_top_p(apply_top_k(logits))) bit for bit: the kept sets are decided on the same
+    numbers (the top-p mass of each ranked token is a prefix of the same cumsum, over the same total).
+    K starts at max(top_k + 1, 64) and grows 8x (up to a full sort) while a row's last candidate is kept."""
+    B, V = logits.shape
+    kth = total = None
+    if 0 < top_k < V:  # the k-th largest logit, and the top-k filtered logits the top-p total is taken over
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B,1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    K = min(V, max(top_k + 1, 64))
+    while True:
+        K = V if 4 * K > V else K
+        vals, ids = logits.topk(K, dim=-1) if K < V else logits.sort(dim=-1, descending=True)  # [B,K]
+        top = vals[:, :1]  # [B,1]
+        if top_p < 1.0:
+            if total is None:
+                total = (logits - top).exp().sum(dim=-1, keepdim=True)  # as apply_top_p, over all of V
+            n_keep = (_mass_above(vals, top, total) < top_p).sum(dim=-1, keepdim=True)  # [B,1]
+            vals = vals.masked_fill(vals < vals.gather(-1, n_keep - 1), float("-inf"))
+        if min_p > 0.0:
+            vals = vals.masked_fill(vals < top + math.log(min_p), float("-inf"))
+        if K == V or not (vals[:, -1] > float("-inf")).any():  # host sync; complete: the rest is below
+            return vals, ids
+        K *= 8
+
+
+def sample_filtered(logits, u, top_k, top_p, min_p):
+    """sample_from(apply_min_p(apply_top_p(apply_top_k(logits)))) drawing over the candidates only."""
+    vals, ids = filter_candidates(logits, top_k, top_p, min_p)
+    if vals.shape[-1] == logits.shape[-1]:  # full sort: scatter back rather than sort the ids
+        return sample_from(torch.full_like(logits, float("-inf")).scatter_(1, ids, vals), u)
+    ids, order = ids.sort(dim=-1)  # vocabulary order, as the inverse CDF over the whole vocabulary
+    return sample_from(vals.gather(-1, order), u, token_ids=ids)
 
 
 # -----------------------------------------------------------------------------
@@ -250,8 +297,9 @@ def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1
             tok = logits.argmax(-1)  # [n]
             logp = logits.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
         else:
-            logits = apply_min_p(apply_top_p(apply_top_k(apply_temperature(logits, temperature), top_k), top_p), min_p)
-            tok, logp = sample_from(logits, uniforms(keys, t))
+            logits, u = apply_temperature(logits, temperature), uniforms(keys, t)
+            filters = 0 < top_k < vocab_size or top_p < 1.0 or min_p > 0.0
+            tok, logp = sample_filtered(logits, u, top_k, top_p, min_p) if filters else sample_from(logits, u)
         out_ids[rows, t], out_logps[rows, t] = tok, logp
         stopped |= torch.isin(tok, stops)
         if seen is not None:

@@ -14,7 +14,7 @@ from conftest import FAMILIES, fixture_path, tiny_config
 from nanogrpo.checkpoint import load_model
 from nanogrpo.model import KVCache, Transformer
 from nanogrpo.sampler import (apply_min_p, apply_repetition_penalty, apply_temperature, apply_top_k, apply_top_p,
-                              generate, sample_from, uniforms)
+                              filter_candidates, generate, sample_filtered, sample_from, uniforms)
 
 TOKENIZER_VOCAB, EOS, PAD = 384, [2, 0], 0  # tests/fixtures/tokenizer: 384 real ids, eos {2, 0}, pad 0 == eos
 PROMPTS = [[5, 17, 99, 2, 31, 8, 200], [44], [150, 151, 152, 9], [7, 7, 7, 7, 7, 7, 7, 7, 7, 300, 12]]
@@ -326,3 +326,46 @@ def test_sampling_frequencies_match_probabilities():
     u = uniforms(torch.arange(n), 0)  # and the uniforms themselves look uniform, step by step
     assert abs(u.mean() - 0.5) < 0.01 and u.min() >= 0 and u.max() < 1
     assert not torch.equal(uniforms(torch.arange(8), 0), uniforms(torch.arange(8), 1))
+
+
+# -----------------------------------------------------------------------------
+# The fast filters (top-k candidates, no vocabulary sort) against the reference filters, bit for bit
+
+
+@st.composite
+def logit_rows(draw):
+    """[B,V] logits: peaked to flat, often tied (rounded to a grid), some -inf; V spans the K ladder."""
+    B, V = draw(st.integers(1, 4)), draw(st.sampled_from([1, 2, 7, 64, 300, 700, 3000]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    x = torch.randn(B, V, generator=g) * draw(st.sampled_from([0.05, 1.0, 4.0, 20.0]))
+    step = draw(st.sampled_from([0.0, 0.25, 2.0]))
+    if step:
+        x = (x / step).round() * step
+    x[torch.rand(B, V, generator=g) < draw(st.sampled_from([0.0, 0.3, 0.99]))] = float("-inf")
+    x[:, draw(st.integers(0, V - 1))] = x.nan_to_num(neginf=0).max() + draw(st.sampled_from([0.0, 1e-3, 5.0]))  # a finite max per row
+    return x
+
+
+p_values = st.sampled_from([1.0, 0.95, 0.9, 0.5, 1e-6, 1 - 1e-7, 0.999999, 0.3]) | st.floats(1e-4, 1.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(logit_rows(), st.sampled_from([0, 0, 1, 3, 50, 100, 5000]), p_values, st.sampled_from([0.0, 0.0, 0.01, 0.5, 1.0]))
+def test_fast_filters_equal_the_reference(logits, top_k, top_p, min_p):
+    want = apply_min_p(apply_top_p(apply_top_k(logits, top_k), top_p), min_p)  # [B,V]
+    vals, ids = filter_candidates(logits, top_k, top_p, min_p)
+    got = torch.full_like(logits, float("-inf")).scatter_(1, ids, vals)
+    assert torch.equal(got, want)
+    B = logits.shape[0]
+    u = torch.cat([torch.tensor([0.0, 1 - 2**-52], dtype=torch.float64), uniforms(torch.arange(30), 1)])  # [32]
+    rows = torch.arange(B).repeat_interleave(len(u))
+    tok, logp = sample_filtered(logits[rows], u.repeat(B), top_k, top_p, min_p)
+    want_tok, want_logp = sample_from(want[rows], u.repeat(B))  # the same token for the same uniform
+    assert torch.equal(tok, want_tok) and torch.equal(logp, want_logp)
+
+
+def test_fast_filters_take_few_candidates_on_a_peaked_row():
+    logits = torch.randn(8, 32000) * 6
+    vals, ids = filter_candidates(logits, 0, 0.95, 0.0)
+    assert vals.shape[1] < 4096 and torch.equal(torch.full_like(logits, float("-inf")).scatter_(1, ids, vals),
+                                                apply_top_p(logits, 0.95))
