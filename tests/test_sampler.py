@@ -11,6 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import FAMILIES, fixture_path, tiny_config
+from nanogrpo import sampler
 from nanogrpo.checkpoint import load_model
 from nanogrpo.model import KVCache, Transformer
 from nanogrpo.sampler import (apply_min_p, apply_repetition_penalty, apply_temperature, apply_top_k, apply_top_p,
@@ -369,3 +370,27 @@ def test_fast_filters_take_few_candidates_on_a_peaked_row():
     vals, ids = filter_candidates(logits, 0, 0.95, 0.0)
     assert vals.shape[1] < 4096 and torch.equal(torch.full_like(logits, float("-inf")).scatter_(1, ids, vals),
                                                 apply_top_p(logits, 0.95))
+
+
+# -----------------------------------------------------------------------------
+# The static-shape, compiled decode step
+
+
+def test_compiled_decode_equals_eager_and_never_recompiles(monkeypatch):
+    """torch_compile=True: the same completions as eager, and after the first round no recompile, though the
+    prompt lengths change. fullgraph=True proves the step has no graph break (no host sync, no Python branch on
+    data). The aot_eager backend traces what inductor would compile, in seconds; inductor's own C++ build
+    takes minutes on a cold CPU box, so its speed and output are checked by bench/bench_sampler.py --compile."""
+    torch._dynamo.reset()
+    step = torch.compile(sampler._decode_step, backend="aot_eager", dynamic=False, fullgraph=True)
+    monkeypatch.setattr(sampler, "_COMPILED", {None: step})
+    model = Transformer(tiny_config())
+    args = dict(num_samples=3, max_new_tokens=6, seeds=[1, 2], top_p=0.9, temperature=1.3, stop_ids=[3, 4, 5])
+    for prompts in ([[1, 2, 3], [4, 5]], [[9, 8, 7, 6, 5, 4, 3], [4, 5, 9, 9]]):
+        with torch._dynamo.config.patch(error_on_recompile=prompts[0][0] == 9):
+            fast = generate(model, prompts, torch_compile=True, **args)
+        want = generate(model, prompts, **args)
+        assert torch.equal(fast.completion_ids, want.completion_ids) and torch.equal(fast.truncated, want.truncated)
+        assert torch.equal(fast.completion_mask, want.completion_mask)
+        assert torch.allclose(fast.logprobs, want.logprobs, atol=1e-5)
+    assert not want.truncated.all() and want.truncated.any()  # some rows stop, some run on masked
