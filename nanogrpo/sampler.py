@@ -142,39 +142,46 @@ def sample_from(logits, u, token_ids=None):
     return (ids if token_ids is None else token_ids.gather(-1, ids)).squeeze(-1), logp
 
 
-def filter_candidates(logits, top_k, top_p, min_p):
+def filter_candidates(logits, top_k, top_p, min_p, K=None, total=None):
     """top-k -> top-p -> min-p without sorting the vocabulary: logits [B,V] -> (values [B,K], token ids
-    [B,K]) of the K largest logits, removed ones -inf; every token outside them is removed too. Equal to
-    apply_min_p(apply_top_p(apply_top_k(logits))) bit for bit: the kept sets are decided on the same
-    numbers (the top-p mass of each ranked token is a prefix of the same cumsum, over the same total).
-    K starts at max(top_k + 1, 64) and grows 8x (up to a full sort) while a row's last candidate is kept."""
+    [B,K]): each row's largest logits, removed ones -inf; every token outside them is removed too (a row
+    may end in -inf padding of id 0). Equal to apply_min_p(apply_top_p(apply_top_k(logits))) bit for bit:
+    the kept sets are decided on the same numbers (the top-p mass of each ranked token is a prefix of the
+    same cumsum, over the same total). K starts at max(top_k + 1, 64); the rows whose last candidate is
+    kept (the only ones that may keep more) are redone with 8x more, up to a full sort."""
     B, V = logits.shape
-    kth = total = None
-    if 0 < top_k < V:  # the k-th largest logit, and the top-k filtered logits the top-p total is taken over
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B,1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    K = min(V, max(top_k + 1, 64))
-    while True:
-        K = V if 4 * K > V else K
-        vals, ids = logits.topk(K, dim=-1) if K < V else logits.sort(dim=-1, descending=True)  # [B,K]
-        top = vals[:, :1]  # [B,1]
-        if top_p < 1.0:
-            if total is None:
-                total = (logits - top).exp().sum(dim=-1, keepdim=True)  # as apply_top_p, over all of V
-            n_keep = (_mass_above(vals, top, total) < top_p).sum(dim=-1, keepdim=True)  # [B,1]
-            vals = vals.masked_fill(vals < vals.gather(-1, n_keep - 1), float("-inf"))
-        if min_p > 0.0:
-            vals = vals.masked_fill(vals < top + math.log(min_p), float("-inf"))
-        if K == V or not (vals[:, -1] > float("-inf")).any():  # host sync; complete: the rest is below
-            return vals, ids
-        K *= 8
+    if K is None:  # the first call: top-k's mask and top-p's total, over the whole vocabulary
+        if 0 < top_k < V:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B,1] the k-th largest logit
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if top_p < 1.0:  # as apply_top_p, summed in vocabulary order
+            top = logits.amax(dim=-1, keepdim=True)
+            total = (logits - top).exp().sum(dim=-1, keepdim=True)  # [B,1]
+        K = max(top_k + 1, 64)
+    K = V if 4 * K > V else K
+    vals, ids = logits.topk(K, dim=-1) if K < V else logits.sort(dim=-1, descending=True)  # [B,K]
+    top = vals[:, :1]  # [B,1]
+    if top_p < 1.0:
+        n_keep = (_mass_above(vals, top, total) < top_p).sum(dim=-1, keepdim=True)  # [B,1]
+        vals = vals.masked_fill(vals < vals.gather(-1, n_keep - 1), float("-inf"))
+    if min_p > 0.0:
+        vals = vals.masked_fill(vals < top + math.log(min_p), float("-inf"))
+    if K < V:
+        redo = (vals[:, -1] > float("-inf")).nonzero().squeeze(1)  # [r] (a host sync)
+        if len(redo):
+            more, more_ids = filter_candidates(logits[redo], 0, top_p, min_p, 8 * K,
+                                               None if total is None else total[redo])
+            vals = F.pad(vals, (0, more.shape[1] - K), value=float("-inf"))
+            ids = F.pad(ids, (0, more.shape[1] - K))
+            vals[redo], ids[redo] = more, more_ids
+    return vals, ids
 
 
 def sample_filtered(logits, u, top_k, top_p, min_p):
     """sample_from(apply_min_p(apply_top_p(apply_top_k(logits)))) drawing over the candidates only."""
     vals, ids = filter_candidates(logits, top_k, top_p, min_p)
-    if vals.shape[-1] == logits.shape[-1]:  # full sort: scatter back rather than sort the ids
-        return sample_from(torch.full_like(logits, float("-inf")).scatter_(1, ids, vals), u)
+    if vals.shape[-1] == logits.shape[-1]:  # a full sort: scatter back rather than sort the ids (amax: padding)
+        return sample_from(torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax"), u)
     ids, order = ids.sort(dim=-1)  # vocabulary order, as the inverse CDF over the whole vocabulary
     return sample_from(vals.gather(-1, order), u, token_ids=ids)
 

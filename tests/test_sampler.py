@@ -343,7 +343,8 @@ def logit_rows(draw):
     if step:
         x = (x / step).round() * step
     x[torch.rand(B, V, generator=g) < draw(st.sampled_from([0.0, 0.3, 0.99]))] = float("-inf")
-    x[:, draw(st.integers(0, V - 1))] = x.nan_to_num(neginf=0).max() + draw(st.sampled_from([0.0, 1e-3, 5.0]))  # a finite max per row
+    top = x.nan_to_num(neginf=0).max() + draw(st.sampled_from([0.0, 1e-3, 5.0]))
+    x[:, draw(st.integers(0, V - 1))] = top  # a finite max per row
     return x
 
 
@@ -351,11 +352,12 @@ p_values = st.sampled_from([1.0, 0.95, 0.9, 0.5, 1e-6, 1 - 1e-7, 0.999999, 0.3])
 
 
 @settings(max_examples=200, deadline=None)
-@given(logit_rows(), st.sampled_from([0, 0, 1, 3, 50, 100, 5000]), p_values, st.sampled_from([0.0, 0.0, 0.01, 0.5, 1.0]))
+@given(logit_rows(), st.sampled_from([0, 0, 1, 3, 50, 100, 5000]), p_values,
+       st.sampled_from([0.0, 0.0, 0.01, 0.5, 1.0]))
 def test_fast_filters_equal_the_reference(logits, top_k, top_p, min_p):
     want = apply_min_p(apply_top_p(apply_top_k(logits, top_k), top_p), min_p)  # [B,V]
     vals, ids = filter_candidates(logits, top_k, top_p, min_p)
-    got = torch.full_like(logits, float("-inf")).scatter_(1, ids, vals)
+    got = torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax")  # amax: -inf padding
     assert torch.equal(got, want)
     B = logits.shape[0]
     u = torch.cat([torch.tensor([0.0, 1 - 2**-52], dtype=torch.float64), uniforms(torch.arange(30), 1)])  # [32]
@@ -368,8 +370,12 @@ def test_fast_filters_equal_the_reference(logits, top_k, top_p, min_p):
 def test_fast_filters_take_few_candidates_on_a_peaked_row():
     logits = torch.randn(8, 32000) * 6
     vals, ids = filter_candidates(logits, 0, 0.95, 0.0)
-    assert vals.shape[1] < 4096 and torch.equal(torch.full_like(logits, float("-inf")).scatter_(1, ids, vals),
-                                                apply_top_p(logits, 0.95))
+    assert vals.shape[1] < 4096 and torch.equal(
+        torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax"), apply_top_p(logits, 0.95))
+    logits[3] = torch.randn(32000) * 0.5  # one flat row: only it is sorted in full
+    vals, ids = filter_candidates(logits, 0, 0.95, 0.0)
+    kept_late = (vals[:, 512:] > float("-inf")).sum(1)
+    assert vals.shape[1] == 32000 and kept_late[3] > 20000 and kept_late.sum() == kept_late[3]
 
 
 # -----------------------------------------------------------------------------
