@@ -10,7 +10,7 @@ Choices:
 - Prefill once, copy to G rows. The P distinct prompts are left-padded to the longest and run through
   the model once, into a static KV cache with room for prompt + max_new_tokens slots; `cache.select`
   then copies prompt i's rows into its G samples (rows i*G .. i*G+G-1). Nothing is reallocated per
-  decode step.
+  decode step (but at a compaction).
 - Left padding + per-row positions. A token's RoPE position is the number of real tokens before it
   in its row and a key mask hides the pad slots, so a short prompt in a mixed batch is computed as if
   it were alone. One decode step is one batched forward of [n,1] tokens: no Python loop over rows.
@@ -30,10 +30,11 @@ Choices:
   padded embedding rows (Qwen2.5: 151,936 rows for 151,665 tokens) can never be sampled. Sampling
   math is fp32 whatever the model dtype. Filters run in transformers' order: repetition penalty,
   temperature, top-k, top-p, min-p.
-- No vocabulary sort: top-k, top-p and min-p are decided on the K largest logits (`torch.topk`, K
-  from 64 up, 8x larger only while a row's last candidate survives, a full sort as the last resort)
+- No vocabulary sort: top-k, top-p and min-p are decided on each row's K largest logits (`torch.topk`,
+  K = 64; a row whose last candidate survives is redone with 8x more, a full sort as the last resort)
   and the draw runs over those K. The `apply_*` functions are the readable definitions; the fast path
-  equals them bit for bit (tests). A flat distribution (a random-weight model) needs the full sort.
+  equals them bit for bit on CPU (tests; on GPU the cumsum is a parallel scan, so up to its rounding).
+  A flat distribution (a random-weight model) takes the full sort.
 - RNG: counter-based, per row. Row (prompt i, sample j) has the key hash(seed_i, j); at step t it
   draws one uniform u = hash(key, t) and takes the first token whose cumulative probability exceeds u
   (inverse-CDF sampling). A row's samples therefore depend only on its prompt, the model and
