@@ -1,25 +1,30 @@
-"""Sampler throughput: nanogrpo.sampler.generate vs transformers' generate, same weights, same process.
+"""Sampler throughput: nanogrpo.sampler.generate (eager and torch_compile) vs transformers' generate, same
+weights, same process, and the cost of the sampling filters against a decode step.
 
-    python bench/bench_sampler.py [--runs 3] [--device cpu|cuda] [--dtype float32|bfloat16] [--compile]
+    python bench/bench_sampler.py                                   # 47M model, batch 32, top_p 1.0 / 0.95
+    python bench/bench_sampler.py --models 47m,135m --batches 1,8,32 --compile
+    python bench/bench_sampler.py --filter_cost                     # filters + draw vs a decode step
+    python bench/bench_sampler.py --train_compile                   # training fwd+bwd: Blocks compiled?
+    /work/fixvenv/bin/python bench/bench_sampler.py ...             # with transformers as the baseline
 
-A random Qwen2-shaped checkpoint (~47M parameters: hidden 512, 8 layers, 8 heads, 2 kv heads, ffn
-2048, vocab 32000, tied embeddings) is built with our Transformer, saved, and loaded into
-transformers. The batch is GRPO-shaped: 4 prompts of 128 tokens x 8 samples x 64 new tokens,
-temperature 1, no other filter. The stop id (31999) never fires: we cut the vocabulary below it
-(`vocab_size=31999`) and transformers gets `min_new_tokens=64`, so both generate exactly 64 tokens
-per row. Each side is warmed up once, then both are timed in turns, `--runs` times (median).
+Models (random weights; built with our Transformer, saved, loaded into transformers when installed):
+  47m   Qwen2-shaped, hidden 512, 8 layers, 8 heads / 2 kv heads, ffn 2048, vocab 32000, tied.
+  135m  SmolLM2-135M-shaped (llama), hidden 576, 30 layers, 9 heads / 3 kv heads, ffn 1536, vocab 49152, tied.
+Random weights give an almost flat next-token distribution (top-p 0.95 then keeps ~90% of the vocabulary,
+which no trained model does), so by default the final norm is scaled until the logits have standard
+deviation 5 (`--logit_std`; 0 keeps the flat random model): the top-p 0.95 nucleus is printed. Both
+samplers see the same weights.
 
-Also printed: the matmul-only limit, i.e. 64 x the time of one decode step's matrix products at
-batch 32 (every Linear weight of every layer times a [32, in] activation, plus the LM head), and each
-row's speed as a fraction of it. On CPU our sampler computes the LM head in slices of 2048 vocab rows
-(faster with MKL), so the limit is also shown with that slicing. The limit leaves out prefill,
-attention, norms and sampling, so 100% is out of reach. transformers is an optional,
-benchmark-only import.
+A batch of b rows is b/8 prompts x 8 samples (batch 1: one prompt, one sample) of 128 prompt tokens,
+64 new tokens, temperature 1. The stop id (the last id) never fires: we cut the vocabulary below it
+(`vocab_size=V-1`) and transformers gets `min_new_tokens=64`, so both generate exactly 64 tokens per
+row. Each sampler is warmed up once (for the compiled one that warm-up, reported separately, is the
+compile), then all are timed in turns, `--runs` times (median), so background load hits all alike.
 
-Measured on the 2-core shared dev CPU (AMD EPYC, torch 2.13, MKL), idle machine, 2 threads:
-ours 4.20 s (488 tokens/s), transformers 5.23 8.44 s (243 tokens/s): 2.01x; matmul-only limit
-2.62 s (62% of it), 2.24 s with the sliced LM head (53%). With 1 thread: 1.80x, 67%. Background
-load on the cores slows both sides several-fold, hence the interleaved runs.
+The matmul limit: 64 x the time of one decode step's matrix products at the same batch (every Linear
+weight of every layer times a [b, in] activation, plus the LM head in 2048-row slices as our sampler
+does on CPU), measured in the same run. It leaves out prefill, attention, norms and sampling, so 100% is
+out of reach. transformers is an optional, benchmark-only import.
 """
 
 import argparse
@@ -33,12 +38,22 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanogrpo.checkpoint import load_model, save_model
+from nanogrpo.checkpoint import save_model  # noqa: E402
 from nanogrpo.model import ModelConfig, Transformer  # noqa: E402
-from nanogrpo.sampler import generate  # noqa: E402
+from nanogrpo.sampler import (_logits, apply_top_p, filter_candidates, generate, sample_filtered,  # noqa: E402
+                              sample_from, uniforms)
 
-PROMPTS, PROMPT_LEN, G, NEW = 4, 128, 8, 64
-STOP = 31999
+PROMPT_LEN, NEW = 128, 64
+SHAPES = {
+    "47m": dict(model_type="qwen2", vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True),
+    "135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True,
+                 rope_theta=100000.0, rms_norm_eps=1e-5),
+    "qwen0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                     num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
+                     tie_word_embeddings=True, rope_theta=1000000.0),
+}
 
 
 def sync(device):
@@ -46,29 +61,30 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def clock(fn, device):
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
 def timed(fns, device, runs):
-    """Warm each function up once, then time them in turns (so background load hits both alike):
-    the median wall time of `runs` calls of each."""
-    for fn in fns:
-        fn()
+    """Warm each function up once (returns those times too), then time them in turns: medians of `runs` calls."""
+    warm = [clock(fn, device) for fn in fns]
     times = [[] for _ in fns]
     for _ in range(runs):
         for fn, ts in zip(fns, times):
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
+            ts.append(clock(fn, device))
+    return [statistics.median(ts) for ts in times], warm
 
 
-def matmul_limit(model, batch, device, head_chunk=None, reps=20):
+def matmul_limit(model, batch, device, head_chunk=2048, reps=10):
     """Seconds for one decode step's matrix products at `batch` rows: every Linear weight of every
-    layer times a [batch, in] activation, plus the LM head (in `head_chunk`-row slices if given)."""
+    layer times a [batch, in] activation, plus the LM head in `head_chunk`-row slices."""
     weights = [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
     head = model.lm_head.weight
-    chunk = head_chunk or head.shape[0]
-    weights += [head[i:i + chunk] for i in range(0, head.shape[0], chunk)]
+    weights += [head[i:i + head_chunk] for i in range(0, head.shape[0], head_chunk)]
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=device) for w in weights}
 
     def step():
@@ -76,81 +92,166 @@ def matmul_limit(model, batch, device, head_chunk=None, reps=20):
             F.linear(xs[w.shape[1]], w)
 
     with torch.no_grad():
-        return timed([lambda: [step() for _ in range(reps)]], device, 5)[0] / reps
+        return timed([lambda: [step() for _ in range(reps)]], device, 3)[0][0] / reps
+
+
+def build(name, device, dtype, logit_std):
+    """A random model of the named shape; its final norm scaled so the logits have std `logit_std` (0: as is)."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**SHAPES[name])).to(device=device, dtype=dtype)
+    if logit_std:
+        with torch.no_grad():
+            ids = torch.randint(0, model.config.vocab_size, (4, 64), device=device)
+            std = model(ids).float().std()
+            model.norm.weight *= logit_std / std
+            kept = (apply_top_p(model(ids).float()[:, -8:].reshape(-1, model.config.vocab_size), 0.95) > -1e30).sum(-1)
+            print(f"{name}: logit std {logit_std}, top-p 0.95 nucleus median {kept.median():.0f}, max {kept.max()}")
+    return model
+
+
+def bench_generation(args, device, dtype):
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        AutoModelForCausalLM = None
+        print("transformers not installed: no baseline column")
+    print("| model | batch | top_p | ours eager tok/s | ours compiled tok/s | transformers tok/s | eager / tf "
+          "| compiled / tf | eager / limit | compiled / limit | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        model = build(name, device, dtype, args.logit_std)
+        V = model.config.vocab_size
+        hf = None
+        if AutoModelForCausalLM is not None and not args.no_hf:
+            with tempfile.TemporaryDirectory() as tmp:
+                save_model(model, tmp)
+                hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
+        for batch in map(int, args.batches.split(",")):
+            G = min(batch, 8)
+            prompts = torch.randint(0, V - 1, (batch // G, PROMPT_LEN)).tolist()
+            t_limit = matmul_limit(model, batch, device) * NEW
+            for top_p in map(float, args.top_p.split(",")):
+                def ours(compiled):
+                    def run():
+                        out = generate(model, prompts, num_samples=G, max_new_tokens=NEW, temperature=1.0,
+                                       top_p=top_p, stop_ids=[V - 1], pad_id=0, vocab_size=V - 1,
+                                       torch_compile=compiled)
+                        assert out.completion_ids.shape == (batch, NEW) and out.truncated.all()
+                    return run
+
+                def theirs():
+                    ids = torch.tensor(prompts, device=device)
+                    with torch.inference_mode():
+                        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                          top_k=0, top_p=top_p, num_return_sequences=G, max_new_tokens=NEW,
+                                          min_new_tokens=NEW, eos_token_id=V - 1, pad_token_id=0)
+                    assert out.shape == (batch, PROMPT_LEN + NEW)
+
+                fns = [ours(False)] + ([ours(True)] if args.compile else []) + ([theirs] if hf is not None else [])
+                times, warm = timed(fns, device, args.runs)
+                t_eager = times[0]
+                t_comp = times[1] if args.compile else None
+                t_hf = times[-1] if hf is not None else None
+                tok = batch * NEW
+
+                def f(x, fmt):
+                    return "-" if x is None else fmt.format(x)
+
+                print(f"| {name} | {batch} | {top_p} | {tok / t_eager:,.0f} | {f(t_comp and tok / t_comp, '{:,.0f}')} "
+                      f"| {f(t_hf and tok / t_hf, '{:,.0f}')} | {f(t_hf and t_hf / t_eager, '{:.2f}x')} "
+                      f"| {f(t_hf and t_comp and t_hf / t_comp, '{:.2f}x')} | {t_limit / t_eager:.0%} "
+                      f"| {f(t_comp and t_limit / t_comp, '{:.0%}')} "
+                      f"| {f(args.compile and warm[1] - t_comp, '{:.0f}')} |", flush=True)
+
+
+def bench_filter_cost(args, device, dtype):
+    """Filters + draw at batch 32 against one decode step (model forward + LM head at the same batch).
+    Logits: "peaked" rows are Gaussian with a standard deviation drawn from [3.5, 7] per row: at V=32,000
+    a top-p 0.95 nucleus of median 65, 90th percentile 641, 99th 1348 tokens (SmolLM2-135M-Instruct
+    sampling its own answers at temperature 1 measured median 26, p90 448, p99 1393); "flat" rows,
+    std 0.5, are a random-weight model's (the nucleus is ~90% of the vocabulary: the full-sort path)."""
+    print("\n| model (vocab) | logits | decode step ms | draw, top_p 1.0 ms | top_p 0.95 ms (sorting reference) "
+          "| share of a step at 0.95 (reference) | mean nucleus |")
+    print("|---|---|---|---|---|---|---|")
+    B, S = 32, PROMPT_LEN + NEW
+    for name in ("47m", "qwen0.5b"):
+        model = build(name, device, dtype, 0)
+        V = model.config.vocab_size
+        cache = model.new_cache(B, S)
+        tok = torch.randint(0, V, (B, 1), device=device)
+        key_valid = torch.ones(B, S, dtype=torch.bool, device=device)
+        pos = torch.full((B, 1), PROMPT_LEN, device=device)
+
+        def step():
+            with torch.no_grad():
+                h = model.hidden_states(tok, attention_mask=key_valid[:, :PROMPT_LEN + 1], positions=pos,
+                                        cache=cache, cache_start=PROMPT_LEN)
+                _logits(model, h[:, 0], V, 2048)
+
+        u = uniforms(torch.arange(B, device=device), 0)
+        for label, std in (("peaked", torch.empty(B, 1).uniform_(3.5, 7.0)), ("flat", torch.tensor(0.5))):
+            logits = torch.randn(B, V, device=device) * std.to(device)
+            cands = []
+
+            def fast():
+                cands.append(sample_filtered(logits, u, 0, 0.95, 0.0))
+
+            (t_step, t_full, t_fast, t_ref), _ = timed(
+                [step, lambda: sample_from(logits, u), fast, lambda: sample_from(apply_top_p(logits, 0.95), u)],
+                device, args.runs * 3)
+            K = (filter_candidates(logits, 0, 0.95, 0.0)[0] > float("-inf")).sum(1).float().mean()
+            print(f"| {name} ({V:,}) | {label} | {t_step * 1e3:.1f} | {t_full * 1e3:.2f} | {t_fast * 1e3:.2f} "
+                  f"({t_ref * 1e3:.1f}) | {t_fast / t_step:.1%} ({t_ref / t_step:.0%}) | {K:,.0f} |", flush=True)
+
+
+def bench_train_compile(args, device, dtype):
+    """Training forward + backward of the 47M model (per-token log-probs of a [4, 192] batch, as GRPO's
+    update scores a micro-batch), eager vs every Block compiled with `Block.compile()`: does it pay?"""
+    model = build("47m", device, dtype, 0).train()
+    compiled = build("47m", device, dtype, 0).train()
+    for block in compiled.layers:
+        block.compile()
+    ids = torch.randint(0, 32000, (4, PROMPT_LEN + NEW), device=device)
+
+    def step(m):
+        def run():
+            logps = m(ids).float().log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None])
+            logps.mean().backward()
+            m.zero_grad(set_to_none=True)
+        return run
+
+    (t_eager, t_comp), (_, warm) = timed([step(model), step(compiled)], device, args.runs)
+    print("| training step (47m, [4, 192] fwd+bwd) | eager s | Blocks compiled s | speed-up | compile s |")
+    print("|---|---|---|---|---|")
+    print(f"| | {t_eager:.2f} | {t_comp:.2f} | {t_eager / t_comp:.2f}x | {warm - t_comp:.0f} |")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="47m", help="comma-separated: 47m, 135m")
+    ap.add_argument("--batches", default="32")
+    ap.add_argument("--top_p", default="1.0,0.95")
+    ap.add_argument("--logit_std", type=float, default=5.0)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--compile", action="store_true", help="torch.compile our model's forward (GPU users)")
-    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--compile", action="store_true", help="also time generate(torch_compile=True)")
+    ap.add_argument("--no_hf", action="store_true", help="skip transformers")
+    ap.add_argument("--filter_cost", action="store_true", help="only the filters-vs-decode-step table")
+    ap.add_argument("--train_compile", action="store_true", help="only: does compiling the Blocks pay for training")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-
-    cfg = ModelConfig(model_type="qwen2", vocab_size=32000, hidden_size=512, intermediate_size=2048,
-                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                      max_position_embeddings=1024, tie_word_embeddings=True)
-    model = Transformer(cfg).to(device=device, dtype=dtype)
-    n_params = sum(p.numel() for p in model.parameters())
-    prompts = torch.randint(0, STOP, (PROMPTS, PROMPT_LEN)).tolist()
-    N = PROMPTS * G
-
-    ours_model = model
-    if args.compile:
-        ours_model = Transformer(cfg).to(device=device, dtype=dtype)
-        ours_model.load_state_dict(model.state_dict())
-        ours_model.hidden_states = torch.compile(ours_model.hidden_states, dynamic=True)
-
-    def ours():
-        out = generate(ours_model, prompts, num_samples=G, max_new_tokens=NEW, temperature=1.0,
-                       stop_ids=[STOP], pad_id=0, vocab_size=STOP)
-        assert out.completion_ids.shape == (N, NEW) and out.truncated.all()
-
-    fns, names = [ours], ["nanogrpo.sampler.generate"]
-    if not args.no_hf:
-        try:
-            from transformers import AutoModelForCausalLM
-        except ImportError:
-            print("transformers not installed: skipping the baseline")
-        else:
-            with tempfile.TemporaryDirectory() as tmp:
-                save_model(model, tmp)
-                hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
-            ids = torch.tensor(prompts, device=device)
-
-            def theirs():
-                with torch.inference_mode():
-                    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                                      top_k=0, top_p=1.0, num_return_sequences=G, max_new_tokens=NEW,
-                                      min_new_tokens=NEW, eos_token_id=STOP, pad_token_id=0)
-                assert out.shape == (N, PROMPT_LEN + NEW)
-
-            fns.append(theirs)
-            names.append("transformers generate")
-    rows = list(zip(names, timed(fns, device, args.runs)))
-
-    t_mm = matmul_limit(model, N, device) * NEW
-    t_mm_chunked = matmul_limit(model, N, device, head_chunk=2048) * NEW if device.type == "cpu" else None
-    tokens = N * NEW
-    print(f"\n{n_params / 1e6:.1f}M-parameter Qwen2-shaped model, {args.device} {args.dtype}, "
-          f"{torch.get_num_threads()} threads; {PROMPTS} prompts x {PROMPT_LEN} tokens x {G} samples x "
-          f"{NEW} new tokens\n")
-    print("| sampler | seconds | tokens/s | vs transformers | matmul-only limit / time |")
-    print("|---|---|---|---|---|")
-    t_hf = dict(rows).get("transformers generate")
-    limits = [("matmul-only limit: 64 decode steps' Linear products", t_mm)]
-    if t_mm_chunked:
-        limits.append(("same, LM head in 2048-row slices (as our sampler on CPU)", t_mm_chunked))
-    for name, t in rows + limits:
-        ratio = f"{t_hf / t:.2f}x" if t_hf else "-"
-        print(f"| {name} | {t:.3f} | {tokens / t:,.0f} | {ratio} | {t_mm / t:.0%} |")
-    if t_mm_chunked:
-        print(f"\nours vs the sliced-head limit: {t_mm_chunked / dict(rows)['nanogrpo.sampler.generate']:.0%}")
+    print(f"{args.device} {args.dtype}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}; "
+          f"{PROMPT_LEN} prompt tokens, {NEW} new tokens, logit std {args.logit_std or 'as initialized'}\n")
+    if args.filter_cost:
+        bench_filter_cost(args, device, dtype)
+    elif args.train_compile:
+        bench_train_compile(args, device, dtype)
+    else:
+        bench_generation(args, device, dtype)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ class TrainConfig:
     top_p: float = 1.0  # nucleus sampling, in (0, 1]
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off
+    torch_compile: bool = False  # compile the decode step (sampler.generate(torch_compile=)): CUDA graphs on GPU
     # loss (TRL GRPOConfig names and defaults)
     loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo
     beta: float = 0.0  # KL coefficient; 0 = no reference model

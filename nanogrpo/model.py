@@ -179,7 +179,12 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # write the new keys at their slots, attend over every filled slot
+        if cache is not None and torch.is_tensor(cache_start):  # static shapes: attend over every slot (masked)
+            slots = cache_start + torch.arange(T, device=x.device)
+            cache.k[layer].index_copy_(2, slots, k)
+            cache.v[layer].index_copy_(2, slots, v)
+            k, v = cache.k[layer], cache.v[layer]  # [B,Hkv,max_len,D]
+        elif cache is not None:  # write the new keys at their slots, attend over every filled slot
             end = cache_start + T
             cache.k[layer][:, :, cache_start:end] = k
             cache.v[layer][:, :, cache_start:end] = v
@@ -232,7 +237,7 @@ def attention_mask_for(key_valid, T, cache_start):
     """Boolean mask [B,1,T,S]: query t (at slot cache_start+t) sees key slot s if s <= its slot and
     the key is valid; a query always sees its own slot (keeps fully padded rows finite)."""
     S = key_valid.shape[1]
-    q_slot = torch.arange(cache_start, cache_start + T, device=key_valid.device)[:, None]  # [T,1]
+    q_slot = (cache_start + torch.arange(T, device=key_valid.device))[:, None]  # [T,1]; cache_start: int or tensor
     k_slot = torch.arange(S, device=key_valid.device)[None, :]  # [1,S]
     causal = k_slot <= q_slot  # [T,S]
     mask = (key_valid.bool()[:, None, :] & causal) | (k_slot == q_slot)  # [B,T,S]
@@ -274,6 +279,8 @@ class Transformer(nn.Module):
         [B, cache_start+T] with one (0 = padding). positions [B,T] for RoPE; by default the count
         of real tokens before each one (left-padding aware) or cache_start + arange(T).
         cache/cache_start: write this chunk's keys at slots cache_start.. and attend to all slots.
+        A tensor cache_start (a compiled decode step: shapes never change) attends over all cache.max_len
+        slots, so attention_mask is then [B, cache.max_len].
         """
         return self._trunk(input_ids, attention_mask, positions, cache, cache_start)
 
@@ -285,7 +292,7 @@ class Transformer(nn.Module):
                 positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             else:
                 positions = torch.arange(cache_start, cache_start + T, device=input_ids.device).expand(B, T)
-        if cache is not None and cache_start + T > cache.max_len:
+        if cache is not None and not torch.is_tensor(cache_start) and cache_start + T > cache.max_len:
             raise ValueError(f"KV cache of {cache.max_len} slots is too small for {cache_start + T} tokens")
         mask = None
         if attention_mask is not None or cache is not None:

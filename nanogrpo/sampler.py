@@ -10,13 +10,19 @@ Choices:
 - Prefill once, copy to G rows. The P distinct prompts are left-padded to the longest and run through
   the model once, into a static KV cache with room for prompt + max_new_tokens slots; `cache.select`
   then copies prompt i's rows into its G samples (rows i*G .. i*G+G-1). Nothing is reallocated per
-  decode step.
+  decode step (but at a compaction).
 - Left padding + per-row positions. A token's RoPE position is the number of real tokens before it
   in its row and a key mask hides the pad slots, so a short prompt in a mixed batch is computed as if
   it were alone. One decode step is one batched forward of [n,1] tokens: no Python loop over rows.
 - Finished rows are dropped: when a quarter of the live rows have stopped, the batch is compacted
   with `cache.select`; the loop ends as soon as every row has stopped. Knowing that needs a
   device->host sync: every step on CPU (where it is free), every 8 steps on GPU.
+- torch_compile=True runs each decode step as one compiled graph of fixed shapes instead: the cache has
+  L + C slots rounded up to a multiple of 128 (kept on the model between rounds of the same shape),
+  every step attends over all of them through the key mask, the write slot is a tensor, finished rows
+  are masked, not compacted, and stops are checked every 8 steps. So rounds whose prompt lengths fall
+  in one bucket never recompile, and on CUDA the step replays as a CUDA graph (mode="reduce-overhead").
+  The prefill stays eager. The filters and the draw run eagerly after the step.
 - Output width C is the longest completion (<= max_new_tokens): a batch that all stops early comes
   back narrower. The mask is built from the step of each row's first stop id (inclusive), never from
   token values, so pad_id may equal an eos id; stop ids inside the prompt play no part.
@@ -24,6 +30,11 @@ Choices:
   padded embedding rows (Qwen2.5: 151,936 rows for 151,665 tokens) can never be sampled. Sampling
   math is fp32 whatever the model dtype. Filters run in transformers' order: repetition penalty,
   temperature, top-k, top-p, min-p.
+- No vocabulary sort: top-k, top-p and min-p are decided on each row's K largest logits (`torch.topk`,
+  K = 64; a row whose last candidate survives is redone with 8x more, a full sort as the last resort)
+  and the draw runs over those K. The `apply_*` functions are the readable definitions; the fast path
+  equals them bit for bit on CPU (tests; on GPU the cumsum is a parallel scan, so up to its rounding).
+  A flat distribution (a random-weight model) takes the full sort.
 - RNG: counter-based, per row. Row (prompt i, sample j) has the key hash(seed_i, j); at step t it
   draws one uniform u = hash(key, t) and takes the first token whose cumulative probability exceeds u
   (inverse-CDF sampling). A row's samples therefore depend only on its prompt, the model and
@@ -34,6 +45,7 @@ Choices:
 """
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -89,15 +101,22 @@ def apply_top_k(logits, k):
 def apply_top_p(logits, p):
     """Nucleus filter: keep the most likely tokens until their probability reaches p, i.e. a token is
     kept if the tokens ranked above it hold less than p (the top token always stays). Tokens tied with
-    the last kept one are kept too. p = 1: nothing is removed."""
+    the last kept one are kept too. p = 1: nothing is removed. (The reference: `filter_candidates`
+    computes the same set without sorting; both round identically, see there.)"""
     if p >= 1.0:
         return logits
+    top = logits.amax(dim=-1, keepdim=True)  # [B,1]
+    total = (logits - top).exp().sum(dim=-1, keepdim=True)  # [B,1], summed in vocabulary order
     ranked = logits.sort(dim=-1, descending=True).values  # [B,V]
-    probs = ranked.softmax(dim=-1)
-    mass_above = probs.cumsum(dim=-1) - probs  # probability of the strictly higher-ranked tokens
-    n_keep = (mass_above < p).sum(dim=-1, keepdim=True)  # [B,1], >= 1
+    n_keep = (_mass_above(ranked, top, total) < p).sum(dim=-1, keepdim=True)  # [B,1], >= 1
     cutoff = ranked.gather(-1, n_keep - 1)  # smallest kept logit
     return logits.masked_fill(logits < cutoff, float("-inf"))
+
+
+def _mass_above(ranked, top, total):
+    """Descending logits [B,K] -> [B,K]: probability of the strictly higher-ranked tokens. An exclusive
+    cumsum, so it never decreases (on CPU the cumsum is sequential: a prefix is computed alike for any K)."""
+    return F.pad(((ranked - top).exp() / total).cumsum(dim=-1)[:, :-1], (1, 0))
 
 
 def apply_min_p(logits, min_p):
@@ -109,16 +128,63 @@ def apply_min_p(logits, min_p):
     return logits.masked_fill(logits < top + math.log(min_p), float("-inf"))
 
 
-def sample_from(logits, u):
+def sample_from(logits, u, token_ids=None):
     """Inverse-CDF draw. logits [B,V] fp32 (-inf = removed), u [B] float64 in [0,1) ->
-    (ids [B], their log-probs [B]): id is the first token whose cumulative probability exceeds u."""
+    (ids [B], their log-probs [B]): id is the first token whose cumulative probability exceeds u.
+    With token_ids [B,K] (ascending), logits [B,K] are those tokens' logits, all others removed: the
+    same draw, as zero weights leave a cumulative sum unchanged."""
     top = logits.amax(dim=-1, keepdim=True)  # [B,1]
     weights = (logits - top).exp()  # [B,V] unnormalized probabilities, the largest is exactly 1
     cdf = weights.double().cumsum(dim=-1)  # fp64: tail tokens keep their exact share
     total = cdf[:, -1:]  # [B,1], in [1, V]
     # u * total < total, so the first cdf entry above it belongs to a token of nonzero probability
     ids = torch.searchsorted(cdf, u[:, None] * total, right=True).clamp_(max=logits.shape[-1] - 1)
-    return ids.squeeze(-1), (logits.gather(-1, ids) - top - total.log().float()).squeeze(-1)
+    logp = (logits.gather(-1, ids) - top - total.log().float()).squeeze(-1)
+    return (ids if token_ids is None else token_ids.gather(-1, ids)).squeeze(-1), logp
+
+
+def filter_candidates(logits, top_k, top_p, min_p, K=None, total=None):
+    """top-k -> top-p -> min-p without sorting the vocabulary: logits [B,V] -> (values [B,K], token ids
+    [B,K]): each row's largest logits, removed ones -inf; every token outside them is removed too (a row
+    may end in -inf padding of id 0). Equal to apply_min_p(apply_top_p(apply_top_k(logits))) bit for bit:
+    the kept sets are decided on the same numbers (the top-p mass of each ranked token is a prefix of the
+    same cumsum, over the same total). K starts at max(top_k + 1, 64); the rows whose last candidate is
+    kept (the only ones that may keep more) are redone with 8x more, up to a full sort."""
+    B, V = logits.shape
+    if K is None:  # the first call: top-k's mask and top-p's total, over the whole vocabulary
+        if 0 < top_k < V:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B,1] the k-th largest logit
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if top_p < 1.0:  # as apply_top_p, summed in vocabulary order
+            top = logits.amax(dim=-1, keepdim=True)
+            total = (logits - top).exp().sum(dim=-1, keepdim=True)  # [B,1]
+        K = max(top_k + 1, 64)
+    K = V if 4 * K > V else K
+    vals, ids = logits.topk(K, dim=-1) if K < V else logits.sort(dim=-1, descending=True)  # [B,K]
+    top = vals[:, :1]  # [B,1]
+    if top_p < 1.0:
+        n_keep = (_mass_above(vals, top, total) < top_p).sum(dim=-1, keepdim=True)  # [B,1]
+        vals = vals.masked_fill(vals < vals.gather(-1, n_keep - 1), float("-inf"))
+    if min_p > 0.0:
+        vals = vals.masked_fill(vals < top + math.log(min_p), float("-inf"))
+    if K < V:
+        redo = (vals[:, -1] > float("-inf")).nonzero().squeeze(1)  # [r] (a host sync)
+        if len(redo):
+            more, more_ids = filter_candidates(logits[redo], 0, top_p, min_p, 8 * K,
+                                               None if total is None else total[redo])
+            vals = F.pad(vals, (0, more.shape[1] - K), value=float("-inf"))
+            ids = F.pad(ids, (0, more.shape[1] - K))
+            vals[redo], ids[redo] = more, more_ids
+    return vals, ids
+
+
+def sample_filtered(logits, u, top_k, top_p, min_p):
+    """sample_from(apply_min_p(apply_top_p(apply_top_k(logits)))) drawing over the candidates only."""
+    vals, ids = filter_candidates(logits, top_k, top_p, min_p)
+    if vals.shape[-1] == logits.shape[-1]:  # a full sort: scatter back rather than sort the ids (amax: padding)
+        return sample_from(torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax"), u)
+    ids, order = ids.sort(dim=-1)  # vocabulary order, as the inverse CDF over the whole vocabulary
+    return sample_from(vals.gather(-1, order), u, token_ids=ids)
 
 
 # -----------------------------------------------------------------------------
@@ -184,10 +250,44 @@ def _check_args(model, prompt_ids, num_samples, max_new_tokens, temperature, top
     need(seeds is None or len(seeds) == len(prompt_ids), "seeds", seeds, "needs one seed per prompt")
 
 
+def _logits(model, h, vocab_size, chunk):
+    """h [n,D] -> fp32 logits [n,vocab_size]: the LM head's real-vocabulary rows, in slices of `chunk`."""
+    W = model.lm_head.weight[:vocab_size]  # [V,D], a view: padded-vocab rows are never scored
+    return torch.cat([F.linear(h, W[i:i + chunk]).float() for i in range(0, vocab_size, chunk)], dim=-1)
+
+
+def _decode_step(model, tok, positions, key_valid, slot, cache, vocab_size, chunk):
+    """One static-shape decode step: tok [N,1], positions [N,1], key_valid [N,S], slot (a tensor) ->
+    logits [N,V]. Every shape is fixed for the round and nothing reads a value on the host."""
+    h = model.hidden_states(tok, attention_mask=key_valid, positions=positions, cache=cache, cache_start=slot)
+    return _logits(model, h[:, 0], vocab_size, chunk)
+
+
+_COMPILED = {}  # compile mode -> the compiled _decode_step
+_DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> its compiled step's KV cache, reused across rounds
+
+
+def _decode_cache(model, prefill, src, S):
+    """The [N, S]-slot cache of the compiled step, holding prompt src[i]'s prefill in row i. Kept on the
+    model between rounds of the same shape, so its buffers keep their addresses (what CUDA graphs need)."""
+    cache = _DECODE_CACHES.get(model)
+    w = model.embed_tokens.weight
+    if cache is None or cache.k[0].shape[0] != len(src) or cache.max_len != S or cache.k[0].dtype != w.dtype \
+            or cache.k[0].device != w.device:
+        cache = _DECODE_CACHES[model] = model.new_cache(len(src), S)
+        if w.device.type == "cuda":
+            for buf in cache.k + cache.v:
+                torch._dynamo.mark_static_address(buf)
+    L = prefill.max_len  # slots >= L hold an earlier round's keys; the key mask hides them
+    for buf, pre in zip(cache.k + cache.v, prefill.k + prefill.v):
+        buf[:, :, :L] = pre.index_select(0, src)
+    return cache
+
+
 @torch.no_grad()  # not inference_mode: the outputs feed the trainer's autograd graph (masks, old logps)
 def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0, top_p=1.0,
              min_p=0.0, repetition_penalty=1.0, stop_ids=(), pad_id=0, generator=None, vocab_size=None,
-             seeds=None) -> Generation:
+             seeds=None, torch_compile=False) -> Generation:
     """Sample `num_samples` completions of up to `max_new_tokens` tokens for each prompt.
 
     prompt_ids: list of P non-empty lists of token ids (any lengths). Returns a `Generation` with
@@ -200,6 +300,7 @@ def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1
     tokenizer's real vocabulary (default model.config.vocab_size); ids >= vocab_size are never sampled.
     seeds: optional list of P ints, one per prompt (see the module docstring); otherwise they are
     drawn from `generator` (a torch.Generator) or from torch's global RNG.
+    torch_compile: run each decode step as one torch.compile'd static-shape graph (CUDA graphs on GPU).
     """
     cfg = model.config
     vocab_size = cfg.vocab_size if vocab_size is None else vocab_size
@@ -214,12 +315,9 @@ def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1
         gen_dev = generator.device if generator is not None else "cpu"
         seeds = torch.randint(0, 2**31 - 1, (P,), generator=generator, device=gen_dev)
     keys = row_keys(torch.as_tensor(seeds, dtype=torch.long).to(dev), G)  # [N]
-    W = model.lm_head.weight[:vocab_size]  # [V,D], a view: padded-vocab rows are never scored
     # CPU BLAS multiplies [n,D] by slices of 2048 vocab rows ~1.6x faster than by the whole [V,D]
     chunk = 2048 if dev.type == "cpu" else vocab_size
-
-    def logits_of(h):  # h [n,D] -> fp32 logits [n,V]
-        return torch.cat([F.linear(h, W[i:i + chunk]).float() for i in range(0, vocab_size, chunk)], dim=-1)
+    filters = 0 < top_k < vocab_size or top_p < 1.0 or min_p > 0.0
 
     # Prefill the P distinct prompts once, left-padded to the longest L.
     lens = torch.tensor([len(p) for p in prompt_ids], device=dev)  # [P]
@@ -227,12 +325,20 @@ def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1
     ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompt_ids], device=dev)  # [P,L]
     valid = torch.arange(L, device=dev)[None, :] >= (L - lens)[:, None]  # [P,L], False = left padding
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    cache = model.new_cache(P, L + C)
+    cache = model.new_cache(P, L if torch_compile else L + C)
     h = model.hidden_states(ids, attention_mask=valid, positions=positions, cache=cache)  # [P,L,D]
     src = torch.arange(P, device=dev).repeat_interleave(G)  # [N]: the prompt of each row
-    logits = logits_of(h[:, -1])[src]  # [N,V]
-    cache = cache.select(src)  # [N, ...]: each prompt's prefill copied to its G rows
-    key_valid = torch.cat([valid[src], valid.new_ones(N, C)], dim=1)  # [N,L+C]; generated slots are real
+    logits = _logits(model, h[:, -1], vocab_size, chunk)[src]  # [N,V]
+    S = L + C  # cache slots: the prompt's, then the completion's
+    if torch_compile:  # a static round: S rounded up to a bucket of 128 slots, so rounds share one graph
+        S = -(-S // 128) * 128
+        cache = _decode_cache(model, cache, src, S)
+        mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs replay the whole step
+        step = _COMPILED.get(mode) or _COMPILED.setdefault(mode, torch.compile(_decode_step, mode=mode,
+                                                                               dynamic=False, fullgraph=True))
+    else:
+        cache = cache.select(src)  # [N, ...]: each prompt's prefill copied to its G rows
+    key_valid = torch.cat([valid[src], valid.new_ones(N, C), valid.new_zeros(N, S - L - C)], dim=1)  # [N,S]
     next_pos = lens[src]  # [N]: RoPE position of each row's first completion token
     seen = None
     if repetition_penalty != 1.0:  # [N,V] tokens present in each row (prompt, then generated)
@@ -242,7 +348,7 @@ def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1
     out_logps = torch.zeros(N, C, device=dev)
     rows = torch.arange(N, device=dev)  # [n]: output row of each live batch row
     stopped = torch.zeros(N, dtype=torch.bool, device=dev)  # [n]
-    sync_every = 1 if dev.type == "cpu" else 8
+    sync_every = 1 if dev.type == "cpu" and not torch_compile else 8
     for t in range(C):
         if seen is not None:
             logits = apply_repetition_penalty(logits, seen, repetition_penalty)
@@ -250,8 +356,8 @@ def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1
             tok = logits.argmax(-1)  # [n]
             logp = logits.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
         else:
-            logits = apply_min_p(apply_top_p(apply_top_k(apply_temperature(logits, temperature), top_k), top_p), min_p)
-            tok, logp = sample_from(logits, uniforms(keys, t))
+            logits, u = apply_temperature(logits, temperature), uniforms(keys, t)
+            tok, logp = sample_filtered(logits, u, top_k, top_p, min_p) if filters else sample_from(logits, u)
         out_ids[rows, t], out_logps[rows, t] = tok, logp
         stopped |= torch.isin(tok, stops)
         if seen is not None:
@@ -262,14 +368,19 @@ def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1
             live = (~stopped).nonzero().squeeze(1)  # device->host sync
             if len(live) == 0:
                 break
-            if len(live) <= 0.75 * len(rows):  # compact: finished rows stop costing compute
+            if len(live) <= 0.75 * len(rows) and not torch_compile:  # compact: finished rows stop costing compute
                 cache = cache.select(live)
                 rows, tok, keys, key_valid, next_pos, stopped = (x[live] for x in (rows, tok, keys, key_valid,
                                                                                    next_pos, stopped))
                 seen = None if seen is None else seen[live]
-        h = model.hidden_states(tok[:, None], attention_mask=key_valid[:, :L + t + 1],
-                                positions=(next_pos + t)[:, None], cache=cache, cache_start=L + t)  # [n,1,D]
-        logits = logits_of(h[:, 0])
+        if torch_compile:  # finished rows run on, masked out of the output
+            logits = step(model, tok[:, None], (next_pos + t)[:, None], key_valid, torch.tensor(L + t, device=dev),
+                          cache, vocab_size, chunk)
+            logits = logits.clone() if mode else logits  # a CUDA graph's output is overwritten by its next replay
+        else:
+            h = model.hidden_states(tok[:, None], attention_mask=key_valid[:, :L + t + 1],
+                                    positions=(next_pos + t)[:, None], cache=cache, cache_start=L + t)  # [n,1,D]
+            logits = _logits(model, h[:, 0], vocab_size, chunk)
 
     # Masks from positions: a row's completion ends at the first step where it sampled a stop id.
     # (Slots after that hold garbage or pad_id and are never read as tokens.)

@@ -11,10 +11,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import FAMILIES, fixture_path, tiny_config
+from nanogrpo import sampler
 from nanogrpo.checkpoint import load_model
 from nanogrpo.model import KVCache, Transformer
 from nanogrpo.sampler import (apply_min_p, apply_repetition_penalty, apply_temperature, apply_top_k, apply_top_p,
-                              generate, sample_from, uniforms)
+                              filter_candidates, generate, sample_filtered, sample_from, uniforms)
 
 TOKENIZER_VOCAB, EOS, PAD = 384, [2, 0], 0  # tests/fixtures/tokenizer: 384 real ids, eos {2, 0}, pad 0 == eos
 PROMPTS = [[5, 17, 99, 2, 31, 8, 200], [44], [150, 151, 152, 9], [7, 7, 7, 7, 7, 7, 7, 7, 7, 300, 12]]
@@ -326,3 +327,76 @@ def test_sampling_frequencies_match_probabilities():
     u = uniforms(torch.arange(n), 0)  # and the uniforms themselves look uniform, step by step
     assert abs(u.mean() - 0.5) < 0.01 and u.min() >= 0 and u.max() < 1
     assert not torch.equal(uniforms(torch.arange(8), 0), uniforms(torch.arange(8), 1))
+
+
+# -----------------------------------------------------------------------------
+# The fast filters (top-k candidates, no vocabulary sort) against the reference filters, bit for bit
+
+
+@st.composite
+def logit_rows(draw):
+    """[B,V] logits: peaked to flat, often tied (rounded to a grid), some -inf; V spans the K ladder."""
+    B, V = draw(st.integers(1, 4)), draw(st.sampled_from([1, 2, 7, 64, 300, 700, 3000]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    x = torch.randn(B, V, generator=g) * draw(st.sampled_from([0.05, 1.0, 4.0, 20.0]))
+    step = draw(st.sampled_from([0.0, 0.25, 2.0]))
+    if step:
+        x = (x / step).round() * step
+    x[torch.rand(B, V, generator=g) < draw(st.sampled_from([0.0, 0.3, 0.99]))] = float("-inf")
+    top = x.nan_to_num(neginf=0).max() + draw(st.sampled_from([0.0, 1e-3, 5.0]))
+    x[:, draw(st.integers(0, V - 1))] = top  # a finite max per row
+    return x
+
+
+p_values = st.sampled_from([1.0, 0.95, 0.9, 0.5, 1e-6, 1 - 1e-7, 0.999999, 0.3]) | st.floats(1e-4, 1.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(logit_rows(), st.sampled_from([0, 0, 1, 3, 50, 100, 5000]), p_values,
+       st.sampled_from([0.0, 0.0, 0.01, 0.5, 1.0]))
+def test_fast_filters_equal_the_reference(logits, top_k, top_p, min_p):
+    want = apply_min_p(apply_top_p(apply_top_k(logits, top_k), top_p), min_p)  # [B,V]
+    vals, ids = filter_candidates(logits, top_k, top_p, min_p)
+    got = torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax")  # amax: -inf padding
+    assert torch.equal(got, want)
+    B = logits.shape[0]
+    u = torch.cat([torch.tensor([0.0, 1 - 2**-52], dtype=torch.float64), uniforms(torch.arange(30), 1)])  # [32]
+    rows = torch.arange(B).repeat_interleave(len(u))
+    tok, logp = sample_filtered(logits[rows], u.repeat(B), top_k, top_p, min_p)
+    want_tok, want_logp = sample_from(want[rows], u.repeat(B))  # the same token for the same uniform
+    assert torch.equal(tok, want_tok) and torch.equal(logp, want_logp)
+
+
+def test_fast_filters_take_few_candidates_on_a_peaked_row():
+    logits = torch.randn(8, 32000) * 6
+    vals, ids = filter_candidates(logits, 0, 0.95, 0.0)
+    assert vals.shape[1] < 4096 and torch.equal(
+        torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax"), apply_top_p(logits, 0.95))
+    logits[3] = torch.randn(32000) * 0.5  # one flat row: only it is sorted in full
+    vals, ids = filter_candidates(logits, 0, 0.95, 0.0)
+    kept_late = (vals[:, 512:] > float("-inf")).sum(1)
+    assert vals.shape[1] == 32000 and kept_late[3] > 20000 and kept_late.sum() == kept_late[3]
+
+
+# -----------------------------------------------------------------------------
+# The static-shape, compiled decode step
+
+
+def test_compiled_decode_equals_eager_and_never_recompiles(monkeypatch):
+    """torch_compile=True: the same completions as eager, and after the first round no recompile, though the
+    prompt lengths change. fullgraph=True proves the step has no graph break (no host sync, no Python branch on
+    data). The aot_eager backend traces what inductor would compile, in seconds; inductor's own C++ build
+    takes minutes on a cold CPU box, so its speed and output are checked by bench/bench_sampler.py --compile."""
+    torch._dynamo.reset()
+    step = torch.compile(sampler._decode_step, backend="aot_eager", dynamic=False, fullgraph=True)
+    monkeypatch.setattr(sampler, "_COMPILED", {None: step})
+    model = Transformer(tiny_config())
+    args = dict(num_samples=3, max_new_tokens=6, seeds=[1, 2], top_p=0.9, temperature=1.3, stop_ids=[3, 4, 5])
+    for prompts in ([[1, 2, 3], [4, 5]], [[9, 8, 7, 6, 5, 4, 3], [4, 5, 9, 9]]):
+        with torch._dynamo.config.patch(error_on_recompile=prompts[0][0] == 9):
+            fast = generate(model, prompts, torch_compile=True, **args)
+        want = generate(model, prompts, **args)
+        assert torch.equal(fast.completion_ids, want.completion_ids) and torch.equal(fast.truncated, want.truncated)
+        assert torch.equal(fast.completion_mask, want.completion_mask)
+        assert torch.allclose(fast.logprobs, want.logprobs, atol=1e-5)
+    assert not want.truncated.all() and want.truncated.any()  # some rows stop, some run on masked
