@@ -19,8 +19,8 @@ With use_peft (TRL's LoRA settings, nanogrpo/lora.py) only the adapters train; t
 the policy with its adapters off (no second copy), checkpoints hold the adapter in PEFT's format, and
 merge_adapter writes the merged full model at the end.
 
-Left out on purpose (TRL has them): vLLM generation and its importance-sampling correction,
-tool calling, the entropy bonus, reward models (any Python function is a reward function).
+Left out on purpose (TRL has them): vLLM generation and its importance-sampling correction, the
+entropy bonus.
 Known gap: with sync_ref_model (TR-DPO) the synced reference weights are not checkpointed, so a
 resumed run restarts from the initial reference model.
 """
@@ -46,7 +46,7 @@ from nanogrpo.logprobs import token_logprobs
 from nanogrpo import checkpoint
 from nanogrpo.model import ModelConfig, Transformer
 from nanogrpo.rewards import RewardError, check_reward_columns, resolve_reward_funcs, score_completions, total_reward
-from nanogrpo.rollout import Rollout, rollout
+from nanogrpo.rollout import Rollout, resolve_tools, rollout
 from nanogrpo.tokenizer import Tokenizer, char_level_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -119,6 +119,7 @@ class Run:
     loss_cfg: LossConfig
     reward_funcs: list  # [(name, fn)]
     reward_weights: torch.Tensor  # [K]
+    tools: dict  # {name: function} the policy may call (empty = single-turn completions)
     prompts: PromptSampler  # the round's prompts, all ranks together (resumable)
     eval_rows: list | None
     autocast: object  # bf16 autocast context on CUDA, a no-op otherwise
@@ -250,6 +251,7 @@ def setup(cfg: TrainConfig) -> Run:
     run = Run(cfg, info, sched, tok, model, ref, optimizer,
               torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg)), LossConfig(**cfg.loss_config()),
               reward_funcs, torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs), device=info.device),
+              resolve_tools(cfg.tools),
               PromptSampler(rows, sched.prompts_per_round, seed=cfg.seed), eval_rows,
               dist.autocast(info, cfg.bf16(info.device)))
     if resuming:
@@ -318,6 +320,12 @@ def generation_metrics(run: Run, ro: Rollout, rewards: torch.Tensor) -> dict:
          "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item(),
          "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
          "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.mean().item()}
+    if run.tools:  # TRL's tool metrics: calls per completion, failed share of the calls; turns per completion
+        calls, failures = (dist.all_reduce_sum(torch.tensor(float(x), device=run.info.device), run.info).item()
+                           for x in (ro.tool_calls, ro.tool_failures))
+        m["tools/call_frequency"] = calls / len(total)
+        m["tools/failure_frequency"] = failures / calls if calls else 0.0
+        m["tools/mean_turns"] = dist.all_gather_rows(ro.turns.float(), run.info).mean().item()
     for k, (name, _) in enumerate(run.reward_funcs):
         col = rewards[:, k][~torch.isnan(rewards[:, k])]
         m[f"rewards/{name}/mean"] = col.mean().item() if len(col) else float("nan")
@@ -454,14 +462,14 @@ def eval_indices(num_rows: int, rank: int, world_size: int) -> list[int]:
 
 
 @torch.no_grad()
-def evaluate(model, tok, rows, cfg, reward_funcs, info, autocast) -> dict:
+def evaluate(model, tok, rows, cfg, reward_funcs, info, autocast, tools=None) -> dict:
     """One sample per eval prompt (at the training temperature): mean reward per function, and
     pass@1 = fraction whose first reward function gives >= 1. Every eval row counts exactly once,
     on any number of ranks."""
     num_rows = len(rows)
     rows = [rows[i] for i in eval_indices(num_rows, info.rank, info.world_size)]
     generator = torch.Generator(info.device).manual_seed(round_seed(cfg, 0, info.rank, salt=17))
-    rewards = score(rollout(model, tok, rows, cfg, 1, generator, autocast), reward_funcs)
+    rewards = score(rollout(model, tok, rows, cfg, 1, generator, autocast, tools), reward_funcs)
     rewards = dist.all_gather_rows(rewards.to(info.device), info)[:num_rows]  # drop the wrapped-around padding
     m = {f"eval/rewards/{name}/mean": torch.nanmean(rewards[:, k]).item() for k, (name, _) in enumerate(reward_funcs)}
     m["eval/reward"] = torch.nanmean(total_reward(rewards, cfg.reward_weights)).item()  # unscored rows excluded
@@ -521,7 +529,8 @@ def train_round(run: Run) -> list[dict]:
     t_round, rnd = time.time(), run.step // run.sched.updates_per_round
     generator = torch.Generator(info.device).manual_seed(round_seed(cfg, rnd, info.rank))
     torch.manual_seed(round_seed(cfg, rnd, info.rank, 2))  # LoRA dropout's masks: per round, so resume is exact
-    ro = rollout(run.model, run.tok, round_prompts(run), cfg, cfg.num_generations, generator, run.autocast)
+    ro = rollout(run.model, run.tok, round_prompts(run), cfg, cfg.num_generations, generator, run.autocast,
+                 run.tools)
     t_sample = time.time() - t_round
     rewards = compute_advantages(run, ro, score(ro, run.reward_funcs))  # [N_global, K]
     ro.num_items = dist.all_reduce_sum(ro.completion_mask.sum(), info)
@@ -567,7 +576,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             if run.eval_rows and (crossed(cfg.eval_every, first_step, run.step) or run.step == cfg.max_steps):
                 try:
                     run.pending[-1].update(evaluate(run.model, run.tok, run.eval_rows, cfg, run.reward_funcs,
-                                                    run.info, run.autocast))
+                                                    run.info, run.autocast, run.tools))
                 except Exception:
                     log(run)
                     save(run)  # what was trained is kept even when the evaluation fails

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, LossConfig
 from nanogrpo.sampler import check_sampling
+from nanogrpo.rollout import TOOL_CALL_PARSERS
 
 
 class ConfigError(ValueError):
@@ -87,6 +88,11 @@ class TrainConfig:
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off
     torch_compile: bool = False  # compile the decode step (sampler.generate(torch_compile=)): CUDA graphs on GPU
+    # tools (TRL's names): functions the policy may call mid-completion; see rollout.py
+    tools: list[str] = field(default_factory=list)  # "module:function" or "path/to/file.py:function"
+    max_tool_calling_iterations: int | None = None  # tool rounds per completion; None = until no row calls one
+    tool_timeout: float = 30.0  # seconds an async tool may run before its result is {"error": ...}
+    tool_call_format: str = "hermes"  # how calls are written in the text: a key of rollout.TOOL_CALL_PARSERS
     # loss (TRL GRPOConfig names and defaults)
     loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo
     beta: float = 0.0  # KL coefficient; 0 = no reference model
@@ -180,6 +186,11 @@ class TrainConfig:
              f"needs one weight per reward function ({len(self.reward_funcs)})")
         need(self.soft_punish_cache is None or 1 <= self.soft_punish_cache <= self.max_completion_length,
              "soft_punish_cache", "must be in [1, max_completion_length]")
+        need(self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 1,
+             "max_tool_calling_iterations", "must be None (no limit) or at least 1")
+        need(self.tool_timeout > 0, "tool_timeout", "must be > 0 seconds")
+        need(self.tool_call_format in TOOL_CALL_PARSERS, "tool_call_format",
+             f"must be one of {list(TOOL_CALL_PARSERS)}")
         for key in ("learning_rate", "weight_decay", "warmup_steps"):
             need(getattr(self, key) >= 0, key, "must be >= 0")
         for key in ("adam_beta1", "adam_beta2", "warmup_ratio", "lora_dropout"):

@@ -254,7 +254,7 @@ BUILTINS = {"accuracy": accuracy_reward, "format": format_reward, "countdown": c
             "default_task": default_task_reward, "soft_overlong": soft_overlong_punishment}
 
 
-def _import_function(spec: str):
+def import_function(spec: str):
     """'package.module:function' or 'path/to/file.py:function' -> the function."""
     module_name, _, attr = spec.rpartition(":")
     try:
@@ -289,7 +289,7 @@ def resolve_reward_funcs(names_or_callables, *, max_completion_length: int | Non
         elif not isinstance(item, str):
             raise TypeError(f"a reward function is a name or a callable, got {item!r}")
         elif ":" in item:
-            resolved.append((item.rpartition(":")[2], _import_function(item)))
+            resolved.append((item.rpartition(":")[2], import_function(item)))
         elif item == "soft_overlong":
             if max_completion_length is None:
                 raise ValueError("soft_overlong needs max_completion_length")

@@ -1,0 +1,69 @@
+"""The tool-calling demo task: multi-digit products that a 135M model can only get right with a calculator.
+
+    python bench/tool_calculator.py            # writes out/tools/products.jsonl (the prompts)
+    python train.py --config tools.py          # GRPO on SmolLM2-135M-Instruct with the `multiply` tool
+
+Each prompt asks for a product of a 3-digit and a 2-digit number. The system prompt describes the
+`multiply` tool in the Hermes format SmolLM2's ChatML template does not write itself (its template
+ignores `tools=`), with one example call. `product_reward` is 1 when the last assistant turn states
+the right product: the policy earns it by calling the tool and repeating its result.
+"""
+
+import json
+import os
+import random
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nanogrpo.rollout import tool_schema  # noqa: E402
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers exactly.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+SYSTEM = ("You are a helpful assistant with a calculator. You may call this function:\n<tools>\n{schema}\n</tools>\n"
+          "To call it, write only <tool_call>{{\"name\": \"multiply\", \"arguments\": {{\"a\": <int>, \"b\": <int>}}}}"
+          "</tool_call> and wait for the result. Example: for 12 * 34 write "
+          "<tool_call>{{\"name\": \"multiply\", \"arguments\": {{\"a\": 12, \"b\": 34}}}}</tool_call>. "
+          "Then answer with the number.")
+
+
+def product_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the last assistant turn contains the exact product (digits only), else 0.0."""
+    scores = []
+    for completion, gold in zip(completions, answer):
+        last = next((m.get("content") or "" for m in reversed(completion) if m["role"] == "assistant"), "")
+        scores.append(1.0 if str(gold) in re.sub(r"[,\s]", "", last) else 0.0)
+    return scores
+
+
+def tool_called(completions, **kwargs) -> list[float]:
+    """A diagnostic reward (weight 0 in configs/tools.py): 1.0 when the completion called a tool."""
+    return [float(any(m["role"] == "tool" for m in c)) for c in completions]
+
+
+def rows(n: int, seed: int) -> list[dict]:
+    rng, system = random.Random(seed), SYSTEM.format(schema=json.dumps(tool_schema(multiply)))
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(100, 999), rng.randint(10, 99)
+        out.append({"prompt": [{"role": "system", "content": system},
+                               {"role": "user", "content": f"What is {a} * {b}?"}], "answer": str(a * b)})
+    return out
+
+
+if __name__ == "__main__":
+    os.makedirs("out/tools", exist_ok=True)
+    for split, n, seed in (("products", 2000, 0), ("products_test", 64, 1)):
+        with open(f"out/tools/{split}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows(n, seed))
+    print("wrote out/tools/products.jsonl and out/tools/products_test.jsonl")

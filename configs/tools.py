@@ -1,0 +1,38 @@
+# Tool calling (TRL's `tools=`): SmolLM2-135M-Instruct learns to use a calculator for 3-digit x 2-digit
+# products, which it cannot compute itself. First write the prompts, then train (CPU works, slowly):
+#
+#     python bench/tool_calculator.py && python train.py --config tools.py
+#
+# The tool and the reward live in bench/tool_calculator.py. Completions are multi-turn: the model's
+# <tool_call>, the tool's result (context only, never trained on), the model's answer; the whole
+# completion stays within max_completion_length. Logged: tools/call_frequency (calls per completion),
+# tools/failure_frequency (failed share of calls), tools/mean_turns, and the weight-0 `tool_called`.
+
+model = ".cache/real/smollm2-135m-instruct"  # tests/fetch_real.py builds it
+device = "auto"
+seed = 0
+
+dataset = "out/tools/products.jsonl"
+eval_dataset = "out/tools/products_test.jsonl"
+eval_size = 64
+eval_every = 0
+reward_funcs = ["bench/tool_calculator.py:product_reward", "bench/tool_calculator.py:tool_called"]
+reward_weights = [1.0, 0.0]
+tools = ["bench/tool_calculator.py:multiply"]
+max_tool_calling_iterations = 2
+tool_timeout = 10.0
+
+num_generations = 8
+prompts_per_step = 4
+micro_batch_size = 8
+max_completion_length = 64
+temperature = 1.0
+
+loss_type = "dapo"
+beta = 0.0
+learning_rate = 1e-5
+max_grad_norm = 1.0
+max_steps = 40
+log_every = 1
+log_completions = True
+out_dir = "out/tools"

@@ -1,0 +1,373 @@
+"""Tool-calling rollouts (rollout.py) against transformers and TRL, and the tool loop on a scripted policy.
+
+Expected values come from tests/fixtures/make_tool_fixtures.py (transformers' get_json_schema, the real
+Qwen3 chat template, TRL's tool-result suffix ids), stored in tests/fixtures/tools/expected.json.
+The loop tests replace the sampler with a script (`generate` monkeypatched): each call answers every
+row from its context, so masks, budgets and failures can be checked token by token."""
+
+import asyncio
+import copy
+import functools
+import json
+import os
+import string
+import sys
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from conftest import fixture_path, tiny_config
+from nanogrpo import rollout as rollout_module
+from nanogrpo.config import TrainConfig
+from nanogrpo.model import Transformer
+from nanogrpo.rollout import (parse_tool_calls, resolve_tools, rollout, run_tools, tool_schema, tool_suffix_ids)
+from nanogrpo.sampler import Generation
+from nanogrpo.tokenizer import Tokenizer, char_level_tokenizer
+
+sys.path.insert(0, fixture_path("tools"))
+import signatures  # noqa: E402
+
+EXPECTED = json.load(open(os.path.join(fixture_path("tools"), "expected.json")))
+TEMPLATE = open(os.path.join(fixture_path("tools"), "hermes_chatml.jinja")).read()
+QWEN3 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "real", "tokenizer-qwen3")
+SCHEMAS = [signatures.multiply, signatures.search]
+
+
+# --- schemas ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", signatures.SIGNATURES, ids=lambda f: f.__name__)
+def test_tool_schema_is_get_json_schema(fn):
+    expected = EXPECTED["schemas"][fn.__name__]
+    if "error" in expected:  # transformers refuses it: so do we, naming the function
+        with pytest.raises(ValueError, match=fn.__name__):
+            tool_schema(fn)
+    else:  # equal, key order included (templates render the schema with tojson)
+        assert json.dumps(tool_schema(fn)) == json.dumps(expected)
+
+
+def test_tool_schema_errors_say_what_is_missing():
+    with pytest.raises(ValueError, match="argument 'b'"):
+        tool_schema(signatures.undocumented_arg)
+    with pytest.raises(ValueError, match="no docstring"):
+        tool_schema(signatures.no_docstring)
+    with pytest.raises(ValueError, match="no type hint"):
+        tool_schema(signatures.paint)
+
+
+# --- chat templates: the real Qwen3 one, and ours (prefix-preserving) against TRL ---------------
+
+
+@functools.cache
+def _qwen3_tokenizer():
+    return Tokenizer.from_pretrained(QWEN3)
+
+
+def qwen3_tokenizer():
+    """The real Qwen3 tokenizer with its own template (loaded once), or skip when it is not fetched."""
+    if not os.path.exists(os.path.join(QWEN3, "SOURCE.json")) or "qwen3" not in EXPECTED:
+        pytest.skip(f"{QWEN3} is missing: `python tests/fetch_real.py` builds it")
+    tok = copy.copy(_qwen3_tokenizer())
+    return tok
+
+
+@pytest.mark.parametrize("name", list(EXPECTED["conversations"]))
+def test_qwen3_renders_tools_as_transformers(name):
+    tok = qwen3_tokenizer()
+    messages, gen = EXPECTED["conversations"][name]
+    schemas = [tool_schema(f) for f in SCHEMAS]
+    assert tok.apply_chat_template(messages, tools=schemas, add_generation_prompt=gen) == \
+        EXPECTED["qwen3"]["renderings"][name]
+    tok.chat_template, tok._template = TEMPLATE, None
+    assert tok.apply_chat_template(messages, tools=schemas, add_generation_prompt=gen) == \
+        EXPECTED["hermes"]["renderings"][name]
+
+
+def test_tool_suffix_ids_are_trls():
+    tok = qwen3_tokenizer()
+    assert EXPECTED["qwen3"]["prefix_preserving"] is False  # TRL swaps in its own template; we stop and say so
+    with pytest.raises(ValueError, match="does not preserve prefixes"):
+        tool_suffix_ids(tok, EXPECTED["replies"][0])
+    tok.chat_template, tok._template = TEMPLATE, None
+    assert EXPECTED["hermes"]["prefix_preserving"] is True
+    for replies, ids in zip(EXPECTED["replies"], EXPECTED["hermes"]["suffix_ids"]):
+        assert tool_suffix_ids(tok, replies) == ids
+
+
+# --- parsing -------------------------------------------------------------------------------------
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                    | st.text(max_size=6), lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
+CALLS = st.lists(st.fixed_dictionaries({"name": st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True),
+                                        "arguments": st.dictionaries(st.text(max_size=5), JSON, max_size=3)}),
+                 max_size=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(content=st.text(max_size=20), calls=CALLS, spacing=st.sampled_from(["", "\n", " \n "]))
+def test_parse_tool_calls_round_trip(content, calls, spacing):
+    text = content + "".join(f"<tool_call>{spacing}{json.dumps(c)}{spacing}</tool_call>" for c in calls)
+    assume("<tool_call>" not in content and "</tool_call>" not in json.dumps(calls))  # the format cannot quote its tags
+    assert parse_tool_calls(text) == calls
+    assert rollout_module.parse_hermes(text)[0] == (content.rstrip() if calls else text.rstrip())
+
+
+@pytest.mark.parametrize("body", ['{"name": "f", "arguments": {"a": 1}', '{"arguments": {}}', '[1, 2]',
+                                  '{"name": "f", "arguments": [1]}', 'not json'])
+def test_malformed_call_is_a_failed_call(body):
+    (call,) = parse_tool_calls(f"x<tool_call>{body}</tool_call>")
+    assert call["name"] == "unknown" and "malformed tool call" in call["error"]
+    ((name, result, failed),) = run_tools([[call]], {}, 1.0)[0]
+    assert failed and "malformed" in result["error"]
+
+
+def test_arguments_as_a_json_string():
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>') == \
+        [{"name": "f", "arguments": {"a": 1}}]
+
+
+# --- running tools -------------------------------------------------------------------------------
+
+
+def add(a: int, b: int) -> int:
+    """Add.
+
+    Args:
+        a: First.
+        b: Second.
+    """
+    return a + b
+
+
+def boom(a: int) -> int:
+    """Fail.
+
+    Args:
+        a: Anything.
+    """
+    raise RuntimeError(f"boom {a}")
+
+
+async def slow_add(a: int, b: int) -> int:
+    """Add, slowly.
+
+    Args:
+        a: First.
+        b: Second.
+    """
+    await asyncio.sleep(0.01)
+    return a + b
+
+
+async def sleepy(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: How long.
+    """
+    await asyncio.sleep(seconds)
+    return "awake"
+
+
+def test_run_tools_results_and_failures():
+    tools = resolve_tools([add, boom, slow_add, sleepy])
+    rows = [[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "slow_add", "arguments": {"a": 3, "b": 4}}],
+            [{"name": "boom", "arguments": {"a": 5}}, {"name": "nope", "arguments": {}},
+             {"name": "sleepy", "arguments": {"seconds": 30}}, {"name": "add", "arguments": {"c": 1}}]]
+    out = run_tools(rows, tools, timeout=0.2)
+    assert out[0] == [("add", 3, False), ("slow_add", 7, False)]
+    assert [failed for _, _, failed in out[1]] == [True] * 4
+    assert out[1][0][1] == {"error": "boom 5"} and out[1][1][1] == {"error": "Tool nope not found."}
+    assert out[1][2][1] == {"error": "timed out after 0.2 s"} and "unexpected keyword" in out[1][3][1]["error"]
+
+
+def test_async_tools_run_concurrently():
+    """Two async tools that each wait for the other: they only finish if they run at the same time."""
+    events = {}
+
+    async def ping(name: str, other: str) -> str:
+        """Ping.
+
+        Args:
+            name: Mine.
+            other: Theirs.
+        """
+        events.setdefault(name, asyncio.Event()).set()
+        await events.setdefault(other, asyncio.Event()).wait()
+        return name
+
+    calls = [[{"name": "ping", "arguments": {"name": "a", "other": "b"}}],
+             [{"name": "ping", "arguments": {"name": "b", "other": "a"}}]]
+    assert run_tools(calls, {"ping": ping}, timeout=5.0) == [[("ping", "a", False)], [("ping", "b", False)]]
+
+
+def test_resolve_tools_from_config_strings(tmp_path):
+    path = tmp_path / "mytools.py"
+    path.write_text('def twice(x: int) -> int:\n    """Twice.\n\n    Args:\n        x: A number.\n    """\n'
+                    '    return 2 * x\n')
+    assert resolve_tools([f"{path}:twice"])["twice"](4) == 8
+    with pytest.raises(ValueError, match="tool .* no function 'thrice'"):
+        resolve_tools([f"{path}:thrice"])
+    with pytest.raises(ValueError, match="no docstring"):
+        resolve_tools([signatures.no_docstring])
+
+
+# --- the loop, on a scripted policy ------------------------------------------------------------
+
+CALL = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'
+FIRST = {  # (question, sample) -> the first turn
+    ("mul", 0): CALL.format("add", '{"a": 40, "b": 2}'),
+    ("mul", 1): "I know: 42",
+    ("bad", 0): 'Hm<tool_call>{"name": "add", "arguments": {"a": 6,</tool_call>' + CALL.format("boom", '{"a": 1}')
+    + CALL.format("sleepy", '{"seconds": 30}'),
+    ("bad", 1): CALL.format("nope", "{}"),
+}
+AFTER = {  # the last tool result -> the next turn
+    "42": "Then" + CALL.format("slow_add", '{"a": 42, "b": 3}'), "45": "Answer 45",
+    "{'error': 'timed out after 0.2 s'}": "Sorry", "{'error': 'Tool nope not found.'}": "ok",
+}
+
+
+def chat_tokenizer():
+    tok = char_level_tokenizer(string.printable)
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def scripted_generate(tok, log):
+    """A stand-in for sampler.generate that writes the scripted turns (then the eos) for every row."""
+    eos = tok.eos_token_id
+
+    def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, stop_ids=(), pad_id=0, seeds=None, **kw):
+        log.append({"rows": len(prompt_ids) * num_samples, "max_new_tokens": max_new_tokens, "seeds": seeds})
+        rows = []
+        for p in prompt_ids:
+            context = tok.decode(p, skip_special_tokens=False)
+            for j in range(num_samples):
+                if "<|im_start|>tool" not in context:
+                    question = context.split("<|im_start|>user\n")[1].split("<|endoftext|>")[0]
+                    text = FIRST[(question, j)]
+                else:
+                    text = AFTER[context.split("<|im_start|>tool\n")[-1].split("<|endoftext|>")[0]]
+                rows.append(tok.encode(text, add_special_tokens=False) + [eos])
+        C = max_new_tokens if any(len(r) > max_new_tokens for r in rows) else max(map(len, rows))
+        ids = torch.full((len(rows), C), pad_id)
+        mask = torch.zeros(len(rows), C, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids[i, :min(len(r), C)] = torch.tensor(r[:C])
+            mask[i, :min(len(r), C)] = True
+        truncated = torch.tensor([len(r) > C for r in rows])
+        return Generation(ids, mask, torch.zeros(len(rows), C), truncated)
+    return generate
+
+
+def run_script(monkeypatch, **overrides):
+    tok, log = chat_tokenizer(), []
+    monkeypatch.setattr(rollout_module, "generate", scripted_generate(tok, log))
+    cfg = TrainConfig(**{"max_completion_length": 1000, "tool_timeout": 0.2, **overrides})
+    model = Transformer(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096))
+    rows = [{"prompt": [{"role": "user", "content": q}]} for q in ("mul", "bad")]
+    tools = resolve_tools([add, boom, slow_add, sleepy])
+    return tok, rollout(model, tok, rows, cfg, 2, torch.Generator().manual_seed(0), tools=tools), log
+
+
+def enc(tok, text):
+    return tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+
+
+def reply(name, content):
+    return {"role": "tool", "name": name, "content": content}
+
+
+def test_two_call_conversation(monkeypatch):
+    tok, ro, log = run_script(monkeypatch)
+    # row 0: add (sync) -> slow_add (async) -> answer; its ids are the turns and the tool results between them
+    turn1, turn2, turn3 = enc(tok, FIRST[("mul", 0)]), enc(tok, AFTER["42"]), enc(tok, AFTER["45"])
+    res1, res2 = tool_suffix_ids(tok, [reply("add", "42")]), tool_suffix_ids(tok, [reply("slow_add", "45")])
+    assert ro.completion_token_ids[0] == turn1 + res1 + turn2 + res2 + turn3
+    C = ro.completion_mask.shape[1]
+    expected_mask = [1] * len(turn1) + [0] * len(res1) + [1] * len(turn2) + [0] * len(res2) + [1] * len(turn3)
+    assert ro.completion_mask[0].tolist() == expected_mask + [0] * (C - len(expected_mask))
+    assert ro.completion_lengths[0] == len(turn1) + len(turn2) + len(turn3)  # model tokens only
+    P = ro.input_ids.shape[1] - C  # the log-prob pass sees exactly the sampled sequence
+    assert ro.input_ids[0, P:P + len(ro.completion_token_ids[0])].tolist() == ro.completion_token_ids[0]
+    assert ro.attention_mask[0, P:].all()
+    add_call = {"type": "function", "function": {"name": "add", "arguments": {"a": 40, "b": 2}}}
+    slow_call = {"type": "function", "function": {"name": "slow_add", "arguments": {"a": 42, "b": 3}}}
+    assert ro.completions[0] == [{"role": "assistant", "content": "", "tool_calls": [add_call]}, reply("add", "42"),
+                                 {"role": "assistant", "content": "Then", "tool_calls": [slow_call]},
+                                 reply("slow_add", "45"), {"role": "assistant", "content": "Answer 45"}]
+    # the whole sequence is what the chat template makes of the conversation (TRL's prefix-preserving contract)
+    prompt = [{"role": "user", "content": "mul"}]
+    schemas = [tool_schema(f) for f in (add, boom, slow_add, sleepy)]
+    full = tok.encode(tok.apply_chat_template(prompt + ro.completions[0], tools=schemas, add_generation_prompt=False),
+                      add_special_tokens=False)
+    assert full[:len(ro.prompt_ids[0])] == ro.prompt_ids[0]
+    assert full[len(ro.prompt_ids[0]):] == ro.completion_token_ids[0] + tok.encode("\n", add_special_tokens=False)
+    # row 1: no call. Rows 2-3: malformed + exception + timeout, then an unknown tool
+    assert ro.completions[1] == [{"role": "assistant", "content": "I know: 42"}]
+    malformed, raised, timed_out = (m["content"] for m in ro.completions[2][1:4])
+    assert malformed.startswith("{'error': 'malformed tool call")
+    assert '{"a": 6,' in malformed and "Expecting property name" in malformed
+    assert (raised, timed_out) == ("{'error': 'boom 1'}", "{'error': 'timed out after 0.2 s'}")
+    assert ro.completions[2][-1] == {"role": "assistant", "content": "Sorry"}
+    assert ro.completions[3][-1] == {"role": "assistant", "content": "ok"}
+    assert (ro.tool_calls, ro.tool_failures) == (6, 4)
+    assert ro.turns.tolist() == [3, 1, 2, 2] and not ro.truncated.any()
+    # batched: round 1 continues rows 0, 2, 3 together, round 2 only row 0; each with its own seed
+    assert [(x["rows"], x["seeds"] is None) for x in log] == [(4, True), (3, False), (1, False)]
+
+
+def test_max_tool_calling_iterations(monkeypatch):
+    tok, ro, log = run_script(monkeypatch, max_tool_calling_iterations=1)
+    assert len(log) == 2  # one tool round: row 0's second call is left unanswered (TRL)
+    assert ro.completions[0][-1]["tool_calls"][0]["function"]["name"] == "slow_add"
+    assert ro.tool_calls == 5 and ro.turns.tolist() == [2, 1, 2, 2]
+
+
+def test_budget_drops_a_round_of_results(monkeypatch):
+    """The results of row 0's first call do not fit: dropped, the row ends with its first turn (not truncated)."""
+    tok = chat_tokenizer()
+    n1 = len(enc(tok, FIRST[("mul", 0)])) + len(tool_suffix_ids(tok, [reply("add", "42")]))
+    _, ro, log = run_script(monkeypatch, max_completion_length=n1 - 1)
+    assert ro.completion_token_ids[0] == enc(tok, FIRST[("mul", 0)]) and len(ro.completions[0]) == 1
+    assert not ro.truncated[0] and ro.tool_calls >= 1  # the call was made and counted, as in TRL
+    assert all(len(ids) <= n1 - 1 for ids in ro.completion_token_ids)
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_budget_cuts_the_continuation(monkeypatch, mask_truncated):
+    tok = chat_tokenizer()
+    n1 = len(enc(tok, FIRST[("mul", 0)])) + len(tool_suffix_ids(tok, [reply("add", "42")]))
+    _, ro, log = run_script(monkeypatch, max_completion_length=n1 + 3, mask_truncated_completions=mask_truncated)
+    assert len(ro.completion_token_ids[0]) == n1 + 3 and ro.truncated[0]  # 3 model tokens after the results
+    assert ro.completion_token_ids[0][-3:] == enc(tok, AFTER["42"])[:3]
+    assert ro.completion_lengths[0] == n1 + 3 - len(tool_suffix_ids(tok, [reply("add", "42")]))
+    assert ro.completion_mask[0].sum() == (0 if mask_truncated else ro.completion_lengths[0])
+
+
+def test_tools_need_conversational_prompts(monkeypatch):
+    tok = chat_tokenizer()
+    model = Transformer(tiny_config(vocab_size=tok.vocab_size))
+    with pytest.raises(ValueError, match="conversational prompts"):
+        rollout(model, tok, [{"prompt": "mul"}], TrainConfig(), 2, tools=resolve_tools([add]))
+
+
+def test_logprobs_and_update_run_on_a_tool_rollout(monkeypatch):
+    """The trainer's log-prob pass and a GRPO step take the rollout as it is; tool tokens get no gradient."""
+    from nanogrpo.grpo import LossConfig, grpo_step
+    from nanogrpo.logprobs import token_logprobs
+    tok, ro, _ = run_script(monkeypatch)
+    model = Transformer(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096, num_hidden_layers=1))
+    rows = [0, 1]  # the first prompt's two rows: one with two tool rounds, one without
+    mask = ro.completion_mask[rows]
+    cols = slice(-mask.shape[1] - 8, None)  # the prompt's tail is context enough here (and keeps the test fast)
+    logps, _ = token_logprobs(model, ro.input_ids[rows, cols], ro.attention_mask[rows, cols], mask)
+    logps.retain_grad()
+    loss, _ = grpo_step(logps, None, None, torch.tensor([1.0, -1.0]), mask, LossConfig(loss_type="dapo"),
+                        num_items=mask.sum())
+    loss.backward()
+    assert (logps.grad[mask == 0] == 0).all() and (logps.grad[mask == 1] != 0).all()
