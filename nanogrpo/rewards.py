@@ -28,10 +28,14 @@ import importlib.util
 import inspect
 import math
 import numbers
+import os
 import re
 from fractions import Fraction
 
 import torch
+
+from nanogrpo.checkpoint import config_from_hf, load_model, read_json, resolve_path
+from nanogrpo.tokenizer import Tokenizer
 
 
 class RewardError(RuntimeError):
@@ -275,21 +279,27 @@ def _import_function(spec: str):
 
 
 def resolve_reward_funcs(names_or_callables, *, max_completion_length: int | None = None,
-                         soft_punish_cache: int | None = None) -> list[tuple[str, object]]:
-    """Names from a config (built-in names or "module:function") and/or callables -> [(name, fn)].
+                         soft_punish_cache: int | None = None, reward_processing_classes=None, device="cpu",
+                         dtype=torch.float32, batch_size: int = 32) -> list[tuple[str, object]]:
+    """Names from a config and/or callables -> [(name, fn)]. A name is a built-in, "module:function"
+    ("file.py:function"), or a reward model: a directory or hub id ('org/name') of a
+    *ForSequenceClassification checkpoint, loaded on `device` in `dtype` (see `reward_model`).
 
     `soft_overlong` is built from max_completion_length and soft_punish_cache (default: a quarter of
-    max_completion_length)."""
+    max_completion_length). reward_processing_classes (TRL's name): one entry per function, a tokenizer
+    path for a reward model or None (= the reward model's own tokenizer)."""
     if isinstance(names_or_callables, str) or callable(names_or_callables):
         names_or_callables = [names_or_callables]
+    tokenizers = list(reward_processing_classes or [None] * len(names_or_callables))
+    if len(tokenizers) != len(names_or_callables):
+        raise ValueError(f"reward_processing_classes has {len(tokenizers)} entries for {len(names_or_callables)} "
+                         "reward functions; give one per function (None where it is not a reward model)")
     resolved = []
-    for item in names_or_callables:
+    for item, tokenizer in zip(names_or_callables, tokenizers):
         if callable(item):
             resolved.append((getattr(item, "__name__", type(item).__name__), item))
         elif not isinstance(item, str):
             raise TypeError(f"a reward function is a name or a callable, got {item!r}")
-        elif ":" in item:
-            resolved.append((item.rpartition(":")[2], _import_function(item)))
         elif item == "soft_overlong":
             if max_completion_length is None:
                 raise ValueError("soft_overlong needs max_completion_length")
@@ -297,12 +307,82 @@ def resolve_reward_funcs(names_or_callables, *, max_completion_length: int | Non
             resolved.append((item, soft_overlong_punishment(max_completion_length, cache)))
         elif item in BUILTINS:
             resolved.append((item, BUILTINS[item]))
+        elif ":" in item and not os.path.isdir(item):
+            resolved.append((item.rpartition(":")[2], _import_function(item)))
+        elif os.path.isdir(item) or (item.count("/") == 1 and not item.startswith((".", "/", "~"))):
+            resolved.append(reward_model(item, tokenizer, device, dtype, batch_size))
+            continue
         else:
             close = difflib.get_close_matches(item, BUILTINS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"unknown reward function {item!r}{hint}; built-ins are {sorted(BUILTINS)}, "
-                             "or give 'module:function'")
+                             "or give 'module:function' or a reward model's directory or hub id")
+        if tokenizer is not None:
+            raise ValueError(f"reward_processing_classes gives {tokenizer!r} for {resolved[-1][0]!r}, which is "
+                             "not a reward model; use None there")
     return resolved
+
+
+# -----------------------------------------------------------------------------
+# reward models: a *ForSequenceClassification checkpoint scores prompt + completion, as TRL's
+
+
+def reward_model(path: str, tokenizer: str | None = None, device="cpu", dtype=torch.float32, batch_size: int = 32):
+    """(name, fn): a sequence-classification checkpoint (Llama, Mistral, Qwen2, Qwen3 + a one-label `score`
+    head) as a reward function with TRL's signature, named by the last component of `path`.
+
+    Scored as TRL's `_calculate_rewards` scores a reward model: plain prompts -> prompt + completion;
+    conversational ones -> the reward tokenizer's chat template over prompt + completion messages (no
+    generation prompt); then `score_texts`. The tokenizer is the checkpoint's own unless `tokenizer`
+    names another; without a pad token it pads with eos, as TRL sets it. Inference only, in eval mode."""
+    local = resolve_path(path)
+    hf = read_json(os.path.join(local, "config.json")) if os.path.exists(os.path.join(local, "config.json")) else {}
+    archs = hf.get("architectures") or []
+    if not archs or not all(str(a).endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"reward function {path!r} is not a reward model: its config.json names architectures "
+                         f"{archs}; a reward model is a *ForSequenceClassification checkpoint (one `score` label)")
+    if config_from_hf(hf).num_labels != 1:
+        raise ValueError(f"reward model {path!r} has a score head of {config_from_hf(hf).num_labels} labels; a reward "
+                         "model gives one score per completion (TRL loads it with num_labels=1)")
+    model = load_model(local, dtype=dtype, device=device).eval().requires_grad_(False)
+    tok = Tokenizer.from_pretrained(tokenizer or local)
+    if tok.pad_token_id is None:
+        raise ValueError(f"reward model {path!r}: its tokenizer has neither a pad nor an eos token to pad with")
+
+    def fn(prompts, completions, **columns) -> list[float]:
+        if not completions or isinstance(prompts[0], str):
+            texts = [p + c for p, c in zip(prompts, completions)]
+        else:
+            texts = [tok.apply_chat_template(p + c, add_generation_prompt=False) for p, c in zip(prompts, completions)]
+        return score_texts(model, tok, texts, batch_size)
+
+    fn.__name__ = os.path.basename(str(path).rstrip("/"))
+    return fn.__name__, fn
+
+
+@torch.no_grad()
+def score_texts(model, tok, texts: list[str], batch_size: int = 32) -> list[float]:
+    """Label 0's logit for each text under a sequence classifier, pooled as transformers pools: the texts
+    are tokenized without special tokens and right-padded with tok.pad_token_id, and each is scored at its
+    rightmost token whose id is not the pad id (with pad = eos a trailing eos is skipped, as transformers
+    skips it; position 0 if every token is the pad id). Micro-batches of batch_size texts of similar length."""
+    rows = [e.ids for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    order, scores, device = sorted(range(len(rows)), key=lambda i: len(rows[i])), [0.0] * len(rows), model.embed_tokens.weight.device
+    for start in range(0, len(rows), batch_size):
+        chunk = order[start:start + batch_size]
+        lengths = torch.tensor([len(rows[i]) for i in chunk], device=device)  # [b]
+        T = max(1, int(lengths.max()))
+        ids = torch.full((len(chunk), T), tok.pad_token_id, dtype=torch.long)
+        for r, i in enumerate(chunk):
+            ids[r, :len(rows[i])] = torch.tensor(rows[i], dtype=torch.long)
+        ids = ids.to(device)
+        positions = torch.arange(T, device=device)
+        last = (positions * (ids != tok.pad_token_id)).argmax(-1)  # [b]: the position transformers pools
+        pooled = model(ids, attention_mask=positions < lengths[:, None],
+                       head=lambda h, score: score(h[torch.arange(len(chunk), device=device), last]))  # [b,1]
+        for i, s in zip(chunk, pooled[:, 0].float().tolist()):
+            scores[i] = s
+    return scores
 
 
 def _check_scores(name: str, scores, n: int) -> list[float]:
