@@ -54,7 +54,7 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v (Qwen2 always has it)
     mlp_bias: bool = False
     initializer_range: float = 0.02
-    num_labels: int | None = None  # a sequence classifier (reward model): a `score` head of this many labels, no lm_head
+    num_labels: int | None = None  # a sequence classifier (reward model): a `score` head of num_labels, no lm_head
     extra: dict = field(default_factory=dict, repr=False, compare=False)  # other config.json keys, written back as-is
 
     def __post_init__(self):
@@ -321,3 +321,13 @@ class Transformer(nn.Module):
         """A zeroed KV cache for `batch_size` rows of up to `max_len` tokens, in the model's dtype/device."""
         w = self.embed_tokens.weight
         return KVCache(self.config, batch_size, max_len, w.dtype, w.device)
+
+
+def pooled_scores(model: Transformer, input_ids, attention_mask, pad_id: int) -> torch.Tensor:
+    """A classifier's label scores [B,num_labels] where *ForSequenceClassification pools them: at each row's
+    rightmost token whose id is not pad_id (position 0 if every id is), so with pad = eos a trailing eos is
+    skipped. Only that position goes through the `score` head."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (positions * (input_ids != pad_id)).argmax(-1)  # [B]
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    return model(input_ids, attention_mask, head=lambda h, score: score(h[rows, last]))
