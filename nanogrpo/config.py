@@ -58,7 +58,7 @@ class TrainConfig:
     eval_split: str | None = "test"  # split of eval_dataset
     eval_size: int = 256  # evaluate on the first this-many eval prompts
     # rewards
-    reward_funcs: list[str] = field(default_factory=lambda: ["default_task"])  # built-ins, module:function, reward models
+    reward_funcs: list[str] = field(default_factory=lambda: ["default_task"])  # built-in, module:function, reward model
     reward_weights: list[float] | None = None  # one per reward function; None = all 1.0
     reward_processing_classes: list[str | None] | None = None  # TRL's: one per reward function, a tokenizer for a
     # reward model (None = the reward model's own); None = every reward model uses its own

@@ -135,7 +135,8 @@ def test_save_model_round_trips_a_classifier(tmp_path):
     save_model(model, tmp_path / "copy")
     shutil.copy(os.path.join(rm("llama_rm"), "tokenizer.json"), tmp_path / "copy")
     shutil.copy(os.path.join(rm("llama_rm"), "tokenizer_config.json"), tmp_path / "copy")
-    original, saved = read_json(os.path.join(rm("llama_rm"), "config.json")), read_json(tmp_path / "copy" / "config.json")
+    original = read_json(os.path.join(rm("llama_rm"), "config.json"))
+    saved = read_json(tmp_path / "copy" / "config.json")
     for key in ("architectures", "id2label", "tie_word_embeddings"):
         assert saved[key] == original[key], key
     a, b = model.state_dict(), load_model(tmp_path / "copy").state_dict()
