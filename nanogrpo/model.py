@@ -253,7 +253,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.num_labels is None:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        else:  # per-token label scores [B,T,num_labels]; who pools them (rewards.py) picks the position
+        else:  # per-token label scores [B,T,num_labels]; pooled_scores reads the one transformers pools
             self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
         self.tie_weights()
         self.inv_freq = rope_inv_freq(cfg)  # fp32, kept out of state_dict and of .to(dtype); follows the input's device
