@@ -236,7 +236,9 @@ def setup(cfg: TrainConfig) -> Run:
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
                                   eps=cfg.adam_epsilon)
     reward_funcs = resolve_reward_funcs(cfg.reward_funcs, max_completion_length=cfg.max_completion_length,
-                                        soft_punish_cache=cfg.soft_punish_cache)
+                                        soft_punish_cache=cfg.soft_punish_cache, batch_size=cfg.micro_batch_size,
+                                        reward_processing_classes=cfg.reward_processing_classes, device=info.device,
+                                        dtype=torch.bfloat16 if cfg.bf16(info.device) else torch.float32)
     rows = load_dataset(cfg.dataset, split=cfg.dataset_split, seed=cfg.seed)
     eval_rows = None
     if cfg.eval_dataset and cfg.eval_every:

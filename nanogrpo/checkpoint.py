@@ -29,8 +29,7 @@ from nanogrpo import dist, lora
 from nanogrpo.model import SUPPORTED_MODEL_TYPES, ModelConfig, Transformer
 
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}  # + ForCausalLM etc.
 
 # -----------------------------------------------------------------------------
 # Paths, JSON, dtypes
@@ -105,8 +104,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
         scaling["rope_type"] = scaling.get("rope_type", scaling.pop("type", "default"))
         if scaling["rope_type"] == "default":
             scaling = None
-    known = {f.name for f in fields(ModelConfig)} - {"extra", "rope_theta", "rope_scaling"}
+    known = {f.name for f in fields(ModelConfig)} - {"extra", "rope_theta", "rope_scaling", "num_labels"}
     kwargs = {k: hf[k] for k in known if hf.get(k) is not None}
+    if any(str(a).endswith("ForSequenceClassification") for a in hf.get("architectures") or []):  # as transformers
+        kwargs["num_labels"] = len(hf["id2label"]) if hf.get("id2label") else hf.get("num_labels") or 2  # counts
     return ModelConfig(**kwargs, rope_theta=float(theta), rope_scaling=scaling, extra=dict(hf))
 
 
@@ -114,12 +115,15 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     """The dict to write as config.json (keeps the unknown keys of the file it was loaded from)."""
     hf = dict(cfg.extra)
     hf.update({f.name: getattr(cfg, f.name) for f in fields(cfg)
-               if f.name not in ("extra", "rope_theta", "rope_scaling")})
+               if f.name not in ("extra", "rope_theta", "rope_scaling", "num_labels")})
     if "rope_parameters" in hf:  # transformers >= 5 layout
         hf["rope_parameters"] = {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {"rope_type": "default"})}
     else:  # the classic layout, read by every transformers and vLLM version
         hf.update(rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling)
-    hf["architectures"] = [ARCHITECTURES[cfg.model_type]]
+    head = "ForSequenceClassification" if cfg.num_labels else "ForCausalLM"
+    hf["architectures"] = [ARCHITECTURES[cfg.model_type] + head]
+    if cfg.num_labels and len(hf.get("id2label") or {}) != cfg.num_labels:  # transformers counts id2label's labels
+        hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)}
     if cfg.model_type == "qwen2":
         hf.pop("attention_bias", None)  # implied by the family
     return hf
@@ -130,9 +134,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def to_hf_names(state: dict, cfg: ModelConfig) -> dict:
-    """Our state dict -> HF's names (`model.` prefix), contiguous; a tied lm_head is left out."""
-    return {(k if k == "lm_head.weight" else "model." + k): v.detach().contiguous() for k, v in state.items()
-            if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
+    """Our state dict -> HF's names (`model.` prefix but on the head), contiguous; a tied lm_head is left out."""
+    return {name if name in ("lm_head.weight", "score.weight") else "model." + name: t.detach().contiguous()
+            for name, t in state.items() if not (name == "lm_head.weight" and cfg.tie_word_embeddings)}
 
 
 def from_hf_names(state: dict, model: Transformer) -> dict:
@@ -153,7 +157,7 @@ def from_hf_names(state: dict, model: Transformer) -> dict:
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
                              f"config.json implies {tuple(expected[name].shape)}")
-    if tied:
+    if tied and "lm_head.weight" in expected:  # (a classifier has no LM head)
         ours["lm_head.weight"] = ours["embed_tokens.weight"]
     return ours
 

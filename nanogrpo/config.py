@@ -70,8 +70,10 @@ class TrainConfig:
     eval_split: str | None = "test"  # split of eval_dataset
     eval_size: int = 256  # evaluate on the first this-many eval prompts
     # rewards
-    reward_funcs: list[str] = field(default_factory=lambda: ["default_task"])  # built-in names or module:function
+    reward_funcs: list[str] = field(default_factory=lambda: ["default_task"])  # built-in, module:function, reward model
     reward_weights: list[float] | None = None  # one per reward function; None = all 1.0
+    reward_processing_classes: list[str | None] | None = None  # TRL's: one per reward function, a tokenizer for a
+    # reward model (None = the reward model's own); None = every reward model uses its own
     soft_punish_cache: int | None = None  # soft_overlong reward's window (None = max_completion_length // 4)
     # batch
     num_generations: int = 8  # completions per prompt (G), at least 2
@@ -184,6 +186,9 @@ class TrainConfig:
         need(len(self.reward_funcs) >= 1, "reward_funcs", "needs at least one reward function")
         need(self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs), "reward_weights",
              f"needs one weight per reward function ({len(self.reward_funcs)})")
+        need(self.reward_processing_classes is None or len(self.reward_processing_classes) == len(self.reward_funcs),
+             "reward_processing_classes", f"needs one entry per reward function ({len(self.reward_funcs)}), None "
+             "where it is not a reward model")
         need(self.soft_punish_cache is None or 1 <= self.soft_punish_cache <= self.max_completion_length,
              "soft_punish_cache", "must be in [1, max_completion_length]")
         need(self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 1,

@@ -2,7 +2,8 @@
 
 Owns: `ModelConfig` (architecture hyper-parameters, named as in HF's config.json), the `Transformer`
 (Llama 3.x, Mistral, Qwen2/Qwen2.5 and Qwen3 families: RMSNorm, RoPE, grouped-query attention
-through `F.scaled_dot_product_attention`, SwiGLU MLP) and a static `KVCache`.
+through `F.scaled_dot_product_attention`, SwiGLU MLP) and a static `KVCache`. With `num_labels`, the
+same decoder is a *ForSequenceClassification model: a `score` head replaces the LM head.
 
 Does not know about: files (checkpoint.py reads and writes config.json and safetensors),
 tokenization, sampling strategies, losses, or more than one process.
@@ -53,6 +54,7 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v (Qwen2 always has it)
     mlp_bias: bool = False
     initializer_range: float = 0.02
+    num_labels: int | None = None  # a sequence classifier (reward model): a `score` head of num_labels, no lm_head
     extra: dict = field(default_factory=dict, repr=False, compare=False)  # other config.json keys, written back as-is
 
     def __post_init__(self):
@@ -254,7 +256,10 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.num_labels is None:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:  # per-token label scores [B,T,num_labels]; pooled_scores reads the one transformers pools
+            self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
         self.tie_weights()
         self.inv_freq = rope_inv_freq(cfg)  # fp32, kept out of state_dict and of .to(dtype); follows the input's device
         self.gradient_checkpointing = False
@@ -263,7 +268,7 @@ class Transformer(nn.Module):
 
     def tie_weights(self):
         """With tie_word_embeddings, the LM head is the embedding matrix (one Parameter, not a copy)."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.config.num_labels is None:
             self.lm_head.weight = self.embed_tokens.weight
 
     def _init_weights(self, module):
@@ -311,13 +316,25 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def forward(self, input_ids, attention_mask=None, positions=None, cache=None, cache_start=0, head=None):
-        """Logits [B,T,V]; arguments as in `hidden_states`. With `head`, returns head(hidden [B,T,C],
-        self.lm_head) instead: how token_logprobs scores in chunks without full logits, inside the
-        forward call (so FSDP keeps the LM head gathered while it runs)."""
+        """Logits [B,T,V] (a classifier: label scores [B,T,num_labels]); arguments as in `hidden_states`.
+        With `head`, returns head(hidden [B,T,C], self.lm_head or self.score) instead: how token_logprobs
+        scores in chunks without full logits and a reward model scores only its pooled position, inside
+        the forward call (so FSDP keeps the head gathered while it runs)."""
         h = self._trunk(input_ids, attention_mask, positions, cache, cache_start)
-        return self.lm_head(h) if head is None else head(h, self.lm_head)
+        out = self.lm_head if self.config.num_labels is None else self.score
+        return out(h) if head is None else head(h, out)
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         """A zeroed KV cache for `batch_size` rows of up to `max_len` tokens, in the model's dtype/device."""
         w = self.embed_tokens.weight
         return KVCache(self.config, batch_size, max_len, w.dtype, w.device)
+
+
+def pooled_scores(model: Transformer, input_ids, attention_mask, pad_id: int) -> torch.Tensor:
+    """A classifier's label scores [B,num_labels] where *ForSequenceClassification pools them: at each row's
+    rightmost token whose id is not pad_id (position 0 if every id is), so with pad = eos a trailing eos is
+    skipped. Only that position goes through the `score` head."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (positions * (input_ids != pad_id)).argmax(-1)  # [B]
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    return model(input_ids, attention_mask, head=lambda h, score: score(h[rows, last]))

@@ -1,37 +1,42 @@
-"""Reward functions, and turning their outputs into one [N, K] reward matrix.
+"""Reward functions and reward models, and turning their outputs into one [N, K] reward matrix.
 
 Owns: the built-in rewards (`accuracy`, `format`, `soft_overlong`, `countdown`, `default_task`),
-resolving reward names from a config (`resolve_reward_funcs`), calling every function on a batch
-of completions (`score_completions`), and their weighted total (`total_reward`).
+reward models (`reward_model`), resolving config entries (`resolve_reward_funcs`), calling every
+function on a batch of completions (`score_completions`), and their weighted total (`total_reward`).
 
-Does not know about: tokenizers, models, advantages (grpo.py turns the matrix into advantages) or
-where the dataset columns come from (data.py).
+Does not know about: the policy, advantages (grpo.py), where dataset columns come from (data.py), or
+other processes: under FSDP2 each rank holds a full replica of every reward model and scores its rows.
 
 Choices:
 - TRL's calling convention, so users bring their functions unchanged:
   `fn(prompts, completions, completion_ids=..., **columns) -> list[float | None]`. Completions are
   strings for plain-text prompts and `[{"role": "assistant", "content": ...}]` for conversational
   ones; every built-in accepts both. `None` means "not scored" and becomes NaN in the matrix.
-- `async def` reward functions are awaited together in one `asyncio.run`, so slow remote
-  verifiers overlap.
+- `async def` reward functions are awaited together in one `asyncio.run`: slow remote verifiers overlap.
 - Math answers are compared as exact `fractions.Fraction`s (no sympy): 2.50 == 5/2 == \\frac{5}{2}.
 - Countdown equations are parsed with `ast` and evaluated by walking the tree with Fractions; nothing
   is ever passed to `eval`.
+- A reward model (a *ForSequenceClassification checkpoint) runs on our own decoder and scores exactly
+  as TRL's `_calculate_rewards` with transformers' pooling.
 """
 
 import ast
 import asyncio
 import collections
 import difflib
-import importlib
 import importlib.util
 import inspect
 import math
 import numbers
+import os
 import re
 from fractions import Fraction
 
 import torch
+
+from nanogrpo.checkpoint import config_from_hf, load_model, read_json, resolve_path
+from nanogrpo.model import pooled_scores
+from nanogrpo.tokenizer import Tokenizer
 
 
 class RewardError(RuntimeError):
@@ -55,9 +60,7 @@ def last_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}` in text, nested braces allowed; None if there is none."""
     start = text.rfind("\\boxed")
     while start != -1:
-        i = start + len("\\boxed")
-        while i < len(text) and text[i] == " ":
-            i += 1
+        i = len(text) - len(text[start + len("\\boxed"):].lstrip(" "))  # the first non-space after \\boxed
         if i < len(text) and text[i] == "{":
             depth = 0
             for j in range(i, len(text)):
@@ -73,34 +76,26 @@ _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 def extract_answer(text: str) -> str | None:
     """The final answer in a solution: last `\\boxed{}`, else what follows `####`, else the last number."""
-    boxed = last_boxed(text)
-    if boxed is not None:
+    if (boxed := last_boxed(text)) is not None:
         return boxed
     if "####" in text:
         return text.rsplit("####", 1)[1].strip().split("\n")[0].strip()
-    numbers_found = _NUMBER.findall(text)
-    return numbers_found[-1] if numbers_found else None
+    return (_NUMBER.findall(text) or [None])[-1]
 
 
 def parse_number(s: str) -> Fraction | None:
-    """An answer string as an exact Fraction, or None if it is not a plain number.
-
-    Understands "-1,234.50", "$5", "50%", "3/4", "\\frac{3}{4}", "\\dfrac34", "x = 7", "5 \\text{cm}".
-    """
+    """An answer string as an exact Fraction, or None if it is not a plain number. Understands
+    "-1,234.50", "$5", "50%", "3/4", "\\frac{3}{4}", "\\dfrac34", "x = 7", "5 \\text{cm}"."""
     s = re.sub(r"\\(?:text|mathrm|mbox)\{[^{}]*\}", "", str(s))
     for junk in ("\\left", "\\right", "\\!", "\\,", "\\ ", "\\$", "$", "{,}", "\\%", "%"):
         s = s.replace(junk, "")
     s = s.replace("\u2212", "-").rsplit("=", 1)[-1].replace(" ", "").rstrip(".").lstrip("+")
-    m = re.fullmatch(r"(-?)\\[dt]?frac(?:\{([^{}]+)\}\{([^{}]+)\}|(\d)(\d))", s)
-    if m:
+    if m := re.fullmatch(r"(-?)\\[dt]?frac(?:\{([^{}]+)\}\{([^{}]+)\}|(\d)(\d))", s):
         num, den = parse_number(m[2] or m[4]), parse_number(m[3] or m[5])
-        if num is None or not den:
-            return None
-        return -num / den if m[1] else num / den
+        return None if num is None or not den else -num / den if m[1] else num / den
     if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
         s = s.replace(",", "")
-    m = re.fullmatch(r"(-?(?:\d+\.?\d*|\.\d+))/(-?(?:\d+\.?\d*|\.\d+))", s)
-    if m:
+    if m := re.fullmatch(r"(-?(?:\d+\.?\d*|\.\d+))/(-?(?:\d+\.?\d*|\.\d+))", s):
         den = Fraction(m[2])
         return Fraction(m[1]) / den if den else None
     if re.fullmatch(r"-?(?:\d+\.?\d*|\.\d+)", s):
@@ -119,7 +114,6 @@ def answers_match(predicted: str, gold: str) -> bool:
 
 def accuracy_reward(completions, answer=None, solution=None, **kwargs) -> list[float | None]:
     """1.0 when the completion's final answer equals the `answer` (or `solution`) column, else 0.0.
-
     The gold value may itself be a full solution (its `\\boxed{}` or `####` part is used). Rows with
     no gold answer are not scored (None)."""
     golds = answer if answer is not None else solution
@@ -142,9 +136,8 @@ def accuracy_reward(completions, answer=None, solution=None, **kwargs) -> list[f
 # format, soft overlong punishment
 
 
-_THINK_ANSWER = re.compile(
-    r"<think>(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*</answer>", re.DOTALL
-)
+_THINK_ANSWER = re.compile(r"<think>(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*</answer>",
+                           re.DOTALL)
 
 
 def format_reward(completions, **kwargs) -> list[float]:
@@ -153,18 +146,16 @@ def format_reward(completions, **kwargs) -> list[float]:
 
 
 def soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int):
-    """DAPO's length penalty, as a reward function of `completion_ids`.
-
-    With L = len(ids), M = max_completion_len, C = soft_punish_cache: 0 when L <= M - C, falling
-    linearly to -1 across the last C tokens ((M - C - L) / C), and -1 beyond M."""
+    """DAPO's length penalty, as a reward function of `completion_ids`. With L = len(ids), M =
+    max_completion_len, C = soft_punish_cache: 0 when L <= M - C, falling linearly to -1 across the
+    last C tokens ((M - C - L) / C), and -1 beyond M."""
     if not 0 < soft_punish_cache <= max_completion_len:
         raise ValueError(f"soft_punish_cache={soft_punish_cache} must be in [1, {max_completion_len}]")
     free = max_completion_len - soft_punish_cache
 
     def soft_overlong(completion_ids, **kwargs) -> list[float]:
-        lengths = [len(ids) for ids in completion_ids]
         return [0.0 if n <= free else -1.0 if n > max_completion_len else (free - n) / soft_punish_cache
-                for n in lengths]
+                for n in map(len, completion_ids)]
 
     return soft_overlong
 
@@ -193,7 +184,6 @@ def _evaluate(node, used: list) -> Fraction:
 
 def check_equation(equation: str, nums, target) -> bool:
     """True when `equation` uses each of `nums` exactly once, only + - * / ( ), and equals `target`.
-
     A trailing "= <number>" is allowed and ignored."""
     equation = equation.strip().split("=")[0].strip()
     if not equation or len(equation) > 200 or not re.fullmatch(r"[\d+\-*/()\s]+", equation):
@@ -211,9 +201,8 @@ def countdown_reward(completions, nums, target, **kwargs) -> list[float]:
     scores = []
     for completion, row_nums, row_target in zip(completions, nums, target):
         text = completion_text(completion)
-        tagged = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
-        lines = [line for line in text.strip().split("\n") if line.strip()]
-        equation = tagged[-1] if tagged else (lines[-1] if lines else "")
+        equation = (re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)  # the last tagged one, else the last line
+                    or [line for line in text.strip().split("\n") if line.strip()] or [""])[-1]
         scores.append(float(check_equation(equation, row_nums, row_target)))
     return scores
 
@@ -223,8 +212,7 @@ def countdown_reward(completions, nums, target, **kwargs) -> list[float]:
 
 
 def default_task_score(completion: str, target: str, num_tokens: int | None = None) -> float:
-    """Dense score in [0, 1], 1.0 only for the exact target at the exact length.
-
+    """Dense score in [0, 1], 1.0 only for the exact target at the exact length:
     0.7 * fraction of positions right + 0.15 * multiset overlap of characters (both over
     max(length, len target)) + 0.15 * length closeness (1 - |length - len target| / len target, >= 0).
     length = len(completion), or num_tokens - 1 if larger: num_tokens counts the generated ids up to and
@@ -247,7 +235,7 @@ def default_task_reward(completions, target, completion_ids=None, **kwargs) -> l
 
 
 # -----------------------------------------------------------------------------
-# resolving names, scoring a batch
+# resolving names, reward models, scoring a batch
 
 
 BUILTINS = {"accuracy": accuracy_reward, "format": format_reward, "countdown": countdown_reward,
@@ -260,8 +248,6 @@ def import_function(spec: str):
     try:
         if module_name.endswith(".py"):
             loader_spec = importlib.util.spec_from_file_location(f"_reward_{abs(hash(module_name))}", module_name)
-            if loader_spec is None:
-                raise ImportError(f"cannot load {module_name}")
             module = importlib.util.module_from_spec(loader_spec)
             loader_spec.loader.exec_module(module)
         else:
@@ -275,21 +261,24 @@ def import_function(spec: str):
 
 
 def resolve_reward_funcs(names_or_callables, *, max_completion_length: int | None = None,
-                         soft_punish_cache: int | None = None) -> list[tuple[str, object]]:
-    """Names from a config (built-in names or "module:function") and/or callables -> [(name, fn)].
-
-    `soft_overlong` is built from max_completion_length and soft_punish_cache (default: a quarter of
-    max_completion_length)."""
+                         soft_punish_cache: int | None = None, reward_processing_classes=None, device="cpu",
+                         dtype=torch.float32, batch_size: int = 32) -> list[tuple[str, object]]:
+    """Config entries -> [(name, fn)]: callables, built-in names, "module:function" or "file.py:function",
+    and reward models: the directory or hub id ('org/name') of a *ForSequenceClassification checkpoint,
+    loaded by `reward_model` with reward_processing_classes[i] (TRL's name: one entry per function; None =
+    the model's own tokenizer; ignored for other functions, as in TRL). `soft_overlong` is built from
+    max_completion_length and soft_punish_cache (default: a quarter of max_completion_length)."""
     if isinstance(names_or_callables, str) or callable(names_or_callables):
         names_or_callables = [names_or_callables]
+    tokenizers = list(reward_processing_classes or [None] * len(names_or_callables))
+    if len(tokenizers) != len(names_or_callables):
+        raise ValueError(f"reward_processing_classes: {len(tokenizers)} entries, {len(names_or_callables)} functions")
     resolved = []
-    for item in names_or_callables:
+    for item, tokenizer in zip(names_or_callables, tokenizers):
         if callable(item):
             resolved.append((getattr(item, "__name__", type(item).__name__), item))
         elif not isinstance(item, str):
             raise TypeError(f"a reward function is a name or a callable, got {item!r}")
-        elif ":" in item:
-            resolved.append((item.rpartition(":")[2], import_function(item)))
         elif item == "soft_overlong":
             if max_completion_length is None:
                 raise ValueError("soft_overlong needs max_completion_length")
@@ -297,11 +286,15 @@ def resolve_reward_funcs(names_or_callables, *, max_completion_length: int | Non
             resolved.append((item, soft_overlong_punishment(max_completion_length, cache)))
         elif item in BUILTINS:
             resolved.append((item, BUILTINS[item]))
+        elif os.path.isdir(item) or (":" not in item and item.count("/") == 1 and not item.startswith((".", "~"))):
+            resolved.append(reward_model(item, tokenizer, device, dtype, batch_size))
+        elif ":" in item:
+            resolved.append((item.rpartition(":")[2], import_function(item)))
         else:
             close = difflib.get_close_matches(item, BUILTINS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"unknown reward function {item!r}{hint}; built-ins are {sorted(BUILTINS)}, "
-                             "or give 'module:function'")
+            raise ValueError(f"unknown reward function {item!r}{hint}; built-ins are {sorted(BUILTINS)}, or give "
+                             "'module:function' or a reward model's directory or hub id")
     return resolved
 
 
@@ -322,6 +315,47 @@ def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
                                  f"dataset {source} lacks (its columns: {sorted(row)})")
 
 
+def reward_model(path: str, tokenizer: str | None = None, device="cpu", dtype=torch.float32, batch_size: int = 32):
+    """(name, fn): a sequence classifier (our decoder + a 1-label `score` head) on `device` in `dtype` as a
+    reward function with TRL's signature, named by `path`'s last component. Texts as TRL's `_calculate_rewards`
+    makes them: prompt + completion, or the reward tokenizer's chat template over prompt + completion messages
+    (no generation prompt). Tokenizer: the model's own or `tokenizer`; with no pad token it pads with eos (TRL)."""
+    local = resolve_path(path)
+    hf = read_json(os.path.join(local, "config.json")) if os.path.exists(os.path.join(local, "config.json")) else {}
+    arch = (hf.get("architectures") or [None])[0]
+    labels = config_from_hf(hf).num_labels if str(arch).endswith("ForSequenceClassification") else None
+    if labels != 1:
+        raise ValueError(f"reward model {path!r}: config.json names {arch} with num_labels={labels}; a reward model "
+                         "is a *ForSequenceClassification with 1 label (TRL loads it with num_labels=1)")
+    model, tok = load_model(local, dtype=dtype, device=device).eval(), Tokenizer.from_pretrained(tokenizer or local)
+    if tok.pad_token_id is None:
+        raise ValueError(f"reward model {path!r}: its tokenizer has neither a pad nor an eos token to pad with")
+
+    def fn(prompts, completions, **columns) -> list[float]:
+        chat = bool(completions) and not isinstance(prompts[0], str)
+        return score_texts(model, tok, [tok.apply_chat_template(p + c, add_generation_prompt=False) if chat
+                                        else p + c for p, c in zip(prompts, completions)], batch_size)
+
+    fn.__name__ = os.path.basename(str(path).rstrip("/"))
+    return fn.__name__, fn
+
+
+@torch.no_grad()
+def score_texts(model, tok, texts: list[str], batch_size: int = 32) -> list[float]:
+    """Label 0's score of each text: tokenized without special tokens, right-padded with tok.pad_token_id,
+    pooled by model.pooled_scores (as transformers pools), in micro-batches of similar lengths."""
+    rows = [e.ids for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    scores, device = torch.zeros(len(rows)), model.embed_tokens.weight.device
+    for start in range(0, len(rows), batch_size):
+        chunk = [rows[i] for i in order[start:start + batch_size]]
+        T = max(1, max(map(len, chunk)))
+        ids = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in chunk], device=device)  # [b,T]
+        real = torch.arange(T, device=device) < torch.tensor([len(r) for r in chunk], device=device)[:, None]
+        scores[order[start:start + batch_size]] = pooled_scores(model, ids, real, tok.pad_token_id)[:, 0].cpu().float()
+    return scores.tolist()
+
+
 def _check_scores(name: str, scores, n: int) -> list[float]:
     """Validate one function's output: n numbers or None -> n floats with NaN for None."""
     if hasattr(scores, "tolist"):  # tensor, numpy array
@@ -331,20 +365,16 @@ def _check_scores(name: str, scores, n: int) -> list[float]:
                           "expected a list with one float (or None) per completion")
     if len(scores) != n:
         raise RewardError(f"reward function {name!r} returned {len(scores)} values for {n} completions")
-    out = []
-    for i, s in enumerate(scores):
-        if s is None:
-            s = math.nan
+    out = [math.nan if s is None else s for s in scores]
+    for i, s in enumerate(out):
         if not isinstance(s, numbers.Real) or math.isinf(s):
             raise RewardError(f"reward function {name!r} returned {s!r} ({type(s).__name__}) at index {i}; "
                               "expected a finite float or None")
-        out.append(float(s))
-    return out
+    return [float(s) for s in out]
 
 
 def score_completions(reward_funcs, prompts, completions, completion_ids, columns: dict) -> torch.Tensor:
     """Call every reward function on the batch -> float32 [N, K], NaN where a function returned None.
-
     reward_funcs: [(name, fn)] from resolve_reward_funcs (bare callables also accepted).
     prompts, completions, completion_ids: N entries each (prompt i*G..i*G+G-1 repeated as the trainer
     lays them out); columns: dataset columns, each a list of N values, passed as keyword arguments."""
