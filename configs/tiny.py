@@ -6,9 +6,8 @@
 # copy a 4-letter string, "bhad=" -> "bhad" + eos, with a dense per-character reward
 # (data.py and rewards.default_task_score explain the task and why it is learnable).
 #
-# The learning rate is what makes it reliable. At 3e-3 about a third of the seeds settled, for good,
-# on copying one or two letters as another (seed 2 after 400 steps: every g and h comes out as d,
-# reward ~0.77); at 1e-3 the same seed learns all eight letters (0.98), in ~200 steps rather than
+# The learning rate is what makes it reliable. At 3e-3, 3 of 6 seeds tried stalled at 0.77-0.83 even
+# after 400 steps, copying some letters as another (seed 2: every g and h comes out as d); at 1e-3 the same seed learns all eight letters (0.98), in ~200 steps rather than
 # ~120. 400 steps leave a margin; bench/bench_seeds.py measures it over 16 seeds (README's table).
 
 model = "out/tiny-init"
