@@ -21,7 +21,7 @@ dataset = "addition"
 eval_dataset = "addition"
 eval_split = "test"
 eval_size = 128  # held-out problems, all distinct; standard error of pass@1 <= 0.045
-eval_every = 25
+eval_every = 10
 reward_funcs = ["accuracy", "soft_overlong"]
 reward_weights = [1.0, 0.5]
 soft_punish_cache = 4  # free up to 12 tokens ("12 + 7 = 19" is ~10), -1 at 16
@@ -39,10 +39,10 @@ top_k = 50
 
 loss_type = "dapo"
 beta = 0.0  # no reference model: half the memory and no extra forward per step
-learning_rate = 2e-5  # a few dozen steps, so a bolder rate than long runs use (1e-6 .. 1e-5)
+learning_rate = 3e-5  # a few dozen steps, so a bolder rate than long runs use (1e-6 .. 1e-5)
 lr_scheduler = "constant"
 max_grad_norm = 1.0
-max_steps = 40
+max_steps = 30
 save_every = 0
 log_completions = True
 out_dir = "out/smollm"
