@@ -9,6 +9,9 @@
 # brevity (soft_overlong: 0 up to 12 tokens, down to -1 at 16), so a right answer buried in a ramble
 # that runs out of tokens earns nothing and a short one is never penalized.
 #
+# Measured on 2 CPU cores (seed 0): held-out pass@1 0.078 +- 0.024 before (bench/eval_heldout.py),
+# 0.539 +- 0.044 after the 30 steps (n = 128), ~9 s per step.
+#
 # Sizes are set by the CPU: every step is 4 prompts x 8 completions of at most 16 tokens; prompts are
 # ~25 tokens (the short system prompt replaces SmolLM2's default one, which would double them).
 
