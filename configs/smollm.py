@@ -6,8 +6,8 @@
 # The task (data.addition): "What is 12 + 7?" with the system prompt "Answer with just the number.",
 # a, b in 1..25; the held-out split is a disjoint quarter of the problems. SmolLM2-135M starts weak at
 # it: it answers "10 + 18 = 22" or rambles. Rewards: accuracy (the last number equals a + b) and
-# brevity (soft_overlong: 0 up to 12 tokens, down to -1 at 16), so a right answer buried in a ramble
-# that runs out of tokens earns nothing and a short one is never penalized.
+# brevity (soft_overlong: 0 up to 12 tokens, down to -1 at 16): a ramble that runs out of tokens is
+# penalized (and its last number is rarely the sum), a short answer never is.
 #
 # Measured on 2 CPU cores (seed 0): held-out pass@1 0.078 +- 0.024 before (bench/eval_heldout.py),
 # 0.539 +- 0.044 after the 30 steps (n = 128), ~9 s per step.
