@@ -3,7 +3,8 @@
     python bench/trl_runner.py --model out/tiny-init --out_dir out/bench/trl --max_steps 20 --seed 1337
 
 Loads the checkpoint directory with transformers' Auto classes, builds a `datasets.Dataset` from
-`nanogrpo.data.load_dataset(dataset, seed=seed)`, uses `nanogrpo.rewards.default_task_reward`, and
+`nanogrpo.data.load_dataset(dataset, seed=seed)`, uses nanogrpo's reward functions by name
+(`--reward_funcs`, default `default_task`; `--reward_weights` as TRL's reward_weights), and
 trains with a GRPOConfig set to what `python train.py --config tiny.py` does (every TRL default that
 differs from ours overridden: no gradient checkpointing, fp32 on CPU, constant lr, beta2 0.99,
 logging every step, no checkpoints). One optimizer step = prompts_per_step prompts x num_generations
@@ -46,6 +47,10 @@ def parse_args(argv=None):
     p.add_argument("--micro_batch_size", type=int, default=64)
     p.add_argument("--max_completion_length", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top_k", type=int, default=0, help="0 = off")
+    p.add_argument("--reward_funcs", default="default_task", help="comma-separated nanogrpo reward names")
+    p.add_argument("--reward_weights", default=None, help="comma-separated floats, one per reward function")
+    p.add_argument("--soft_punish_cache", type=int, default=None)
     p.add_argument("--loss_type", default="dapo")
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--learning_rate", type=float, default=3e-3)
@@ -66,7 +71,7 @@ def main(argv=None):
     from trl import GRPOConfig, GRPOTrainer
 
     from nanogrpo.data import load_dataset
-    from nanogrpo.rewards import default_task_reward
+    from nanogrpo.rewards import resolve_reward_funcs
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,6 +132,10 @@ def main(argv=None):
                     if key in logs:
                         rec[key] = float(logs[key])
 
+    reward_funcs = [fn for _, fn in resolve_reward_funcs(args.reward_funcs.split(","),
+                                                         max_completion_length=args.max_completion_length,
+                                                         soft_punish_cache=args.soft_punish_cache)]
+    weights = [float(w) for w in args.reward_weights.split(",")] if args.reward_weights else None
     rows = load_dataset(args.dataset, seed=args.seed)
     dataset = Dataset.from_list(rows)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -135,12 +144,13 @@ def main(argv=None):
         output_dir=args.out_dir, num_generations=args.num_generations,
         per_device_train_batch_size=args.micro_batch_size, gradient_accumulation_steps=grad_accum,
         max_completion_length=args.max_completion_length, temperature=args.temperature,
+        top_k=args.top_k, reward_weights=weights,
         loss_type=args.loss_type, beta=args.beta, learning_rate=args.learning_rate, adam_beta1=0.9,
         adam_beta2=args.adam_beta2, adam_epsilon=1e-8, weight_decay=0.0, lr_scheduler_type="constant",
         warmup_steps=0, max_grad_norm=args.max_grad_norm, gradient_checkpointing=False, bf16=False,
         fp16=False, use_cpu=True, report_to="none", logging_steps=1, save_strategy="no", seed=args.seed,
         max_steps=args.max_steps, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=[default_task_reward], args=config,
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=reward_funcs, args=config,
                                train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimer()])
     t_setup = time.perf_counter() - t_start
     trainer.train()

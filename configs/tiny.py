@@ -5,6 +5,11 @@
 # load_model path as any hub checkpoint. It then learns the default task by RL alone:
 # copy a 4-letter string, "bhad=" -> "bhad" + eos, with a dense per-character reward
 # (data.py and rewards.default_task_score explain the task and why it is learnable).
+#
+# The learning rate is what makes it reliable. At 3e-3, 3 of 6 seeds tried stalled at 0.77-0.83 even
+# after 400 steps, copying some letters as another (seed 2: every g and h comes out as d); at 1e-3
+# the same seed learns all eight letters (0.98), in ~200 steps rather than ~120. 400 steps leave a
+# margin; bench/bench_seeds.py measures it over 16 seeds (README's table).
 
 model = "out/tiny-init"
 init_model = dict(model_type="qwen2", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
@@ -19,7 +24,7 @@ dataset = "default"
 eval_dataset = "default"
 eval_split = "test"
 eval_size = 64
-eval_every = 50
+eval_every = 100
 reward_funcs = ["default_task"]
 
 num_generations = 8
@@ -29,9 +34,9 @@ max_completion_length = 8
 temperature = 1.0
 
 loss_type = "dapo"
-learning_rate = 3e-3
+learning_rate = 1e-3
 adam_beta2 = 0.99
 max_grad_norm = 1.0
-max_steps = 150
-save_every = 50
+max_steps = 400
+save_every = 100
 out_dir = "out/tiny"

@@ -1,7 +1,7 @@
 """Prompt datasets: a list of dict rows, where to get them, and the order the trainer sees them in.
 
 Owns: `load_dataset` (local .jsonl/.json/.parquet files, files in a Hub dataset repo, GSM8K, and the
-procedural tasks `default` and `countdown`), the row checks, `columns_of` (the extra columns reward
+procedural tasks `default`, `countdown` and `addition`), the row checks, `columns_of` (the extra columns reward
 functions receive) and `PromptSampler` (shuffled, resumable batches of prompts).
 
 Does not know about: tokenization or chat templates (tokenizer.py renders conversational prompts),
@@ -13,19 +13,21 @@ Choices:
   All other keys are dataset columns, passed to every reward function as keyword arguments.
 - Hub files are named `hf://datasets/<owner>/<name>[@revision]/<path-in-repo>` (the spelling
   huggingface_hub's file system uses) and fetched with `hf_hub_download`, which caches them.
-- Procedural tasks are a pure function of (name, split, num_rows, seed): split "train" uses `seed`,
-  any other split `seed + 1`. Train and test rows may overlap.
+- Procedural tasks are a pure function of (name, split, num_rows, seed). For `default` and `countdown`
+  split "train" uses `seed`, any other split `seed + 1`, so train and test rows may overlap; `addition`
+  splits the problems themselves, so its test split is truly held out.
 
 The default task ("default"): copy a 4-letter string over the alphabet a-h, prompt "bhad=" ->
 target "bhad". It is meant to be learned from scratch, by RL alone, by a ~100k-parameter transformer
-in ~150 steps on a CPU. It works because (1) the reward (rewards.default_task_score) is dense: a
+in 200-400 steps on a CPU. It works because (1) the reward (rewards.default_task_score) is dense: a
 random policy already earns partial credit for using the right letters and stopping at the right
 length, so groups have reward variance from step 0; (2) the fixed length makes every output
 position read the prompt at one constant relative offset, a single attention pattern that RoPE
 models pick up easily; (3) the vocabulary is tiny: a char-level tokenizer over `DEFAULT_TASK_CHARS`
 plus a few specials. Measured with train.py and configs/tiny.py (2 layers, width 64, 16 prompts x 8,
-lr 3e-3): mean reward 0.15 -> 0.85 in 150 steps for seed 1337, 0.14 -> 0.64 for seed 2, 0.15 ->
-0.26 for seed 1; RL from scratch is seed-sensitive. In a stand-alone probe, reversal, variable
+lr 1e-3, 400 steps): mean reward of the last 15 steps >= 0.91 on all 16 seeds 11-26 (mean 0.989;
+bench/bench_seeds.py); at lr 3e-3 and 150 steps it was 0.65 +- 0.22, and at 3e-3 even 400 steps left 3
+of the 6 seeds tried at 0.77-0.83 (some letters copied as another, e.g. every g and h as d). In a stand-alone probe, reversal, variable
 lengths and a 257-token byte vocabulary all stayed below 0.45 within 150 steps.
 """
 
@@ -91,7 +93,36 @@ def countdown(num_rows: int, seed: int, conversational: bool = True) -> list[dic
     return rows
 
 
-PROCEDURAL = {"default": (make_default_task, 10_000, 256), "countdown": (countdown, 10_000, 256)}
+ADDITION_SYSTEM_PROMPT = "Answer with just the number."  # short: replaces SmolLM2's default system prompt
+
+
+def addition(num_rows: int, seed: int, split: str = "train", max_operand: int = 25) -> list[dict]:
+    """Two-number addition as chat rows: "What is 12 + 7?" -> answer "19", a, b in 1..max_operand.
+
+    The held-out split is a different set of problems, not just a different seed: a fixed quarter of
+    the unordered pairs {a, b} (chosen by a seeded hash of the pair, the same for every `seed`) is
+    "test", the rest "train", so no test problem, nor its b + a twin, is ever trained on. Rows walk
+    the split's problems in a `seed`-shuffled order (all distinct before any repeats). Columns:
+    prompt ([system, user]), answer."""
+    held_out = split != "train"
+    problems = [(a, b) for a in range(1, max_operand + 1) for b in range(1, max_operand + 1)
+                if (random.Random(f"{min(a, b)}+{max(a, b)}").random() < 0.25) == held_out]
+    rng = random.Random(seed)
+    rows = []
+    while len(rows) < num_rows:
+        rng.shuffle(problems)
+        rows += [{"prompt": [{"role": "system", "content": ADDITION_SYSTEM_PROMPT},
+                             {"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
+                 for a, b in problems[: num_rows - len(rows)]]
+    return rows
+
+
+# name -> (make(num_rows, seed, split), default rows for train, default rows otherwise)
+PROCEDURAL = {
+    "default": (lambda n, seed, split: make_default_task(n, seed if split == "train" else seed + 1), 10_000, 256),
+    "countdown": (lambda n, seed, split: countdown(n, seed if split == "train" else seed + 1), 10_000, 256),
+    "addition": (addition, 10_000, 128),
+}
 
 # -----------------------------------------------------------------------------
 # files
@@ -159,7 +190,7 @@ def load_dataset(spec: str, split: str | None = None, *, num_rows: int | None = 
     if spec in PROCEDURAL:
         make, n_train, n_eval = PROCEDURAL[spec]
         n = num_rows or (n_train if split == "train" else n_eval)
-        return check_rows(make(n, seed if split == "train" else seed + 1), spec)
+        return check_rows(make(n, seed, split), spec)
     if spec == "gsm8k":
         if split not in GSM8K_FILES:
             raise ValueError(f"gsm8k has splits {sorted(GSM8K_FILES)}, got {split!r}")

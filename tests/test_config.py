@@ -51,7 +51,7 @@ def test_a_stray_config_in_the_current_directory_never_replaces_a_builtin(tmp_pa
     (tmp_path / "tiny.py").write_text(f"open({str(marker)!r}, 'w').write('pwned')\nmax_steps = 3\n")
     monkeypatch.chdir(tmp_path)
     for name in ("tiny", "tiny.py"):
-        assert load_config(["--config", name]).max_steps == 150  # the built-in configs/tiny.py
+        assert load_config(["--config", name]).max_steps == 400  # the built-in configs/tiny.py
     assert not marker.exists()
     (tmp_path / "mine.py").write_text("max_steps = 9\n")  # a .py of your own (no built-in of that name)
     assert load_config(["--config", "mine.py"]).max_steps == 9

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from nanogrpo.data import (DEFAULT_TASK_CHARS, PromptSampler, check_rows, columns_of, countdown, gsm8k_rows,
+from nanogrpo.data import (DEFAULT_TASK_CHARS, PromptSampler, addition, check_rows, columns_of, countdown, gsm8k_rows,
                            is_conversational, load_dataset, make_default_task, read_rows)
 from nanogrpo.rewards import check_equation, resolve_reward_funcs, score_completions
 
@@ -96,6 +96,31 @@ def test_countdown_rows_are_solvable():
         assert check_equation(row["equation"], row["nums"], row["target"])
         assert str(row["target"]) in row["prompt"][0]["content"] and "<answer>" in row["prompt"][0]["content"]
     assert isinstance(countdown(1, 0, conversational=False)[0]["prompt"], str)
+
+
+def addition_pair(row):
+    a, b = row["prompt"][-1]["content"].removeprefix("What is ").removesuffix("?").split(" + ")
+    return int(a), int(b)
+
+
+def test_addition_answers_and_held_out_split():
+    train_rows = load_dataset("addition", seed=5)
+    test_rows = load_dataset("addition", split="test", seed=5)
+    assert train_rows == addition(10_000, 5) and train_rows != addition(10_000, 6)  # deterministic, seeded
+    assert len(test_rows) == 128 and test_rows == addition(128, 5, split="test")
+    for row in train_rows[:500] + test_rows:
+        a, b = addition_pair(row)
+        assert 1 <= a <= 25 and 1 <= b <= 25 and row["answer"] == str(a + b)
+        assert row["prompt"][0]["role"] == "system" and is_conversational(row)
+    seen = {frozenset(addition_pair(r)) for r in train_rows}
+    held_out = {frozenset(addition_pair(r)) for r in addition(1000, 0, split="test")}
+    assert not seen & held_out and len(seen) + len(held_out) == 25 * 26 // 2  # disjoint, and every pair somewhere
+    assert len({addition_pair(r) for r in test_rows}) == 128  # the eval prompts are distinct problems
+    assert held_out == {frozenset(addition_pair(r)) for r in addition(1000, 9, split="test")}  # seed-independent
+    scores = score_completions(resolve_reward_funcs(["accuracy"]), [r["prompt"] for r in test_rows[:2]],
+                               [[{"role": "assistant", "content": f"{sum(addition_pair(r))}"}] for r in test_rows[:2]],
+                               None, columns_of(test_rows[:2]))
+    assert scores[:, 0].tolist() == [1.0, 1.0]
 
 
 def test_prompt_sampler_epochs_and_resume():

@@ -110,7 +110,8 @@ def test_save_total_limit_prunes_only_this_runs_checkpoints(tmp_path):
 
 
 def test_learning_default_task(tmp_path):
-    # the embedded default's batch for 80 steps (~40 s): the last 10 steps clearly beat the first 10
+    # the embedded default's batch and learning rate (1e-3) for the first 80 of its 400 steps (~20 s): the
+    # last 10 steps clearly beat the first 10 (measured at step 80 for seeds 1, 2 and 1337: +0.20, +0.23, +0.24)
     history = train.train(tiny(tmp_path, "--max_steps=80", "--prompts_per_step=16", "--num_generations=8",
                                "--micro_batch_size=64", "--max_completion_length=8"))
     start = sum(m["reward"] for m in history[:10]) / 10

@@ -1,0 +1,52 @@
+"""Held-out evaluation of any checkpoint with a training config's eval settings: the "before" number.
+
+    python bench/eval_heldout.py --config smollm.py --model=.cache/real/smollm2-135m-instruct
+    python bench/eval_heldout.py --config smollm.py --model=out/smollm/checkpoint
+
+train.py evaluates every eval_every steps and at the end, never before the first step; this script
+runs the very same `train.evaluate` (same eval rows, sampling settings and sampling seed) on the
+checkpoint given as --model, so before and after are measured alike. Prints one JSON line with
+eval/pass@1, its standard error sqrt(p (1 - p) / n), eval/reward and per-function means.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main(argv=None):
+    """Load the config and the checkpoint, evaluate on the eval split, print the metrics."""
+    import torch
+    import train
+    from nanogrpo import dist
+    from nanogrpo.checkpoint import load_model
+    from nanogrpo.config import load_config
+    from nanogrpo.data import load_dataset
+    from nanogrpo.rewards import resolve_reward_funcs
+    from nanogrpo.tokenizer import Tokenizer
+
+    cfg = load_config(sys.argv[1:] if argv is None else argv)
+    if not cfg.eval_dataset:
+        raise SystemExit("the config has no eval_dataset")
+    info = dist.setup(cfg.device)
+    t0 = time.time()
+    tok = Tokenizer.from_pretrained(cfg.model)
+    model = load_model(cfg.model, dtype=torch.float32, device=info.device).eval()
+    rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split, seed=cfg.seed)[: cfg.eval_size]
+    funcs = resolve_reward_funcs(cfg.reward_funcs, max_completion_length=cfg.max_completion_length,
+                                 soft_punish_cache=cfg.soft_punish_cache)
+    m = train.evaluate(model, tok, rows, cfg, funcs, info, dist.autocast(info, cfg.bf16(info.device)))
+    p, n = m["eval/pass@1"], len(rows)
+    m.update({"model": cfg.model, "eval_size": n, "eval/pass@1_se": math.sqrt(p * (1 - p) / n),
+              "seconds": round(time.time() - t0, 1), "load_avg_1min": os.getloadavg()[0]})
+    print(json.dumps(m))
+    dist.teardown()
+
+
+if __name__ == "__main__":
+    main()
