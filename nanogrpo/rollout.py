@@ -309,7 +309,7 @@ def join_prompt_completion(prompt_ids: list[list[int]], completion_ids, pad_id: 
 def sampling_kwargs(cfg) -> dict:
     """The sampler settings of a TrainConfig, as `generate` takes them."""
     return dict(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_k=cfg.top_k,
-                top_p=cfg.top_p, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
+                top_p=cfg.top_p, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty, torch_compile=cfg.torch_compile)
 
 
 def _continue_with_tools(model, tok, prompt_of, ids, texts, truncated, tools, cfg, generator):

@@ -300,7 +300,7 @@ def test_resume_reports_what_it_does(tmp_path, capsys):
     train.train(tiny(tmp_path, "--max_steps=2", "--resume=true"))
     assert "nothing to do: the checkpoint is at step 2 and max_steps=2" in capsys.readouterr().out
     train.train(tiny(tmp_path, "--max_steps=3", "--resume=true", "--learning_rate=0.5"))
-    assert "note: learning_rate was 0.003 in the checkpoint's run, now 0.5 (ignored" in capsys.readouterr().out
+    assert "note: learning_rate was 0.001 in the checkpoint's run, now 0.5 (ignored" in capsys.readouterr().out
 
 
 def test_report_to(tmp_path, monkeypatch):
