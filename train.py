@@ -1,6 +1,6 @@
 """GRPO training, top to bottom as the algorithm.
 
-    python train.py                                   # embedded default: tiny model, CPU, ~2 minutes
+    python train.py                                   # embedded default: tiny model, CPU, ~30 seconds
     python train.py --config small.py --learning_rate=2e-6
     torchrun --nproc_per_node 8 train.py --config small.py
 
