@@ -40,12 +40,12 @@ import torch
 
 from nanogrpo import dist, lora
 from nanogrpo.config import ConfigError, Schedule, TrainConfig, load_config
-from nanogrpo.data import PromptSampler, check_prompts, columns_of, load_dataset
+from nanogrpo.data import PromptSampler, check_prompts, check_reward_columns, columns_of, load_dataset
 from nanogrpo.grpo import LossConfig, group_advantages, grpo_step, nanstd
 from nanogrpo.logprobs import token_logprobs
 from nanogrpo import checkpoint
 from nanogrpo.model import ModelConfig, Transformer
-from nanogrpo.rewards import RewardError, check_reward_columns, resolve_reward_funcs, score_completions, total_reward
+from nanogrpo.rewards import RewardError, resolve_reward_funcs, score_completions, total_reward
 from nanogrpo.rollout import Rollout, resolve_tools, rollout
 from nanogrpo.tokenizer import Tokenizer, char_level_tokenizer
 
@@ -668,6 +668,28 @@ def plot_rewards(cfg: TrainConfig) -> str:
     return png
 
 
+def help_text() -> str:
+    """Every key with its default and comment, grouped as in TrainConfig (for `train.py --help`)."""
+    import inspect
+    lines = ["usage: train.py [--config FILE] [--key=value ...]   (FILE: a built-in of configs/ or your own .py)",
+             "Command-line values override the file's. Keys, with TrainConfig's defaults (a config file sets its own):"]
+    body = inspect.getsource(TrainConfig).split('"""', 2)[2].split("# --- derived sizes")[0]
+    for raw in body.splitlines():
+        line = raw.strip()
+        if line.startswith("#  "):  # the continuation of a field's comment
+            lines.append(f"      {line[1:].strip()}")
+        elif line.startswith("#"):  # a group title
+            lines.append(f"\n  {line[1:].strip()}:")
+        elif ":" in line and "=" in line:
+            name = line.split(":")[0]
+            default = line.split("=", 1)[1].split("  #")[0].strip()
+            if default.startswith("field("):
+                default = repr(getattr(TrainConfig(), name))
+            comment = line.split("  # ", 1)[1] if "  # " in line else ""
+            lines.append(f"  --{name}={default}    {comment}")
+    return "\n".join(lines)
+
+
 COMMAND = None  # the command line of this process, for the resume hint (set when run as a script)
 
 
@@ -678,6 +700,9 @@ def main(argv: list[str]) -> int:
     debug = "--debug" in argv or os.environ.get("NANOGRPO_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
     COMMAND = ["train.py"] + argv
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return 0
     if not any(a == "--config" or a.startswith("--config=") for a in argv):
         argv = ["--config", "tiny"] + argv  # the embedded default (the built-in configs/tiny.py)
     try:

@@ -392,40 +392,14 @@ def read_config_file(name: str) -> dict:
             and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
 
 
-def help_text() -> str:
-    """Every key with its default and comment, grouped as in TrainConfig (for `train.py --help`)."""
-    import inspect
-    lines = ["usage: train.py [--config FILE] [--key=value ...]   (FILE: a built-in of configs/ or your own .py)",
-             "Command-line values override the file's. Keys, with TrainConfig's defaults (a config file sets its own):"]
-    body = inspect.getsource(TrainConfig).split('"""', 2)[2].split("# --- derived sizes")[0]
-    for raw in body.splitlines():
-        line = raw.strip()
-        if line.startswith("#  "):  # the continuation of a field's comment
-            lines.append(f"      {line[1:].strip()}")
-        elif line.startswith("#"):  # a group title
-            lines.append(f"\n  {line[1:].strip()}:")
-        elif ":" in line and "=" in line:
-            name = line.split(":")[0]
-            default = line.split("=", 1)[1].split("  #")[0].strip()
-            if default.startswith("field("):
-                default = repr(getattr(TrainConfig(), name))
-            comment = line.split("  # ", 1)[1] if "  # " in line else ""
-            lines.append(f"  --{name}={default}    {comment}")
-    return "\n".join(lines)
-
-
 def load_config(argv: list[str] | None = None) -> TrainConfig:
     """`[--config FILE] [--key=value | --key value | --bool_key] ...` -> a validated TrainConfig.
 
-    Command-line values override the file's. Keys may use dashes for underscores. `--help` prints
-    every key and exits. Two file settings do not follow a command-line change they were not written
+    Command-line values override the file's. Keys may use dashes for underscores. Two file settings do not follow a command-line change they were not written
     for: a new `--model` drops the file's `init_model` (a random model is built only where the file
     says, or where --init_model is also given), and a new `--dataset` drops the file's `eval_dataset`
     (an eval set of another task), unless the command line names them too."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(help_text())
-        raise SystemExit(0)
     pairs, i = [], 0
     while i < len(argv):
         arg = argv[i]

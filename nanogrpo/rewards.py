@@ -298,23 +298,6 @@ def resolve_reward_funcs(names_or_callables, *, max_completion_length: int | Non
     return resolved
 
 
-def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
-    """Every column a reward function requires (a parameter without default, besides prompts,
-    completions and completion_ids) must be in every row: found at load time, not as a crash at step 50."""
-    for name, fn in reward_funcs:
-        try:
-            params = inspect.signature(fn).parameters.values()
-        except (TypeError, ValueError):  # a builtin or C callable: nothing to check
-            continue
-        needed = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                  and p.name not in ("prompts", "completions", "completion_ids")]
-        for i, row in enumerate(rows):
-            missing = [c for c in needed if row.get(c) is None]
-            if missing:
-                raise ValueError(f"reward function {name!r} needs the column(s) {missing}, which row {i} of "
-                                 f"dataset {source} lacks (its columns: {sorted(row)})")
-
-
 def reward_model(path: str, tokenizer: str | None = None, device="cpu", dtype=torch.float32, batch_size: int = 32):
     """(name, fn): a sequence classifier (our decoder + a 1-label `score` head) on `device` in `dtype` as a
     reward function with TRL's signature, named by `path`'s last component. Texts as TRL's `_calculate_rewards`
