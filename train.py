@@ -34,7 +34,7 @@ import shutil
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -164,7 +164,7 @@ IGNORED_ON_RESUME = {"learning_rate": "the optimizer's", "adam_beta1": "the opti
 def report_changes(saved: dict, cfg: TrainConfig):
     """On resume, name every setting that differs from the checkpoint's run, and which of them are
     ignored because the checkpoint's state wins."""
-    now = cfg.to_dict()
+    now = asdict(cfg)
     for key in sorted(k for k in now if k in saved and saved[k] != now[k] and k not in ("resume", "max_steps")):
         ignored = f" (ignored: {IGNORED_ON_RESUME[key]} is restored)" if key in IGNORED_ON_RESUME else ""
         dist.print0(f"note: {key} was {saved[key]!r} in the checkpoint's run, now {now[key]!r}{ignored}")
@@ -187,11 +187,11 @@ def open_reporters(cfg: TrainConfig, info: dist.DistInfo) -> list:
                 out.append(lambda m, step: [writer.add_scalar(k, v, step) for k, v in names(m).items()] + [writer.flush()])
             elif name == "wandb":
                 import wandb
-                wb = wandb.init(project=os.environ.get("WANDB_PROJECT", "nanogrpo"), config=cfg.to_dict(), dir=cfg.out_dir)
+                wb = wandb.init(project=os.environ.get("WANDB_PROJECT", "nanogrpo"), config=asdict(cfg), dir=cfg.out_dir)
                 out.append(lambda m, step: wb.log(names(m), step=step))
             else:
                 import trackio
-                trackio.init(project=os.environ.get("TRACKIO_PROJECT", "nanogrpo"), config=cfg.to_dict())
+                trackio.init(project=os.environ.get("TRACKIO_PROJECT", "nanogrpo"), config=asdict(cfg))
                 out.append(lambda m, step: trackio.log(names(m), step=step))
         except ImportError as e:
             raise ConfigError(f"report_to={name!r}, but {package} cannot be imported ({e}): pip install {package}, "
@@ -485,7 +485,7 @@ def save(run: Run):
     run.written.append(f"checkpoint-{run.step}")
     state = {"step": run.step, "scheduler": run.scheduler.state_dict(), "prompts": run.prompts.state_dict(),
              "history": run.history, "checkpoints": run.written}
-    checkpoint.save_checkpoint(cfg.out_dir, run.step, run.model, run.optimizer, run.tok, state, cfg.to_dict(), run.info)
+    checkpoint.save_checkpoint(cfg.out_dir, run.step, run.model, run.optimizer, run.tok, state, asdict(cfg), run.info)
     if run.info.is_main:
         run.written = checkpoint.prune_checkpoints(cfg.out_dir, run.written, cfg.save_total_limit,
                                                    keep=run.resume_source)

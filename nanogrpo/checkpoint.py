@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import fields
 
 import torch
@@ -163,8 +163,7 @@ def from_hf_names(state: dict, model: Transformer) -> dict:
 
 
 def read_safetensors(path, dtype=None, device="cpu", file=None) -> dict:
-    """Every tensor of a single-file or sharded checkpoint directory, or of its `file` (cast to `dtype`
-    on `device`)."""
+    """Every tensor of a checkpoint directory (one file or shards), or of its `file`, as `dtype` on `device`."""
     from safetensors import SafetensorError, safe_open
     index = os.path.join(path, "model.safetensors.index.json")
     if file is None and os.path.exists(index):
@@ -242,11 +241,10 @@ def _remove_partial(tmp, target, error):
 def load_model(path_or_hub_id, dtype=torch.float32, device="cpu", info: dist.DistInfo | None = None,
                mixed_precision: bool = False, lora_settings: dict | None = None) -> Transformer:
     """Load an HF checkpoint (local dir or hub id) straight into `dtype` on `device`; `lora_settings`
-    (lora.apply_lora's keywords) put a fresh LoRA adapter on it. A directory with adapter_config.json is
-    a PEFT adapter: its base_model_name_or_path is loaded and the adapter put on it, with the adapter's
-    own settings (as PEFT's AutoPeftModel does). With `info` of more than one process, the model is
-    sharded with FSDP2 (dist.shard_model) and filled from rank 0's copy; `mixed_precision` then makes
-    its blocks compute in bf16."""
+    (lora.apply_lora's keywords) put a fresh LoRA adapter on it. A directory with adapter_config.json is a
+    PEFT adapter: its base_model_name_or_path is loaded with the adapter on it (as PEFT's AutoPeftModel).
+    With `info` of more than one process, the model is sharded with FSDP2 (dist.shard_model) and filled
+    from rank 0's copy; `mixed_precision` then makes its blocks compute in bf16."""
     sharded = info is not None and info.sharded
     main = not sharded or info.is_main
     path = dist.broadcast_object(resolve_path(path_or_hub_id) if main else None, info)
@@ -285,9 +283,8 @@ def load_model(path_or_hub_id, dtype=torch.float32, device="cpu", info: dist.Dis
 
 def write_model(out_dir, cfg: ModelConfig, state: dict, generation_config=None, tokenizer=None,
                 max_shard_bytes: int = 5 * 2**30, adapter: dict | None = None):
-    """Write config.json, safetensors, generation_config.json and the tokenizer into the existing
-    directory out_dir. `state` is under our names (a full, unsharded state dict). With `adapter`
-    (adapter_config.json's dict), only the adapter's tensors are written, as PEFT writes them."""
+    """Write config.json, safetensors, generation_config.json and the tokenizer into the directory out_dir;
+    `state`: a full state dict, our names. With `adapter` (adapter_config.json's dict): only its tensors, as PEFT."""
     if adapter is not None:
         write_json(os.path.join(out_dir, "adapter_config.json"), adapter)
         write_safetensors(out_dir, lora.adapter_state(state, adapter), name="adapter_model.safetensors")
@@ -306,10 +303,9 @@ def write_model(out_dir, cfg: ModelConfig, state: dict, generation_config=None, 
 
 
 def save_model(model, out_dir, tokenizer=None, generation_config=None, max_shard_bytes: int = 5 * 2**30):
-    """Save `model` (plain or FSDP2-sharded) as an HF checkpoint directory, atomically; transformers
-    and vLLM load it. A model with LoRA adapters is saved as its adapter (PEFT's files; merge_lora
-    first for a full checkpoint). A sharded model: every rank calls it, rank 0 writes. A plain one:
-    whoever calls it writes, alone."""
+    """Save `model` (plain or FSDP2-sharded) as an HF checkpoint directory, atomically; transformers and vLLM
+    load it. With LoRA adapters: the adapter, in PEFT's files (merge_lora first for a full checkpoint).
+    Sharded: every rank calls it and rank 0 writes; plain: whoever calls it writes, alone."""
     sharded = bool(dist.fsdp_modules(model))
     state = dist.full_state_dict(model)
     if not sharded or dist.rank() == 0:
@@ -351,8 +347,8 @@ def save_checkpoint(out_dir, step: int, model, optimizer, tokenizer, trainer_sta
         shutil.rmtree(step_dir, ignore_errors=True)
         os.rename(tmp, step_dir)
         link = os.path.join(out_dir, "checkpoint")
-        if os.path.lexists(link + ".tmp"):
-            os.remove(link + ".tmp")
+        with suppress(FileNotFoundError):
+            os.remove(link + ".tmp")  # left over from a crash
         os.symlink(os.path.basename(step_dir), link + ".tmp")
         os.replace(link + ".tmp", link)  # atomic: readers see the old or the new checkpoint
     dist.barrier(info)

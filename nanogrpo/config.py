@@ -1,7 +1,6 @@
 """Every training setting in one dataclass, loaded from a Python config file plus command-line overrides.
 
-Owns: `TrainConfig` (fields, defaults, consistency checks, batch arithmetic), `load_config(argv)`
-and `ConfigError`.
+Owns: `TrainConfig` (fields, defaults, checks), `Schedule` (batch arithmetic), `load_config(argv)`.
 
 Does not know about: what the settings do; train.py and the modules it calls read them.
 
@@ -11,10 +10,9 @@ Choices:
   the field's annotated type, and unknown keys are errors with a spelling suggestion, so a typo never
   silently trains with a default (nanoGPT's configurator accepts anything).
 - Loss fields use TRL's GRPOConfig names and defaults, so TRL recipes carry over.
-- Batch sizes are counted in prompts and completions, not TRL's per-device batches. You choose
-  `prompts_per_step` (all ranks together), `num_generations` and `micro_batch_size` (completions
-  per forward/backward); each rank then holds prompts_per_step / world_size whole groups, and
-  gradient accumulation is derived: rows_per_rank / micro_batch_size, which must divide evenly.
+- Batch sizes are counted in prompts and completions, not TRL's per-device batches: you choose
+  `prompts_per_step` (all ranks together), `num_generations` and `micro_batch_size`; Schedule derives
+  the rest (whole groups per rank, gradient accumulation), and every run prints it.
 """
 
 import ast
@@ -37,7 +35,16 @@ class ConfigError(ValueError):
 
 
 CHOICES = {"dtype": ("float32", "bfloat16", "auto"), "scale_rewards": SCALE_REWARDS,
-           "multi_objective_aggregation": AGGREGATIONS, "lr_scheduler": ("constant", "cosine")}
+           "multi_objective_aggregation": AGGREGATIONS, "lr_scheduler": ("constant", "cosine"),
+           "tool_call_format": tuple(TOOL_CALL_PARSERS)}
+RANGES = [  # (rule, message, fields): each range rule of TrainConfig once; the loss's own live in LossConfig
+    (lambda v: v >= 1, "must be at least 1", "prompts_per_step micro_batch_size num_iterations max_completion_length "
+     "max_steps log_every ref_model_sync_steps eval_size lora_r steps_per_generation max_tool_calling_iterations "
+     "save_total_limit soft_punish_cache".split()),
+    (lambda v: v >= 0, "must be >= 0 (0 = off)", "learning_rate weight_decay warmup_steps eval_every save_every".split()),
+    (lambda v: v > 0, "must be > 0", ["lora_alpha", "max_grad_norm", "tool_timeout"]),
+    (lambda v: 0 <= v < 1, "must be in [0, 1)", ["adam_beta1", "adam_beta2", "warmup_ratio", "lora_dropout"]),
+    (lambda v: 0 <= v <= 1, "must be in [0, 1]", ["ref_model_mixup_alpha"])]
 REPORTERS = ("none", "tensorboard", "wandb", "trackio")
 LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig))  # TrainConfig has each, same name and default
 
@@ -72,16 +79,14 @@ class TrainConfig:
     # rewards
     reward_funcs: list[str] = field(default_factory=lambda: ["default_task"])  # built-in, module:function, reward model
     reward_weights: list[float] | None = None  # one per reward function; None = all 1.0
-    reward_processing_classes: list[str | None] | None = None  # TRL's: one per reward function, a tokenizer for a
-    # reward model (None = the reward model's own); None = every reward model uses its own
+    reward_processing_classes: list[str | None] | None = None  # per reward model: its tokenizer; None = its own
     soft_punish_cache: int | None = None  # soft_overlong reward's window (None = max_completion_length // 4)
     # batch
     num_generations: int = 8  # completions per prompt (G), at least 2
     prompts_per_step: int = 16  # prompts per optimizer step, all ranks together
     micro_batch_size: int = 32  # completions per forward/backward on one rank
     num_iterations: int = 1  # optimizer passes over each generated batch (mu)
-    steps_per_generation: int | None = None  # TRL's: micro-batches (per rank) fed by one generation round;
-    #   None = one optimizer step's worth. A multiple of the micro-batches per step: see Schedule
+    steps_per_generation: int | None = None  # TRL's: micro-batches per rank per generation round; None = 1 step's
     # generation
     max_completion_length: int = 512  # new tokens per completion, also dr_grpo's constant
     temperature: float = 1.0  # 0 = greedy
@@ -139,15 +144,15 @@ class TrainConfig:
     overwrite_output_dir: bool = False  # start over in an out_dir holding a run (deletes its checkpoints and logs)
     report_to: str = "none"  # none | tensorboard | wandb | trackio, or several comma-separated (TRL's name)
 
-    # --- derived sizes ---------------------------------------------------------------------
-
     def schedule(self, world_size: int = 1) -> "Schedule":
         """Every count derived from the batch settings on `world_size` ranks (call validate first)."""
         per_rank = self.prompts_per_step * self.num_generations // world_size
         micro_per_step = per_rank // self.micro_batch_size
         spg = self.steps_per_generation or micro_per_step
+        steps = spg // micro_per_step
         return Schedule(world_size, self.num_generations, self.prompts_per_step, per_rank, self.micro_batch_size,
-                        micro_per_step, spg, spg // micro_per_step, self.num_iterations)
+                        micro_per_step, spg, steps, self.num_iterations, self.prompts_per_step * steps,
+                        per_rank * steps, steps * self.num_iterations, steps * self.num_iterations > 1)
 
     # --- checks and conversions ---------------------------------------------------------------
 
@@ -160,15 +165,13 @@ class TrainConfig:
 
         for key, allowed in CHOICES.items():
             need(getattr(self, key) in allowed, key, f"must be one of {list(allowed)}")
+        for ok, why, keys in RANGES:  # None passes where the field allows it (its comment says what None means)
+            for key in keys:
+                need(getattr(self, key) is None or ok(getattr(self, key)), key, why)
         d = self.device
         need(d in ("auto", "cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit()), "device",
              "must be auto, cpu, cuda or cuda:N")
         need(self.num_generations >= 2, "num_generations", "GRPO needs at least 2 completions per prompt")
-        for key in ("prompts_per_step", "micro_batch_size", "num_iterations", "max_completion_length",
-                    "max_steps", "log_every", "ref_model_sync_steps", "eval_size", "lora_r"):
-            need(getattr(self, key) >= 1, key, "must be at least 1")
-        need(self.steps_per_generation is None or self.steps_per_generation >= 1, "steps_per_generation",
-             "must be None or at least 1")
         need(self.prompts_per_step % world_size == 0, "prompts_per_step",
              f"must be divisible by world_size={world_size} so each rank holds whole groups")
         rows = self.prompts_per_step * self.num_generations // world_size
@@ -184,31 +187,15 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigError(str(e).removeprefix("LossConfig.")) from None
         need(len(self.reward_funcs) >= 1, "reward_funcs", "needs at least one reward function")
-        need(self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs), "reward_weights",
-             f"needs one weight per reward function ({len(self.reward_funcs)})")
-        need(self.reward_processing_classes is None or len(self.reward_processing_classes) == len(self.reward_funcs),
-             "reward_processing_classes", f"needs one entry per reward function ({len(self.reward_funcs)}), None "
-             "where it is not a reward model")
-        need(self.soft_punish_cache is None or 1 <= self.soft_punish_cache <= self.max_completion_length,
+        for key in ("reward_weights", "reward_processing_classes"):
+            need(getattr(self, key) is None or len(getattr(self, key)) == len(self.reward_funcs), key,
+                 f"needs one entry per reward function ({len(self.reward_funcs)}); reward_processing_classes "
+                 "holds None where a function is not a reward model")
+        need(self.soft_punish_cache is None or self.soft_punish_cache <= self.max_completion_length,
              "soft_punish_cache", "must be in [1, max_completion_length]")
-        need(self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 1,
-             "max_tool_calling_iterations", "must be None (no limit) or at least 1")
-        need(self.tool_timeout > 0, "tool_timeout", "must be > 0 seconds")
-        need(self.tool_call_format in TOOL_CALL_PARSERS, "tool_call_format",
-             f"must be one of {list(TOOL_CALL_PARSERS)}")
-        for key in ("learning_rate", "weight_decay", "warmup_steps"):
-            need(getattr(self, key) >= 0, key, "must be >= 0")
-        for key in ("adam_beta1", "adam_beta2", "warmup_ratio", "lora_dropout"):
-            need(0 <= getattr(self, key) < 1, key, "must be in [0, 1)")
-        need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or None")
-        need(0 <= self.ref_model_mixup_alpha <= 1, "ref_model_mixup_alpha", "must be in [0, 1]")
-        need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "must be None or >= 1")
         need(not self.sync_ref_model or self.beta > 0, "sync_ref_model", "needs beta > 0 (a reference model)")
         need(not (self.sync_ref_model and self.use_peft), "sync_ref_model", "is refused with use_peft, as TRL does")
         need(not self.merge_adapter or self.use_peft, "merge_adapter", "needs use_peft=true (an adapter to merge)")
-        need(self.lora_alpha > 0, "lora_alpha", "must be > 0")  # module names: lora.apply_lora checks them
-        for key in ("eval_every", "save_every"):
-            need(getattr(self, key) >= 0, key, "must be >= 0 (0 = never)")
         need(all(r in REPORTERS for r in self.reporters()), "report_to", f"takes names from {list(REPORTERS)}")
         return self
 
@@ -219,10 +206,6 @@ class TrainConfig:
     def bf16(self, device) -> bool:
         """Whether to compute in bfloat16 on `device` (a torch.device or string)."""
         return self.dtype == "bfloat16" or (self.dtype == "auto" and str(device).startswith("cuda"))
-
-    def to_dict(self) -> dict:
-        """Plain dict of every field (JSON-serialisable), e.g. to save next to a checkpoint."""
-        return dataclasses.asdict(self)
 
     def lora_settings(self) -> dict | None:
         """Keyword arguments for nanogrpo.lora.apply_lora (PEFT's names), or None without use_peft."""
@@ -250,25 +233,10 @@ class Schedule:
     steps_per_generation: int  # TRL's: micro-batches per generation round, on each rank
     optimizer_steps_per_generation: int  # optimizer steps one round's samples feed, in one pass
     num_iterations: int  # passes over each round's samples (TRL's mu)
-
-    @property
-    def prompts_per_round(self) -> int:
-        """Prompts sampled per generation round, all ranks together."""
-        return self.prompts_per_step * self.optimizer_steps_per_generation
-
-    @property
-    def completions_per_round_per_rank(self) -> int:
-        return self.completions_per_step_per_rank * self.optimizer_steps_per_generation
-
-    @property
-    def updates_per_round(self) -> int:
-        """Optimizer steps per round: one per step-sized slice of the samples, num_iterations times."""
-        return self.optimizer_steps_per_generation * self.num_iterations
-
-    @property
-    def off_policy(self) -> bool:
-        """Whether the policy changes between sampling and some update (then old log-probs are needed)."""
-        return self.updates_per_round > 1
+    prompts_per_round: int  # prompts sampled per generation round, all ranks together
+    completions_per_round_per_rank: int
+    updates_per_round: int  # optimizer steps per round: optimizer_steps_per_generation x num_iterations
+    off_policy: bool  # the policy changes between sampling and some update: old log-probs are needed
 
     def replay_order(self) -> list[int]:
         """The first micro-batch of each optimizer step of a round, in order: the round's micro-batches
@@ -278,12 +246,10 @@ class Schedule:
 
     def table(self) -> str:
         """A short table for the start of a run: what one step and one round are."""
-        G, W = self.num_generations, self.world_size
-        rows = [("ranks", W),
-                ("prompts x completions per optimizer step (all ranks)", f"{self.prompts_per_step} x {G}"),
-                ("completions per step per rank", self.completions_per_step_per_rank),
-                ("micro-batches per step per rank (of {} completions)".format(self.micro_batch_size),
-                 self.micro_batches_per_step),
+        rows = [("ranks", self.world_size),
+                ("prompts x completions per optimizer step (all ranks)", f"{self.prompts_per_step} x "
+                 f"{self.num_generations}"), ("completions per step per rank", self.completions_per_step_per_rank),
+                (f"micro-batches per step per rank (of {self.micro_batch_size} completions)", self.micro_batches_per_step),
                 ("micro-batches per generation round per rank (steps_per_generation)", self.steps_per_generation),
                 ("prompts sampled per round (all ranks)", self.prompts_per_round),
                 ("passes over each round (num_iterations)", self.num_iterations),
@@ -319,9 +285,8 @@ def convert(key: str, value, tp=None, from_text: bool = False):
     tp = FIELD_TYPES[key] if tp is None else tp
     args = typing.get_args(tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        if value is None or (from_text and str(value).lower() in ("none", "null")):
-            if type(None) in args:
-                return None
+        if type(None) in args and (value is None or (from_text and str(value).lower() in ("none", "null"))):
+            return None
         options = [a for a in args if a is not type(None)]
         if len(options) == 1:  # Optional[X]: X's own, more specific, error
             return convert(key, value, options[0], from_text)
@@ -366,10 +331,8 @@ def convert(key: str, value, tp=None, from_text: bool = False):
 
 
 def config_path(name: str) -> str:
-    """The file a --config value names. A name without a '/' ('tiny', 'small.py') is a built-in config
-    of the repo's configs/ directory when one has that name, whatever the current directory holds, so
-    a stray tiny.py where you run train.py is never executed in its place; otherwise a `.py` name or a
-    path is your own file."""
+    """The file a --config value names: a built-in config of configs/ when a name without '/' ('tiny',
+    'small.py') has one, so a stray tiny.py in the current directory never runs in its place; else your file."""
     if "/" not in name and os.sep not in name:
         builtin = os.path.join(CONFIGS_DIR, name if name.endswith(".py") else name + ".py")
         if os.path.isfile(builtin):
@@ -395,10 +358,10 @@ def read_config_file(name: str) -> dict:
 def load_config(argv: list[str] | None = None) -> TrainConfig:
     """`[--config FILE] [--key=value | --key value | --bool_key] ...` -> a validated TrainConfig.
 
-    Command-line values override the file's. Keys may use dashes for underscores. Two file settings do not follow a command-line change they were not written
-    for: a new `--model` drops the file's `init_model` (a random model is built only where the file
-    says, or where --init_model is also given), and a new `--dataset` drops the file's `eval_dataset`
-    (an eval set of another task), unless the command line names them too."""
+    Command-line values override the file's; keys may use dashes for underscores. Two file settings
+    do not follow a command-line change they were not written for, unless the command line names them
+    too: a new `--model` drops the file's `init_model` (a random model is built only where asked), and
+    a new `--dataset` drops the file's `eval_dataset` (an eval set of another task)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pairs, i = [], 0
     while i < len(argv):
@@ -417,25 +380,21 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
         pairs.append((key, value))
         i += 1
     settings, from_file = {}, {}
-    for key, value in pairs:
-        if key == "config":
-            for file_key, file_value in read_config_file(value).items():
-                if file_key not in FIELD_TYPES:
-                    raise _unknown_key(file_key, f"in config file {value}")
-                settings[file_key] = from_file[file_key] = convert(file_key, file_value)
-    command_line = set()
-    for key, value in pairs:
-        if key != "config":
+    for name in [value for key, value in pairs if key == "config"]:
+        for key, value in read_config_file(name).items():
             if key not in FIELD_TYPES:
-                raise _unknown_key(key, "on the command line")
-            settings[key] = convert(key, value, from_text=True)
-            command_line.add(key)
+                raise _unknown_key(key, f"in config file {name}")
+            settings[key] = from_file[key] = convert(key, value)
+    command_line = {key: value for key, value in pairs if key != "config"}  # the last of repeated keys wins
+    for key, value in command_line.items():
+        if key not in FIELD_TYPES:
+            raise _unknown_key(key, "on the command line")
+        settings[key] = convert(key, value, from_text=True)
     for key, follows in (("model", "init_model"), ("dataset", "eval_dataset")):
         if key in command_line and follows not in command_line and from_file.get(follows) is not None \
                 and settings[key] != from_file.get(key):
             settings[follows] = None
             if follows == "eval_dataset" and os.environ.get("RANK", "0") == "0":
-                print(f"note: --dataset={settings[key]} replaces the config file's dataset, so its "
-                      f"eval_dataset={from_file[follows]!r} (another task) is not used; pass --eval_dataset=... "
-                      "to evaluate", file=sys.stderr)
+                print(f"note: --dataset={settings[key]} replaces the config file's dataset, so its eval_dataset="
+                      f"{from_file[follows]!r} (another task) is not used; pass --eval_dataset=... to evaluate", file=sys.stderr)
     return TrainConfig(**settings).validate()

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -108,6 +109,18 @@ def test_inconsistent_settings(overrides, key):
         TrainConfig(**overrides).validate()
 
 
+def test_every_range_rule_names_real_fields_and_rejects_just_outside():
+    """Each RANGES rule: its fields exist, the default passes, and a value just outside is refused by name."""
+    outside = {"must be at least 1": 0, "must be >= 0 (0 = off)": -1, "must be > 0": 0,
+               "must be in [0, 1)": 1, "must be in [0, 1]": 1.5}
+    for _, why, keys in config_module.RANGES:
+        for key in keys:
+            assert key in config_module.FIELD_TYPES
+            with pytest.raises(ConfigError, match=rf"^{key}=.*{re.escape(why)}"):
+                TrainConfig(**{key: outside[why]}).validate()
+    TrainConfig(soft_punish_cache=None, max_grad_norm=None, save_total_limit=None).validate()  # None = off
+
+
 def test_batch_arithmetic_and_world_size():
     cfg = TrainConfig(prompts_per_step=16, num_generations=8, micro_batch_size=16, steps_per_generation=16).validate()
     s = cfg.schedule()
@@ -147,7 +160,7 @@ def test_min_p_has_one_rule():
 
 def test_to_dict_round_trips():
     cfg = TrainConfig(reward_funcs=["accuracy"], init_model={"hidden_size": 8}, resume="x")
-    saved = json.loads(json.dumps(cfg.to_dict()))
+    saved = json.loads(json.dumps(dataclasses.asdict(cfg)))
     assert TrainConfig(**saved) == cfg
     assert cfg.bf16("cuda:0") is False and TrainConfig(dtype="auto").bf16("cuda") and not TrainConfig(dtype="auto").bf16("cpu")
 
