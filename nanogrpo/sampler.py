@@ -1,28 +1,25 @@
 """Batched, KV-cached sampling of G completions per prompt: the rollout half of GRPO.
 
-Owns: `generate` and the logit filters it applies (repetition penalty, temperature, top-k, top-p,
-min-p), each a small pure function [B,V] -> [B,V] with -inf for removed tokens. Does not know about:
-tokenization (prompts, stop ids and the pad id arrive as ints), rewards, losses, or more than one
-process. From the model it needs `hidden_states(..., cache=, cache_start=)`, `new_cache`, `lm_head`
-and `config`.
+Owns: `generate` and the logit filters it applies (repetition penalty, temperature, top-k, top-p, min-p),
+each a small pure function [B,V] -> [B,V] with -inf for removed tokens. Does not know about: tokenization
+(prompts, stop ids and the pad id arrive as ints), rewards, losses, or more than one process. From the
+model it needs `hidden_states(..., cache=, cache_start=)`, `new_cache`, `lm_head` and `config`.
 
 Choices:
-- Prefill once, copy to G rows. The P distinct prompts are left-padded to the longest and run through
-  the model once, into a static KV cache with room for prompt + max_new_tokens slots; `cache.select`
-  then copies prompt i's rows into its G samples (rows i*G .. i*G+G-1). Nothing is reallocated per
-  decode step (but at a compaction).
+- Prefill once, copy to G rows: the P distinct prompts, left-padded to the longest, run through the
+  model once into a KV cache with room for prompt + max_new_tokens slots; `cache.select` copies prompt
+  i's rows into its G samples (rows i*G .. i*G+G-1).
 - Left padding + per-row positions. A token's RoPE position is the number of real tokens before it
   in its row and a key mask hides the pad slots, so a short prompt in a mixed batch is computed as if
   it were alone. One decode step is one batched forward of [n,1] tokens: no Python loop over rows.
-- Finished rows are dropped: when a quarter of the live rows have stopped, the batch is compacted
-  with `cache.select`; the loop ends as soon as every row has stopped. Knowing that needs a
-  device->host sync: every step on CPU (where it is free), every 8 steps on GPU.
-- torch_compile=True runs each decode step as one compiled graph of fixed shapes instead: the cache has
-  L + C slots rounded up to a multiple of 128 (kept on the model between rounds of the same shape),
-  every step attends over all of them through the key mask, the write slot is a tensor, finished rows
-  are masked, not compacted, and stops are checked every 8 steps. So rounds whose prompt lengths fall
-  in one bucket never recompile, and on CUDA the step replays as a CUDA graph (mode="reduce-overhead").
-  The prefill stays eager. The filters and the draw run eagerly after the step.
+- Finished rows are dropped: when a quarter of the live rows have stopped, the batch is compacted with
+  `cache.select`; the loop ends when every row has stopped (a device->host sync: every step on CPU, where
+  it is free, every 8 steps on GPU).
+- torch_compile=True runs each decode step as one compiled graph of fixed shapes instead: L + C cache slots
+  rounded up to a multiple of 128 (kept on the model between rounds), all attended through the key mask,
+  the write slot a tensor, finished rows masked, not compacted, stops checked every 8 steps. So rounds
+  whose prompt lengths share a bucket never recompile, and on CUDA the step replays as a CUDA graph
+  (mode="reduce-overhead"). The prefill, the filters and the draw stay eager.
 - Output width C is the longest completion (<= max_new_tokens): a batch that all stops early comes
   back narrower. The mask is built from the step of each row's first stop id (inclusive), never from
   token values, so pad_id may equal an eos id; stop ids inside the prompt play no part.
@@ -31,17 +28,14 @@ Choices:
   math is fp32 whatever the model dtype. Filters run in transformers' order: repetition penalty,
   temperature, top-k, top-p, min-p.
 - No vocabulary sort: top-k, top-p and min-p are decided on each row's K largest logits (`torch.topk`,
-  K = 64; a row whose last candidate survives is redone with 8x more, a full sort as the last resort)
-  and the draw runs over those K. The `apply_*` functions are the readable definitions; the fast path
-  equals them bit for bit on CPU (tests; on GPU the cumsum is a parallel scan, so up to its rounding).
-  A flat distribution (a random-weight model) takes the full sort.
+  K = 64; a row whose last candidate survives is redone with as many as a probability histogram says it
+  needs, a full sort for a flat row) and the draw runs over those K. The `apply_*` functions are the
+  definitions; the fast path equals them bit for bit on CPU (on GPU up to the parallel cumsum's rounding).
 - RNG: counter-based, per row. Row (prompt i, sample j) has the key hash(seed_i, j); at step t it
-  draws one uniform u = hash(key, t) and takes the first token whose cumulative probability exceeds u
-  (inverse-CDF sampling). A row's samples therefore depend only on its prompt, the model and
-  (seed_i, j): not on batch-mates, batch position, compaction or device. Passing the same per-prompt
-  `seeds` makes batched generation equal to generating each prompt alone (up to float rounding of
-  the logits). Without `seeds`, one seed per prompt is drawn from `generator` (or torch's global
-  RNG): the same generator state gives the same samples.
+  draws u = hash(key, t) and takes the first token whose cumulative probability exceeds u (inverse-CDF
+  sampling). So a row's samples depend only on its prompt, the model and (seed_i, j), not on batch-mates,
+  position, compaction or device: batched generation equals generating each prompt alone (up to float
+  rounding of the logits). Without `seeds`, one seed per prompt is drawn from `generator` (or torch's RNG).
 """
 
 import math
@@ -134,8 +128,9 @@ def sample_from(logits, u, token_ids=None):
     With token_ids [B,K] (ascending), logits [B,K] are those tokens' logits, all others removed: the
     same draw, as zero weights leave a cumulative sum unchanged."""
     top = logits.amax(dim=-1, keepdim=True)  # [B,1]
-    weights = (logits - top).exp()  # [B,V] unnormalized probabilities, the largest is exactly 1
-    cdf = weights.double().cumsum(dim=-1)  # fp64: tail tokens keep their exact share
+    # unnormalized probabilities (the largest exactly 1), summed in fp64 so tail tokens keep their exact share;
+    # in place: on CPU, fresh [B,V] buffers cost more than the arithmetic
+    cdf = (logits - top).exp_().double().cumsum_(dim=-1)  # [B,V]
     total = cdf[:, -1:]  # [B,1], in [1, V]
     # u * total < total, so the first cdf entry above it belongs to a token of nonzero probability
     ids = torch.searchsorted(cdf, u[:, None] * total, right=True).clamp_(max=logits.shape[-1] - 1)
@@ -143,39 +138,52 @@ def sample_from(logits, u, token_ids=None):
     return (ids if token_ids is None else token_ids.gather(-1, ids)).squeeze(-1), logp
 
 
-def filter_candidates(logits, top_k, top_p, min_p, K=None, total=None):
-    """top-k -> top-p -> min-p without sorting the vocabulary: logits [B,V] -> (values [B,K], token ids
-    [B,K]): each row's largest logits, removed ones -inf; every token outside them is removed too (a row
-    may end in -inf padding of id 0). Equal to apply_min_p(apply_top_p(apply_top_k(logits))) bit for bit:
-    the kept sets are decided on the same numbers (the top-p mass of each ranked token is a prefix of the
-    same cumsum, over the same total). K starts at max(top_k + 1, 64); the rows whose last candidate is
-    kept (the only ones that may keep more) are redone with 8x more, up to a full sort."""
+def filter_candidates(logits, top_k, top_p, min_p):
+    """top-k -> top-p -> min-p without sorting the vocabulary: logits [B,V] -> (values [B,K], ids [B,K]), each
+    row's largest logits, removed ones and -inf padding (id 0) included; all other tokens are removed. Equal to
+    apply_min_p(apply_top_p(apply_top_k(logits))) bit for bit: decided on the same numbers (a prefix of the same
+    cumsum, same total). K = max(top_k + 1, 64); rows whose last candidate is kept are redone with more."""
     B, V = logits.shape
-    if K is None:  # the first call: top-k's mask and top-p's total, over the whole vocabulary
-        if 0 < top_k < V:
-            kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B,1] the k-th largest logit
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if top_p < 1.0:  # as apply_top_p, summed in vocabulary order
-            top = logits.amax(dim=-1, keepdim=True)
-            total = (logits - top).exp().sum(dim=-1, keepdim=True)  # [B,1]
-        K = max(top_k + 1, 64)
-    K = V if 4 * K > V else K
-    vals, ids = logits.topk(K, dim=-1) if K < V else logits.sort(dim=-1, descending=True)  # [B,K]
-    top = vals[:, :1]  # [B,1]
-    if top_p < 1.0:
-        n_keep = (_mass_above(vals, top, total) < top_p).sum(dim=-1, keepdim=True)  # [B,1]
-        vals = vals.masked_fill(vals < vals.gather(-1, n_keep - 1), float("-inf"))
-    if min_p > 0.0:
-        vals = vals.masked_fill(vals < top + math.log(min_p), float("-inf"))
-    if K < V:
-        redo = (vals[:, -1] > float("-inf")).nonzero().squeeze(1)  # [r] (a host sync)
-        if len(redo):
-            more, more_ids = filter_candidates(logits[redo], 0, top_p, min_p, 8 * K,
-                                               None if total is None else total[redo])
-            vals = F.pad(vals, (0, more.shape[1] - K), value=float("-inf"))
-            ids = F.pad(ids, (0, more.shape[1] - K))
-            vals[redo], ids[redo] = more, more_ids
-    return vals, ids
+    if 0 < top_k < V:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B,1] the k-th largest logit
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    w = total = None
+    if top_p < 1.0:  # as apply_top_p: the total summed in vocabulary order
+        w = (logits - logits.amax(dim=-1, keepdim=True)).exp_()  # [B,V] unnormalized probabilities
+        total = w.sum(dim=-1, keepdim=True)  # [B,1]
+    K, rows = min(max(top_k + 1, 64), V), torch.arange(B, device=logits.device)
+    vals, ids = logits.new_empty(B, 0), torch.zeros(B, 0, dtype=torch.long, device=logits.device)
+    while True:
+        sub = logits[rows] if len(rows) < B else logits
+        vals_r, ids_r = sub.topk(K, dim=-1) if K < V else sub.sort(dim=-1, descending=True)  # [r,K]
+        top = vals_r[:, :1]  # [r,1]
+        if top_p < 1.0:
+            n_keep = (_mass_above(vals_r, top, total[rows]) < top_p).sum(dim=-1, keepdim=True)  # [r,1]
+            vals_r = vals_r.masked_fill(vals_r < vals_r.gather(-1, n_keep - 1), float("-inf"))
+        if min_p > 0.0:
+            vals_r = vals_r.masked_fill(vals_r < top + math.log(min_p), float("-inf"))
+        vals, ids = F.pad(vals, (0, K - vals.shape[1]), value=float("-inf")), F.pad(ids, (0, K - ids.shape[1]))
+        vals[rows], ids[rows] = vals_r, ids_r
+        redo = (vals_r[:, -1] > float("-inf")).nonzero().squeeze(1) if K < V else []  # [r'] (a host sync)
+        if not len(redo):
+            return vals, ids
+        K = max(2 * K, int(_enough(sub[redo], None if w is None else w[rows[redo]], top_p, min_p).max()))
+        K, rows = V if 4 * K > V else K, rows[redo]
+
+
+def _enough(logits, w, top_p, min_p):
+    """logits [r,V], w [r,V] their unnormalized probabilities (None without top-p) -> [r] a count of top
+    tokens that holds all the filters keep: min-p's exact count, or the tokens of the power-of-two probability
+    bins down to where the mass reaches top_p, plus one bin. Only a guess of K: the caller checks."""
+    n = (logits >= logits.amax(dim=-1, keepdim=True) + math.log(min_p)).sum(dim=-1) + 1 if min_p > 0.0 \
+        else torch.full((len(logits),), logits.shape[1], device=logits.device)
+    if w is not None:
+        bins = (w.view(torch.int32) >> 23).long()  # [r,V] the float exponent: w in [2^(e-127), 2^(e-126))
+        mass = w.new_zeros(len(w), 256).scatter_add_(1, bins, w).flip(1).cumsum(1)  # [r,256], high bins first
+        count = w.new_zeros(len(w), 256).scatter_add_(1, bins, torch.ones_like(w)).flip(1).cumsum(1)
+        first = (mass < top_p * mass[:, -1:]).sum(dim=-1, keepdim=True)  # [r,1] the bin where the mass reaches p
+        n = torch.minimum(n, count.gather(1, (first + 1).clamp(max=255)).squeeze(1).long() + 1)
+    return n
 
 
 def sample_filtered(logits, u, top_k, top_p, min_p):
@@ -294,10 +302,9 @@ def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1
     N = P * num_samples rows, prompt i's samples at rows i*G .. i*G+G-1, and C = the longest
     completion's length (max_new_tokens if any row is truncated). A row stops at the first id of
     `stop_ids` it samples (included in its mask); pad_id only fills the padding.
-    temperature 0 is greedy (argmax after the repetition penalty); its logprobs are then under the
-    temperature-1, unfiltered distribution.
-    top_k 0, top_p 1, min_p 0 and repetition_penalty 1 turn those filters off. vocab_size: the
-    tokenizer's real vocabulary (default model.config.vocab_size); ids >= vocab_size are never sampled.
+    temperature 0 is greedy (argmax after the repetition penalty; logprobs of the temperature-1, unfiltered
+    distribution). top_k 0, top_p 1, min_p 0 and repetition_penalty 1 are off. vocab_size: the tokenizer's
+    real vocabulary (default model.config.vocab_size); ids >= vocab_size are never sampled.
     seeds: optional list of P ints, one per prompt (see the module docstring); otherwise they are
     drawn from `generator` (a torch.Generator) or from torch's global RNG.
     torch_compile: run each decode step as one torch.compile'd static-shape graph (CUDA graphs on GPU).

@@ -378,6 +378,18 @@ def test_fast_filters_take_few_candidates_on_a_peaked_row():
     assert vals.shape[1] == 32000 and kept_late[3] > 20000 and kept_late.sum() == kept_late[3]
 
 
+def test_enough_guesses_a_count_that_holds_the_nucleus_without_waste():
+    """The histogram guess of K for rows that need a second pass: at least the kept count, at most a few times it."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 32000, generator=g) * torch.empty(64, 1).uniform_(2.0, 7.0, generator=g)
+    kept = (apply_top_p(logits, 0.95) > float("-inf")).sum(1)  # [64], from a few tokens to thousands
+    w = (logits - logits.amax(dim=-1, keepdim=True)).exp()
+    guess = sampler._enough(logits, w, 0.95, 0.0)
+    assert kept.max() > 1000 and (guess >= kept).all() and (guess <= 4 * kept + 64).all()
+    min_p_kept = (apply_min_p(logits, 0.05) > float("-inf")).sum(1)
+    assert torch.equal(sampler._enough(logits, None, 1.0, 0.05), min_p_kept + 1)  # min-p's count is exact
+
+
 # -----------------------------------------------------------------------------
 # The static-shape, compiled decode step
 
