@@ -51,13 +51,25 @@ def tool_called(completions, **kwargs) -> list[float]:
     return [float(any(m["role"] == "tool" for m in c)) for c in completions]
 
 
-def rows(n: int, seed: int) -> list[dict]:
+def call_text(a: int, b: int) -> str:
+    return f'<tool_call>{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
+
+
+def rows(n: int, seed: int, shots: int = 1) -> list[dict]:
+    """n prompts: the system prompt, `shots` worked example conversations (a question, the assistant's tool
+    call, the tool's result, the answer), then the question."""
     rng, system = random.Random(seed), SYSTEM.format(schema=json.dumps(tool_schema(multiply)))
     out = []
     for _ in range(n):
+        messages = [{"role": "system", "content": system}]
+        for _ in range(shots):
+            a, b = rng.randint(100, 999), rng.randint(10, 99)
+            messages += [{"role": "user", "content": f"What is {a} * {b}?"},
+                         {"role": "assistant", "content": call_text(a, b)},
+                         {"role": "tool", "name": "multiply", "content": str(a * b)},
+                         {"role": "assistant", "content": str(a * b)}]
         a, b = rng.randint(100, 999), rng.randint(10, 99)
-        out.append({"prompt": [{"role": "system", "content": system},
-                               {"role": "user", "content": f"What is {a} * {b}?"}], "answer": str(a * b)})
+        out.append({"prompt": messages + [{"role": "user", "content": f"What is {a} * {b}?"}], "answer": str(a * b)})
     return out
 
 

@@ -57,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--adam_beta2", type=float, default=0.99)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave torch's default)")
+    p.add_argument("--save_final", default=None, help="also save the trained model + tokenizer here (HF format), "
+                   "e.g. for bench/eval_heldout.py")
     return p.parse_args(argv)
 
 
@@ -155,6 +157,9 @@ def main(argv=None):
     t_setup = time.perf_counter() - t_start
     trainer.train()
     t_total = time.perf_counter() - t_start
+    if args.save_final:
+        trainer.save_model(args.save_final)  # model, tokenizer (processing_class) and generation_config
+        tokenizer.save_pretrained(args.save_final)
 
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "metrics.jsonl"), "w") as f:
