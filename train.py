@@ -362,9 +362,20 @@ def shown_samples(ro: Rollout, rewards: torch.Tensor, weights, k: int = 2) -> li
     G, out = ro.num_generations, []
     for i in range(0, min(k * G, len(ro.prompts)), G):
         p, c = ro.prompts[i], ro.completions[i]
-        out.append((p if isinstance(p, str) else p[-1]["content"], c if isinstance(c, str) else c[0]["content"],
+        out.append((p if isinstance(p, str) else p[-1]["content"], c if isinstance(c, str) else conversation_text(c),
                     total_reward(rewards[i:i + 1], weights).item()))
     return out
+
+
+def conversation_text(messages: list[dict]) -> str:
+    """A completion's messages on one line: assistant text, its tool calls as [call name {args}], tool results
+    as [tool: result]."""
+    parts = []
+    for m in messages:
+        calls = [f"[call {c['function']['name']} {json.dumps(c['function']['arguments'])}]"
+                 for c in m.get("tool_calls") or []]
+        parts += [m.get("content") or ""] + calls if m["role"] == "assistant" else [f"[{m['role']}: {m['content']}]"]
+    return " ".join(p for p in parts if p)
 
 
 # -----------------------------------------------------------------------------

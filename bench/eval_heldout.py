@@ -28,6 +28,7 @@ def main(argv=None):
     from nanogrpo.config import load_config
     from nanogrpo.data import load_dataset
     from nanogrpo.rewards import resolve_reward_funcs
+    from nanogrpo.rollout import resolve_tools
     from nanogrpo.tokenizer import Tokenizer
 
     cfg = load_config(sys.argv[1:] if argv is None else argv)
@@ -40,7 +41,8 @@ def main(argv=None):
     rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split, seed=cfg.seed)[: cfg.eval_size]
     funcs = resolve_reward_funcs(cfg.reward_funcs, max_completion_length=cfg.max_completion_length,
                                  soft_punish_cache=cfg.soft_punish_cache)
-    m = train.evaluate(model, tok, rows, cfg, funcs, info, dist.autocast(info, cfg.bf16(info.device)))
+    tools = resolve_tools(cfg.tools) if cfg.tools else None  # a tool-calling config evaluates with its tools
+    m = train.evaluate(model, tok, rows, cfg, funcs, info, dist.autocast(info, cfg.bf16(info.device)), tools)
     p, n = m["eval/pass@1"], len(rows)
     m.update({"model": cfg.model, "eval_size": n, "eval/pass@1_se": math.sqrt(p * (1 - p) / n),
               "seconds": round(time.time() - t0, 1), "load_avg_1min": os.getloadavg()[0]})

@@ -3,21 +3,17 @@
     python bench/tool_calculator.py            # writes out/tools/products.jsonl (the prompts)
     python train.py --config tools.py          # GRPO on SmolLM2-135M-Instruct with the `multiply` tool
 
-Each prompt asks for a product of a 3-digit and a 2-digit number. The system prompt describes the
-`multiply` tool in the Hermes format SmolLM2's ChatML template does not write itself (its template
-ignores `tools=`), with one example call. `product_reward` is 1 when the last assistant turn states
-the right product: the policy earns it by calling the tool and repeating its result.
+Each prompt asks for a product of a 3-digit and a 2-digit number. The system prompt states the call
+format of the `multiply` tool (Hermes `<tool_call>` JSON; SmolLM2's ChatML template ignores `tools=`,
+so the format is spelled out, short, to keep prompts ~120 tokens), then one worked example conversation
+(question, tool call, tool result, answer) precedes the question. `product_reward` is 1 when the last
+assistant turn states the right product: the policy earns it by calling the tool and repeating its result.
 """
 
 import json
 import os
 import random
 import re
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nanogrpo.rollout import tool_schema  # noqa: E402
 
 
 def multiply(a: int, b: int) -> int:
@@ -30,11 +26,9 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
-SYSTEM = ("You are a helpful assistant with a calculator. You may call this function:\n<tools>\n{schema}\n</tools>\n"
-          "To call it, write only <tool_call>{{\"name\": \"multiply\", \"arguments\": {{\"a\": <int>, \"b\": <int>}}}}"
-          "</tool_call> and wait for the result. Example: for 12 * 34 write "
-          "<tool_call>{{\"name\": \"multiply\", \"arguments\": {{\"a\": 12, \"b\": 34}}}}</tool_call>. "
-          "Then answer with the number.")
+SYSTEM = ("You are a helpful assistant with a calculator tool, multiply(a, b). To use it, write only "
+          '<tool_call>{"name": "multiply", "arguments": {"a": <int>, "b": <int>}}</tool_call> and wait for the '
+          "result. Then answer with the number.")
 
 
 def product_reward(completions, answer, **kwargs) -> list[float]:
@@ -58,7 +52,7 @@ def call_text(a: int, b: int) -> str:
 def rows(n: int, seed: int, shots: int = 1) -> list[dict]:
     """n prompts: the system prompt, `shots` worked example conversations (a question, the assistant's tool
     call, the tool's result, the answer), then the question."""
-    rng, system = random.Random(seed), SYSTEM.format(schema=json.dumps(tool_schema(multiply)))
+    rng, system = random.Random(seed), SYSTEM
     out = []
     for _ in range(n):
         messages = [{"role": "system", "content": system}]

@@ -328,3 +328,13 @@ def test_command_line_help_errors_and_the_reward_curve_hint(tmp_path, monkeypatc
     assert bad.stderr.startswith("train.py: error: max_steps=-1: must be at least 1")
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert train.plot_rewards(tiny(tmp_path)).startswith("pip install matplotlib, then: python bench/plot.py")
+
+
+def test_printed_samples_show_a_tool_conversation_whole():
+    """A tool-calling completion prints its call, the tool's result and the answer, not only the first turn."""
+    messages = [{"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 34}}}]},
+                {"role": "tool", "name": "multiply", "content": "408"},
+                {"role": "assistant", "content": "408"}]
+    assert train.conversation_text(messages) == '[call multiply {"a": 12, "b": 34}] [tool: 408] 408'
+    assert train.conversation_text([{"role": "assistant", "content": "hi"}]) == "hi"
