@@ -1,14 +1,14 @@
 # Tool calling (TRL's `tools=`): SmolLM2-135M-Instruct learns to use a calculator for 3-digit x 2-digit
-# products, which it cannot compute itself. First write the prompts, then train (CPU: ~20 min):
+# products, which it cannot compute itself. First write the prompts, then train (2 CPU cores: ~10 min):
 #
 #     python bench/tool_calculator.py && python train.py --config tools.py
 #
 # The tool, the prompts and the reward live in bench/tool_calculator.py: a short system prompt with the
 # <tool_call> format and one worked example conversation before each question (~170 prompt tokens).
-# Untrained, SmolLM2 calls the tool in about a quarter of its answers, often malformed, and rarely
-# repeats the result cleanly; GRPO rewards the completions that do. Completions are multi-turn: the
-# model's <tool_call>, the tool's result (context only, never trained on), the model's answer; the whole
-# completion stays within max_completion_length. Logged: tools/call_frequency (calls per completion),
+# Measured (seed 0): held-out pass@1 0.094 +- 0.036 before (42% of answers call the tool, many calls
+# malformed), 0.984 +- 0.016 after the 12 steps (every answer calls it); README has the curves.
+# Completions are multi-turn: the model's <tool_call>, the tool's result (context only, never trained
+# on), the model's answer; the whole completion stays within max_completion_length. Logged: tools/call_frequency (calls per completion),
 # tools/failure_frequency (failed share of calls), tools/mean_turns, and the weight-0 `tool_called`.
 
 model = ".cache/real/smollm2-135m-instruct"  # tests/fetch_real.py builds it
@@ -18,7 +18,7 @@ seed = 0
 dataset = "out/tools/products.jsonl"
 eval_dataset = "out/tools/products_test.jsonl"
 eval_size = 64
-eval_every = 0  # held-out pass@1 at the end; before: python bench/eval_heldout.py --config tools.py
+eval_every = 0  # held-out: python bench/eval_heldout.py --config tools.py [--model=out/tools/checkpoint]
 reward_funcs = ["bench/tool_calculator.py:product_reward", "bench/tool_calculator.py:tool_called"]
 reward_weights = [1.0, 0.0]
 tools = ["bench/tool_calculator.py:multiply"]
@@ -35,7 +35,7 @@ loss_type = "dapo"
 beta = 0.0
 learning_rate = 3e-5  # as configs/smollm.py: a few dozen steps on CPU
 max_grad_norm = 1.0
-max_steps = 30
+max_steps = 12  # every group is solved by step ~6: later steps have zero advantages
 save_every = 0
 log_every = 1
 log_completions = True
