@@ -1,18 +1,16 @@
 """Everything that lives on disk: Hugging Face model checkpoints and trainer checkpoints.
 
 Owns: hub-id/path resolution, config.json <-> ModelConfig, safetensors (one file or shards + index),
-`load_model` / `save_model` (one process or FSDP2; a LoRA model as PEFT's adapter_config.json +
-adapter_model.safetensors, names and fields from lora.py), atomic directories, and the trainer checkpoint
-(`checkpoint-<step>/`: policy, tokenizer, optimizer, trainer state; the `checkpoint` link; pruning).
+`load_model` / `save_model` (one process or FSDP2; a LoRA model as PEFT's adapter files, names from
+lora.py), atomic directories, the trainer checkpoint (`checkpoint-<step>/`, the `checkpoint` link, pruning).
 Does not know about: the network's arithmetic (model.py), GRPO, or collectives (dist.py).
 
 Choices:
 - Our tensor names are HF's without `model.`. Tied embeddings are ONE rule (`to_hf_names` /
   `from_hf_names`): the tied lm_head is never written and on load it is the embedding.
-- Loading builds on the meta device and assigns each tensor once (no second copy); under FSDP2 the
-  meta model is sharded, rank 0 reads, and the shards are filled by broadcast.
-- Directories are written under a temporary name and renamed when complete; the `checkpoint` link is
-  swapped with one os.replace. No pickle: trainer state is JSON, the optimizer loads weights_only.
+- Loading builds on the meta device and assigns each tensor once; under FSDP2 rank 0 reads and the
+  shards are filled by broadcast. Directories are written under a temporary name and renamed when
+  complete. No pickle: trainer state is JSON, the optimizer loads weights_only.
 """
 
 import errno
@@ -67,9 +65,9 @@ def parse_dtype(dtype) -> torch.dtype:
     """torch.dtype from a dtype or a name like "bfloat16"/"bf16"/"float32"."""
     names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
-    if not isinstance(dtype, torch.dtype) and dtype not in names:
-        raise ValueError(f"dtype={dtype!r} is not known; use one of {sorted(names)}")
-    return dtype if isinstance(dtype, torch.dtype) else names[dtype]
+    if isinstance(dtype, torch.dtype) or dtype in names:
+        return names.get(dtype, dtype)
+    raise ValueError(f"dtype={dtype!r} is not known; use one of {sorted(names)}")
 
 
 # -----------------------------------------------------------------------------
@@ -208,10 +206,8 @@ def write_safetensors(out_dir, state: dict, max_shard_bytes: int = 5 * 2**30, na
 
 @contextmanager
 def atomic_dir(out_dir):
-    """Yield a temporary directory beside `out_dir`; on success it replaces `out_dir` in one rename.
-
-    A crash (or Ctrl-C) inside the block leaves the old `out_dir` untouched and no half-written one;
-    a full disk says so and leaves nothing behind."""
+    """Yield a temporary directory beside `out_dir`; on success it replaces `out_dir` in one rename. A crash
+    or Ctrl-C inside leaves the old `out_dir` untouched and no half-written one; a full disk says so."""
     out_dir = os.path.abspath(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=os.path.dirname(out_dir))
@@ -234,8 +230,8 @@ def _remove_partial(tmp, target, error):
     """Delete a half-written `tmp`; a full disk is re-raised as a message that says so."""
     shutil.rmtree(tmp, ignore_errors=True)
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        raise OSError(errno.ENOSPC, f"no space left on device while writing {target}; the partial copy "
-                                    "was removed, the previous one is intact") from error
+        raise OSError(errno.ENOSPC, f"no space left on device while writing {target}; the partial copy was removed, "
+                      "the previous one is intact") from error
 
 
 def load_model(path_or_hub_id, dtype=torch.float32, device="cpu", info: dist.DistInfo | None = None,
@@ -303,17 +299,23 @@ def write_model(out_dir, cfg: ModelConfig, state: dict, generation_config=None, 
 
 
 def save_model(model, out_dir, tokenizer=None, generation_config=None, max_shard_bytes: int = 5 * 2**30):
-    """Save `model` (plain or FSDP2-sharded) as an HF checkpoint directory, atomically; transformers and vLLM
-    load it. With LoRA adapters: the adapter, in PEFT's files (merge_lora first for a full checkpoint).
-    Sharded: every rank calls it and rank 0 writes; plain: whoever calls it writes, alone."""
+    """Save `model` (plain or FSDP2-sharded: every rank calls it, rank 0 writes) as an HF checkpoint directory,
+    atomically. With LoRA adapters: the adapter, in PEFT's files (merge_lora first for a full checkpoint)."""
     sharded = bool(dist.fsdp_modules(model))
-    state = dist.full_state_dict(model)
+    state, adapter = state_to_write(model)
     if not sharded or dist.rank() == 0:
         with atomic_dir(out_dir) as tmp:
             write_model(tmp, model.config, state, generation_config or model.generation_config, tokenizer,
-                        max_shard_bytes, lora.peft_config_of(model))
+                        max_shard_bytes, adapter)
     if sharded:
         dist.barrier()
+
+
+def state_to_write(model) -> tuple[dict, dict | None]:
+    """(what a save writes: the full state dict, or with LoRA only the adapter's tensors, adapter_config or None)."""
+    adapter = lora.peft_config_of(model)
+    keep = None if adapter is None else lambda k: lora.is_adapter_key(k, adapter["modules_to_save"])
+    return dist.full_state_dict(model, keep), adapter
 
 
 # -----------------------------------------------------------------------------
@@ -322,12 +324,10 @@ def save_model(model, out_dir, tokenizer=None, generation_config=None, max_shard
 
 def save_checkpoint(out_dir, step: int, model, optimizer, tokenizer, trainer_state: dict, train_config: dict,
                     info: dist.DistInfo) -> str:
-    """Write out_dir/checkpoint-<step> (the policy in HF format, or its LoRA adapter in PEFT's, + tokenizer,
-    train_config.json, trainer/ with the optimizer and `trainer_state`) under a temporary name, rename it
-    when complete, then swap the link out_dir/checkpoint to it in one os.replace. Returns its path."""
+    """Write out_dir/checkpoint-<step> (the policy or its LoRA adapter, tokenizer, train_config.json, trainer/:
+    optimizer, `trainer_state`) under a temporary name, rename it, then swap the `checkpoint` link to it."""
     step_dir = os.path.join(out_dir, f"checkpoint-{step}")
-    tmp, adapter = step_dir + ".tmp", lora.peft_config_of(model)
-    state = dist.full_state_dict(model)
+    tmp, (state, adapter) = step_dir + ".tmp", state_to_write(model)
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash
         os.makedirs(os.path.join(tmp, "trainer"))

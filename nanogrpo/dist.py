@@ -194,11 +194,12 @@ def autocast(info: DistInfo, bf16: bool):
     return nullcontext()
 
 
-def full_state_dict(model) -> dict:
+def full_state_dict(model, keep=None) -> dict:
     """The full (unsharded) model state dict on rank 0's CPU, our names; {} on other ranks of a
-    sharded model (every rank must call it: it gathers)."""
+    sharded model (every rank must call it: it gathers). keep(name) -> bool: only those tensors (a
+    plain model copies nothing else to the CPU)."""
     if not fsdp_modules(model):
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        return {k: v.detach().cpu() for k, v in model.state_dict().items() if keep is None or keep(k)}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return state if rank() == 0 else {}
+    return {k: v for k, v in state.items() if keep is None or keep(k)} if rank() == 0 else {}

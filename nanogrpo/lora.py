@@ -129,7 +129,7 @@ def _modules_to_save(model, modules_to_save) -> list[str]:
 
 
 def apply_lora(model, r: int = 16, lora_alpha: float = 32, lora_dropout: float = 0.05, target_modules=None,
-               modules_to_save=None, use_rslora: bool = False, **unused):
+               modules_to_save=None, use_rslora: bool = False):
     """Replace the targeted linears of `model`'s blocks by LoRALinear (in place, weights shared) and
     freeze everything but the adapters and `modules_to_save`. On a meta-device model (checkpoint.py's
     loader) nothing is initialised; otherwise A and B start as PEFT's. Records the settings as
@@ -163,13 +163,20 @@ def mark_trainable(model, base_state: dict | None = None):
     saved = model.lora_config["modules_to_save"]
     model.requires_grad_(False)
     for name, p in model.named_parameters():
-        p.requires_grad_(".lora_A." in name or ".lora_B." in name or name.split(".")[0] in saved)
+        p.requires_grad_(is_adapter_key(name, saved))
     copies = {}
     for name in saved if base_state is not None else []:
         key = "embed_tokens" if model.config.tie_word_embeddings else name
-        copies.setdefault(key, base_state[name + ".weight"].detach().clone())
+        if key not in copies:  # tied embeddings: one frozen copy for both names
+            copies[key] = base_state[name + ".weight"].detach().clone()
         getattr(model, name).register_buffer("lora_original_weight", copies[key], persistent=False)
     return model
+
+
+def is_adapter_key(name: str, modules_to_save=()) -> bool:
+    """Whether a state-dict key (our names) belongs to the adapter: a lora_A/lora_B weight, or a weight of
+    a modules_to_save module (embed_tokens, lm_head)."""
+    return ".lora_A." in name or ".lora_B." in name or name.split(".")[0] in (modules_to_save or ())
 
 
 def trainable_parameters(model) -> list[nn.Parameter]:
@@ -239,7 +246,7 @@ def merge_lora(model):
 def merged_state_dict(state: dict, settings: dict) -> dict:
     """merge_lora on a full state dict (our names) instead of a model: how a sharded run writes its
     merged checkpoint from rank 0's gathered copy. -> the plain model's state dict."""
-    out = {k: v for k, v in state.items() if ".lora_A." not in k and ".lora_B." not in k}
+    out = {k: v for k, v in state.items() if not is_adapter_key(k)}
     for key in state:
         if key.endswith(".lora_A.weight"):
             layer = key.removesuffix(".lora_A.weight")
@@ -265,17 +272,15 @@ def from_peft_name(key: str) -> str:
 def adapter_state(state: dict, settings: dict) -> dict:
     """The tensors of an adapter file under PEFT's names, from a full state dict (our names): every
     lora_A/lora_B, and the weight of each modules_to_save module. Contiguous, no shared storage."""
-    keep = [k for k in state if ".lora_A." in k or ".lora_B." in k]
-    keep += [m + ".weight" for m in settings["modules_to_save"] or []]
-    return {to_peft_name(k): state[k].detach().clone().contiguous() for k in keep}
+    return {to_peft_name(k): v.detach().clone().contiguous() for k, v in state.items()
+            if is_adapter_key(k, settings["modules_to_save"])}
 
 
 def from_peft_state(tensors: dict, model) -> dict:
     """An adapter file's tensors -> our names, checked against `model` (adapters applied, meta is fine):
     an error lists missing and unexpected tensors, and names a shape mismatch."""
     ours = {from_peft_name(k): v for k, v in tensors.items()}
-    expected = {k: v for k, v in model.state_dict().items()
-                if ".lora_A." in k or ".lora_B." in k or k.split(".")[0] in model.lora_config["modules_to_save"]}
+    expected = {k: v for k, v in model.state_dict().items() if is_adapter_key(k, model.lora_config["modules_to_save"])}
     missing, unexpected = sorted(set(expected) - set(ours)), sorted(set(ours) - set(expected))
     if missing or unexpected:
         raise ValueError(f"adapter does not match its adapter_config.json and the base model: missing tensors "
