@@ -43,12 +43,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     model = load_model(args.model, dtype=args.dtype, device=args.device).eval()  # a LoRA adapter: base + adapter
-    try:
-        tok = Tokenizer.from_pretrained(args.model)
-    except FileNotFoundError:  # a PEFT adapter saved without its tokenizer: the base model's
-        if not hasattr(model, "lora_config"):
-            raise
-        tok = Tokenizer.from_pretrained(model.base_model_name_or_path)
+    tok = Tokenizer.from_pretrained(args.model)  # an adapter without a tokenizer: its base model's
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt = messages + [{"role": "user", "content": args.chat}]

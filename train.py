@@ -33,7 +33,6 @@ import shlex
 import shutil
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -179,7 +178,6 @@ def open_reporters(cfg: TrainConfig, info: dist.DistInfo) -> list:
 
     out = []
     for name in (cfg.reporters() if info.is_main else []):
-        package = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}[name]
         try:
             if name == "tensorboard":
                 from torch.utils.tensorboard import SummaryWriter
@@ -194,7 +192,7 @@ def open_reporters(cfg: TrainConfig, info: dist.DistInfo) -> list:
                 trackio.init(project=os.environ.get("TRACKIO_PROJECT", "nanogrpo"), config=asdict(cfg))
                 out.append(lambda m, step: trackio.log(names(m), step=step))
         except ImportError as e:
-            raise ConfigError(f"report_to={name!r}, but {package} cannot be imported ({e}): pip install {package}, "
+            raise ConfigError(f"report_to={name!r}, but {name} cannot be imported ({e}): pip install {name}, "
                               "or use --report_to=none") from None
     return out
 
@@ -547,18 +545,19 @@ def train_round(run: Run) -> list[dict]:
     ro = rollout(run.model, run.tok, round_prompts(run), cfg, cfg.num_generations, generator, run.autocast,
                  run.tools)
     t_sample = time.time() - t_round
-    rewards = compute_advantages(run, ro, score(ro, run.reward_funcs))  # [N_global, K]
+    local = score(ro, run.reward_funcs)  # [n, K] this rank's rewards
+    rewards = compute_advantages(run, ro, local)  # [N_global, K]
     ro.num_items = dist.all_reduce_sum(ro.completion_mask.sum(), info)
     gen_metrics = generation_metrics(run, ro, rewards)
-    n = len(ro.completions)
-    run.samples = shown_samples(ro, rewards[info.rank * n:(info.rank + 1) * n], run.reward_weights)
+    run.samples = shown_samples(ro, local, run.reward_weights)
     t_score = time.time() - t_round - t_sample
     if run.sched.off_policy:  # the policy changes within the round: freeze its sampling-time log-probs
         ro.old_logps = batch_logprobs(run.model, ro, cfg, run.autocast, run.tok.vocab_size)
-    if cfg.beta > 0:  # the reference model, or with LoRA the policy with its adapters off
-        with nullcontext() if run.ref is not None else lora.disable_adapters(run.model):
-            ref = run.model if run.ref is None else run.ref
-            ro.ref_logps = batch_logprobs(ref, ro, cfg, run.autocast, run.tok.vocab_size)
+    if run.ref is not None:  # beta > 0: the reference model
+        ro.ref_logps = batch_logprobs(run.ref, ro, cfg, run.autocast, run.tok.vocab_size)
+    elif cfg.beta > 0:  # with LoRA: the policy with its adapters off
+        with lora.disable_adapters(run.model):
+            ro.ref_logps = batch_logprobs(run.model, ro, cfg, run.autocast, run.tok.vocab_size)
     t_logps = time.time() - t_round - t_sample - t_score
     records = updates(run, ro, rnd)
     round_time = time.time() - t_round

@@ -242,8 +242,8 @@ BUILTINS = {"accuracy": accuracy_reward, "format": format_reward, "countdown": c
             "default_task": default_task_reward, "soft_overlong": soft_overlong_punishment}
 
 
-def import_function(spec: str):
-    """'package.module:function' or 'path/to/file.py:function' -> the function."""
+def import_function(spec: str, kind: str = "reward function"):
+    """'package.module:function' or 'path/to/file.py:function' -> the function (`kind` names it in errors)."""
     module_name, _, attr = spec.rpartition(":")
     try:
         if module_name.endswith(".py"):
@@ -253,10 +253,10 @@ def import_function(spec: str):
         else:
             module = importlib.import_module(module_name)
     except (ImportError, OSError) as e:
-        raise ValueError(f"reward function {spec!r}: cannot import {module_name!r} ({e})") from e
+        raise ValueError(f"{kind} {spec!r}: cannot import {module_name!r} ({e})") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward function {spec!r}: {module_name!r} has no function {attr!r}")
+        raise ValueError(f"{kind} {spec!r}: {module_name!r} has no function {attr!r}")
     return fn
 
 

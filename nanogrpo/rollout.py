@@ -68,11 +68,6 @@ class Rollout:
     ref_logps: torch.Tensor | None = None  # [n, C] under the reference model (beta > 0 only)
     num_items: torch.Tensor | None = None  # scalar: trained tokens of the whole round's step on all ranks
 
-    @property
-    def completion_ids(self) -> torch.Tensor:
-        """[n, C] the completion ids (right-padded): the last C columns of input_ids."""
-        return self.input_ids[:, -self.completion_mask.shape[1]:]
-
     def num_tokens(self) -> int:
         """Real tokens processed in this round on this rank (prompts x G + generated), for throughput."""
         return sum(map(len, self.prompt_ids)) * self.num_generations + int(self.completion_lengths.sum())
@@ -229,10 +224,7 @@ def resolve_tools(specs) -> dict:
     out = {}
     for spec in specs or ():
         if not callable(spec):
-            try:
-                spec = import_function(spec)
-            except ValueError as e:
-                raise ValueError(str(e).replace("reward function", "tool", 1)) from None
+            spec = import_function(spec, kind="tool")
         tool_schema(spec)  # a bad signature fails here, before the first rollout
         out[spec.__name__] = spec
     return out
@@ -345,9 +337,10 @@ def _continue_with_tools(model, tok, prompt_of, ids, texts, truncated, tools, cf
         out = generate(model, contexts, num_samples=1, stop_ids=tok.eos_token_ids, pad_id=tok.pad_token_id,
                        seeds=seeds, vocab_size=tok.vocab_size, **{**sampling_kwargs(cfg), "max_new_tokens": max_new})
         new_ids, new_texts = tok.decode_completions(out.completion_ids, out.completion_mask)
+        new_truncated = out.truncated.tolist()  # one device-to-host transfer
         for k, r in enumerate(going):
             new = new_ids[k][:M - len(ids[r])]  # the whole completion stays within max_completion_length
-            truncated[r] = bool(out.truncated[k]) or len(new) < len(new_ids[k])
+            truncated[r] = new_truncated[k] or len(new) < len(new_ids[k])
             ids[r] += new
             masks[r] += [1] * len(new)
             calls[r] = []
@@ -366,9 +359,7 @@ def rollout(model, tok, rows: list[dict], cfg, num_generations: int, generator=N
     schemas = [tool_schema(f) for f in tools.values()] if tools else None
     if tools and isinstance(rows[0]["prompt"], str):
         raise ValueError("tools need conversational prompts (message lists); this dataset's are plain strings")
-    prompt_ids = [tok.encode_prompt(r["prompt"]) if not tools else tok.encode(
-        tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tools=schemas), add_special_tokens=False)
-        for r in rows]
+    prompt_ids = [tok.encode_prompt(r["prompt"], tools=schemas) for r in rows]
     was_training = model.training
     model.eval()
     with torch.no_grad(), dist.gathered(model), autocast or torch.autocast("cpu", enabled=False):

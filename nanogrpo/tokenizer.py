@@ -87,9 +87,12 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path_or_hub_id) -> "Tokenizer":
         """Load tokenizer.json (+ tokenizer_config.json, chat_template.jinja, generation_config.json)
-        from a local directory or a hub id."""
+        from a local directory or a hub id; a PEFT adapter directory without them: its base model's."""
         path = resolve_path(path_or_hub_id)
         tok_path = os.path.join(path, "tokenizer.json")
+        base = _read_json_if_exists(os.path.join(path, "adapter_config.json")).get("base_model_name_or_path")
+        if not os.path.exists(tok_path) and base:  # a PEFT adapter saved without a tokenizer: its base model's
+            return cls.from_pretrained(base)
         if not os.path.exists(tok_path):
             raise FileNotFoundError(f"{tok_path} not found: nanogrpo needs a fast tokenizer (tokenizer.json)")
         config = _read_json_if_exists(os.path.join(path, "tokenizer_config.json"))
@@ -155,13 +158,14 @@ class Tokenizer:
         return self._template.render(messages=[_template_message(m) for m in messages], tools=tools,
                                      add_generation_prompt=add_generation_prompt, **context)
 
-    def encode_prompt(self, prompt) -> list[int]:
+    def encode_prompt(self, prompt, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt as TRL makes them: a string is encoded with its special tokens; a
-        message list is rendered with the chat template (generation prompt added), then encoded
-        without adding special tokens again."""
+        message list is rendered with the chat template (generation prompt added, `tools`: JSON schemas
+        for its tools= argument), then encoded without adding special tokens again."""
         if isinstance(prompt, str):
             return self.encode(prompt)
-        return self.encode(self.apply_chat_template(prompt, add_generation_prompt=True), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(prompt, add_generation_prompt=True, tools=tools),
+                           add_special_tokens=False)
 
     def save_pretrained(self, out_dir):
         """Write tokenizer.json, tokenizer_config.json (and chat_template.jinja when the template
