@@ -346,8 +346,8 @@ def warn_about_rewards(run: Run, total: torch.Tensor, frac_zero_std: float, pati
 
     if torch.isnan(total).all():
         warn("unscored", "no reward function scored any completion this round (all returned None)")
-    elif total[~torch.isnan(total)].abs().max() > 1e18:
-        warn("overflow", f"rewards up to {total.abs().nanmean():.2e} overflow float32 statistics (the group "
+    elif (largest := total[~torch.isnan(total)].abs().max()) > 1e18:
+        warn("overflow", f"rewards up to {largest:.2e} overflow float32 statistics (the group "
              "std becomes inf, advantages 0): rescale the reward functions")
     run.zero_spread_steps = run.zero_spread_steps + 1 if frac_zero_std == 1.0 else 0
     if run.zero_spread_steps >= patience:
