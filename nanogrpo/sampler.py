@@ -13,8 +13,7 @@ Choices:
   in its row and a key mask hides the pad slots, so a short prompt in a mixed batch is computed as if
   it were alone. One decode step is one batched forward of [n,1] tokens: no Python loop over rows.
 - Finished rows are dropped: when a quarter of the live rows have stopped, the batch is compacted with
-  `cache.select`; the loop ends when every row has stopped (a device->host sync: every step on CPU, where
-  it is free, every 8 steps on GPU).
+  `cache.select`; the loop ends when all have stopped (a host sync: every step on CPU, every 8 on GPU).
 - torch_compile=True runs each decode step as one compiled graph of fixed shapes instead: L + C cache slots
   rounded up to a multiple of 128 (kept on the model between rounds), all attended through the key mask,
   the write slot a tensor, finished rows masked, not compacted, stops checked every 8 steps. So rounds
@@ -27,10 +26,9 @@ Choices:
   padded embedding rows (Qwen2.5: 151,936 rows for 151,665 tokens) can never be sampled. Sampling
   math is fp32 whatever the model dtype. Filters run in transformers' order: repetition penalty,
   temperature, top-k, top-p, min-p.
-- No vocabulary sort: top-k, top-p and min-p are decided on each row's K largest logits (`torch.topk`,
-  K = 64; a row whose last candidate survives is redone with as many as a probability histogram says it
-  needs, a full sort for a flat row) and the draw runs over those K. The `apply_*` functions are the
-  definitions; the fast path equals them bit for bit on CPU (on GPU up to the parallel cumsum's rounding).
+- No vocabulary sort: the filters are decided on a few candidates per row (the probability bins, powers of
+  two, that hold the nucleus) and the draw runs over them alone. The `apply_*` functions are the definitions;
+  the fast path equals them bit for bit on CPU (on GPU up to the parallel cumsum's rounding).
 - RNG: counter-based, per row. Row (prompt i, sample j) has the key hash(seed_i, j); at step t it
   draws u = hash(key, t) and takes the first token whose cumulative probability exceeds u (inverse-CDF
   sampling). So a row's samples depend only on its prompt, the model and (seed_i, j), not on batch-mates,
@@ -95,8 +93,7 @@ def apply_top_k(logits, k):
 def apply_top_p(logits, p):
     """Nucleus filter: keep the most likely tokens until their probability reaches p, i.e. a token is
     kept if the tokens ranked above it hold less than p (the top token always stays). Tokens tied with
-    the last kept one are kept too. p = 1: nothing is removed. (The reference: `filter_candidates`
-    computes the same set without sorting; both round identically, see there.)"""
+    the last kept one are kept too. p = 1: nothing is removed. (`filter_candidates` finds the same set unsorted.)"""
     if p >= 1.0:
         return logits
     top = logits.amax(dim=-1, keepdim=True)  # [B,1]
@@ -118,15 +115,14 @@ def apply_min_p(logits, min_p):
     logit is below max + log(min_p) (the top token always stays). min_p = 0: nothing is removed."""
     if min_p == 0.0:
         return logits
-    top = logits.amax(dim=-1, keepdim=True)  # [B,1]
-    return logits.masked_fill(logits < top + math.log(min_p), float("-inf"))
+    return logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True) + math.log(min_p), float("-inf"))
 
 
 def sample_from(logits, u, token_ids=None):
     """Inverse-CDF draw. logits [B,V] fp32 (-inf = removed), u [B] float64 in [0,1) ->
     (ids [B], their log-probs [B]): id is the first token whose cumulative probability exceeds u.
-    With token_ids [B,K] (ascending), logits [B,K] are those tokens' logits, all others removed: the
-    same draw, as zero weights leave a cumulative sum unchanged."""
+    With token_ids [B,K] (ascending, then any -inf padding), logits [B,K] are those tokens' logits, all
+    others removed: the same draw, as zero weights leave a cumulative sum unchanged."""
     top = logits.amax(dim=-1, keepdim=True)  # [B,1]
     # unnormalized probabilities (the largest exactly 1), summed in fp64 so tail tokens keep their exact share;
     # in place: on CPU, fresh [B,V] buffers cost more than the arithmetic
@@ -139,60 +135,70 @@ def sample_from(logits, u, token_ids=None):
 
 
 def filter_candidates(logits, top_k, top_p, min_p):
-    """top-k -> top-p -> min-p without sorting the vocabulary: logits [B,V] -> (values [B,K], ids [B,K]), each
-    row's largest logits, removed ones and -inf padding (id 0) included; all other tokens are removed. Equal to
-    apply_min_p(apply_top_p(apply_top_k(logits))) bit for bit: decided on the same numbers (a prefix of the same
-    cumsum, same total). K = max(top_k + 1, 64); rows whose last candidate is kept are redone with more."""
+    """top-k -> top-p -> min-p without sorting the vocabulary: logits [B,V] -> (values [B,K], ids [B,K]), each row's
+    candidates in vocabulary order (removed ones -inf), then -inf padding (id 0); all other tokens are removed. Equal
+    to apply_min_p(apply_top_p(apply_top_k(logits))) bit for bit: the candidates are a row's largest logits, so top-p
+    is decided on a prefix of the same cumsum. They are guessed (`_nucleus_bins`); a row whose guess holds less than
+    p is redone with every token."""
     B, V = logits.shape
     if 0 < top_k < V:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B,1] the k-th largest logit
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    w = total = None
-    if top_p < 1.0:  # as apply_top_p: the total summed in vocabulary order
-        w = (logits - logits.amax(dim=-1, keepdim=True)).exp_()  # [B,V] unnormalized probabilities
-        total = w.sum(dim=-1, keepdim=True)  # [B,1]
-    K, rows = min(max(top_k + 1, 64), V), torch.arange(B, device=logits.device)
-    vals, ids = logits.new_empty(B, 0), torch.zeros(B, 0, dtype=torch.long, device=logits.device)
-    while True:
-        sub = logits[rows] if len(rows) < B else logits
-        vals_r, ids_r = sub.topk(K, dim=-1) if K < V else sub.sort(dim=-1, descending=True)  # [r,K]
-        top = vals_r[:, :1]  # [r,1]
-        if top_p < 1.0:
-            n_keep = (_mass_above(vals_r, top, total[rows]) < top_p).sum(dim=-1, keepdim=True)  # [r,1]
-            vals_r = vals_r.masked_fill(vals_r < vals_r.gather(-1, n_keep - 1), float("-inf"))
-        if min_p > 0.0:
-            vals_r = vals_r.masked_fill(vals_r < top + math.log(min_p), float("-inf"))
-        vals, ids = F.pad(vals, (0, K - vals.shape[1]), value=float("-inf")), F.pad(ids, (0, K - ids.shape[1]))
-        vals[rows], ids[rows] = vals_r, ids_r
-        redo = (vals_r[:, -1] > float("-inf")).nonzero().squeeze(1) if K < V else []  # [r'] (a host sync)
-        if not len(redo):
-            return vals, ids
-        K = max(2 * K, int(_enough(sub[redo], None if w is None else w[rows[redo]], top_p, min_p).max()))
-        K, rows = V if 4 * K > V else K, rows[redo]
+    top = logits.amax(dim=-1, keepdim=True)  # [B,1]
+    keep = logits >= top + math.log(min_p) if min_p > 0.0 else None  # [B,V] what min-p keeps; None: all top-k leaves
+    if top_p >= 1.0:
+        return _compact(logits, logits > float("-inf") if keep is None else keep, keep)
+    w = (logits - top).exp_()  # [B,V] unnormalized probabilities
+    total = w.sum(dim=-1, keepdim=True)  # [B,1], summed in vocabulary order as apply_top_p does
+    cand = _nucleus_bins(w, top_p) if keep is None else _nucleus_bins(w, top_p) & keep
+    for attempt in range(2):
+        vals, ids = _compact(logits, cand, keep)
+        ranked = F.pad(vals.sort(dim=-1, descending=True).values, (0, 1), value=float("-inf"))  # [B,K+1]
+        n_keep = (_mass_above(ranked, top, total) < top_p).sum(dim=-1, keepdim=True)  # [B,1]
+        cutoff = ranked.gather(-1, n_keep - 1)  # [B,1] the smallest kept logit
+        short = cutoff.squeeze(1) == float("-inf")  # [B] the candidates hold less than p: the next one is kept too
+        if attempt or vals.shape[1] == V or not short.any():  # (a host sync)
+            return vals.masked_fill(vals < cutoff, float("-inf")), ids
+        cand = cand | short[:, None] & (logits > float("-inf") if keep is None else keep)  # rare: redo with all
 
 
-def _enough(logits, w, top_p, min_p):
-    """logits [r,V], w [r,V] their unnormalized probabilities (None without top-p) -> [r] a count of top
-    tokens that holds all the filters keep: min-p's exact count, or the tokens of the power-of-two probability
-    bins down to where the mass reaches top_p, plus one bin. Only a guess of K: the caller checks."""
-    n = (logits >= logits.amax(dim=-1, keepdim=True) + math.log(min_p)).sum(dim=-1) + 1 if min_p > 0.0 \
-        else torch.full((len(logits),), logits.shape[1], device=logits.device)
-    if w is not None:
-        bins = (w.view(torch.int32) >> 23).long()  # [r,V] the float exponent: w in [2^(e-127), 2^(e-126))
-        mass = w.new_zeros(len(w), 256).scatter_add_(1, bins, w).flip(1).cumsum(1)  # [r,256], high bins first
-        count = w.new_zeros(len(w), 256).scatter_add_(1, bins, torch.ones_like(w)).flip(1).cumsum(1)
-        first = (mass < top_p * mass[:, -1:]).sum(dim=-1, keepdim=True)  # [r,1] the bin where the mass reaches p
-        n = torch.minimum(n, count.gather(1, (first + 1).clamp(max=255)).squeeze(1).long() + 1)
-    return n
+def _compact(logits, cand, keep):
+    """logits [B,V], cand [B,V] bool -> (vals [B,K], ids [B,K]): each row's candidates in vocabulary order, then -inf
+    padding (id 0); K = the most any row has. Over a quarter of V, the whole vocabulary instead (ids 0..V-1, the
+    tokens outside `keep` at -inf): an index of most of it would cost more than it saves."""
+    B, V = logits.shape
+    row, col = cand.nonzero(as_tuple=True)  # [n] each, row-major: a row's ids ascending
+    count = torch.bincount(row, minlength=B)  # [B]
+    K = int(count.max())  # a host sync
+    if 4 * K > V:
+        ids = torch.arange(V, device=logits.device).expand(B, V)
+        return (logits if keep is None else logits.masked_fill(~keep, float("-inf"))), ids
+    slot = torch.arange(len(row), device=row.device) - (count.cumsum(0) - count)[row]  # [n] column in the row
+    vals = logits.new_full((B, K), float("-inf")).index_put_((row, slot), logits[row, col])
+    return vals, torch.zeros(B, K, dtype=torch.long, device=row.device).index_put_((row, slot), col)
+
+
+def _nucleus_bins(w, top_p):
+    """w [B,V] unnormalized probabilities -> bool [B,V]: the tokens of the power-of-two probability bins from the top
+    down to the one where their mass reaches top_p: the nucleus but for rounding (the caller checks), and the rest of
+    its last bin. On CPU in blocks of rows: a fresh int64 [B,V] index costs more (page faults) than the histogram."""
+    guess = torch.empty(w.shape, dtype=torch.bool, device=w.device)
+    rows = len(w) if w.is_cuda else max(1, 2**20 // w.shape[1])
+    for i in range(0, len(w), rows):
+        block = w[i:i + rows]
+        e = block.view(torch.int32).long()
+        e >>= 23  # the float exponent: w in [2^(e-127), 2^(e-126))
+        mass = block.new_zeros(len(block), 256).scatter_add_(1, e, block).flip(1).cumsum(1)  # mass of the top bins
+        crossing = (mass < top_p * mass[:, -1:]).sum(dim=-1, keepdim=True)  # [rows,1] bins above the one reaching p
+        torch.ge(block, ((255 - crossing).int() << 23).view(torch.float32), out=guess[i:i + rows])  # its smallest w
+    return guess
 
 
 def sample_filtered(logits, u, top_k, top_p, min_p):
-    """sample_from(apply_min_p(apply_top_p(apply_top_k(logits)))) drawing over the candidates only."""
+    """sample_from(apply_min_p(apply_top_p(apply_top_k(logits)))) drawing over the candidates only (in vocabulary
+    order: the cumulative sum adds the same numbers in the same order)."""
     vals, ids = filter_candidates(logits, top_k, top_p, min_p)
-    if vals.shape[-1] == logits.shape[-1]:  # a full sort: scatter back rather than sort the ids (amax: padding)
-        return sample_from(torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax"), u)
-    ids, order = ids.sort(dim=-1)  # vocabulary order, as the inverse CDF over the whole vocabulary
-    return sample_from(vals.gather(-1, order), u, token_ids=ids)
+    return sample_from(vals, u, token_ids=ids)
 
 
 # -----------------------------------------------------------------------------
@@ -241,21 +247,20 @@ def check_sampling(temperature, top_k, top_p, min_p, repetition_penalty):
 
 def _check_args(model, prompt_ids, num_samples, max_new_tokens, temperature, top_k, top_p, min_p,
                 repetition_penalty, vocab_size, seeds):
-    need = _need
-    need(num_samples >= 1, "num_samples", num_samples, "must be >= 1")
-    need(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, "must be >= 1")
+    _need(num_samples >= 1, "num_samples", num_samples, "must be >= 1")
+    _need(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, "must be >= 1")
     check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     V = model.config.vocab_size
-    need(0 < vocab_size <= V, "vocab_size", vocab_size, f"must be in [1, model.config.vocab_size={V}]")
-    need(len(prompt_ids) > 0, "prompt_ids", prompt_ids, "needs at least one prompt")
+    _need(0 < vocab_size <= V, "vocab_size", vocab_size, f"must be in [1, model.config.vocab_size={V}]")
+    _need(len(prompt_ids) > 0, "prompt_ids", prompt_ids, "needs at least one prompt")
     for i, p in enumerate(prompt_ids):
-        need(len(p) > 0, "prompt_ids", f"[..., {i}: []]", f"prompt {i} is empty")
-        need(min(p) >= 0 and max(p) < V, "prompt_ids", f"[..., {i}: [{min(p)}..{max(p)}]]",
-             f"prompt {i} has ids outside [0, {V})")
+        _need(len(p) > 0, "prompt_ids", f"[..., {i}: []]", f"prompt {i} is empty")
+        _need(min(p) >= 0 and max(p) < V, "prompt_ids", f"[..., {i}: [{min(p)}..{max(p)}]]",
+              f"prompt {i} has ids outside [0, {V})")
     longest, limit = max(map(len, prompt_ids)), model.config.max_position_embeddings
-    need(longest + max_new_tokens <= limit, "max_new_tokens", max_new_tokens,
-         f"the longest prompt ({longest}) + max_new_tokens exceeds max_position_embeddings={limit}")
-    need(seeds is None or len(seeds) == len(prompt_ids), "seeds", seeds, "needs one seed per prompt")
+    _need(longest + max_new_tokens <= limit, "max_new_tokens", max_new_tokens,
+          f"the longest prompt ({longest}) + max_new_tokens exceeds max_position_embeddings={limit}")
+    _need(seeds is None or len(seeds) == len(prompt_ids), "seeds", seeds, "needs one seed per prompt")
 
 
 def _logits(model, h, vocab_size, chunk):
@@ -309,18 +314,15 @@ def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1
     drawn from `generator` (a torch.Generator) or from torch's global RNG.
     torch_compile: run each decode step as one torch.compile'd static-shape graph (CUDA graphs on GPU).
     """
-    cfg = model.config
-    vocab_size = cfg.vocab_size if vocab_size is None else vocab_size
+    vocab_size = model.config.vocab_size if vocab_size is None else vocab_size
     prompt_ids = [[int(t) for t in p] for p in prompt_ids]
     _check_args(model, prompt_ids, num_samples, max_new_tokens, temperature, top_k, top_p, min_p,
                 repetition_penalty, vocab_size, seeds)
     dev = model.lm_head.weight.device
-    P, G, C = len(prompt_ids), num_samples, max_new_tokens
-    N = P * G
+    P, G, C, N = len(prompt_ids), num_samples, max_new_tokens, len(prompt_ids) * num_samples
     stops = torch.tensor(sorted({int(s) for s in stop_ids or ()}), dtype=torch.long, device=dev)
     if seeds is None:
-        gen_dev = generator.device if generator is not None else "cpu"
-        seeds = torch.randint(0, 2**31 - 1, (P,), generator=generator, device=gen_dev)
+        seeds = torch.randint(0, 2**31 - 1, (P,), generator=generator, device=getattr(generator, "device", "cpu"))
     keys = row_keys(torch.as_tensor(seeds, dtype=torch.long).to(dev), G)  # [N]
     # CPU BLAS multiplies [n,D] by slices of 2048 vocab rows ~1.6x faster than by the whole [V,D]
     chunk = 2048 if dev.type == "cpu" else vocab_size
@@ -347,9 +349,8 @@ def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1
         cache = cache.select(src)  # [N, ...]: each prompt's prefill copied to its G rows
     key_valid = torch.cat([valid[src], valid.new_ones(N, C), valid.new_zeros(N, S - L - C)], dim=1)  # [N,S]
     next_pos = lens[src]  # [N]: RoPE position of each row's first completion token
-    seen = None
-    if repetition_penalty != 1.0:  # [N,V] tokens present in each row (prompt, then generated)
-        seen = token_mask(torch.where(valid, ids, -1), vocab_size)[src]
+    # [N,V] the tokens present in each row (prompt, then generated), for the repetition penalty
+    seen = token_mask(torch.where(valid, ids, -1), vocab_size)[src] if repetition_penalty != 1.0 else None
 
     out_ids = torch.full((N, C), pad_id, dtype=torch.long, device=dev)
     out_logps = torch.zeros(N, C, device=dev)
@@ -389,8 +390,7 @@ def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1
                                     positions=(next_pos + t)[:, None], cache=cache, cache_start=L + t)  # [n,1,D]
             logits = _logits(model, h[:, 0], vocab_size, chunk)
 
-    # Masks from positions: a row's completion ends at the first step where it sampled a stop id.
-    # (Slots after that hold garbage or pad_id and are never read as tokens.)
+    # Masks from positions: a row ends at the first step that sampled a stop id (later slots are never read).
     is_stop = torch.isin(out_ids, stops)  # [N,C]
     has_stop = is_stop.any(-1)
     length = torch.where(has_stop, is_stop.int().argmax(-1) + 1, C)  # [N]

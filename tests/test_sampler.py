@@ -372,22 +372,31 @@ def test_fast_filters_take_few_candidates_on_a_peaked_row():
     vals, ids = filter_candidates(logits, 0, 0.95, 0.0)
     assert vals.shape[1] < 4096 and torch.equal(
         torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax"), apply_top_p(logits, 0.95))
-    logits[3] = torch.randn(32000) * 0.5  # one flat row: only it is sorted in full
+    assert (ids[:, 1:] > ids[:, :-1]).logical_or(vals[:, 1:] == float("-inf")).all()  # vocabulary order, then padding
+    logits[3] = torch.randn(32000) * 0.5  # one flat row: the whole vocabulary, as the reference
     vals, ids = filter_candidates(logits, 0, 0.95, 0.0)
-    kept_late = (vals[:, 512:] > float("-inf")).sum(1)
-    assert vals.shape[1] == 32000 and kept_late[3] > 20000 and kept_late.sum() == kept_late[3]
+    assert vals.shape[1] == 32000 and torch.equal(vals, apply_top_p(logits, 0.95))
 
 
-def test_enough_guesses_a_count_that_holds_the_nucleus_without_waste():
-    """The histogram guess of K for rows that need a second pass: at least the kept count, at most a few times it."""
+def test_nucleus_bins_hold_the_nucleus_without_waste():
+    """The histogram guess of the candidates: every kept token, and not many more."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 32000, generator=g) * torch.empty(64, 1).uniform_(2.0, 7.0, generator=g)
-    kept = (apply_top_p(logits, 0.95) > float("-inf")).sum(1)  # [64], from a few tokens to thousands
-    w = (logits - logits.amax(dim=-1, keepdim=True)).exp()
-    guess = sampler._enough(logits, w, 0.95, 0.0)
-    assert kept.max() > 1000 and (guess >= kept).all() and (guess <= 4 * kept + 64).all()
-    min_p_kept = (apply_min_p(logits, 0.05) > float("-inf")).sum(1)
-    assert torch.equal(sampler._enough(logits, None, 1.0, 0.05), min_p_kept + 1)  # min-p's count is exact
+    kept = apply_top_p(logits, 0.95) > float("-inf")  # [64,V], from a few tokens to thousands a row
+    guess = sampler._nucleus_bins((logits - logits.amax(dim=-1, keepdim=True)).exp(), 0.95)
+    assert kept.sum(1).max() > 1000 and (guess >= kept).all() and (guess.sum(1) <= 2 * kept.sum(1)).all()
+    assert guess.sum() < 1.3 * kept.sum()  # measured 1.15: the bin where the mass reaches p, no bin below it
+
+
+def test_a_short_guess_is_redone(monkeypatch):
+    """When the guessed candidates hold less than p (here: a guess of the top token alone), the row is redone
+    with every token, and the result is still the reference's."""
+    logits = torch.randn(4, 3000) * torch.tensor([[0.3], [2.0], [6.0], [20.0]])
+    monkeypatch.setattr(sampler, "_nucleus_bins", lambda w, p: w == 1)
+    for min_p in (0.0, 0.01):
+        vals, ids = filter_candidates(logits, 0, 0.9, min_p)
+        want = apply_min_p(apply_top_p(logits, 0.9), min_p)
+        assert torch.equal(torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax"), want)
 
 
 # -----------------------------------------------------------------------------
