@@ -63,12 +63,10 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     C = completion_mask.shape[1]
 
-    def score(h, lm_head):  # h [N,L,D] -> (logps, entropy) [N,C]; runs inside model.forward
-        # The hidden state at position i scores token i+1: positions L-C-1 .. L-2 score the completion.
-        h = h[:, L - C - 1:L - 1].reshape(N * C, -1)  # [N*C,D]
+    def score(h, lm_head):  # h [N,C,D]: h[:, j] is the hidden state that predicts completion token j
         targets = input_ids[:, L - C:].reshape(N * C)  # [N*C]
         active = completion_mask.reshape(N * C).bool().nonzero().squeeze(-1)  # [M] indices of scored tokens
-        h, targets = h[active], targets[active]  # [M,D], [M]
+        h, targets = h.reshape(N * C, -1)[active], targets[active]  # [M,D], [M]
         logp_parts, ent_parts = [], []
         for start in range(0, len(active), chunk_size):
             h_c, t_c = h[start:start + chunk_size], targets[start:start + chunk_size]
@@ -87,7 +85,21 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
         entropy = zeros.index_put(where, torch.cat(ent_parts))
         return logps, entropy
 
-    return model(input_ids, attention_mask=attention_mask, head=score)
+    prompt = torch.cat([input_ids[:, :L - C], attention_mask[:, :L - C].long()], dim=1)  # [N,2(L-C)]
+    unique, src = prompt.unique(dim=0, return_inverse=True)  # [U,2(L-C)], [N]: row n's prompt is unique[src[n]]
+    if len(unique) == N or (model.gradient_checkpointing and torch.is_grad_enabled()):
+        # The hidden state at position i predicts token i+1: positions L-C-1 .. L-2 score the completion.
+        return model(input_ids, attention_mask=attention_mask, head=lambda h, out: score(h[:, L - C - 1:L - 1], out))
+    # Rows that share a prompt (a group's G completions) share its forward: each distinct prompt runs once into
+    # a KV cache, copied to its rows, then only the completions run, attending to it (exact; fewer FLOPs).
+    ids, valid = unique[:, :L - C], unique[:, L - C:].bool()  # [U,L-C]
+    cache = model.new_cache(len(unique), L)
+    last = model(ids, attention_mask=valid, positions=(valid.cumsum(-1) - 1).clamp(min=0), cache=cache,
+                 head=lambda h, out: h[:, -1])  # [U,D]: predicts each prompt's first completion token
+    positions = valid.sum(-1)[src, None] + torch.arange(C, device=ids.device)  # [N,C]
+    key_valid = torch.cat([valid[src], attention_mask[:, L - C:].bool()], dim=1)  # [N,L]
+    return model(input_ids[:, L - C:], attention_mask=key_valid, positions=positions, cache=cache.select(src),
+                 cache_start=L - C, head=lambda h, out: score(torch.cat([last[src, None], h[:, :-1]], dim=1), out))
 
 
 # -----------------------------------------------------------------------------

@@ -309,7 +309,7 @@ class Transformer(nn.Module):
             self.inv_freq = self.inv_freq.to(x.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, block in enumerate(self.layers):
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, cache, i, cache_start)

@@ -42,6 +42,7 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None):
     ids = torch.randint(0, 300, (N, P + C), generator=g)
     attention_mask = torch.ones(N, P + C, dtype=torch.long)
     attention_mask[::3, :2] = 0  # some left-padded prompts
+    ids[1::2, :P], attention_mask[1::2, :P] = ids[::2, :P], attention_mask[::2, :P]  # pairs share a prompt (a group)
     lengths = torch.randint(1, C + 1, (N,), generator=g)
     mask = (torch.arange(C)[None] < lengths[:, None]).float()
     advantages, old_logps = torch.randn(N, generator=g), -torch.rand(N, C, generator=g) * 6

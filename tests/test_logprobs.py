@@ -91,6 +91,44 @@ def test_no_grad_path_and_empty_mask():
     assert torch.equal(logp, torch.zeros(3, C, dtype=torch.float64)) and torch.equal(ent, logp)
 
 
+def grouped_batch(completion_attention):
+    """Rows that share prompts, as GRPO's groups do (prompt 0 x3, prompt 1 x1, prompt 2 x2), left-padded."""
+    ids, att, cmask = batch(completion_attention)
+    rows = torch.tensor([0, 1, 0, 2, 0, 2])
+    ids, att, cmask = ids[rows].clone(), att[rows].clone(), cmask[rows].clone()
+    g = torch.Generator().manual_seed(3)
+    ids[:, P:] = torch.randint(1, V, (len(rows), C), generator=g)  # each row its own completion
+    return ids, att, cmask
+
+
+@pytest.mark.parametrize("completion_attention", [0, 1])
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_rows_sharing_a_prompt_share_its_forward_exactly(completion_attention, kv_heads):
+    """A prompt shared by several rows runs once (its KV cache copied to its rows): the same log-probs, entropies
+    and parameter gradients as the naive full forward, in float64; also with one completion token (the one-query
+    attention path) and with gradient checkpointing (which takes the plain path). Values are bit-equal; gradients
+    agree to fp32 rounding: RMSNorm computes in fp32 even in a float64 model (as HF's does), and a prompt's gradient
+    is summed over its rows in another order here."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(vocab_size=V, num_key_value_heads=kv_heads)).double()
+    ids, att, cmask = grouped_batch(completion_attention)
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape))
+    logp, ent = token_logprobs(model, ids, att, cmask)
+    assert calls == [(3, P), (6, C)]  # the 3 distinct prompts, then the 6 completions alone
+    want = naive(model, ids, att, cmask, 1.0)
+    assert torch.allclose(logp, want[0], atol=1e-12) and torch.allclose(ent, want[1], atol=1e-12)
+    for got, ref in zip(param_grads(model, logp, ent), param_grads(model, *want)):
+        assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
+    one = token_logprobs(model, ids[:, :P + 1], att[:, :P + 1], cmask[:, :1])
+    assert torch.allclose(one[0], want[0][:, :1], atol=1e-12)
+    model.gradient_checkpointing = True
+    logp_ckpt, ent_ckpt = token_logprobs(model.train(), ids, att, cmask)
+    assert calls[-1] == (6, P + C) and torch.allclose(logp_ckpt, want[0], atol=1e-12)
+    for got, ref in zip(param_grads(model, logp_ckpt, ent_ckpt), param_grads(model, *naive(model, ids, att, cmask, 1))):
+        assert torch.allclose(got, ref, atol=1e-12)
+
+
 def test_low_precision_model_gives_float32():
     model = Transformer(tiny_config(vocab_size=V)).to(torch.bfloat16)
     ids, att, cmask = batch()
