@@ -10,10 +10,11 @@ Choices:
 - Memory. Qwen2.5 has V = 151,936: fp32 logits for 8 x 512 completion tokens are 2.5 GB, and a
   naive log_softmax keeps several such tensors alive for backward. We run the trunk once, keep only
   the hidden states of positions that predict an active completion token ([M,D]), and push them
-  through `lm_head -> fp32 -> /T -> log_softmax` in chunks of `chunk_size` tokens. Each chunk runs
-  under `torch.utils.checkpoint`, so its [chunk,V] logits are recomputed in backward instead of
-  being stored: peak memory is a few (about 6, measured) [chunk,V] fp32 blocks whatever N x C is;
-  lower chunk_size if that is still too much (bench/bench_logprobs.py measures it).
+  through `lm_head -> fp32 -> /T -> log_softmax` in chunks of `chunk_size` tokens (`ChunkLogProbs`). A
+  chunk's [chunk,V] logits are recomputed in backward instead of being stored: peak memory is a few
+  [chunk,V] fp32 blocks whatever N x C is; lower chunk_size if that is still too much
+  (bench/bench_logprobs.py measures it).
+- Rows that share a prompt (a group) share its forward: the prompt runs once into a KV cache.
 - Temperature divides the logits before the softmax, exactly as TRL scores (`_get_per_token_logps_and_entropies`), and the
   entropy is the tempered distribution's, in nats.
 - Positions with completion_mask == 0 are never scored: they come out as exactly 0 (no NaN).
@@ -22,18 +23,41 @@ Choices:
 """
 
 import torch
-from torch.utils.checkpoint import checkpoint
+import torch.nn.functional as F
 
 
-def _logps_entropy(h, targets, lm_head, temperature, vocab_size=None):
-    """h [n,D], targets [n] -> (logp [n], entropy [n]) in fp32 (fp64 for an fp64 model)."""
-    logits = lm_head(h)[:, :vocab_size]  # [n,V] in the model dtype (real vocabulary only, if given)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    logz = logits.logsumexp(dim=-1)  # [n]
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
-    probs = torch.softmax(logits, dim=-1)  # [n,V]
-    entropy = logz - (probs * logits).sum(dim=-1)  # H = log Z - E_p[z]
-    return logp, entropy
+def _tempered_logits(h, weight, temperature):
+    """h [n,D] @ weight [V,D].T -> logits [n,V] / temperature, in fp32 (fp64 for an fp64 model)."""
+    logits = F.linear(h, weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return logits if temperature == 1.0 else logits / temperature
+
+
+class ChunkLogProbs(torch.autograd.Function):
+    """(h [n,D], weight [V,D], targets [n], temperature) -> (logp [n], entropy [n]) of the targets under
+    softmax(h @ weight.T / temperature). Backward saves h and log Z only and recomputes the [n,V] logits, so no
+    vocabulary-sized tensor outlives its chunk; it forms d logp / d logits = onehot - softmax directly instead
+    of replaying each op's backward. The entropy gets no gradient: it is logged or masks tokens, never a loss."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, temperature):
+        logits = _tempered_logits(h, weight, temperature)  # [n,V]
+        logz = logits.logsumexp(dim=-1)  # [n]
+        logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
+        probs = (logits - logz[:, None]).exp_()  # [n,V]
+        entropy = logz - (probs * logits).sum(dim=-1)  # H = log Z - E_p[z]
+        ctx.save_for_backward(h, weight, targets, logz)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _):
+        h, weight, targets, logz = ctx.saved_tensors
+        probs = (_tempered_logits(h, weight, ctx.temperature) - logz[:, None]).exp_()  # [n,V], recomputed
+        grad = probs.mul_(-grad_logp[:, None]).scatter_add_(1, targets[:, None], grad_logp[:, None])  # d/d logits
+        grad = (grad if ctx.temperature == 1.0 else grad / ctx.temperature).to(h.dtype)  # [n,V]
+        return grad @ weight, grad.T @ h, None, None
 
 
 def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_size=256,
@@ -44,8 +68,8 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     fills the last C = completion_mask.shape[1] positions (attention_mask: 1 = real token; completion
     pads may be 1 or 0). completion_mask: [N,C], 1 = score this token.
     Returns (logps, entropy), each [N,C] float32 (float64 for a float64 model), exactly 0 where
-    completion_mask == 0. Differentiable w.r.t. the model's parameters; peak memory is a few
-    [chunk_size, V] blocks of logits, independent of N and C (see the module docstring).
+    completion_mask == 0. logps are differentiable w.r.t. the model's parameters (the entropy is not);
+    peak memory is a few [chunk_size, V] blocks of logits, independent of N and C (see the module docstring).
     vocab_size: normalize over the first vocab_size logits only, the support the sampler draws from
     when the embedding has padded rows (Qwen2.5: 151,936 rows, 151,665 tokens). None = all rows, as
     TRL does; the two agree whenever the padded rows carry no probability, as in trained checkpoints.
@@ -67,22 +91,15 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
         targets = input_ids[:, L - C:].reshape(N * C)  # [N*C]
         active = completion_mask.reshape(N * C).bool().nonzero().squeeze(-1)  # [M] indices of scored tokens
         h, targets = h.reshape(N * C, -1)[active], targets[active]  # [M,D], [M]
-        logp_parts, ent_parts = [], []
-        for start in range(0, len(active), chunk_size):
-            h_c, t_c = h[start:start + chunk_size], targets[start:start + chunk_size]
-            if torch.is_grad_enabled() and h_c.requires_grad:
-                # Recompute this chunk's [chunk,V] logits in backward rather than saving them.
-                lp, ent = checkpoint(_logps_entropy, h_c, t_c, lm_head, temperature, vocab_size, use_reentrant=False)
-            else:
-                lp, ent = _logps_entropy(h_c, t_c, lm_head, temperature, vocab_size)
-            logp_parts.append(lp)
-            ent_parts.append(ent)
+        weight = lm_head.weight[:vocab_size]  # [V,D]: the real vocabulary's rows, if given
+        parts = [ChunkLogProbs.apply(h[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature)
+                 for i in range(0, len(active), chunk_size)]  # [(logp, entropy)] of each chunk
         zeros = torch.zeros(N, C, dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
-        if not logp_parts:  # nothing to score
+        if not parts:  # nothing to score
             return zeros, zeros.clone()
         where = completion_mask.bool().nonzero(as_tuple=True)  # (rows, cols) of `active`, same order
-        logps = zeros.index_put(where, torch.cat(logp_parts))  # scatter back; masked slots stay 0
-        entropy = zeros.index_put(where, torch.cat(ent_parts))
+        logps = zeros.index_put(where, torch.cat([lp for lp, _ in parts]))  # scatter back; masked slots stay 0
+        entropy = zeros.index_put(where, torch.cat([ent for _, ent in parts]))
         return logps, entropy
 
     prompt = torch.cat([input_ids[:, :L - C], attention_mask[:, :L - C].long()], dim=1)  # [N,2(L-C)]
