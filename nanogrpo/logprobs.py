@@ -2,9 +2,10 @@
 
 Owns: `token_logprobs` (what the policy, the old policy and the reference model are scored with)
 and `kl_divergence`. Does not know about: losses, advantages, sampling, or how the model is built
-beyond one call: `model(input_ids, attention_mask=..., head=fn)` runs the trunk and returns
-fn(hidden [N,L,D] after the final norm, model.lm_head) instead of the logits, inside forward, so
-FSDP2 keeps the LM head gathered while the chunks are scored.
+beyond its call `model(input_ids, attention_mask=, positions=, cache=, cache_start=, head=fn)`, which runs
+the trunk and returns fn(hidden [N,L,D] after the final norm, model.lm_head) instead of the logits, inside
+forward, so FSDP2 keeps the LM head gathered while the chunks are scored, plus `new_cache` and
+`gradient_checkpointing`.
 
 Choices:
 - Memory. Qwen2.5 has V = 151,936: fp32 logits for 8 x 512 completion tokens are 2.5 GB, and a
@@ -40,6 +41,7 @@ class ChunkLogProbs(torch.autograd.Function):
     of replaying each op's backward. The entropy gets no gradient: it is logged or masks tokens, never a loss."""
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")  # backward recomputes under the forward's autocast state
     def forward(ctx, h, weight, targets, temperature):
         logits = _tempered_logits(h, weight, temperature)  # [n,V]
         logz = logits.logsumexp(dim=-1)  # [n]
@@ -52,6 +54,7 @@ class ChunkLogProbs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_logp, _):
         h, weight, targets, logz = ctx.saved_tensors
         probs = (_tempered_logits(h, weight, ctx.temperature) - logz[:, None]).exp_()  # [n,V], recomputed
