@@ -46,8 +46,7 @@ class ChunkLogProbs(torch.autograd.Function):
         logits = _tempered_logits(h, weight, temperature)  # [n,V]
         logz = logits.logsumexp(dim=-1)  # [n]
         logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
-        probs = (logits - logz[:, None]).exp_()  # [n,V]
-        entropy = logz - (probs * logits).sum(dim=-1)  # H = log Z - E_p[z]
+        entropy = logz - (logits - logz[:, None]).exp_().mul_(logits).sum(dim=-1)  # H = log Z - E_p[z]
         ctx.save_for_backward(h, weight, targets, logz)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
@@ -59,7 +58,7 @@ class ChunkLogProbs(torch.autograd.Function):
         h, weight, targets, logz = ctx.saved_tensors
         probs = (_tempered_logits(h, weight, ctx.temperature) - logz[:, None]).exp_()  # [n,V], recomputed
         grad = probs.mul_(-grad_logp[:, None]).scatter_add_(1, targets[:, None], grad_logp[:, None])  # d/d logits
-        grad = (grad if ctx.temperature == 1.0 else grad / ctx.temperature).to(h.dtype)  # [n,V]
+        grad = (grad if ctx.temperature == 1.0 else grad.div_(ctx.temperature)).to(h.dtype)  # [n,V]
         return grad @ weight, grad.T @ h, None, None
 
 
@@ -91,16 +90,14 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     C = completion_mask.shape[1]
 
     def score(h, lm_head):  # h [N,C,D]: h[:, j] is the hidden state that predicts completion token j
-        targets = input_ids[:, L - C:].reshape(N * C)  # [N*C]
-        active = completion_mask.reshape(N * C).bool().nonzero().squeeze(-1)  # [M] indices of scored tokens
-        h, targets = h.reshape(N * C, -1)[active], targets[active]  # [M,D], [M]
+        where = completion_mask.bool().nonzero(as_tuple=True)  # (rows, cols) of the M scored tokens
+        h, targets = h[where], input_ids[:, L - C:][where]  # [M,D], [M]
         weight = lm_head.weight[:vocab_size]  # [V,D]: the real vocabulary's rows, if given
         parts = [ChunkLogProbs.apply(h[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature)
-                 for i in range(0, len(active), chunk_size)]  # [(logp, entropy)] of each chunk
+                 for i in range(0, len(targets), chunk_size)]  # [(logp, entropy)] of each chunk
         zeros = torch.zeros(N, C, dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
         if not parts:  # nothing to score
             return zeros, zeros.clone()
-        where = completion_mask.bool().nonzero(as_tuple=True)  # (rows, cols) of `active`, same order
         logps = zeros.index_put(where, torch.cat([lp for lp, _ in parts]))  # scatter back; masked slots stay 0
         entropy = zeros.index_put(where, torch.cat([ent for _, ent in parts]))
         return logps, entropy

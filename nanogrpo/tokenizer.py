@@ -90,10 +90,10 @@ class Tokenizer:
         from a local directory or a hub id; a PEFT adapter directory without them: its base model's."""
         path = resolve_path(path_or_hub_id)
         tok_path = os.path.join(path, "tokenizer.json")
-        base = _read_json_if_exists(os.path.join(path, "adapter_config.json")).get("base_model_name_or_path")
-        if not os.path.exists(tok_path) and base:  # a PEFT adapter saved without a tokenizer: its base model's
-            return cls.from_pretrained(base)
         if not os.path.exists(tok_path):
+            base = _read_json_if_exists(os.path.join(path, "adapter_config.json")).get("base_model_name_or_path")
+            if base:  # a PEFT adapter saved without a tokenizer: its base model's
+                return cls.from_pretrained(base)
             raise FileNotFoundError(f"{tok_path} not found: nanogrpo needs a fast tokenizer (tokenizer.json)")
         config = _read_json_if_exists(os.path.join(path, "tokenizer_config.json"))
         special_map = _read_json_if_exists(os.path.join(path, "special_tokens_map.json"))
