@@ -104,11 +104,13 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
 
     prompt = torch.cat([input_ids[:, :L - C], attention_mask[:, :L - C].long()], dim=1)  # [N,2(L-C)]
     unique, src = prompt.unique(dim=0, return_inverse=True)  # [U,2(L-C)], [N]: row n's prompt is unique[src[n]]
-    if len(unique) == N or (model.gradient_checkpointing and torch.is_grad_enabled()):
+    if model.gradient_checkpointing and torch.is_grad_enabled():  # a recomputed block would write the cache again
         # The hidden state at position i predicts token i+1: positions L-C-1 .. L-2 score the completion.
         return model(input_ids, attention_mask=attention_mask, head=lambda h, out: score(h[:, L - C - 1:L - 1], out))
     # Rows that share a prompt (a group's G completions) share its forward: each distinct prompt runs once into
     # a KV cache, copied to its rows, then only the completions run, attending to it (exact; fewer FLOPs).
+    # Taken even when no prompt repeats, so that every call makes two model calls whatever the data: with
+    # FSDP, each call gathers the parameters, and every rank must make the same collectives.
     ids, valid = unique[:, :L - C], unique[:, L - C:].bool()  # [U,L-C]
     cache = model.new_cache(len(unique), L)
     last = model(ids, attention_mask=valid, positions=(valid.cumsum(-1) - 1).clamp(min=0), cache=cache,

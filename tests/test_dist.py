@@ -42,7 +42,9 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None):
     ids = torch.randint(0, 300, (N, P + C), generator=g)
     attention_mask = torch.ones(N, P + C, dtype=torch.long)
     attention_mask[::3, :2] = 0  # some left-padded prompts
-    ids[1::2, :P], attention_mask[1::2, :P] = ids[::2, :P], attention_mask[::2, :P]  # pairs share a prompt (a group)
+    # Rows 0-5 in pairs that share a prompt (a group); 6 and 7 alone, so that rank 1's last micro-batch shares no
+    # prompt while rank 0's does: every rank must still make the same collectives.
+    ids[1:6:2, :P], attention_mask[1:6:2, :P] = ids[0:6:2, :P], attention_mask[0:6:2, :P]
     lengths = torch.randint(1, C + 1, (N,), generator=g)
     mask = (torch.arange(C)[None] < lengths[:, None]).float()
     advantages, old_logps = torch.randn(N, generator=g), -torch.rand(N, C, generator=g) * 6
