@@ -407,6 +407,36 @@ def micro_batches(run: Run, rnd: int) -> list[torch.Tensor]:
     return [perm[i:i + size].to(run.info.device) for i in range(0, n, size)]
 
 
+def policy_logprobs(model, ro: Rollout, idx, cfg, beta: float, world_size: int, vocab_size=None):
+    """token_logprobs of rows `idx` [n] -> (logps, entropies) [n,C], with a gradient only where one flows.
+
+    With beta = 0 every loss type's per-token loss is the row's advantage times something, so a row whose
+    advantage is exactly 0 (its group's completions all scored alike) adds nothing to the gradient. Such
+    rows are scored under no_grad: no backward, no stored activations. Their log-probs and entropies still
+    go to grpo_step, so the loss, the logged entropy and clip ratios, and the top_entropy_quantile threshold
+    are TRL's. One row always keeps its gradient, so every parameter gets a (zero) gradient and AdamW steps
+    as TRL's does; with several ranks the no_grad forward always runs (on a throwaway row if need be),
+    so that every rank makes the same FSDP collectives."""
+    def score(rows):
+        return token_logprobs(model, ro.input_ids[rows], ro.attention_mask[rows], ro.completion_mask[rows],
+                              temperature=cfg.temperature, vocab_size=vocab_size)
+
+    free = ro.advantages[idx] == 0 if beta == 0 else torch.zeros(len(idx), dtype=torch.bool, device=idx.device)
+    if free.all():
+        free[0] = False
+    if not free.any() and world_size == 1:
+        return score(idx)
+    with torch.no_grad():
+        free_logps, free_entropies = score(idx[free] if free.any() else idx[:1])
+    logps, entropies = score(idx[~free])
+    if not free.any():
+        return logps, entropies
+    kept, skipped = (~free).nonzero()[:, 0], free.nonzero()[:, 0]  # positions in idx
+    shape = (len(idx), logps.shape[1])
+    return (logps.new_zeros(shape).index_copy(0, kept, logps).index_copy(0, skipped, free_logps),
+            entropies.new_zeros(shape).index_copy(0, kept, entropies).index_copy(0, skipped, free_entropies))
+
+
 def update(model, optimizer, ro: Rollout, micro_rows, cfg, loss_cfg, info, autocast, spg, vocab_size=None) -> dict:
     """One optimizer step over `micro_rows` (a list of GA index tensors into the rollout's rows).
     `spg` = micro-batches per generation round (TRL's steps_per_generation), which sets the
@@ -417,9 +447,7 @@ def update(model, optimizer, ro: Rollout, micro_rows, cfg, loss_cfg, info, autoc
     for k, idx in enumerate(micro_rows):
         dist.gradient_sync(model, enabled=(k == GA - 1))
         with autocast:
-            logps, entropies = token_logprobs(model, ro.input_ids[idx], ro.attention_mask[idx],
-                                              ro.completion_mask[idx], temperature=cfg.temperature,
-                                              vocab_size=vocab_size)
+            logps, entropies = policy_logprobs(model, ro, idx, cfg, loss_cfg.beta, info.world_size, vocab_size)
         loss, metrics = grpo_step(
             logps.float(), None if ro.old_logps is None else ro.old_logps[idx],
             None if ro.ref_logps is None else ro.ref_logps[idx], ro.advantages[idx], ro.completion_mask[idx],

@@ -48,6 +48,7 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None):
     lengths = torch.randint(1, C + 1, (N,), generator=g)
     mask = (torch.arange(C)[None] < lengths[:, None]).float()
     advantages, old_logps = torch.randn(N, generator=g), -torch.rand(N, C, generator=g) * 6
+    advantages[2:5] = 0  # rows scored without gradient: all of rank 0's micro-batch 2, one row of rank 1's 1
     n = N // world_size
     mine = slice(rank * n, (rank + 1) * n)
     local = Rollout(rows=[], num_generations=2, prompt_ids=[], input_ids=ids[mine],

@@ -338,3 +338,84 @@ def test_printed_samples_show_a_tool_conversation_whole():
                 {"role": "assistant", "content": "408"}]
     assert train.conversation_text(messages) == '[call multiply {"a": 12, "b": 34}] [tool: 408] 408'
     assert train.conversation_text([{"role": "assistant", "content": "hi"}]) == "hi"
+
+
+def _rollout_batch(advantages, P=5, C=6, seed=0):
+    """Rows in pairs that share a prompt (groups of 2), random completions of random lengths."""
+    from nanogrpo.rollout import Rollout
+    g = torch.Generator().manual_seed(seed)
+    N = len(advantages)
+    ids = torch.randint(0, 300, (N, P + C), generator=g)
+    ids[1::2, :P] = ids[::2, :P]
+    mask = (torch.arange(C)[None] < torch.randint(1, C + 1, (N,), generator=g)[:, None]).float()
+    return Rollout(rows=[], num_generations=2, prompt_ids=[], input_ids=ids, attention_mask=torch.ones_like(ids),
+                   completion_mask=mask, completion_lengths=mask.sum(1).long(), truncated=torch.zeros(N, dtype=bool),
+                   prompts=[], completions=[], completion_token_ids=[], advantages=torch.tensor(advantages),
+                   old_logps=-torch.rand(N, C, generator=g) * 3, num_items=mask.sum())
+
+
+class RecordingAdamW(torch.optim.AdamW):
+    """AdamW that keeps a copy of the gradients it stepped with."""
+
+    def step(self, closure=None):
+        self.grads = [[p.grad.clone() for p in g["params"]] for g in self.param_groups]
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo", "sapo"])
+def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, beta):
+    """train.update scores zero-advantage rows without gradient when beta = 0. Its gradients and metrics equal a
+    plain loop that backpropagates through every row (to fp32 rounding: the rows run in other batches), also in a
+    round where every advantage is 0, where every parameter still gets its (zero) gradient and AdamW still steps."""
+    from conftest import fixture_path
+    from nanogrpo.config import TrainConfig
+    from nanogrpo.dist import DistInfo
+    from nanogrpo.grpo import LossConfig, grpo_step
+    from nanogrpo.logprobs import token_logprobs
+    rounds = [_rollout_batch([0.0, 0.0, 1.0, -1.0, 0.0, 0.0, 0.5, 0.0]), _rollout_batch([0.0] * 8, seed=1)]
+    cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, micro_batch_size=4)
+    loss_cfg = LossConfig(loss_type=loss_type, beta=beta, top_entropy_quantile=0.5)
+    micro = [torch.arange(0, 4), torch.arange(4, 8)]
+    results = []
+    for skip in (True, False):
+        model, ref_model = load_model(fixture_path("qwen2")), load_model(fixture_path("qwen2"))
+        optimizer = RecordingAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        history, grads = [], []
+        for ro in rounds:
+            if beta:
+                with torch.no_grad():
+                    ro.ref_logps = token_logprobs(ref_model, ro.input_ids, ro.attention_mask, ro.completion_mask,
+                                                  temperature=0.9)[0]
+            if skip:
+                history.append(train.update(model, optimizer, ro, micro, cfg, loss_cfg, DistInfo(),
+                                            torch.autocast("cpu", enabled=False), spg=2))
+            else:
+                sums = {}
+                for idx in micro:  # the plain loop: every row with its gradient
+                    logps, entropies = token_logprobs(model, ro.input_ids[idx], ro.attention_mask[idx],
+                                                      ro.completion_mask[idx], temperature=0.9)
+                    loss, metrics = grpo_step(logps, ro.old_logps[idx], None if beta == 0 else ro.ref_logps[idx],
+                                              ro.advantages[idx], ro.completion_mask[idx], loss_cfg,
+                                              num_items=ro.num_items, grad_accum=2, entropies=entropies,
+                                              steps_per_generation=2)
+                    loss.backward()
+                    for k, v in {**metrics, "loss": loss.item()}.items():
+                        sums[k] = sums.get(k, 0.0) + v / (1 if k == "loss" else 2)
+                sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                history.append(sums)
+            grads.append(torch.cat([g.flatten() for group in optimizer.grads for g in group]))
+        assert all(s["step"] == 2 for s in optimizer.state.values())  # every parameter stepped twice
+        results.append((history, grads))
+    (h_skip, g_skip), (h_plain, g_plain) = results
+    assert (h_skip[1]["loss"] == 0) == (beta == 0)  # the second round has no advantage at all
+    for a, b in zip(h_skip, h_plain):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
+    for a, b in zip(g_skip, g_plain):
+        scale = b.abs().max()
+        assert scale > 0 or beta == 0
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6 * scale)
