@@ -11,7 +11,12 @@ os.wait4), the two trainers alternating (A B, then B A, ...) so background load 
           16 prompts x 8 completions, 8 new tokens, micro-batch 64 (2 accumulation steps).
   big     a random ~47M-parameter Qwen2 (hidden 512, 8 layers, 8 heads, 2 kv heads, ffn 2048,
           vocab 32000, tied embeddings) with 4 prompts x 8 completions, 64 new tokens, one
-          micro-batch of 32: enough arithmetic that the ratio is not only Python overhead.
+          micro-batch of 32: enough arithmetic that the ratio is not only Python overhead. Reward
+          `even_code_points` (below): every completion scores differently, so every row has an
+          advantage and a gradient: the full forward + backward.
+  big_flat  the same with the embedded default's reward, ~0 for every completion of this model, so
+          every advantage is 0: nanogrpo scores such rows without gradient (train.policy_logprobs),
+          TRL runs their forward and backward.
   curves  learning curves on the default task: both trainers, same number of steps, several seeds.
 
 Per step: wall time (median over the steps after a warm-up), its split into sampling / scoring /
@@ -30,8 +35,7 @@ private-use characters (U+F0000...), so the tokenizer has exactly the model's 32
 sampler then has padded rows to skip (ours computes logits only for the tokenizer's ids, HF's
 generate for all of the model's rows), both compute the full 32000-way LM head, and both sample from
 the same support. A random policy over 32000 ids almost never emits eos (1/32000 per token), so
-both generate the full 64 tokens, which keeps the step cost comparable. Its rewards are ~0 for
-every completion (advantages 0); the forward/backward cost is the same either way.
+both generate the full 64 tokens, which keeps the step cost comparable.
 
 trl, transformers and datasets are benchmark-only imports (the `bench` extra), used only by the
 child processes that run TRL.
@@ -57,11 +61,21 @@ INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"  # tiny.py's r
 # Settings passed identically to both trainers (names are nanogrpo's train.py keys and trl_runner's flags).
 TINY = dict(num_generations=8, prompts_per_step=16, micro_batch_size=64, max_completion_length=8,
             temperature=1.0, loss_type="dapo", beta=0.0, learning_rate=3e-3, adam_beta2=0.99, max_grad_norm=1.0)
-BIG = dict(TINY, prompts_per_step=4, micro_batch_size=32, max_completion_length=64)
+BIG_FLAT = dict(TINY, prompts_per_step=4, micro_batch_size=32, max_completion_length=64)
+BIG = dict(BIG_FLAT, reward_funcs="bench/bench_train.py:even_code_points")
 BIG_MODEL = dict(model_type="qwen2", vocab_size=32000, hidden_size=512, intermediate_size=2048,
                  num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                  max_position_embeddings=1024, tie_word_embeddings=True, rope_theta=10000.0)
 TRAINERS = ("nanogrpo", "trl")
+
+
+def even_code_points(completions, **kwargs) -> list[float]:
+    """The big part's reward: the fraction of a completion's characters whose code point is even. A random
+    policy over the 47M model's 32000 characters scores ~0.5 +- 0.06, so no two completions of a group tie."""
+    from nanogrpo.rewards import completion_text
+
+    texts = [completion_text(c) for c in completions]
+    return [sum(ord(ch) % 2 == 0 for ch in t) / max(len(t), 1) for t in texts]
 
 
 # -----------------------------------------------------------------------------
@@ -330,7 +344,12 @@ def write_markdown(results: dict, path: str):
     if "speed" in results:
         lines += speed_markdown("Tiny model (the embedded default, ~70k parameters)", results["speed"])
     if "big" in results:
-        lines += speed_markdown("Random Qwen2, ~47M parameters (hidden 512, 8 layers, vocab 32000)", results["big"])
+        lines += speed_markdown("Random Qwen2, ~47M parameters (hidden 512, 8 layers, vocab 32000); reward "
+                                "even_code_points: every row has an advantage", results["big"])
+    if "big_flat" in results:
+        lines += speed_markdown("The same model with the default task's reward, ~0 for every completion: every "
+                                "advantage is 0 (nanogrpo skips those rows' backward, TRL does not)",
+                                results["big_flat"])
     if "imports" in results:
         imp = results["imports"]
         lines += ["Peak RSS of a process that only imports each stack (no model, no data): "
@@ -367,7 +386,7 @@ def write_markdown(results: dict, path: str):
         lines.append(cmd)
     lines += ["python bench/plot.py bench/results/train_bench.json -o bench/results/reward_curves.png", "```", "",
               "One child process per run, e.g. (the exact command of every run is in `train_bench.json`):", "", "```"]
-    for key in ("speed", "big", "curves"):
+    for key in ("speed", "big", "big_flat", "curves"):
         if key in results:
             for trainer in TRAINERS:
                 run = next(r for r in results[key]["runs"] if r["trainer"] == trainer)
@@ -384,7 +403,7 @@ def write_markdown(results: dict, path: str):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", default="speed,big,curves", help="comma list of speed, big, curves")
+    p.add_argument("--parts", default="speed,big,big_flat,curves", help="comma list of speed, big, big_flat, curves")
     p.add_argument("--work", default=os.path.join(ROOT, "out", "bench"), help="scratch dir (checkpoints, runs)")
     p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"), help="where JSON/markdown go")
     p.add_argument("--seed", type=int, default=1337, help="seed of the speed runs and the tiny checkpoint")
@@ -407,7 +426,7 @@ def main():
             results = json.load(f)
     if not args.report_only:
         parts = [x for x in args.parts.split(",") if x]
-        unknown = set(parts) - {"speed", "big", "curves", "imports"}
+        unknown = set(parts) - {"speed", "big", "big_flat", "curves", "imports"}
         if unknown:
             raise SystemExit(f"unknown parts {sorted(unknown)}")
         t0 = time.time()
@@ -426,6 +445,11 @@ def main():
             big = os.path.join(args.work, "qwen2-47m")
             make_big_checkpoint(big)
             results["big"] = part_speed(args, "big", big, BIG, args.big_steps, args.big_reps, args.big_warmup)
+        if "big_flat" in parts:
+            big = os.path.join(args.work, "qwen2-47m")
+            make_big_checkpoint(big)
+            results["big_flat"] = part_speed(args, "big_flat", big, BIG_FLAT, args.big_steps, args.big_reps,
+                                             args.big_warmup)
         if "curves" in parts:
             results["curves"] = part_curves(args)
         print(f"benchmark time {time.time() - t0:.0f}s", flush=True)
