@@ -407,6 +407,12 @@ def micro_batches(run: Run, rnd: int) -> list[torch.Tensor]:
     return [perm[i:i + size].to(run.info.device) for i in range(0, n, size)]
 
 
+# A backward costs ~4 FLOPs per parameter and token. Skipping it pays once that outweighs the extra forward call:
+# ~10 ms of per-op overhead on a CPU (the tiny default's update got 15% slower without this floor), a few ms of
+# kernel launches on a GPU, where 1e12 FLOPs take about as long (an estimate: unmeasured, no GPU here).
+SKIP_MIN_FLOPS = {"cpu": 1e9, "cuda": 1e12}
+
+
 def policy_logprobs(model, ro: Rollout, idx, cfg, beta: float, world_size: int, vocab_size=None):
     """token_logprobs of rows `idx` [n] -> (logps, entropies) [n,C], with a gradient only where one flows.
 
@@ -416,12 +422,16 @@ def policy_logprobs(model, ro: Rollout, idx, cfg, beta: float, world_size: int, 
     go to grpo_step, so the loss, the logged entropy and clip ratios, and the top_entropy_quantile threshold
     are TRL's. One row always keeps its gradient, so every parameter gets a (zero) gradient and AdamW steps
     as TRL's does; with several ranks the no_grad forward always runs (on a throwaway row if need be),
-    so that every rank makes the same FSDP collectives."""
+    so that every rank makes the same FSDP collectives. The split costs a second forward call, so it is made
+    only when the backward it saves is worth more (SKIP_MIN_FLOPS): never for the embedded tiny model."""
     def score(rows):
         return token_logprobs(model, ro.input_ids[rows], ro.attention_mask[rows], ro.completion_mask[rows],
                               temperature=cfg.temperature, vocab_size=vocab_size)
 
     free = ro.advantages[idx] == 0 if beta == 0 else torch.zeros(len(idx), dtype=torch.bool, device=idx.device)
+    saved_flops = 4 * sum(p.numel() for p in model.parameters()) * int(free.sum()) * ro.input_ids.shape[1]
+    if saved_flops < SKIP_MIN_FLOPS.get(idx.device.type, SKIP_MIN_FLOPS["cuda"]):
+        free[:] = False
     if free.all():
         free[0] = False
     if not free.any() and world_size == 1:

@@ -9,6 +9,7 @@ import torch
 
 import train
 from nanogrpo.config import ConfigError, load_config, read_config_file
+from nanogrpo.logprobs import token_logprobs
 from nanogrpo.checkpoint import load_model
 from nanogrpo.rewards import RewardError
 from nanogrpo.tokenizer import Tokenizer
@@ -364,15 +365,19 @@ class RecordingAdamW(torch.optim.AdamW):
 
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo", "sapo"])
-def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, beta):
+def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, beta, monkeypatch):
     """train.update scores zero-advantage rows without gradient when beta = 0. Its gradients and metrics equal a
     plain loop that backpropagates through every row (to fp32 rounding: the rows run in other batches), also in a
-    round where every advantage is 0, where every parameter still gets its (zero) gradient and AdamW still steps."""
+    round where every advantage is 0, where every parameter still gets its (zero) gradient and AdamW still steps.
+    (The fixture model is far below the size where skipping pays, so the floor is lowered to 0 here.)"""
+    monkeypatch.setitem(train.SKIP_MIN_FLOPS, "cpu", 0)
+    calls = []
+    monkeypatch.setattr(train, "token_logprobs", lambda *a, **k: calls.append(torch.is_grad_enabled()) or
+                        token_logprobs(*a, **k))
     from conftest import fixture_path
     from nanogrpo.config import TrainConfig
     from nanogrpo.dist import DistInfo
     from nanogrpo.grpo import LossConfig, grpo_step
-    from nanogrpo.logprobs import token_logprobs
     rounds = [_rollout_batch([0.0, 0.0, 1.0, -1.0, 0.0, 0.0, 0.5, 0.0]), _rollout_batch([0.0] * 8, seed=1)]
     cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, micro_batch_size=4)
     loss_cfg = LossConfig(loss_type=loss_type, beta=beta, top_entropy_quantile=0.5)
@@ -411,6 +416,7 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
         results.append((history, grads))
     (h_skip, g_skip), (h_plain, g_plain) = results
     assert (h_skip[1]["loss"] == 0) == (beta == 0)  # the second round has no advantage at all
+    assert calls == ([False, True] * 4 if beta == 0 else [True] * 4)  # 2 rounds x 2 micro-batches
     for a, b in zip(h_skip, h_plain):
         assert a.keys() == b.keys()
         for k in a:
@@ -419,3 +425,15 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
         scale = b.abs().max()
         assert scale > 0 or beta == 0
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6 * scale)
+
+
+def test_small_models_do_not_split_off_rows_without_advantage():
+    """Below SKIP_MIN_FLOPS (the embedded tiny model, the fixtures) the extra forward call costs more than the
+    backward it would save: zero-advantage rows keep their gradient and one forward runs."""
+    from conftest import fixture_path
+    from nanogrpo.config import TrainConfig
+    model, ro = load_model(fixture_path("qwen2")), _rollout_batch([0.0, 0.0, 1.0, -1.0])
+    logps, _ = train.policy_logprobs(model, ro, torch.arange(4), TrainConfig(), beta=0.0, world_size=1)
+    assert logps.requires_grad and logps.grad_fn.name().startswith("IndexPut")  # token_logprobs' own scatter
+    saved = 4 * sum(p.numel() for p in model.parameters()) * 2 * ro.input_ids.shape[1]
+    assert saved < train.SKIP_MIN_FLOPS["cpu"]  # the backward the split would save
