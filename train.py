@@ -429,9 +429,10 @@ def policy_logprobs(model, ro: Rollout, idx, cfg, beta: float, world_size: int, 
                               temperature=cfg.temperature, vocab_size=vocab_size)
 
     free = ro.advantages[idx] == 0 if beta == 0 else torch.zeros(len(idx), dtype=torch.bool, device=idx.device)
-    saved_flops = 4 * sum(p.numel() for p in model.parameters()) * int(free.sum()) * ro.input_ids.shape[1]
-    if saved_flops < SKIP_MIN_FLOPS.get(idx.device.type, SKIP_MIN_FLOPS["cuda"]):
-        free[:] = False
+    if free.any():
+        saved_flops = 4 * sum(p.numel() for p in model.parameters()) * int(free.sum()) * ro.input_ids.shape[1]
+        if saved_flops < SKIP_MIN_FLOPS.get(idx.device.type, SKIP_MIN_FLOPS["cuda"]):
+            free[:] = False
     if free.all():
         free[0] = False
     if not free.any() and world_size == 1:
@@ -441,10 +442,8 @@ def policy_logprobs(model, ro: Rollout, idx, cfg, beta: float, world_size: int, 
     logps, entropies = score(idx[~free])
     if not free.any():
         return logps, entropies
-    kept, skipped = (~free).nonzero()[:, 0], free.nonzero()[:, 0]  # positions in idx
-    shape = (len(idx), logps.shape[1])
-    return (logps.new_zeros(shape).index_copy(0, kept, logps).index_copy(0, skipped, free_logps),
-            entropies.new_zeros(shape).index_copy(0, kept, entropies).index_copy(0, skipped, free_entropies))
+    order = torch.cat([(~free).nonzero()[:, 0], free.nonzero()[:, 0]]).argsort()  # back to idx's row order
+    return torch.cat([logps, free_logps])[order], torch.cat([entropies, free_entropies])[order]
 
 
 def update(model, optimizer, ro: Rollout, micro_rows, cfg, loss_cfg, info, autocast, spg, vocab_size=None) -> dict:

@@ -441,15 +441,11 @@ def main():
             results["imports"] = import_baselines(args)
         if "imports" in parts:
             results["imports"] = import_baselines(args)
-        if "big" in parts:
-            big = os.path.join(args.work, "qwen2-47m")
-            make_big_checkpoint(big)
-            results["big"] = part_speed(args, "big", big, BIG, args.big_steps, args.big_reps, args.big_warmup)
-        if "big_flat" in parts:
-            big = os.path.join(args.work, "qwen2-47m")
-            make_big_checkpoint(big)
-            results["big_flat"] = part_speed(args, "big_flat", big, BIG_FLAT, args.big_steps, args.big_reps,
-                                             args.big_warmup)
+        big = os.path.join(args.work, "qwen2-47m")
+        for name, settings in (("big", BIG), ("big_flat", BIG_FLAT)):
+            if name in parts:
+                make_big_checkpoint(big)
+                results[name] = part_speed(args, name, big, settings, args.big_steps, args.big_reps, args.big_warmup)
         if "curves" in parts:
             results["curves"] = part_curves(args)
         print(f"benchmark time {time.time() - t0:.0f}s", flush=True)

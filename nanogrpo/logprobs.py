@@ -102,15 +102,16 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
         entropy = zeros.index_put(where, torch.cat([ent for _, ent in parts]))
         return logps, entropy
 
-    prompt = torch.cat([input_ids[:, :L - C], attention_mask[:, :L - C].long()], dim=1)  # [N,2(L-C)]
-    unique, src = prompt.unique(dim=0, return_inverse=True)  # [U,2(L-C)], [N]: row n's prompt is unique[src[n]]
-    if model.gradient_checkpointing and torch.is_grad_enabled():  # a recomputed block would write the cache again
-        # The hidden state at position i predicts token i+1: positions L-C-1 .. L-2 score the completion.
+    if model.gradient_checkpointing and torch.is_grad_enabled():
+        # The cached path below runs without checkpointing (a recomputed block would write the cache again), so
+        # this one keeps checkpointing's memory savings. Hidden state i predicts token i+1: positions L-C-1 .. L-2.
         return model(input_ids, attention_mask=attention_mask, head=lambda h, out: score(h[:, L - C - 1:L - 1], out))
     # Rows that share a prompt (a group's G completions) share its forward: each distinct prompt runs once into
     # a KV cache, copied to its rows, then only the completions run, attending to it (exact; fewer FLOPs).
     # Taken even when no prompt repeats, so that every call makes two model calls whatever the data: with
     # FSDP, each call gathers the parameters, and every rank must make the same collectives.
+    prompt = torch.cat([input_ids[:, :L - C], attention_mask[:, :L - C].long()], dim=1)  # [N,2(L-C)]
+    unique, src = prompt.unique(dim=0, return_inverse=True)  # [U,2(L-C)], [N]: row n's prompt is unique[src[n]]
     ids, valid = unique[:, :L - C], unique[:, L - C:].bool()  # [U,L-C]
     cache = model.new_cache(len(unique), L)
     last = model(ids, attention_mask=valid, positions=(valid.cumsum(-1) - 1).clamp(min=0), cache=cache,
