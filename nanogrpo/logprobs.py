@@ -11,10 +11,12 @@ Choices:
 - Memory. Qwen2.5 has V = 151,936: fp32 logits for 8 x 512 completion tokens are 2.5 GB, and a
   naive log_softmax keeps several such tensors alive for backward. We run the trunk once, keep only
   the hidden states of positions that predict an active completion token ([M,D]), and push them
-  through `lm_head -> fp32 -> /T -> log_softmax` in chunks of `chunk_size` tokens (`ChunkLogProbs`). A
-  chunk's [chunk,V] logits are recomputed in backward instead of being stored: peak memory is a few
-  [chunk,V] fp32 blocks whatever N x C is; lower chunk_size if that is still too much
-  (bench/bench_logprobs.py measures it).
+  through `lm_head -> fp32 -> /T -> softmax` in chunks of `chunk_size` tokens (`ChunkLogProbs`).
+  Backward needs each chunk's [chunk,V] probabilities: the first chunks keep them, up to `keep_bytes`
+  (1 GiB by default) per call; later chunks recompute them from h (one more LM-head matmul). Peak
+  memory is thus at most keep_bytes plus a few [chunk,V] fp32 blocks, whatever N x C is; keep_bytes=0
+  bounds it to the blocks (bench/bench_logprobs.py measures both). On the 47M bench model the kept
+  probabilities make the LM head's forward + backward ~1.5x faster.
 - Rows that share a prompt (a group) share its forward: the prompt runs once into a KV cache.
 - Temperature divides the logits before the softmax, exactly as TRL scores (`_get_per_token_logps_and_entropies`), and the
   entropy is the tempered distribution's, in nats.
@@ -27,43 +29,55 @@ import torch
 import torch.nn.functional as F
 
 
+KEEP_BYTES = 2**30  # token_logprobs' default: probabilities kept for backward per call (see the module docstring)
+
+
 def _tempered_logits(h, weight, temperature):
     """h [n,D] @ weight [V,D].T -> logits [n,V] / temperature, in fp32 (fp64 for an fp64 model)."""
     logits = F.linear(h, weight)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return logits if temperature == 1.0 else logits / temperature
+    return logits if temperature == 1.0 else logits.div_(temperature)  # logits is a new tensor: divided in place
 
 
 class ChunkLogProbs(torch.autograd.Function):
-    """(h [n,D], weight [V,D], targets [n], temperature) -> (logp [n], entropy [n]) of the targets under
-    softmax(h @ weight.T / temperature). Backward saves h and log Z only and recomputes the [n,V] logits, so no
-    vocabulary-sized tensor outlives its chunk; it forms d logp / d logits = onehot - softmax directly instead
-    of replaying each op's backward. The entropy gets no gradient: it is logged or masks tokens, never a loss."""
+    """(h [n,D], weight [V,D], targets [n], temperature, keep) -> (logp [n], entropy [n]) of the targets under
+    softmax(h @ weight.T / temperature). Backward forms d logp / d logits = onehot - softmax directly instead of
+    replaying each op's backward. With keep, the forward saves the [n,V] probabilities for it; without, it saves
+    h and log Z only and recomputes them (one more [n,D] x [D,V] matmul), so no vocabulary-sized tensor outlives
+    the chunk. The entropy gets no gradient: it is logged or masks tokens, never a loss."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")  # backward recomputes under the forward's autocast state
-    def forward(ctx, h, weight, targets, temperature):
-        logits = _tempered_logits(h, weight, temperature)  # [n,V]
-        logz = logits.logsumexp(dim=-1)  # [n]
-        logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
-        entropy = logz - (logits - logz[:, None]).exp_().mul_(logits).sum(dim=-1)  # H = log Z - E_p[z]
-        ctx.save_for_backward(h, weight, targets, logz)
-        ctx.temperature = temperature
+    def forward(ctx, h, weight, targets, temperature, keep):
+        shifted = _tempered_logits(h, weight, temperature)  # [n,V], a fresh tensor: changed in place below
+        top = shifted.amax(dim=-1, keepdim=True)  # [n,1]
+        shifted = shifted.sub_(top)  # z - max z: every exp below is <= 1
+        probs = shifted.exp()  # [n,V], unnormalized until the division
+        lse = probs.sum(dim=-1, keepdim=True)  # [n,1]
+        probs.div_(lse)
+        lse = lse.log_()  # log Z - max z
+        logp = (shifted.gather(-1, targets[:, None]) - lse).squeeze(-1)
+        entropy = (lse - shifted.mul_(probs).sum(dim=-1, keepdim=True)).squeeze(-1)  # H = log Z - E_p[z]
+        ctx.save_for_backward(h, weight, targets, probs if keep else (top + lse).squeeze(-1))
+        ctx.temperature, ctx.keep = temperature, keep
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_logp, _):
-        h, weight, targets, logz = ctx.saved_tensors
-        probs = (_tempered_logits(h, weight, ctx.temperature) - logz[:, None]).exp_()  # [n,V], recomputed
-        grad = probs.mul_(-grad_logp[:, None]).scatter_add_(1, targets[:, None], grad_logp[:, None])  # d/d logits
-        grad = (grad if ctx.temperature == 1.0 else grad.div_(ctx.temperature)).to(h.dtype)  # [n,V]
-        return grad @ weight, grad.T @ h, None, None
+        h, weight, targets, saved = ctx.saved_tensors
+        if ctx.keep:  # the saved probabilities [n,V]; a new tensor, so a retained graph can run backward again
+            grad = saved.mul(-grad_logp[:, None])
+        else:  # recomputed from log Z [n]
+            grad = _tempered_logits(h, weight, ctx.temperature).sub_(saved[:, None]).exp_().mul_(-grad_logp[:, None])
+        grad = grad.scatter_add_(1, targets[:, None], grad_logp[:, None])  # d/d logits [n,V]
+        grad = (grad if ctx.temperature == 1.0 else grad.div_(ctx.temperature)).to(h.dtype)
+        return grad @ weight, grad.T @ h, None, None, None
 
 
 def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_size=256,
-                   vocab_size=None):
+                   vocab_size=None, keep_bytes=KEEP_BYTES):
     """Log-prob and entropy of each completion token under `model` at `temperature`.
 
     input_ids, attention_mask: [N,L], a left-padded prompt followed by a right-padded completion that
@@ -71,7 +85,8 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     pads may be 1 or 0). completion_mask: [N,C], 1 = score this token.
     Returns (logps, entropy), each [N,C] float32 (float64 for a float64 model), exactly 0 where
     completion_mask == 0. logps are differentiable w.r.t. the model's parameters (the entropy is not);
-    peak memory is a few [chunk_size, V] blocks of logits, independent of N and C (see the module docstring).
+    peak memory is keep_bytes of probabilities kept for backward (only with grad) plus a few [chunk_size, V] blocks
+    of logits, independent of N and C (see the module docstring).
     vocab_size: normalize over the first vocab_size logits only, the support the sampler draws from
     when the embedding has padded rows (Qwen2.5: 151,936 rows, 151,665 tokens). None = all rows, as
     TRL does; the two agree whenever the padded rows carry no probability, as in trained checkpoints.
@@ -93,7 +108,10 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
         where = completion_mask.bool().nonzero(as_tuple=True)  # (rows, cols) of the M scored tokens
         h, targets = h[where], input_ids[:, L - C:][where]  # [M,D], [M]
         weight = lm_head.weight[:vocab_size]  # [V,D]: the real vocabulary's rows, if given
-        parts = [ChunkLogProbs.apply(h[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature)
+        row_bytes = weight.shape[0] * torch.finfo(torch.promote_types(h.dtype, torch.float32)).bits // 8
+        keep_rows = keep_bytes // row_bytes if torch.is_grad_enabled() else 0  # tokens whose probabilities are kept
+        parts = [ChunkLogProbs.apply(h[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature,
+                                     min(i + chunk_size, len(targets)) <= keep_rows)
                  for i in range(0, len(targets), chunk_size)]  # [(logp, entropy)] of each chunk
         zeros = torch.zeros(N, C, dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
         if not parts:  # nothing to score

@@ -55,10 +55,11 @@ MODEL = tiny_model()
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 512])
 @pytest.mark.parametrize("completion_attention", [0, 1])
-def test_matches_naive_values_and_gradients(chunk_size, completion_attention):
+@pytest.mark.parametrize("keep_bytes", [0, 4 * V * 8, 2**30])  # recompute all, keep the first 4 tokens', keep all
+def test_matches_naive_values_and_gradients(chunk_size, completion_attention, keep_bytes):
     ids, att, cmask = batch(completion_attention)
     T = 0.7
-    logp, ent = token_logprobs(MODEL, ids, att, cmask, temperature=T, chunk_size=chunk_size)
+    logp, ent = token_logprobs(MODEL, ids, att, cmask, temperature=T, chunk_size=chunk_size, keep_bytes=keep_bytes)
     ref_logp, ref_ent = naive(MODEL, ids, att, cmask, T)
     assert logp.dtype == torch.float64 and logp.shape == (3, C) and ent.shape == (3, C)
     assert torch.allclose(logp, ref_logp, atol=1e-12, rtol=0)
@@ -71,14 +72,18 @@ def test_matches_naive_values_and_gradients(chunk_size, completion_attention):
 
 
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 10**6), temperature=st.floats(0.3, 2.0), chunk_size=st.integers(1, 12))
-def test_matches_naive_random(seed, temperature, chunk_size):
+@given(seed=st.integers(0, 10**6), temperature=st.floats(0.3, 2.0), chunk_size=st.integers(1, 12),
+       keep_tokens=st.integers(0, 12))
+def test_matches_naive_random(seed, temperature, chunk_size, keep_tokens):
     ids, att, cmask = batch(seed % 2, seed)
     cmask = cmask & (torch.rand(cmask.shape, generator=torch.Generator().manual_seed(seed)) < 0.8)  # holes too
-    logp, ent = token_logprobs(MODEL, ids, att, cmask, temperature=temperature, chunk_size=chunk_size)
+    logp, ent = token_logprobs(MODEL, ids, att, cmask, temperature=temperature, chunk_size=chunk_size,
+                               keep_bytes=keep_tokens * V * 8)
     ref_logp, ref_ent = naive(MODEL, ids, att, cmask, temperature)
     assert torch.allclose(logp, ref_logp, atol=1e-12, rtol=0)
     assert torch.allclose(ent, ref_ent, atol=1e-12, rtol=0)
+    for g, g_ref in zip(param_grads(MODEL, logp, ent, seed), param_grads(MODEL, ref_logp, ref_ent, seed)):
+        assert torch.allclose(g, g_ref, atol=1e-12, rtol=1e-9)
 
 
 def test_no_grad_path_and_empty_mask():
@@ -149,8 +154,10 @@ def test_rejects_bad_arguments():
         token_logprobs(MODEL, ids, att, cmask, chunk_size=0)
 
 
-def test_no_vocab_sized_tensor_is_kept_for_backward():
-    """The [chunk,V] logits are recomputed in backward (checkpoint), never saved by autograd."""
+@pytest.mark.parametrize("keep_tokens,kept", [(0, []), (3, [2]), (4, [2, 2]), (5, [2, 2]), (100, [2, 2, 2, 2, 1])])
+def test_probabilities_are_kept_for_backward_only_within_keep_bytes(keep_tokens, kept):
+    """The first chunks that fit in keep_bytes save their [chunk,V] probabilities for backward; the rest save
+    h and log Z only and recompute them (9 scored tokens in chunks of 2: 5 chunks, the last of 1 token)."""
     ids, att, cmask = batch()
     saved = []
 
@@ -159,11 +166,15 @@ def test_no_vocab_sized_tensor_is_kept_for_backward():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        token_logprobs(MODEL, ids, att, cmask, chunk_size=2)
+        token_logprobs(MODEL, ids, att, cmask, chunk_size=2, keep_bytes=keep_tokens * V * 8)
         n_chunked = len(saved)
         naive(MODEL, ids, att, cmask, 1.0)
-    assert not any(V in s[-1:] for s in saved[:n_chunked])
+    assert [s for s in saved[:n_chunked] if V in s[-1:]] == [(n, V) for n in kept]
     assert any(V in s[-1:] for s in saved[n_chunked:])  # the check can see them
+    with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        saved.clear()
+        token_logprobs(MODEL, ids, att, cmask, chunk_size=2)
+    assert saved == []
 
 
 def test_scoring_matches_the_sampler_on_a_padded_vocabulary():
