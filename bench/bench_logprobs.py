@@ -1,6 +1,8 @@
 """Peak memory and time of forward + backward for completion log-probs + entropy at Qwen2.5's
 vocabulary (V = 151,936): nanogrpo's chunked `token_logprobs` vs the naive way (fp32 logits for
-every completion position, log_softmax, gather).
+every completion position, log_softmax, gather). Two chunked paths: `chunked` keeps the probabilities
+of up to `keep_bytes` (1 GiB, the default) for backward, `recompute` keeps none (keep_bytes=0) and
+recomputes every chunk's logits in backward.
 
 Each path runs in a fresh subprocess so that its peak is its own: on CUDA the peak of
 torch.cuda.max_memory_allocated, on CPU the peak resident set size (getrusage ru_maxrss); both
@@ -20,7 +22,7 @@ import time
 
 import torch
 
-from nanogrpo.logprobs import token_logprobs
+from nanogrpo.logprobs import KEEP_BYTES, token_logprobs
 from nanogrpo.model import ModelConfig, Transformer
 
 
@@ -59,8 +61,9 @@ def worker(args):
     att = torch.ones(args.n, L, dtype=torch.long, device=dev)
     cmask = torch.ones(args.n, args.c, dtype=torch.bool, device=dev)
     cmask[:, -args.c // 8:] = False  # some right padding
+    keep = {"chunked": KEEP_BYTES, "recompute": 0}.get(args.worker)
     fn = naive_logprobs if args.worker == "naive" else (
-        lambda *a: token_logprobs(*a, chunk_size=args.chunk))
+        lambda *a: token_logprobs(*a, chunk_size=args.chunk, keep_bytes=keep))
 
     def step():
         logp, ent = fn(model, ids, att, cmask, 0.9)
@@ -100,7 +103,7 @@ def main():
     p.add_argument("--chunk", type=int, default=256, help="token_logprobs chunk_size")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--worker", choices=["naive", "chunked"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["naive", "chunked", "recompute"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -109,16 +112,16 @@ def main():
           f"layers={args.layers} chunk={args.chunk}; fp32 logits of all completion tokens would be "
           f"{args.n * args.c * args.vocab * 4 / 2**20:.0f} MB")
     rows = []
-    for path in ("naive", "chunked"):
+    for path in ("naive", "chunked", "recompute"):
         argv = [sys.executable, __file__, "--worker", path] + sys.argv[1:]
         out = subprocess.run(argv, capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"{path} failed:\n{out.stderr}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = rows[0]
-    print(f"{'path':8s} {'peak MB':>9s} {'time s':>8s} {'peak ratio':>11s} {'time ratio':>11s} {'loss':>12s}")
+    print(f"{'path':10s} {'peak MB':>9s} {'time s':>8s} {'peak ratio':>11s} {'time ratio':>11s} {'loss':>12s}")
     for r in rows:
-        print(f"{r['path']:8s} {r['peak_mb']:9.0f} {r['time_s']:8.2f} {r['peak_mb'] / base['peak_mb']:11.3f} "
+        print(f"{r['path']:10s} {r['peak_mb']:9.0f} {r['time_s']:8.2f} {r['peak_mb'] / base['peak_mb']:11.3f} "
               f"{r['time_s'] / base['time_s']:11.2f} {r['loss']:12.6f}")
 
 
