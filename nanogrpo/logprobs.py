@@ -85,8 +85,9 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     pads may be 1 or 0). completion_mask: [N,C], 1 = score this token.
     Returns (logps, entropy), each [N,C] float32 (float64 for a float64 model), exactly 0 where
     completion_mask == 0. logps are differentiable w.r.t. the model's parameters (the entropy is not);
-    peak memory is keep_bytes of probabilities kept for backward (only with grad) plus a few [chunk_size, V] blocks
-    of logits, independent of N and C (see the module docstring).
+    peak memory is keep_bytes of probabilities kept for backward (only with grad, and none with the model's
+    gradient_checkpointing) plus a few [chunk_size, V] blocks of logits, independent of N and C (see the module
+    docstring).
     vocab_size: normalize over the first vocab_size logits only, the support the sampler draws from
     when the embedding has padded rows (Qwen2.5: 151,936 rows, 151,665 tokens). None = all rows, as
     TRL does; the two agree whenever the padded rows carry no probability, as in trained checkpoints.
@@ -122,7 +123,9 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
 
     if model.gradient_checkpointing and torch.is_grad_enabled():
         # The cached path below runs without checkpointing (a recomputed block would write the cache again), so
-        # this one keeps checkpointing's memory savings. Hidden state i predicts token i+1: positions L-C-1 .. L-2.
+        # this one keeps checkpointing's memory savings, and keeps no probabilities (a run that trades compute for
+        # memory recomputes them too). Hidden state i predicts token i+1: positions L-C-1 .. L-2.
+        keep_bytes = 0
         return model(input_ids, attention_mask=attention_mask, head=lambda h, out: score(h[:, L - C - 1:L - 1], out))
     # Rows that share a prompt (a group's G completions) share its forward: each distinct prompt runs once into
     # a KV cache, copied to its rows, then only the completions run, attending to it (exact; fewer FLOPs).

@@ -175,6 +175,13 @@ def test_probabilities_are_kept_for_backward_only_within_keep_bytes(keep_tokens,
         saved.clear()
         token_logprobs(MODEL, ids, att, cmask, chunk_size=2)
     assert saved == []
+    MODEL.gradient_checkpointing = True  # trades compute for memory: nothing is kept
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            token_logprobs(MODEL.train(), ids, att, cmask, chunk_size=2, keep_bytes=keep_tokens * V * 8)
+    finally:
+        MODEL.gradient_checkpointing = False
+    assert not any(V in s[-1:] for s in saved)
 
 
 def test_scoring_matches_the_sampler_on_a_padded_vocabulary():
