@@ -104,28 +104,29 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     C = completion_mask.shape[1]
+    checkpointed = model.gradient_checkpointing and torch.is_grad_enabled()
+    if checkpointed or not torch.is_grad_enabled():
+        keep_bytes = 0  # nothing to keep for without grad; a checkpointed run trades compute for memory here too
 
     def score(h, lm_head):  # h [N,C,D]: h[:, j] is the hidden state that predicts completion token j
         where = completion_mask.bool().nonzero(as_tuple=True)  # (rows, cols) of the M scored tokens
         h, targets = h[where], input_ids[:, L - C:][where]  # [M,D], [M]
         weight = lm_head.weight[:vocab_size]  # [V,D]: the real vocabulary's rows, if given
-        row_bytes = weight.shape[0] * torch.finfo(torch.promote_types(h.dtype, torch.float32)).bits // 8
-        keep_rows = keep_bytes // row_bytes if torch.is_grad_enabled() else 0  # tokens whose probabilities are kept
+        out_dtype = torch.promote_types(h.dtype, torch.float32)  # of the logits, probabilities and results
+        keep_rows = keep_bytes // (weight.shape[0] * out_dtype.itemsize)  # tokens whose probabilities are kept
         parts = [ChunkLogProbs.apply(h[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature,
                                      min(i + chunk_size, len(targets)) <= keep_rows)
                  for i in range(0, len(targets), chunk_size)]  # [(logp, entropy)] of each chunk
-        zeros = torch.zeros(N, C, dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
+        zeros = torch.zeros(N, C, dtype=out_dtype, device=h.device)
         if not parts:  # nothing to score
             return zeros, zeros.clone()
         logps = zeros.index_put(where, torch.cat([lp for lp, _ in parts]))  # scatter back; masked slots stay 0
         entropy = zeros.index_put(where, torch.cat([ent for _, ent in parts]))
         return logps, entropy
 
-    if model.gradient_checkpointing and torch.is_grad_enabled():
+    if checkpointed:
         # The cached path below runs without checkpointing (a recomputed block would write the cache again), so
-        # this one keeps checkpointing's memory savings, and keeps no probabilities (a run that trades compute for
-        # memory recomputes them too). Hidden state i predicts token i+1: positions L-C-1 .. L-2.
-        keep_bytes = 0
+        # this one keeps checkpointing's memory savings. Hidden state i predicts token i+1: positions L-C-1 .. L-2.
         return model(input_ids, attention_mask=attention_mask, head=lambda h, out: score(h[:, L - C - 1:L - 1], out))
     # Rows that share a prompt (a group's G completions) share its forward: each distinct prompt runs once into
     # a KV cache, copied to its rows, then only the completions run, attending to it (exact; fewer FLOPs).
