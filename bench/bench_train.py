@@ -86,7 +86,7 @@ def make_tiny_checkpoint(path: str, seed: int):
     """The embedded default's random init, made by train.py's own code (random weights from `seed`)."""
     from nanogrpo.config import load_config
     from nanogrpo.dist import DistInfo
-    from train import ensure_tiny_checkpoint
+    from nanogrpo.run import ensure_tiny_checkpoint
 
     ensure_tiny_checkpoint(load_config(["--config", "tiny.py", f"--model={path}", INIT, f"--seed={seed}"]), DistInfo())
 

@@ -21,6 +21,8 @@ sys.path.insert(0, ROOT)
 
 def main(argv=None):
     """Load the config and the checkpoint, evaluate on the eval split, print the metrics."""
+    from types import SimpleNamespace
+
     import torch
     import train
     from nanogrpo import dist
@@ -42,7 +44,10 @@ def main(argv=None):
     funcs = resolve_reward_funcs(cfg.reward_funcs, max_completion_length=cfg.max_completion_length,
                                  soft_punish_cache=cfg.soft_punish_cache)
     tools = resolve_tools(cfg.tools) if cfg.tools else None  # a tool-calling config evaluates with its tools
-    m = train.evaluate(model, tok, rows, cfg, funcs, info, dist.autocast(info, cfg.bf16(info.device)), tools)
+    weights = torch.tensor(cfg.reward_weights or [1.0] * len(funcs))
+    t = SimpleNamespace(cfg=cfg, info=info, tok=tok, model=model, eval_rows=rows, reward_funcs=funcs,
+                        reward_weights=weights, tools=tools, autocast=dist.autocast(info, cfg.bf16(info.device)))
+    m = train.evaluate(t)  # reads these fields of train.Trainer
     p, n = m["eval/pass@1"], len(rows)
     m.update({"model": cfg.model, "eval_size": n, "eval/pass@1_se": math.sqrt(p * (1 - p) / n),
               "seconds": round(time.time() - t0, 1), "load_avg_1min": os.getloadavg()[0]})

@@ -60,7 +60,11 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None):
     micro = [torch.arange(i, i + 2) for i in range(0, n, 2)]  # micro-batches of 2 rows
     cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, micro_batch_size=2)
     loss_cfg = LossConfig(loss_type="dapo", epsilon_high=0.28)
-    metrics = train.update(model, optimizer, local, micro, cfg, loss_cfg, info, nullcontext(), spg=len(micro))
+    from types import SimpleNamespace
+    t = SimpleNamespace(model=model, optimizer=optimizer, cfg=cfg, loss_cfg=loss_cfg, info=info,
+                        autocast=nullcontext(), tok=SimpleNamespace(vocab_size=None),
+                        sched=SimpleNamespace(steps_per_generation=len(micro)))
+    metrics = train.optimizer_step(t, local, micro)
     state = dist.full_state_dict(model)
     if info.is_main:
         torch.save({"state": state, "grad_norm": metrics["grad_norm"]}, out_path)

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import train
+from nanogrpo import run
 from nanogrpo.config import ConfigError, load_config, read_config_file
 from nanogrpo.logprobs import token_logprobs
 from nanogrpo.checkpoint import load_model
 from nanogrpo.rewards import RewardError
 from nanogrpo.tokenizer import Tokenizer
 
-TIMING = ("step_time", "tokens_per_sec", "time/sample", "time/score", "time/update")
+TIMING = ("step_time", "tokens_per_sec", "time/sample", "time/score", "time/logprobs", "time/update")
 INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"  # build tiny.py's random model elsewhere
 
 
@@ -37,7 +38,7 @@ def test_smoke_metrics_and_checkpoint(tmp_path, capsys):
     assert strip_timing(lines) == strip_timing(history)
     for key in ("step", "reward", "reward_std", "rewards/default_task/mean", "entropy", "clip_ratio/region_mean",
                 "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std", "loss",
-                "grad_norm", "lr", "tokens_per_sec", "time/sample", "time/score", "time/update"):
+                "grad_norm", "lr", "tokens_per_sec", "time/sample", "time/score", "time/logprobs", "time/update"):
         assert key in lines[0], key
     assert "kl" not in lines[0]  # beta = 0: no reference model, no kl
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in lines)
@@ -159,7 +160,7 @@ def test_conversational_jsonl_with_extra_columns(tmp_path):
         f.writelines(json.dumps(r) + "\n" for r in rows)
     cfg = tiny(tmp_path, f"--dataset={tmp_path}/data.jsonl", f"--reward_funcs={__name__}:column_reward",
                "--max_steps=1")
-    train.ensure_tiny_checkpoint(cfg, train.dist.DistInfo())
+    run.ensure_tiny_checkpoint(cfg, train.dist.DistInfo())
     config = dict(char_level_tokenizer("abcdefgh=").config, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
     json.dump(config, open(os.path.join(cfg.model, "tokenizer_config.json"), "w"))
     SEEN.clear()
@@ -175,9 +176,9 @@ def test_conversational_jsonl_with_extra_columns(tmp_path):
 
 def test_a_stale_init_model_is_rebuilt_not_reused(tmp_path):
     """Regression: out/tiny-init was reused after init_model or the tokenizer characters changed."""
-    train.ensure_tiny_checkpoint(tiny(tmp_path), train.dist.DistInfo())
+    run.ensure_tiny_checkpoint(tiny(tmp_path), train.dist.DistInfo())
     assert load_model(tmp_path / "init").config.hidden_size == 64
-    train.ensure_tiny_checkpoint(tiny(tmp_path, "--init_model={'hidden_size': 32, 'intermediate_size': 64, "
+    run.ensure_tiny_checkpoint(tiny(tmp_path, "--init_model={'hidden_size': 32, 'intermediate_size': 64, "
                                       "'num_hidden_layers': 1, 'num_attention_heads': 2}",
                                       "--init_tokenizer_chars=abc="), train.dist.DistInfo())
     model, tok = load_model(tmp_path / "init"), Tokenizer.from_pretrained(tmp_path / "init")
@@ -253,7 +254,7 @@ def test_a_failing_evaluation_keeps_what_was_trained(tmp_path, monkeypatch):
 
 def test_ctrl_c_saves_and_the_resumed_run_is_exact(tmp_path, monkeypatch, capsys):
     full = train.train(tiny(tmp_path / "a", "--max_steps=4", "--save_every=0"))
-    calls, score = [], train.score
+    calls, score = [], train.reward_rollout
 
     def interrupted(*args):  # Ctrl-C while the third round is being scored
         calls.append(1)
@@ -261,12 +262,12 @@ def test_ctrl_c_saves_and_the_resumed_run_is_exact(tmp_path, monkeypatch, capsys
             raise KeyboardInterrupt
         return score(*args)
 
-    monkeypatch.setattr(train, "score", interrupted)
+    monkeypatch.setattr(train, "reward_rollout", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train.train(tiny(tmp_path / "b", "--max_steps=4", "--save_every=0"))
     out = capsys.readouterr().out
     assert "interrupted at step 2/4: saved" in out and "--resume=true" in out
-    monkeypatch.setattr(train, "score", score)
+    monkeypatch.setattr(train, "reward_rollout", score)
     resumed = train.train(tiny(tmp_path / "b", "--max_steps=4", "--save_every=0", "--resume=true"))
     assert strip_timing(resumed) == strip_timing(full)
     a, b = load_model(tmp_path / "a" / "run" / "checkpoint"), load_model(tmp_path / "b" / "run" / "checkpoint")
@@ -286,8 +287,8 @@ def constant(completions, **kwargs):
 
 
 @pytest.mark.parametrize("func,steps,warning", [
-    ("unscored", 1, "no reward function scored any completion"), ("huge", 1, "overflow float32"),
-    ("constant", 10, "identical for 10 steps")])
+    ("unscored", 1, "no completion got a reward this round"), ("huge", 1, "overflow float32"),
+    ("constant", 10, "identical for 10 rounds")])
 def test_rewards_that_cannot_teach_are_warned_about(tmp_path, capsys, func, steps, warning):
     history = train.train(tiny(tmp_path, f"--reward_funcs={__name__}:{func}", f"--max_steps={steps}"))
     assert f"warning: " in capsys.readouterr().out.split(warning)[0][-200:]
@@ -302,7 +303,106 @@ def test_resume_reports_what_it_does(tmp_path, capsys):
     train.train(tiny(tmp_path, "--max_steps=2", "--resume=true"))
     assert "nothing to do: the checkpoint is at step 2 and max_steps=2" in capsys.readouterr().out
     train.train(tiny(tmp_path, "--max_steps=3", "--resume=true", "--learning_rate=0.5"))
-    assert "note: learning_rate was 0.001 in the checkpoint's run, now 0.5 (ignored" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "note: learning_rate was 0.001 in the checkpoint's run; 0.5 is ignored" in out
+    # what the checkpoint records is what the run used: the restored optimizer's rate
+    saved = json.load(open(tmp_path / "run" / "checkpoint-3" / "train_config.json"))
+    assert saved["learning_rate"] == 0.001
+
+
+def test_resuming_with_another_model_names_both(tmp_path):
+    train.train(tiny(tmp_path, "--max_steps=1"))
+    other = tmp_path / "other"
+    with pytest.raises(ConfigError, match="trained from model=.*init.*not .*other.*resume without --model"):
+        train.train(tiny(tmp_path, "--max_steps=2", "--resume=true", f"--model={other}"))
+
+
+def test_an_out_dir_that_cannot_hold_a_run_is_one_clear_error(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="out_dir=.*afile.* is a file, not a directory"):
+        train.train(tiny(tmp_path, f"--out_dir={tmp_path}/afile"))
+    with pytest.raises(ConfigError, match="out_dir='/proc/nanogrpo' cannot be written"):
+        train.train(tiny(tmp_path, "--out_dir=/proc/nanogrpo"))
+
+
+def nan_reward(completions, **kwargs):
+    return [math.nan] * len(completions)
+
+
+def test_all_nan_rewards_are_named_and_the_summary_says_so(tmp_path, capsys):
+    train.train(tiny(tmp_path, f"--reward_funcs={__name__}:nan_reward", "--max_steps=2"))
+    out = capsys.readouterr().out
+    assert "returned None or NaN for every completion" in out
+    assert "no step had a scored reward" in out and "0.000 -> 0.000" not in out
+
+
+def fails_on_third_call(completions, **kwargs):
+    fails_on_third_call.calls += 1
+    if fails_on_third_call.calls == 3:
+        raise ValueError("reward broke")
+    return [float(len(c)) for c in completions]
+
+
+def test_a_reward_function_that_raises_keeps_the_last_completed_step(tmp_path, capsys):
+    fails_on_third_call.calls = 0
+    with pytest.raises(RewardError, match="reward broke"):
+        train.train(tiny(tmp_path, f"--reward_funcs={__name__}:fails_on_third_call", "--max_steps=4",
+                         "--save_every=0"))
+    assert "stopped by an error at step 2/4: saved" in capsys.readouterr().out
+    assert os.path.realpath(tmp_path / "run" / "checkpoint").endswith("checkpoint-2")
+
+
+def test_ctrl_c_during_a_save_never_claims_a_checkpoint_that_is_not_there(tmp_path, monkeypatch, capsys):
+    real = train.run.checkpoint.save_checkpoint
+    calls = []
+
+    def interrupted(out_dir, step, *args):
+        calls.append(step)
+        if len(calls) == 1:  # Ctrl-C inside the first save, before anything is on disk
+            raise KeyboardInterrupt
+        return real(out_dir, step, *args)
+
+    monkeypatch.setattr(train.run.checkpoint, "save_checkpoint", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(tiny(tmp_path, "--max_steps=4", "--save_every=2"))
+    assert "saved" in capsys.readouterr().out
+    assert os.path.realpath(tmp_path / "run" / "checkpoint").endswith("checkpoint-2")
+    assert calls == [2, 2]  # the interrupted save is made again, not taken as done
+
+
+def test_round_seeds_never_repeat_after_a_round_cut_short(tmp_path, monkeypatch):
+    seen = []
+    real = train.round_seed
+
+    def recording(cfg, rnd, rank, salt=0):
+        if salt == 0:
+            seen.append(rnd)
+        return real(cfg, rnd, rank, salt)
+
+    monkeypatch.setattr(train, "round_seed", recording)
+    args = ["--steps_per_generation=2", "--micro_batch_size=8", "--prompts_per_step=2"]
+    train.train(tiny(tmp_path, "--max_steps=3", *args))  # round 1 is cut after one of its two steps
+    train.train(tiny(tmp_path, "--max_steps=5", "--resume=true", *args))
+    assert seen == [0, 1, 2]
+
+
+def test_nothing_to_do_still_tears_down(tmp_path, monkeypatch):
+    train.train(tiny(tmp_path, "--max_steps=1"))
+    calls = []
+    monkeypatch.setattr(train.dist, "teardown", lambda: calls.append(1))
+    train.train(tiny(tmp_path, "--max_steps=1", "--resume=true"))
+    assert calls == [1]
+
+
+def test_several_processes_never_save_after_a_stop():
+    """After an error on one rank the others may be inside a collective: a save would hang them."""
+    cfg = tiny_cfg = load_config(["--config", "tiny.py"])
+    state = train.Trainer.__new__(train.Trainer)
+    state.step, state.round_begin, state.round_start_step = 3, None, 3
+    two = run.Run(cfg=cfg, info=train.dist.DistInfo(rank=0, world_size=2))
+    assert "several processes" in run.unsaveable(two, state)
+    one = run.Run(cfg=tiny_cfg, info=train.dist.DistInfo())
+    assert run.unsaveable(one, state) is None
 
 
 def test_report_to(tmp_path, monkeypatch):
@@ -324,12 +424,17 @@ def test_command_line_help_errors_and_the_reward_curve_hint(tmp_path, monkeypatc
     import sys
     from conftest import ROOT
     done = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0 and "--learning_rate=1e-6" in done.stdout and "optimizer (AdamW):" in done.stdout
+    assert done.returncode == 0 and "--learning_rate=1e-06" in done.stdout and "optimizer (AdamW):" in done.stdout
+    from dataclasses import fields
+    from nanogrpo.config import TrainConfig
+    keys = [line.split("=")[0].strip() for line in done.stdout.splitlines() if line.startswith("  --")]
+    assert keys == [f"--{f.name}" for f in fields(TrainConfig)]  # every setting, once, in order
+    assert not [line for line in done.stdout.splitlines() if line.strip().startswith(("def ", "raise ", "--def"))]
     bad = subprocess.run([sys.executable, "train.py", "--max_steps=-1"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.startswith("train.py: error: max_steps=-1: must be at least 1")
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert train.plot_rewards(tiny(tmp_path)).startswith("pip install matplotlib, then: python bench/plot.py")
+    assert run.plot_rewards(tiny(tmp_path)).startswith("pip install matplotlib, then: python bench/plot.py")
 
 
 def test_printed_samples_show_a_tool_conversation_whole():
@@ -338,8 +443,8 @@ def test_printed_samples_show_a_tool_conversation_whole():
                     {"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 34}}}]},
                 {"role": "tool", "name": "multiply", "content": "408"},
                 {"role": "assistant", "content": "408"}]
-    assert train.conversation_text(messages) == '[call multiply {"a": 12, "b": 34}] [tool: 408] 408'
-    assert train.conversation_text([{"role": "assistant", "content": "hi"}]) == "hi"
+    assert run.conversation_text(messages) == '[call multiply {"a": 12, "b": 34}] [tool: 408] 408'
+    assert run.conversation_text([{"role": "assistant", "content": "hi"}]) == "hi"
 
 
 def _rollout_batch(advantages, P=5, C=6, seed=0):
@@ -354,6 +459,15 @@ def _rollout_batch(advantages, P=5, C=6, seed=0):
                    completion_mask=mask, completion_lengths=mask.sum(1).long(), truncated=torch.zeros(N, dtype=bool),
                    prompts=[], completions=[], completion_token_ids=[], advantages=torch.tensor(advantages),
                    old_logps=-torch.rand(N, C, generator=g) * 3, num_items=mask.sum())
+
+
+def trainer_for(model, optimizer, cfg, loss_cfg):
+    """The fields of train.Trainer that an optimizer step reads."""
+    from types import SimpleNamespace
+    from nanogrpo.dist import DistInfo
+    return SimpleNamespace(model=model, optimizer=optimizer, cfg=cfg, loss_cfg=loss_cfg, info=DistInfo(),
+                           autocast=torch.autocast("cpu", enabled=False), tok=SimpleNamespace(vocab_size=None),
+                           sched=SimpleNamespace(steps_per_generation=2))
 
 
 class RecordingAdamW(torch.optim.AdamW):
@@ -394,8 +508,8 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
                     ro.ref_logps = token_logprobs(ref_model, ro.input_ids, ro.attention_mask, ro.completion_mask,
                                                   temperature=0.9)[0]
             if skip:
-                history.append(train.update(model, optimizer, ro, micro, cfg, loss_cfg, DistInfo(),
-                                            torch.autocast("cpu", enabled=False), spg=2))
+                t = trainer_for(model, optimizer, cfg, loss_cfg)
+                history.append(train.optimizer_step(t, ro, micro))
             else:
                 sums = {}
                 for idx in micro:  # the plain loop: every row with its gradient
@@ -433,8 +547,10 @@ def test_small_models_do_not_split_off_rows_without_advantage():
     backward it would save: zero-advantage rows keep their gradient and one forward runs."""
     from conftest import fixture_path
     from nanogrpo.config import TrainConfig
+    from nanogrpo.grpo import LossConfig
     model, ro = load_model(fixture_path("qwen2")), _rollout_batch([0.0, 0.0, 1.0, -1.0])
-    logps, _ = train.policy_logprobs(model, ro, torch.arange(4), TrainConfig(), beta=0.0, world_size=1)
+    t = trainer_for(model, None, TrainConfig(), LossConfig(beta=0.0))
+    logps, _ = train.policy_logprobs(t, ro, torch.arange(4))
     assert logps.requires_grad and logps.grad_fn.name().startswith("IndexPut")  # token_logprobs' own scatter
     saved = 4 * sum(p.numel() for p in model.parameters()) * 2 * ro.input_ids.shape[1]
     assert saved < train.SKIP_MIN_FLOPS["cpu"]  # the backward the split would save
