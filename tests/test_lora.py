@@ -126,7 +126,11 @@ def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
     cfg = TrainConfig(micro_batch_size=2)
     micro = [torch.arange(0, 2), torch.arange(2, 4)]
     torch.manual_seed(3)  # the dropout masks
-    m = train.update(model, optimizer, ro, micro, cfg, LossConfig(), dist.DistInfo(), nullcontext(), spg=2)
+    from types import SimpleNamespace
+    t = SimpleNamespace(model=model, optimizer=optimizer, cfg=cfg, loss_cfg=LossConfig(), info=dist.DistInfo(),
+                        autocast=nullcontext(), tok=SimpleNamespace(vocab_size=None),
+                        sched=SimpleNamespace(steps_per_generation=2))
+    m = train.optimizer_step(t, ro, micro)
     after = model.state_dict()
     changed = {k for k in after if not torch.equal(after[k], before[k])}
     adapters = {k for k in after if ".lora_" in k}

@@ -208,6 +208,9 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
     def half_scored(completions, **kw):
         return [1.0, None]
 
-    m = train.evaluate(None, None, [{"prompt": "a"}, {"prompt": "b"}], TrainConfig(),
-                       [("half", half_scored)], dist.DistInfo(), None)
+    from types import SimpleNamespace
+    t = SimpleNamespace(model=None, tok=None, eval_rows=[{"prompt": "a"}, {"prompt": "b"}], cfg=TrainConfig(),
+                        reward_funcs=[("half", half_scored)], reward_weights=None, info=dist.DistInfo(),
+                        autocast=None, tools=None)
+    m = train.evaluate(t)
     assert m["eval/reward"] == 1.0
