@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanogrpo import checkpoint, dist, lora, run
+from nanogrpo import checkpoint, dist, lora, report, run
 from nanogrpo.config import ConfigError, Schedule, TrainConfig
 from nanogrpo.data import (PromptSampler, check_prompts,
                            check_reward_columns, columns_of, load_dataset)
@@ -385,7 +385,7 @@ def train_round(t: Trainer, r: run.Run) -> list[dict]:
     t.round += 1
     timing = {"time/sample": t1 - t0, "time/score": t2 - t1,
               "time/logprobs": t3 - t2}
-    run.add_round_metrics(r, t, ro, local, rewards, records, timing)
+    report.add_round_metrics(r, t, ro, local, rewards, records, timing)
     return records
 
 
@@ -403,7 +403,7 @@ def train(cfg: TrainConfig, command=None) -> list[dict]:
     if r.resume_from:
         run.restore(r, t)
     if t.step >= cfg.max_steps:
-        run.nothing_to_do(t)
+        report.nothing_to_do(t)
         dist.teardown()
         return r.history
     run.open_logs(r, t)
@@ -415,12 +415,12 @@ def train(cfg: TrainConfig, command=None) -> list[dict]:
             last = t.step == cfg.max_steps
             if t.eval_rows and (eval_due or last):
                 r.pending[-1].update(evaluate(t))
-            run.log(r)
+            report.log(r)
             if crossed(cfg.save_every, first_step, t.step) or last:
                 run.save(r, t)
     if cfg.merge_adapter:
         run.save_merged(r, t)
-    run.summarize(r, t)
+    report.summarize(r, t)
     dist.teardown()
     return r.history
 
@@ -452,7 +452,7 @@ def evaluate(t: Trainer) -> dict:
                  t.tools)
     rewards = reward_rollout(ro, t.reward_funcs).to(info.device)
     rewards = dist.all_gather_rows(rewards, info)[:num_rows]  # [E, K]
-    return run.eval_metrics(rewards, t.reward_funcs, t.reward_weights)
+    return report.eval_metrics(rewards, t.reward_funcs, t.reward_weights)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train
-from nanogrpo import run
+from nanogrpo import report, run
 from nanogrpo.config import ConfigError, load_config, read_config_file
 from nanogrpo.logprobs import token_logprobs
 from nanogrpo.checkpoint import load_model
@@ -434,7 +434,7 @@ def test_command_line_help_errors_and_the_reward_curve_hint(tmp_path, monkeypatc
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.startswith("train.py: error: max_steps=-1: must be at least 1")
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert run.plot_rewards(tiny(tmp_path)).startswith("pip install matplotlib, then: python bench/plot.py")
+    assert report.plot_rewards(tiny(tmp_path)).startswith("pip install matplotlib, then: python bench/plot.py")
 
 
 def test_printed_samples_show_a_tool_conversation_whole():
@@ -443,8 +443,8 @@ def test_printed_samples_show_a_tool_conversation_whole():
                     {"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 34}}}]},
                 {"role": "tool", "name": "multiply", "content": "408"},
                 {"role": "assistant", "content": "408"}]
-    assert run.conversation_text(messages) == '[call multiply {"a": 12, "b": 34}] [tool: 408] 408'
-    assert run.conversation_text([{"role": "assistant", "content": "hi"}]) == "hi"
+    assert report.conversation_text(messages) == '[call multiply {"a": 12, "b": 34}] [tool: 408] 408'
+    assert report.conversation_text([{"role": "assistant", "content": "hi"}]) == "hi"
 
 
 def _rollout_batch(advantages, P=5, C=6, seed=0):

@@ -1,0 +1,361 @@
+"""What a run reports: metrics, console lines, trackers, warnings.
+
+Owns: each round's metrics under TRL's names and definitions (reward,
+reward_std, rewards/<name>/mean, completions/..., tools/...), the eval
+metrics, metrics.jsonl, report_to's trackers, the console line of each
+step, warnings about rewards that cannot teach, and the end-of-run
+summary with its reward curve.
+
+Does not know about: the GRPO math, checkpoints, or how a run starts.
+"""
+
+import json
+import math
+import os
+import shlex
+import time
+from dataclasses import asdict
+
+import torch
+
+from nanogrpo import dist
+from nanogrpo.config import ConfigError, TrainConfig
+from nanogrpo.grpo import nanstd
+from nanogrpo.rewards import total_reward
+
+
+# -----------------------------------------------------------------------------
+# Logging: metrics.jsonl, trackers, console
+
+
+def log(run):
+    """Move run.pending to history and metrics.jsonl (NaN as null), send
+    it to the trackers, print the step lines."""
+    records = [without_nan(m) for m in run.pending]
+    run.pending = []
+    run.history.extend(records)
+    if not run.info.is_main:
+        return
+    path = os.path.join(run.cfg.out_dir, "metrics.jsonl")
+    with open(path, "a") as f:
+        for m in records:
+            f.write(json.dumps(m) + "\n")
+    for m in records:
+        for report in run.reporters:
+            report(m, m["step"])
+        last = m["step"] == run.cfg.max_steps
+        if m["step"] % run.cfg.log_every == 0 or last:
+            print_step(m, run)
+
+
+def without_nan(m: dict) -> dict:
+    return {k: None if isinstance(v, float) and math.isnan(v) else v
+            for k, v in m.items()}
+
+
+def eta_minutes(run, step: int) -> float:
+    t0, step0 = run.started
+    per_step = (time.time() - t0) / max(1, step - step0)
+    return per_step * (run.cfg.max_steps - step) / 60
+
+
+def print_step(m: dict, run):
+    """One console line per optimizer step (and a few completions)."""
+    def num(key, spec):
+        if m.get(key) is None:
+            return "n/a"
+        return format(m[key], spec)
+
+    parts = [
+        f"step {m['step']:4d}/{run.cfg.max_steps}",
+        f"reward {num('reward', '.3f')} ± {num('reward_std', '.3f')}",
+    ]
+    if "kl" in m:
+        parts.append(f"kl {num('kl', '.4f')}")
+    parts += [
+        f"loss {m['loss']:+.4f}",
+        f"len {m['completions/mean_length']:.1f}",
+        f"grad {m['grad_norm']:.3f}",
+        f"lr {m['lr']:.2e}",
+        f"{m['step_time']:.2f}s (sample {m['time/sample']:.2f}, "
+        f"update {m['time/update']:.2f})",
+        f"eta {eta_minutes(run, m['step']):.1f} min",
+    ]
+    if "eval/reward" in m:
+        parts.append(f"eval {num('eval/reward', '.3f')}")
+    print(" | ".join(parts), flush=True)
+    if run.cfg.log_completions:
+        print_samples(run.samples)
+
+
+def print_samples(samples):
+    for prompt, completion, reward in samples:
+        print(f"    {prompt!r} -> {completion!r} (reward {reward:.2f})")
+
+
+def tracker_names(m: dict) -> dict:
+    """Metric names as TRL logs them: train/<name>, eval/<name>."""
+    out = {}
+    for k, v in m.items():
+        if not isinstance(v, (int, float)) or k == "step":
+            continue
+        if k.startswith("eval/"):
+            out[k] = v
+        elif k == "lr":
+            out["train/learning_rate"] = v
+        else:
+            out["train/" + k] = v
+    return out
+
+
+def open_reporters(cfg: TrainConfig, info) -> list:
+    """report_to's trackers (main process only), each fn(metrics, step)."""
+    if not info.is_main:
+        return []
+    out = []
+    for name in cfg.reporters():
+        try:
+            out.append(open_reporter(name, cfg))
+        except ImportError as e:
+            raise ConfigError(
+                f"report_to={name!r}, but {name} cannot be imported ({e}): "
+                f"pip install {name}, or use --report_to=none") from None
+    return out
+
+
+def open_reporter(name: str, cfg: TrainConfig):
+    if name == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.path.join(cfg.out_dir, "runs"))
+
+        def report(m, step):
+            for k, v in tracker_names(m).items():
+                writer.add_scalar(k, v, step)
+            writer.flush()
+        return report
+    if name == "wandb":
+        import wandb
+        project = os.environ.get("WANDB_PROJECT", "nanogrpo")
+        wb = wandb.init(project=project, config=asdict(cfg), dir=cfg.out_dir)
+        return lambda m, step: wb.log(tracker_names(m), step=step)
+    import trackio
+    project = os.environ.get("TRACKIO_PROJECT", "nanogrpo")
+    trackio.init(project=project, config=asdict(cfg))
+    return lambda m, step: trackio.log(tracker_names(m), step=step)
+
+
+def nothing_to_do(t):
+    dist.print0(f"nothing to do: the checkpoint is at step {t.step} and "
+                f"max_steps={t.cfg.max_steps}; raise --max_steps to "
+                "train further")
+
+
+# -----------------------------------------------------------------------------
+# Metrics: TRL's names and definitions
+
+
+def add_round_metrics(run, t, ro, local, rewards, records, timing):
+    """Put the round's reward, completion and timing metrics into each of
+    its step records. local: [n, K] this rank's rewards; rewards:
+    [N, K] all ranks'. Also checks the rewards and keeps a few samples."""
+    info = t.info
+    gen = generation_metrics(t, ro, rewards)
+    total = total_reward(rewards, t.reward_weights)
+    check_rewards(run, total, gen["frac_reward_zero_std"])
+    run.samples = shown_samples(ro, local, t.reward_weights)
+    updates = sum(m["time/update"] for m in records)
+    round_time = sum(timing.values()) + updates
+    tokens = torch.tensor(float(ro.num_tokens()), device=info.device)
+    tokens = dist.all_reduce_sum(tokens, info).item()
+    for m in records:
+        m.update(gen)
+        m.update(timing)
+        m["step_time"] = round_time / len(records)
+        m["tokens_per_sec"] = tokens / round_time
+
+
+def generation_metrics(t, ro, rewards: torch.Tensor) -> dict:
+    """TRL's reward and completion-length metrics over the whole round
+    on all ranks. rewards: [N, K]."""
+    info = t.info
+    total = total_reward(rewards, t.reward_weights)  # [N], NaN = unscored
+    scored = total[~torch.isnan(total)]
+    groups = total.view(-1, ro.num_generations)  # [N/G, G]
+    group_std = nanstd(groups, dim=1)  # NaN where < 2 scored
+    zero_std = torch.isclose(group_std, torch.zeros_like(group_std))
+    lengths = dist.all_gather_rows(ro.completion_lengths.float(), info)
+    truncated = dist.all_gather_rows(ro.truncated.float(), info)
+    m = {
+        "reward": scored.mean().item(),
+        "reward_std": scored.std().item() if len(scored) > 1 else 0.0,
+        "frac_reward_zero_std": zero_std.float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.mean().item(),
+    }
+    if t.tools:
+        m.update(tool_metrics(ro, info, num_rows=len(total)))
+    for k, (name, _) in enumerate(t.reward_funcs):
+        column = rewards[:, k][~torch.isnan(rewards[:, k])]
+        mean = column.mean().item() if len(column) else math.nan
+        std = column.std().item() if len(column) > 1 else 0.0
+        m[f"rewards/{name}/mean"] = mean
+        m[f"rewards/{name}/std"] = std
+    return m
+
+
+def tool_metrics(ro, info, num_rows: int) -> dict:
+    """TRL's tool metrics: calls per completion, the failed share of the
+    calls, assistant turns per completion."""
+    counts = torch.tensor([float(ro.tool_calls), float(ro.tool_failures)],
+                          device=info.device)
+    calls, failures = dist.all_reduce_sum(counts, info).tolist()
+    turns = dist.all_gather_rows(ro.turns.float(), info)
+    return {
+        "tools/call_frequency": calls / num_rows,
+        "tools/failure_frequency": failures / calls if calls else 0.0,
+        "tools/mean_turns": turns.mean().item(),
+    }
+
+
+def eval_metrics(rewards: torch.Tensor, reward_funcs, weights) -> dict:
+    """Mean reward per function and in total (unscored rows left out);
+    pass@1 = the share whose first function gives >= 1. rewards [E, K]."""
+    m = {}
+    for k, (name, _) in enumerate(reward_funcs):
+        m[f"eval/rewards/{name}/mean"] = torch.nanmean(rewards[:, k]).item()
+    total = total_reward(rewards, weights)
+    m["eval/reward"] = torch.nanmean(total).item()
+    m["eval/pass@1"] = (rewards[:, 0] >= 1.0).float().mean().item()
+    return m
+
+
+def shown_samples(ro, rewards: torch.Tensor, weights, k: int = 2) -> list:
+    """(prompt, completion, total reward) of the first sample of the
+    first k prompts. rewards: [n, K] this rank's."""
+    G = ro.num_generations
+    out = []
+    for i in range(0, min(k * G, len(ro.prompts)), G):
+        prompt = ro.prompts[i]
+        completion = ro.completions[i]
+        if not isinstance(prompt, str):
+            prompt = prompt[-1]["content"]
+        if not isinstance(completion, str):
+            completion = conversation_text(completion)
+        reward = total_reward(rewards[i:i + 1], weights).item()
+        out.append((prompt, completion, reward))
+    return out
+
+
+def conversation_text(messages: list[dict]) -> str:
+    """A completion's messages on one line: assistant text, its tool
+    calls as [call name {args}], tool results as [tool: result]."""
+    parts = []
+    for m in messages:
+        if m["role"] != "assistant":
+            parts.append(f"[{m['role']}: {m['content']}]")
+            continue
+        parts.append(m.get("content") or "")
+        for call in m.get("tool_calls") or []:
+            fn = call["function"]
+            parts.append(f"[call {fn['name']} {json.dumps(fn['arguments'])}]")
+    return " ".join(p for p in parts if p)
+
+
+# -----------------------------------------------------------------------------
+# Warnings about rewards that cannot teach
+
+
+def warn_once(run, key: str, message: str):
+    if key not in run.warned:
+        run.warned.add(key)
+        dist.print0(f"warning: {message}")
+
+
+def check_rewards(run, total: torch.Tensor, frac_zero_std: float,
+                  patience: int = 10):
+    """Say so (once each) when a round's rewards cannot teach: none
+    scored, too large for float32 statistics, or no spread in any group
+    for `patience` rounds in a row. total: [N] weighted rewards."""
+    scored = total[~torch.isnan(total)]
+    if len(scored) == 0:
+        warn_once(run, "unscored",
+                  "no completion got a reward this round: every reward "
+                  "function returned None or NaN for every completion, "
+                  "so nothing is learned")
+    elif scored.abs().max() > 1e18:
+        warn_once(run, "overflow",
+                  f"rewards up to {scored.abs().max():.2e} overflow float32 "
+                  "statistics (the group std becomes inf, advantages 0): "
+                  "rescale the reward functions")
+    if frac_zero_std == 1.0:
+        run.zero_spread_rounds += 1
+    else:
+        run.zero_spread_rounds = 0
+    if run.zero_spread_rounds >= patience:
+        warn_once(run, "zero_spread",
+                  f"every group's rewards were identical for {patience} "
+                  "rounds in a row: advantages are 0 and nothing is "
+                  "learned; make the task easier, the reward more graded, "
+                  "or num_generations larger")
+
+
+# -----------------------------------------------------------------------------
+# The end of a run
+
+
+def summarize(run, t):
+    """Mean reward over the first and last tenth of the steps, a few
+    completions, the reward curve and a sample command that works."""
+    history = run.history
+    if not run.info.is_main or not history:
+        return
+    k = max(1, len(history) // 10)
+    rewards = [m["reward"] for m in history if m["reward"] is not None]
+    if rewards:
+        first = sum(rewards[:k]) / len(rewards[:k])
+        last = sum(rewards[-k:]) / len(rewards[-k:])
+        change = f"mean reward {first:.3f} -> {last:.3f} (first/last {k})"
+    else:
+        change = "no step had a scored reward"
+    print(f"done: {len(history)} steps, {change}. Last round:")
+    print_samples(run.samples)
+    ckpt = os.path.join(run.cfg.out_dir, "checkpoint")
+    prompt = t.prompts.rows[0]["prompt"]
+    if isinstance(prompt, str):
+        text = f"--prompt {shlex.quote(prompt)}"
+    else:
+        text = f"--chat {shlex.quote(prompt[-1]['content'])}"
+    print(f"Checkpoint: {ckpt}")
+    print(f"Reward curve: {plot_rewards(run.cfg)}")
+    print(f"Sample from it: python sample.py --model {ckpt} {text}",
+          flush=True)
+
+
+def plot_rewards(cfg: TrainConfig) -> str:
+    """Draw out_dir/reward.png from metrics.jsonl when matplotlib is
+    installed; otherwise say how to get it."""
+    metrics = os.path.join(cfg.out_dir, "metrics.jsonl")
+    png = os.path.join(cfg.out_dir, "reward.png")
+    try:
+        import matplotlib
+    except ImportError:
+        return (f"pip install matplotlib, then: "
+                f"python bench/plot.py {metrics} -o {png}")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(metrics) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    steps = [r["step"] for r in rows]
+    rewards = [math.nan if r["reward"] is None else r["reward"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, rewards)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(cfg.out_dir)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
