@@ -174,6 +174,9 @@ def load_data(cfg: TrainConfig, tok, model, reward_funcs):
     if cfg.eval_dataset and cfg.eval_every:
         eval_rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split,
                                  seed=cfg.seed)[: cfg.eval_size]
+    elif cfg.eval_every:  # eval_every = 0 asks for no evaluation: no word
+        dist.print0(f"warning: eval_every={cfg.eval_every} but no "
+                    "eval_dataset: no evaluation")
     room = model.config.max_position_embeddings - cfg.max_completion_length
     for source, checked in ((cfg.dataset, rows),
                             (cfg.eval_dataset, eval_rows or [])):

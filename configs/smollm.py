@@ -10,7 +10,7 @@
 # penalized (and its last number is rarely the sum), a short answer never is.
 #
 # Measured on 2 CPU cores (seed 0): held-out pass@1 0.078 +- 0.024 before (bench/eval_heldout.py),
-# 0.539 +- 0.044 after the 30 steps (n = 128), ~9 s per step.
+# 0.539 +- 0.044 after the 30 steps (n = 128), about 6 s a step (5.6-6.4 s in bench/bench_smollm_trl.py).
 #
 # Sizes are set by the CPU: every step is 4 prompts x 8 completions of at most 16 tokens; prompts are
 # ~25 tokens (the short system prompt replaces SmolLM2's default one, which would double them).

@@ -1,6 +1,6 @@
-# The embedded default: what `python train.py` runs. Offline, CPU, a few minutes on 2 cores.
+# The embedded default: what `python train.py` runs. Offline, CPU, about 40 seconds on 2 cores.
 #
-# A ~124k-parameter Qwen2-shaped model is created from scratch (random weights, a char-level
+# A 0.12M-parameter (124,224) Qwen2-shaped model is created from scratch (random weights, a char-level
 # tokenizer), saved in Hugging Face format at out/tiny-init, and loaded back through the same
 # load_model path as any hub checkpoint. It then learns the default task by RL alone:
 # copy a 4-letter string, "bhad=" -> "bhad" + eos, with a dense per-character reward

@@ -267,10 +267,14 @@ FIELD_TYPES = typing.get_type_hints(TrainConfig)
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-def _unknown_key(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, FIELD_TYPES, n=1)
-    hint = f"; did you mean {close[0]}?" if close else ""
-    return ConfigError(f"unknown config key {key!r} {where}{hint}")
+def _unknown_keys(keys: list[tuple[str, str]]) -> ConfigError:
+    """One error naming every unknown key (key, where) at once."""
+    lines = []
+    for key, where in keys:
+        close = difflib.get_close_matches(key, FIELD_TYPES, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        lines.append(f"{key!r} {where}{hint}")
+    return ConfigError(f"{len(lines)} unknown config key(s): " + "; ".join(lines))
 
 
 def _literal(key: str, text: str):
@@ -331,17 +335,30 @@ def convert(key: str, value, tp=None, from_text: bool = False):
 
 
 def config_path(name: str) -> str:
-    """The file a --config value names: a built-in config of configs/ when a name without '/' ('tiny',
-    'small.py') has one, so a stray tiny.py in the current directory never runs in its place; else your file."""
-    if "/" not in name and os.sep not in name:
-        builtin = os.path.join(CONFIGS_DIR, name if name.endswith(".py") else name + ".py")
-        if os.path.isfile(builtin):
-            return builtin
-    if (name.endswith(".py") or "/" in name) and os.path.isfile(name):
+    """The file a --config value names. A path (with a '/', e.g. ./tiny.py)
+    is that file. A bare name ('tiny', 'small.py') is a built-in config of
+    configs/ when one has that name (a file of the same name in the current
+    directory does not replace it: a note says so), else the file of that
+    name. A config is Python: anything but a .py file is refused."""
+    builtin_name = name if name.endswith(".py") else name + ".py"
+    builtin = os.path.join(CONFIGS_DIR, builtin_name)
+    is_path = "/" in name or os.sep in name
+    if not is_path and os.path.isfile(builtin):
+        if os.path.isfile(builtin_name) and os.environ.get("RANK", "0") == "0":
+            print(f"note: --config {name} is the built-in {builtin}; the "
+                  f"{builtin_name} in this directory is not used (pass "
+                  f"--config ./{builtin_name} for it)", file=sys.stderr)
+        return builtin
+    if os.path.splitext(name)[1] not in ("", ".py"):
+        raise ConfigError(
+            f"config {name!r} is not a .py file: a config is Python that "
+            "sets TrainConfig's keys (see configs/); data goes in "
+            "--dataset=...")
+    if name.endswith(".py") and os.path.isfile(name):
         return name
     known = sorted(f[:-3] for f in os.listdir(CONFIGS_DIR) if f.endswith(".py"))
-    raise ConfigError(f"config {name!r} not found: not a file, nor one of the built-in configs {known} "
-                      f"in {CONFIGS_DIR}")
+    raise ConfigError(f"config {name!r} not found: not a file, nor one of the "
+                      f"built-in configs {known} in {CONFIGS_DIR}")
 
 
 def read_config_file(name: str) -> dict:
@@ -380,15 +397,18 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
         pairs.append((key, value))
         i += 1
     settings, from_file = {}, {}
-    for name in [value for key, value in pairs if key == "config"]:
-        for key, value in read_config_file(name).items():
-            if key not in FIELD_TYPES:
-                raise _unknown_key(key, f"in config file {name}")
-            settings[key] = from_file[key] = convert(key, value)
     command_line = {key: value for key, value in pairs if key != "config"}  # the last of repeated keys wins
+    unknown = []
+    files = {name: read_config_file(name) for name in [value for key, value in pairs if key == "config"]}
+    for name, values in files.items():
+        unknown += [(key, f"in config file {name}") for key in values if key not in FIELD_TYPES]
+    unknown += [(key, "on the command line") for key in command_line if key not in FIELD_TYPES]
+    if unknown:
+        raise _unknown_keys(unknown)
+    for name, values in files.items():
+        for key, value in values.items():
+            settings[key] = from_file[key] = convert(key, value)
     for key, value in command_line.items():
-        if key not in FIELD_TYPES:
-            raise _unknown_key(key, "on the command line")
         settings[key] = convert(key, value, from_text=True)
     for key, follows in (("model", "init_model"), ("dataset", "eval_dataset")):
         if key in command_line and follows not in command_line and from_file.get(follows) is not None \

@@ -60,11 +60,33 @@ def test_a_stray_config_in_the_current_directory_never_replaces_a_builtin(tmp_pa
 
 
 def test_unknown_keys_suggest_the_closest(tmp_path):
-    with pytest.raises(ConfigError, match="'learnng_rate' on the command line; did you mean learning_rate"):
+    with pytest.raises(ConfigError, match=r"'learnng_rate' on the command line \(did you mean learning_rate\?\)"):
         load_config(["--learnng_rate=1e-6"])
     (tmp_path / "c.py").write_text("num_generation = 4\n")
-    with pytest.raises(ConfigError, match=r"'num_generation' in config file .*c\.py; did you mean num_generations"):
+    with pytest.raises(ConfigError, match=r"'num_generation' in config file .*c\.py \(did you mean num_generations"):
         load_config([f"--config={tmp_path / 'c.py'}"])
+
+
+def test_every_unknown_key_is_reported_at_once(tmp_path):
+    """Porting a config with nine unknown keys must not take nine runs."""
+    (tmp_path / "c.py").write_text("".join(f"unknown_{i} = {i}\n" for i in range(7)) + "learnng_rate = 1.0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([f"--config={tmp_path / 'c.py'}", "--num_generation=4", "--also_unknown=1"])
+    message = str(e.value)
+    assert message.startswith("10 unknown config key(s)")
+    assert all(f"'unknown_{i}' in config file" in message for i in range(7))
+    assert "(did you mean learning_rate?)" in message and "(did you mean num_generations?)" in message
+    assert "'also_unknown' on the command line" in message
+
+
+def test_a_config_must_be_python_and_a_local_namesake_is_named(tmp_path, monkeypatch, capsys):
+    (tmp_path / "data.jsonl").write_text('{"prompt": "a"}\n')
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="config 'data.jsonl' is not a .py file"):
+        load_config(["--config", "data.jsonl"])
+    (tmp_path / "tiny.py").write_text("max_steps = 3\n")
+    assert load_config(["--config", "tiny"]).max_steps == 400
+    assert "the tiny.py in this directory is not used (pass --config ./tiny.py" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -554,3 +554,11 @@ def test_small_models_do_not_split_off_rows_without_advantage():
     assert logps.requires_grad and logps.grad_fn.name().startswith("IndexPut")  # token_logprobs' own scatter
     saved = 4 * sum(p.numel() for p in model.parameters()) * 2 * ro.input_ids.shape[1]
     assert saved < train.SKIP_MIN_FLOPS["cpu"]  # the backward the split would save
+
+
+def test_eval_every_zero_is_silent_and_an_eval_without_data_is_named(tmp_path, capsys):
+    train.train(tiny(tmp_path, "--max_steps=1", "--eval_every=0"))
+    assert "warning" not in capsys.readouterr().out
+    train.train(tiny(tmp_path, "--max_steps=1", "--eval_every=5", "--eval_dataset=None",
+                     "--overwrite_output_dir=true"))
+    assert "warning: eval_every=5 but no eval_dataset: no evaluation" in capsys.readouterr().out
