@@ -254,6 +254,10 @@ def import_function(spec: str, kind: str = "reward function"):
             module = importlib.import_module(module_name)
     except (ImportError, OSError) as e:
         raise ValueError(f"{kind} {spec!r}: cannot import {module_name!r} ({e})") from e
+    except SyntaxError as e:  # one line naming the place, not a traceback
+        raise ValueError(f"{kind} {spec!r}: {e.filename}, line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # the file ran and raised
+        raise ValueError(f"{kind} {spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{kind} {spec!r}: {module_name!r} has no function {attr!r}")

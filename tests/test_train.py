@@ -562,3 +562,15 @@ def test_eval_every_zero_is_silent_and_an_eval_without_data_is_named(tmp_path, c
     train.train(tiny(tmp_path, "--max_steps=1", "--eval_every=5", "--eval_dataset=None",
                      "--overwrite_output_dir=true"))
     assert "warning: eval_every=5 but no eval_dataset: no evaluation" in capsys.readouterr().out
+
+
+def test_a_reward_file_with_a_syntax_error_is_one_line(tmp_path):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    bad = tmp_path / "myreward.py"
+    bad.write_text("def reward(completions, **kw):\n    return [1.0 for c in completions\n")
+    done = subprocess.run([sys.executable, "train.py", f"--reward_funcs={bad}:reward", f"--out_dir={tmp_path}/o",
+                           f"--model={tmp_path}/init", INIT], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"train.py: error: reward function '{bad}:reward': {bad}, line 2:")
