@@ -42,7 +42,8 @@ from nanogrpo.config import ConfigError, Schedule, TrainConfig
 from nanogrpo.data import (PromptSampler, check_prompts,
                            check_reward_columns, columns_of, load_dataset)
 from nanogrpo.grpo import LossConfig, group_advantages, grpo_step
-from nanogrpo.logprobs import token_logprobs
+from nanogrpo.logprobs import (policy_logprobs, rows_without_gradient,
+                               token_logprobs)
 from nanogrpo.rewards import resolve_reward_funcs, score_completions
 from nanogrpo.rollout import Rollout, resolve_tools, rollout
 from nanogrpo.tokenizer import Tokenizer
@@ -259,37 +260,6 @@ def micro_batches(t: Trainer) -> list[torch.Tensor]:
     return [perm[i:i + size] for i in range(0, n, size)]
 
 
-# A backward costs ~4 FLOPs per parameter and token. Skipping it pays once that outweighs the extra forward call.
-SKIP_MIN_FLOPS = {"cpu": 1e9, "cuda": 1e12}
-
-
-def policy_logprobs(t, ro, idx):
-    """(TEMPORARY until logprobs.py owns it.)"""
-    model, cfg = t.model, t.cfg
-    vocab_size, world_size, beta = t.tok.vocab_size, t.info.world_size, t.loss_cfg.beta
-
-    def score(rows):
-        return token_logprobs(model, ro.input_ids[rows], ro.attention_mask[rows], ro.completion_mask[rows],
-                              temperature=cfg.temperature, vocab_size=vocab_size)
-
-    free = ro.advantages[idx] == 0 if beta == 0 else torch.zeros(len(idx), dtype=torch.bool, device=idx.device)
-    if free.any():
-        saved_flops = 4 * sum(p.numel() for p in model.parameters()) * int(free.sum()) * ro.input_ids.shape[1]
-        if saved_flops < SKIP_MIN_FLOPS.get(idx.device.type, SKIP_MIN_FLOPS["cuda"]):
-            free[:] = False
-    if free.all():
-        free[0] = False
-    if not free.any() and world_size == 1:
-        return score(idx)
-    with torch.no_grad():
-        free_logps, free_entropies = score(idx[free] if free.any() else idx[:1])
-    logps, entropies = score(idx[~free])
-    if not free.any():
-        return logps, entropies
-    order = torch.cat([(~free).nonzero()[:, 0], free.nonzero()[:, 0]]).argsort()
-    return torch.cat([logps, free_logps])[order], torch.cat([entropies, free_entropies])[order]
-
-
 def optimizer_step(t: Trainer, ro: Rollout, micro_rows) -> dict:
     """One optimizer step over `micro_rows` (GA index tensors into the
     round's rows). -> loss metrics, averaged over micro-batches."""
@@ -298,8 +268,14 @@ def optimizer_step(t: Trainer, ro: Rollout, micro_rows) -> dict:
     total_loss = 0.0
     for k, idx in enumerate(micro_rows):
         dist.gradient_sync(t.model, enabled=(k == GA - 1))
+        # rows without advantage need no backward (logprobs.py)
+        free = rows_without_gradient(ro.advantages[idx], t.loss_cfg.beta,
+                                     t.model, ro.input_ids.shape[1])
         with t.autocast:
-            logps, entropies = policy_logprobs(t, ro, idx)
+            logps, entropies = policy_logprobs(
+                t.model, ro.input_ids[idx], ro.attention_mask[idx],
+                ro.completion_mask[idx], free, t.info.world_size,
+                temperature=t.cfg.temperature, vocab_size=t.tok.vocab_size)
         old = None if ro.old_logps is None else ro.old_logps[idx]
         ref = None if ro.ref_logps is None else ro.ref_logps[idx]
         loss, metrics = grpo_step(

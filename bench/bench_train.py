@@ -15,7 +15,7 @@ os.wait4), the two trainers alternating (A B, then B A, ...) so background load 
           `even_code_points` (below): every completion scores differently, so every row has an
           advantage and a gradient: the full forward + backward.
   big_flat  the same with the embedded default's reward, ~0 for every completion of this model, so
-          every advantage is 0: nanogrpo scores such rows without gradient (train.policy_logprobs),
+          every advantage is 0: nanogrpo scores such rows without gradient (logprobs.policy_logprobs),
           TRL runs their forward and backward.
   curves  learning curves on the default task: both trainers, same number of steps, several seeds.
 

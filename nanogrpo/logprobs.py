@@ -1,35 +1,84 @@
-"""Per-token log-probs and entropies of completion tokens, and the KL estimators k1/k2/k3.
+"""Per-token log-probs and entropies of completion tokens; KL estimators.
 
-Owns: `token_logprobs` (what the policy, the old policy and the reference model are scored with)
-and `kl_divergence`. Does not know about: losses, advantages, sampling, or how the model is built
-beyond its call `model(input_ids, attention_mask=, positions=, cache=, cache_start=, head=fn)`, which runs
-the trunk and returns fn(hidden [N,L,D] after the final norm, model.lm_head) instead of the logits, inside
-forward, so FSDP2 keeps the LM head gathered while the chunks are scored, plus `new_cache` and
-`gradient_checkpointing`.
+Owns: scoring sampled tokens under a model (the policy, the old policy,
+the reference model) and `kl_divergence`. Does not know about: losses,
+advantages, sampling, or how the model is built beyond its call
+`model(input_ids, attention_mask=, positions=, cache=, cache_start=,
+head=fn)` (fn(hidden after the final norm, lm_head) replaces the logits,
+inside forward, so FSDP2 keeps the LM head gathered while it runs),
+`new_cache` and `gradient_checkpointing`.
 
-Choices:
-- Memory. Qwen2.5 has V = 151,936: fp32 logits for 8 x 512 completion tokens are 2.5 GB, and a
-  naive log_softmax keeps several such tensors alive for backward. We run the trunk once, keep only
-  the hidden states of positions that predict an active completion token ([M,D]), and push them
-  through `lm_head -> fp32 -> /T -> softmax` in chunks of `chunk_size` tokens (`ChunkLogProbs`).
-  Backward needs each chunk's [chunk,V] probabilities: the first chunks keep them, up to `keep_bytes`
-  (1 GiB by default) per call; later chunks recompute them from h (one more LM-head matmul). Peak
-  memory is thus at most keep_bytes plus a few [chunk,V] fp32 blocks, whatever N x C is; keep_bytes=0
-  bounds it to the blocks (bench/bench_logprobs.py measures both). On the 47M bench model the kept
-  probabilities make the LM head's forward + backward ~1.5x faster.
-- Rows that share a prompt (a group) share its forward: the prompt runs once into a KV cache.
-- Temperature divides the logits before the softmax, exactly as TRL scores (`_get_per_token_logps_and_entropies`), and the
-  entropy is the tempered distribution's, in nats.
-- Positions with completion_mask == 0 are never scored: they come out as exactly 0 (no NaN).
-- Positions come from the attention mask (left-pad aware) inside the model; for RoPE models this
-  equals TRL's arange positions up to rounding.
+Read `token_logprobs_plain` first: full logits, log_softmax, gather. That
+is the definition. `token_logprobs` computes the same numbers (a test
+holds them equal, values and gradients) with two speed tricks:
+- the LM head in chunks (`ChunkLogProbs`): never the full [N,C,V] fp32
+  logits; a chunk's probabilities are kept for backward up to keep_bytes
+  a call, later chunks recompute them. At V = 151,936 and 8 x 448
+  tokens: 1.3 GB and 0.34x the time of the plain version's 12 GB;
+- rows that share a prompt (a group) share its forward: each distinct
+  prompt runs once into a KV cache, copied to its rows.
+`policy_logprobs` adds a third, for the update: rows whose advantage is
+0 (with beta = 0) are scored without gradient.
+
+Temperature divides the logits before the softmax, as TRL scores, and
+the entropy is the tempered distribution's, in nats. Positions with
+completion_mask == 0 come out as exactly 0 (no NaN).
 """
 
 import torch
 import torch.nn.functional as F
 
+KEEP_BYTES = 2**30  # probabilities kept for backward per call, by default
 
-KEEP_BYTES = 2**30  # token_logprobs' default: probabilities kept for backward per call (see the module docstring)
+
+def check_shapes(input_ids, attention_mask, completion_mask, temperature):
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            "input_ids and attention_mask must both be [N,L]; got "
+            f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
+    N, L = input_ids.shape
+    C = completion_mask.shape[-1]
+    if completion_mask.dim() != 2 or completion_mask.shape[0] != N \
+            or not 0 < C < L:
+        raise ValueError(
+            f"completion_mask must be [N,C] with N={N} and 0 < C < L={L} "
+            f"(at least one prompt token); got {tuple(completion_mask.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0 "
+                         "(scoring divides the logits by it)")
+
+
+# -----------------------------------------------------------------------------
+# The definition
+
+
+def token_logprobs_plain(model, input_ids, attention_mask, completion_mask,
+                         temperature=1.0, vocab_size=None):
+    """Log-prob and entropy of each completion token under `model`.
+
+    input_ids, attention_mask: [N,L], a left-padded prompt then a
+    right-padded completion filling the last C positions. completion_mask:
+    [N,C], 1 = score this token. vocab_size: normalize over the first
+    vocab_size logits only (the sampler's support when the embedding has
+    padded rows); None = all, as TRL does. -> (logps, entropy), [N,C]
+    each, fp32 (fp64 for an fp64 model), 0 where completion_mask is 0."""
+    check_shapes(input_ids, attention_mask, completion_mask, temperature)
+    C = completion_mask.shape[1]
+    logits = model(input_ids, attention_mask=attention_mask)  # [N,L,V]
+    # position i predicts token i+1: the last C tokens come from L-C-1..L-2
+    logits = logits[:, -C - 1:-1, :vocab_size]  # [N,C,V]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    targets = input_ids[:, -C:, None]  # [N,C,1]
+    logps = logp_all.gather(-1, targets).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    keep = completion_mask.bool()
+    zero = torch.zeros_like(logps)
+    return torch.where(keep, logps, zero), torch.where(keep, entropy, zero)
+
+
+# -----------------------------------------------------------------------------
+# The fast path: the LM head in chunks, a shared prompt's forward once
 
 
 def _tempered_logits(h, weight, temperature):
@@ -76,72 +125,148 @@ class ChunkLogProbs(torch.autograd.Function):
         return grad @ weight, grad.T @ h, None, None, None
 
 
-def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_size=256,
-                   vocab_size=None, keep_bytes=KEEP_BYTES):
-    """Log-prob and entropy of each completion token under `model` at `temperature`.
-
-    input_ids, attention_mask: [N,L], a left-padded prompt followed by a right-padded completion that
-    fills the last C = completion_mask.shape[1] positions (attention_mask: 1 = real token; completion
-    pads may be 1 or 0). completion_mask: [N,C], 1 = score this token.
-    Returns (logps, entropy), each [N,C] float32 (float64 for a float64 model), exactly 0 where
-    completion_mask == 0. logps are differentiable w.r.t. the model's parameters (the entropy is not);
-    peak memory is keep_bytes of probabilities kept for backward (only with grad, and none with the model's
-    gradient_checkpointing) plus a few [chunk_size, V] blocks of logits, independent of N and C (see the module
-    docstring).
-    vocab_size: normalize over the first vocab_size logits only, the support the sampler draws from
-    when the embedding has padded rows (Qwen2.5: 151,936 rows, 151,665 tokens). None = all rows, as
-    TRL does; the two agree whenever the padded rows carry no probability, as in trained checkpoints.
-    """
-    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-        raise ValueError(f"input_ids and attention_mask must both be [N,L]; got {tuple(input_ids.shape)} "
-                         f"and {tuple(attention_mask.shape)}")
-    N, L = input_ids.shape
-    if completion_mask.dim() != 2 or completion_mask.shape[0] != N or not 0 < completion_mask.shape[1] < L:
-        raise ValueError(f"completion_mask must be [N,C] with N={N} and 0 < C < L={L} (at least one prompt "
-                         f"token); got {tuple(completion_mask.shape)}")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature} must be > 0 (scoring divides the logits by it)")
+def token_logprobs(model, input_ids, attention_mask, completion_mask,
+                   temperature=1.0, vocab_size=None, chunk_size=256,
+                   keep_bytes=KEEP_BYTES):
+    """token_logprobs_plain's result (same arguments, same numbers) with
+    peak memory of keep_bytes of kept probabilities (only with grad, none
+    under the model's gradient_checkpointing) plus a few [chunk_size, V]
+    blocks, whatever N x C is. The entropy gets no gradient."""
+    check_shapes(input_ids, attention_mask, completion_mask, temperature)
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
-    C = completion_mask.shape[1]
     checkpointed = model.gradient_checkpointing and torch.is_grad_enabled()
     if checkpointed or not torch.is_grad_enabled():
-        keep_bytes = 0  # nothing to keep for without grad; a checkpointed run trades compute for memory here too
+        keep_bytes = 0  # no backward, or a run that trades compute for memory
+    C = completion_mask.shape[1]
+    targets = input_ids[:, -C:]  # [N,C]
 
-    def score(h, lm_head):  # h [N,C,D]: h[:, j] is the hidden state that predicts completion token j
-        where = completion_mask.bool().nonzero(as_tuple=True)  # (rows, cols) of the M scored tokens
-        h, targets = h[where], input_ids[:, L - C:][where]  # [M,D], [M]
-        weight = lm_head.weight[:vocab_size]  # [V,D]: the real vocabulary's rows, if given
-        out_dtype = torch.promote_types(h.dtype, torch.float32)  # of the logits, probabilities and results
-        keep_rows = keep_bytes // (weight.shape[0] * out_dtype.itemsize)  # tokens whose probabilities are kept
-        parts = [ChunkLogProbs.apply(h[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature,
-                                     min(i + chunk_size, len(targets)) <= keep_rows)
-                 for i in range(0, len(targets), chunk_size)]  # [(logp, entropy)] of each chunk
-        zeros = torch.zeros(N, C, dtype=out_dtype, device=h.device)
-        if not parts:  # nothing to score
-            return zeros, zeros.clone()
-        logps = zeros.index_put(where, torch.cat([lp for lp, _ in parts]))  # scatter back; masked slots stay 0
-        entropy = zeros.index_put(where, torch.cat([ent for _, ent in parts]))
-        return logps, entropy
+    def head(h, lm_head):  # h [N,C,D]: h[:, j] predicts completion token j
+        return score_chunks(h, lm_head, targets, completion_mask,
+                            temperature=temperature, vocab_size=vocab_size,
+                            chunk_size=chunk_size, keep_bytes=keep_bytes)
 
-    if checkpointed:
-        # The cached path below runs without checkpointing (a recomputed block would write the cache again), so
-        # this one keeps checkpointing's memory savings. Hidden state i predicts token i+1: positions L-C-1 .. L-2.
-        return model(input_ids, attention_mask=attention_mask, head=lambda h, out: score(h[:, L - C - 1:L - 1], out))
-    # Rows that share a prompt (a group's G completions) share its forward: each distinct prompt runs once into
-    # a KV cache, copied to its rows, then only the completions run, attending to it (exact; fewer FLOPs).
-    # Taken even when no prompt repeats, so that every call makes two model calls whatever the data: with
-    # FSDP, each call gathers the parameters, and every rank must make the same collectives.
-    prompt = torch.cat([input_ids[:, :L - C], attention_mask[:, :L - C].long()], dim=1)  # [N,2(L-C)]
-    unique, src = prompt.unique(dim=0, return_inverse=True)  # [U,2(L-C)], [N]: row n's prompt is unique[src[n]]
-    ids, valid = unique[:, :L - C], unique[:, L - C:].bool()  # [U,L-C]
+    if checkpointed:  # the cached path would write its cache twice
+        L = input_ids.shape[1]
+        return model(input_ids, attention_mask=attention_mask,
+                     head=lambda h, out: head(h[:, L - C - 1:L - 1], out))
+    return shared_prompt_forward(model, input_ids, attention_mask, C, head)
+
+
+def score_chunks(h, lm_head, targets, completion_mask, temperature,
+                 vocab_size, chunk_size, keep_bytes):
+    """The scored tokens' log-probs and entropies, chunk by chunk.
+    h: [N,C,D] hidden states; targets, completion_mask: [N,C]."""
+    N, C = completion_mask.shape
+    where = completion_mask.bool().nonzero(as_tuple=True)  # the M scored
+    h = h[where]  # [M,D]
+    targets = targets[where]  # [M]
+    weight = lm_head.weight[:vocab_size]  # [V,D]: the real vocabulary
+    out_dtype = torch.promote_types(h.dtype, torch.float32)
+    keep_rows = keep_bytes // (weight.shape[0] * out_dtype.itemsize)
+    logps = []
+    entropies = []
+    for i in range(0, len(targets), chunk_size):
+        end = min(i + chunk_size, len(targets))
+        logp, entropy = ChunkLogProbs.apply(h[i:end], weight, targets[i:end],
+                                            temperature, end <= keep_rows)
+        logps.append(logp)
+        entropies.append(entropy)
+    zeros = torch.zeros(N, C, dtype=out_dtype, device=h.device)
+    if not logps:  # nothing to score
+        return zeros, zeros.clone()
+    # scatter back into [N,C]; masked slots stay 0
+    return (zeros.index_put(where, torch.cat(logps)),
+            zeros.index_put(where, torch.cat(entropies)))
+
+
+def shared_prompt_forward(model, input_ids, attention_mask, C, head):
+    """model's forward over [N,L] rows, each distinct prompt (the first
+    L-C tokens) run once into a KV cache copied to its rows, then only the
+    completions run: exact, fewer FLOPs. head(h [N,C,D], lm_head) gets the
+    hidden states that predict the C completion tokens. Taken even when no
+    prompt repeats, so every call makes two model calls: with FSDP every
+    rank must make the same collectives."""
+    L = input_ids.shape[1]
+    P = L - C
+    prompt = torch.cat([input_ids[:, :P], attention_mask[:, :P].long()], dim=1)
+    # [U,2P]; row n's prompt is unique[src[n]]
+    unique, src = prompt.unique(dim=0, return_inverse=True)
+    ids = unique[:, :P]  # [U,P]
+    valid = unique[:, P:].bool()  # [U,P]
     cache = model.new_cache(len(unique), L)
-    last = model(ids, attention_mask=valid, positions=(valid.cumsum(-1) - 1).clamp(min=0), cache=cache,
-                 head=lambda h, out: h[:, -1])  # [U,D]: predicts each prompt's first completion token
-    positions = valid.sum(-1)[src, None] + torch.arange(C, device=ids.device)  # [N,C]
-    key_valid = torch.cat([valid[src], attention_mask[:, L - C:].bool()], dim=1)  # [N,L]
-    return model(input_ids[:, L - C:], attention_mask=key_valid, positions=positions, cache=cache.select(src),
-                 cache_start=L - C, head=lambda h, out: score(torch.cat([last[src, None], h[:, :-1]], dim=1), out))
+    positions = (valid.cumsum(-1) - 1).clamp(min=0)
+    # [U,D]: predicts each prompt's first completion token
+    last = model(ids, attention_mask=valid, positions=positions, cache=cache,
+                 head=lambda h, out: h[:, -1])
+    positions = valid.sum(-1)[src, None] + torch.arange(C, device=ids.device)
+    key_valid = torch.cat([valid[src], attention_mask[:, P:].bool()], dim=1)
+
+    def completion_head(h, lm_head):  # h [N,C,D]
+        return head(torch.cat([last[src, None], h[:, :-1]], dim=1), lm_head)
+
+    return model(input_ids[:, P:], attention_mask=key_valid,
+                 positions=positions, cache=cache.select(src),
+                 cache_start=P, head=completion_head)
+
+
+# -----------------------------------------------------------------------------
+# The update's scoring: rows without advantage skip their backward
+
+# A backward costs ~4 FLOPs per parameter and token; skipping it pays once
+# that outweighs the extra forward call: ~10 ms of per-op overhead on a CPU
+# (the tiny default's update got 15% slower without this floor), a few ms
+# of kernel launches on a GPU (1e12 there is an estimate, unmeasured).
+SKIP_MIN_FLOPS = {"cpu": 1e9, "cuda": 1e12}
+
+
+def rows_without_gradient(advantages, beta, model, length):
+    """[n] bool: rows that may be scored without gradient. With beta = 0
+    every loss type's per-token loss is the advantage times something, so
+    a row whose advantage is exactly 0 adds nothing to the gradient. Only
+    when the backward saved is worth the extra forward call; one row
+    always keeps its gradient (every parameter gets one; AdamW steps as
+    TRL's does). advantages: [n]; length: tokens per row."""
+    free = torch.zeros_like(advantages, dtype=torch.bool)
+    if beta != 0:
+        return free
+    free = advantages == 0
+    params = sum(p.numel() for p in model.parameters())
+    saved = 4 * params * int(free.sum()) * length
+    floor = SKIP_MIN_FLOPS.get(advantages.device.type, SKIP_MIN_FLOPS["cuda"])
+    if saved < floor:
+        free[:] = False
+    if free.all():
+        free[0] = False
+    return free
+
+
+def policy_logprobs(model, input_ids, attention_mask, completion_mask,
+                    no_grad_rows, world_size=1, **kwargs):
+    """token_logprobs, with rows no_grad_rows [n] bool scored under
+    no_grad: no backward, no stored activations. Their log-probs and
+    entropies still count in the loss and the metrics. With several ranks
+    the no_grad call always runs (on a throwaway row if need be), so every
+    rank makes the same FSDP collectives. kwargs: token_logprobs'."""
+    def score(rows):
+        return token_logprobs(model, input_ids[rows], attention_mask[rows],
+                              completion_mask[rows], **kwargs)
+
+    free = no_grad_rows
+    if not free.any() and world_size == 1:
+        return score(slice(None))
+    with torch.no_grad():
+        rows = free if free.any() else torch.arange(1, device=free.device)
+        free_logps, free_entropies = score(rows)
+    logps, entropies = score(~free)
+    if not free.any():
+        return logps, entropies
+    # back to the rows' order: the trained rows, then the free ones
+    order = torch.cat([(~free).nonzero()[:, 0], free.nonzero()[:, 0]])
+    order = order.argsort()
+    logps = torch.cat([logps, free_logps])[order]
+    entropies = torch.cat([entropies, free_entropies])[order]
+    return logps, entropies
 
 
 # -----------------------------------------------------------------------------

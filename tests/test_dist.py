@@ -33,7 +33,8 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None):
     from nanogrpo.grpo import LossConfig
     from nanogrpo.checkpoint import load_model
     from nanogrpo.rollout import Rollout
-    train.SKIP_MIN_FLOPS["cpu"] = 0  # split off zero-advantage rows even for the fixture's small model
+    from nanogrpo import logprobs
+    logprobs.SKIP_MIN_FLOPS["cpu"] = 0  # split off zero-advantage rows even for the fixture's small model
     info = dist.setup("cpu")
     torch.manual_seed(0)  # a fresh adapter's A (rank 0's is broadcast)
     model = load_model(fixture_path(family), info=info, lora_settings=lora_settings)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_config
-from nanogrpo.logprobs import token_logprobs
+from nanogrpo.logprobs import token_logprobs, token_logprobs_plain
 from nanogrpo.checkpoint import load_model
 from nanogrpo.model import Transformer
 
@@ -199,3 +199,20 @@ def test_scoring_matches_the_sampler_on_a_padded_vocabulary():
         full, _ = token_logprobs(model, ids, attention, out.completion_mask, temperature=0.8)
     assert torch.allclose(same, out.logprobs, atol=1e-5)
     assert (full - out.logprobs).abs().max() > 1e-3  # the padded rows carry mass in a random model
+
+
+@pytest.mark.parametrize("temperature,vocab_size", [(1.0, None), (0.7, V - 5)])
+def test_the_fast_path_equals_the_plain_definition(temperature, vocab_size):
+    """token_logprobs (chunked LM head, kept probabilities, shared-prompt forward) = token_logprobs_plain
+    (full logits, log_softmax, gather), values and gradients, in float64; the plain one = the test's naive."""
+    ids, att, cmask = batch(1)
+    plain = token_logprobs_plain(MODEL, ids, att, cmask, temperature=temperature, vocab_size=vocab_size)
+    fast = token_logprobs(MODEL, ids, att, cmask, temperature=temperature, vocab_size=vocab_size, chunk_size=2,
+                          keep_bytes=2 * V * 8)  # the first chunk kept, the others recomputed
+    for got, want in zip(fast, plain):
+        assert torch.allclose(got, want, atol=1e-12)
+    for got, want in zip(param_grads(MODEL, *fast), param_grads(MODEL, *plain)):
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-9)
+    if vocab_size is None:
+        for got, want in zip(plain, naive(MODEL, ids, att, cmask, temperature)):
+            assert torch.allclose(got, want, atol=1e-12)

@@ -485,9 +485,10 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
     plain loop that backpropagates through every row (to fp32 rounding: the rows run in other batches), also in a
     round where every advantage is 0, where every parameter still gets its (zero) gradient and AdamW still steps.
     (The fixture model is far below the size where skipping pays, so the floor is lowered to 0 here.)"""
-    monkeypatch.setitem(train.SKIP_MIN_FLOPS, "cpu", 0)
+    from nanogrpo import logprobs
+    monkeypatch.setitem(logprobs.SKIP_MIN_FLOPS, "cpu", 0)
     calls = []
-    monkeypatch.setattr(train, "token_logprobs", lambda *a, **k: calls.append(torch.is_grad_enabled()) or
+    monkeypatch.setattr(logprobs, "token_logprobs", lambda *a, **k: calls.append(torch.is_grad_enabled()) or
                         token_logprobs(*a, **k))
     from conftest import fixture_path
     from nanogrpo.config import TrainConfig
@@ -546,16 +547,14 @@ def test_small_models_do_not_split_off_rows_without_advantage():
     """Below SKIP_MIN_FLOPS (the embedded tiny model, the fixtures) the extra forward call costs more than the
     backward it would save: zero-advantage rows keep their gradient and one forward runs."""
     from conftest import fixture_path
-    from nanogrpo.config import TrainConfig
-    from nanogrpo.grpo import LossConfig
+    from nanogrpo import logprobs
     model, ro = load_model(fixture_path("qwen2")), _rollout_batch([0.0, 0.0, 1.0, -1.0])
-    t = trainer_for(model, None, TrainConfig(), LossConfig(beta=0.0))
-    logps, _ = train.policy_logprobs(t, ro, torch.arange(4))
+    free = logprobs.rows_without_gradient(ro.advantages, 0.0, model, ro.input_ids.shape[1])
+    assert not free.any()
+    logps, _ = logprobs.policy_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, free)
     assert logps.requires_grad and logps.grad_fn.name().startswith("IndexPut")  # token_logprobs' own scatter
     saved = 4 * sum(p.numel() for p in model.parameters()) * 2 * ro.input_ids.shape[1]
-    assert saved < train.SKIP_MIN_FLOPS["cpu"]  # the backward the split would save
-
-
+    assert saved < logprobs.SKIP_MIN_FLOPS["cpu"]  # the backward the split would save
 def test_eval_every_zero_is_silent_and_an_eval_without_data_is_named(tmp_path, capsys):
     train.train(tiny(tmp_path, "--max_steps=1", "--eval_every=0"))
     assert "warning" not in capsys.readouterr().out
