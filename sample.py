@@ -16,6 +16,7 @@ import torch
 
 from nanogrpo.checkpoint import load_model
 from nanogrpo.rewards import resolve_reward_funcs, score_completions, total_reward
+from nanogrpo.fast_sampling import sample_next_token_fast
 from nanogrpo.sampler import generate
 from nanogrpo.tokenizer import Tokenizer
 
@@ -60,7 +61,8 @@ def main(argv=None):
         out = generate(model, [prompt_ids], num_samples=args.num_samples, max_new_tokens=max_new_tokens,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                        repetition_penalty=args.repetition_penalty, stop_ids=tok.eos_token_ids,
-                       pad_id=tok.pad_token_id, generator=generator, vocab_size=tok.vocab_size)
+                       pad_id=tok.pad_token_id, generator=generator, vocab_size=tok.vocab_size,
+                       sample_token=sample_next_token_fast)
     ids, texts = tok.decode_completions(out.completion_ids, out.completion_mask)
     rewards = None
     if args.reward:

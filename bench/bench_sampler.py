@@ -1,4 +1,4 @@
-"""Sampler throughput: nanogrpo.sampler.generate (eager and torch_compile) vs transformers' generate, same
+"""Sampler throughput: nanogrpo.sampler.generate (eager and compiled) vs transformers' generate, same
 weights, same process, and the cost of the sampling filters against a decode step.
 
     python bench/bench_sampler.py                                   # 47M model, batch 32, top_p 1.0 / 0.95
@@ -40,8 +40,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanogrpo.checkpoint import save_model  # noqa: E402
 from nanogrpo.model import ModelConfig, Transformer  # noqa: E402
-from nanogrpo.sampler import (_logits, apply_top_p, filter_candidates, generate, sample_filtered,  # noqa: E402
-                              sample_from, uniforms)
+from nanogrpo.fast_sampling import (StaticDecoder, filter_candidates,  # noqa: E402
+                                    sample_next_token_fast)
+from nanogrpo.sampler import apply_top_p, generate, lm_logits, sample_from, uniforms  # noqa: E402
 
 PROMPT_LEN, NEW = 128, 64
 SHAPES = {
@@ -135,7 +136,8 @@ def bench_generation(args, device, dtype):
                     def run():
                         out = generate(model, prompts, num_samples=G, max_new_tokens=NEW, temperature=1.0,
                                        top_p=top_p, stop_ids=[V - 1], pad_id=0, vocab_size=V - 1,
-                                       torch_compile=compiled)
+                                       sample_token=sample_next_token_fast,
+                                       decoder=StaticDecoder if compiled else None)
                         assert out.completion_ids.shape == (batch, NEW) and out.truncated.all()
                     return run
 
@@ -186,7 +188,7 @@ def bench_filter_cost(args, device, dtype):
             with torch.no_grad():
                 h = model.hidden_states(tok, attention_mask=key_valid[:, :PROMPT_LEN + 1], positions=pos,
                                         cache=cache, cache_start=PROMPT_LEN)
-                _logits(model, h[:, 0], V, 2048)
+                lm_logits(model, h[:, 0], V, 2048)
 
         u = uniforms(torch.arange(B, device=device), 0)
         for label, std in (("peaked", torch.empty(B, 1).uniform_(3.5, 7.0)), ("flat", torch.tensor(0.5))):
@@ -194,7 +196,7 @@ def bench_filter_cost(args, device, dtype):
             cands = []
 
             def fast():
-                cands.append(sample_filtered(logits, u, 0, 0.95, 0.0))
+                cands.append(sample_next_token_fast(logits, u, 1.0, 0, 0.95, 0.0))
 
             (t_step, t_full, t_fast, t_ref), _ = timed(
                 [step, lambda: sample_from(logits, u), fast, lambda: sample_from(apply_top_p(logits, 0.95), u)],
@@ -236,7 +238,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--compile", action="store_true", help="also time generate(torch_compile=True)")
+    ap.add_argument("--compile", action="store_true", help="also time generate(decoder=StaticDecoder)")
     ap.add_argument("--no_hf", action="store_true", help="skip transformers")
     ap.add_argument("--filter_cost", action="store_true", help="only the filters-vs-decode-step table")
     ap.add_argument("--train_compile", action="store_true", help="only: does compiling the Blocks pay for training")

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from nanogrpo import dist
+from nanogrpo.fast_sampling import StaticDecoder, sample_next_token_fast
 from nanogrpo.sampler import generate
 
 
@@ -299,9 +300,11 @@ def join_prompt_completion(prompt_ids: list[list[int]], completion_ids, pad_id: 
 
 
 def sampling_kwargs(cfg) -> dict:
-    """The sampler settings of a TrainConfig, as `generate` takes them."""
+    """The sampler settings of a TrainConfig, as `generate` takes them. Training draws with the sort-free
+    sample_next_token_fast (equal to the plain one) and, with torch_compile, the compiled StaticDecoder."""
     return dict(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_k=cfg.top_k,
-                top_p=cfg.top_p, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty, torch_compile=cfg.torch_compile)
+                top_p=cfg.top_p, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
+                sample_token=sample_next_token_fast, decoder=StaticDecoder if cfg.torch_compile else None)
 
 
 def _continue_with_tools(model, tok, prompt_of, ids, texts, truncated, tools, cfg, generator):

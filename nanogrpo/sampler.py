@@ -1,43 +1,47 @@
 """Batched, KV-cached sampling of G completions per prompt: the rollout half of GRPO.
 
-Owns: `generate` and the logit filters it applies (repetition penalty, temperature, top-k, top-p, min-p),
-each a small pure function [B,V] -> [B,V] with -inf for removed tokens. Does not know about: tokenization
-(prompts, stop ids and the pad id arrive as ints), rewards, losses, or more than one process. From the
-model it needs `hidden_states(..., cache=, cache_start=)`, `new_cache`, `lm_head` and `config`.
+Owns: `generate`, the logit filters (repetition penalty, temperature,
+top-k, top-p, min-p: pure functions [B,V] -> [B,V], -inf = removed), the
+draw of one token (`sample_next_token`) and its per-row random numbers.
+Does not know about: tokenization (prompts, stop ids and the pad id come
+as ints), rewards, losses, or more than one process. Of the model it uses
+`hidden_states(..., cache=, cache_start=)`, `new_cache`, `lm_head`,
+`config`.
+
+Read `sample_next_token` first: temperature, then the filters in
+transformers' order, then an inverse-CDF draw. fast_sampling.py holds
+the same draw without sorting the vocabulary (`sample_next_token_fast`,
+equal bit for bit on CPU) and a compiled static-shape decode step
+(`StaticDecoder`); the trainer passes both in, the loop is the same.
 
 Choices:
-- Prefill once, copy to G rows: the P distinct prompts, left-padded to the longest, run through the
-  model once into a KV cache with room for prompt + max_new_tokens slots; `cache.select` copies prompt
+- Prefill once, copy to G rows: the P distinct prompts, left-padded to
+  the longest, run once into a KV cache; `cache.select` copies prompt
   i's rows into its G samples (rows i*G .. i*G+G-1).
-- Left padding + per-row positions. A token's RoPE position is the number of real tokens before it
-  in its row and a key mask hides the pad slots, so a short prompt in a mixed batch is computed as if
-  it were alone. One decode step is one batched forward of [n,1] tokens: no Python loop over rows.
-- Finished rows are dropped: when a quarter of the live rows have stopped, the batch is compacted with
-  `cache.select`; the loop ends when all have stopped (a host sync: every step on CPU, every 8 on GPU).
-- torch_compile=True runs each decode step as one compiled graph of fixed shapes instead: L + C cache slots
-  rounded up to a multiple of 128 (kept on the model between rounds), all attended through the key mask,
-  the write slot a tensor, finished rows masked, not compacted, stops checked every 8 steps. So rounds
-  whose prompt lengths share a bucket never recompile, and on CUDA the step replays as a CUDA graph
-  (mode="reduce-overhead"). The prefill, the filters and the draw stay eager.
-- Output width C is the longest completion (<= max_new_tokens): a batch that all stops early comes
-  back narrower. The mask is built from the step of each row's first stop id (inclusive), never from
-  token values, so pad_id may equal an eos id; stop ids inside the prompt play no part.
-- Logits are computed for the real vocabulary only (the first `vocab_size` rows of lm_head), so
-  padded embedding rows (Qwen2.5: 151,936 rows for 151,665 tokens) can never be sampled. Sampling
-  math is fp32 whatever the model dtype. Filters run in transformers' order: repetition penalty,
-  temperature, top-k, top-p, min-p.
-- No vocabulary sort: the filters are decided on a few candidates per row (the probability bins, powers of
-  two, that hold the nucleus) and the draw runs over them alone. The `apply_*` functions are the definitions;
-  the fast path equals them bit for bit on CPU (on GPU up to the parallel cumsum's rounding).
-- RNG: counter-based, per row. Row (prompt i, sample j) has the key hash(seed_i, j); at step t it
-  draws u = hash(key, t) and takes the first token whose cumulative probability exceeds u (inverse-CDF
-  sampling). So a row's samples depend only on its prompt, the model and (seed_i, j), not on batch-mates,
-  position, compaction or device: batched generation equals generating each prompt alone (up to float
-  rounding of the logits). Without `seeds`, one seed per prompt is drawn from `generator` (or torch's RNG).
+- Left padding + per-row positions: a token's RoPE position counts the
+  real tokens before it and a key mask hides the pads, so a short prompt
+  in a mixed batch is computed as if alone. A decode step is one batched
+  forward of [n,1] tokens: no Python loop over rows.
+- Finished rows are dropped (the eager `Decoder`): when a quarter of the
+  live rows have stopped, the batch is compacted; the loop ends when all
+  have stopped (a host sync: every step on CPU, every 8 on GPU).
+- Output width C is the longest completion: a batch that stops early
+  comes back narrower. The mask comes from the step of each row's first
+  stop id (inclusive), never from token values, so pad_id may equal an
+  eos id; stop ids inside the prompt play no part.
+- Logits cover the real vocabulary only (the first `vocab_size` rows of
+  lm_head): padded embedding rows can never be sampled. Sampling math is
+  fp32 whatever the model dtype.
+- RNG: counter-based, per row. Row (prompt i, sample j) has the key
+  hash(seed_i, j); at step t it draws u = hash(key, t) and takes the
+  first token whose cumulative probability exceeds u. A row's samples
+  depend only on its prompt, the model and (seed_i, j), not on its batch
+  mates or the device: batched generation equals each prompt alone (up
+  to float rounding of the logits). Without `seeds`, one seed per prompt
+  is drawn from `generator` (or torch's RNG).
 """
 
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -46,16 +50,18 @@ import torch.nn.functional as F
 
 @dataclass
 class Generation:
-    """What `generate` returns. N = len(prompt_ids) * num_samples, C = longest completion."""
+    """What `generate` returns. N = prompts x num_samples, C = longest."""
 
     completion_ids: torch.Tensor  # [N,C] long, right-padded with pad_id
-    completion_mask: torch.Tensor  # [N,C] bool, True up to and including the row's first stop id
-    logprobs: torch.Tensor  # [N,C] fp32, log-prob of each sampled token; 0 where the mask is False
-    truncated: torch.Tensor  # [N] bool, True for rows that never sampled a stop id
+    completion_mask: torch.Tensor  # [N,C] bool, True up to the first stop
+    # [N,C] fp32: log-prob of each sampled token under the distribution it
+    # was drawn from (after temperature and the filters); 0 off the mask
+    logprobs: torch.Tensor
+    truncated: torch.Tensor  # [N] bool: rows that never sampled a stop id
 
 
 # -----------------------------------------------------------------------------
-# Logit filters: [B,V] -> [B,V], removed tokens set to -inf. Shared by the sampler and the tests.
+# Logit filters: [B,V] -> [B,V], removed tokens set to -inf
 
 
 def apply_repetition_penalty(logits, seen, penalty):
@@ -118,6 +124,10 @@ def apply_min_p(logits, min_p):
     return logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True) + math.log(min_p), float("-inf"))
 
 
+# -----------------------------------------------------------------------------
+# Drawing the next token
+
+
 def sample_from(logits, u, token_ids=None):
     """Inverse-CDF draw. logits [B,V] fp32 (-inf = removed), u [B] float64 in [0,1) ->
     (ids [B], their log-probs [B]): id is the first token whose cumulative probability exceeds u.
@@ -134,75 +144,28 @@ def sample_from(logits, u, token_ids=None):
     return (ids if token_ids is None else token_ids.gather(-1, ids)).squeeze(-1), logp
 
 
-def filter_candidates(logits, top_k, top_p, min_p):
-    """top-k -> top-p -> min-p without sorting the vocabulary: logits [B,V] -> (values [B,K], ids [B,K]), each row's
-    candidates in vocabulary order (removed ones -inf), then -inf padding (id 0); all other tokens are removed. Equal
-    to apply_min_p(apply_top_p(apply_top_k(logits))) bit for bit: the candidates are a row's largest logits, so top-p
-    is decided on a prefix of the same cumsum. They are guessed (`_nucleus_bins`); a row whose guess holds less than
-    p is redone with every token."""
-    B, V = logits.shape
-    if 0 < top_k < V:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B,1] the k-th largest logit
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    top = logits.amax(dim=-1, keepdim=True)  # [B,1]
-    keep = logits >= top + math.log(min_p) if min_p > 0.0 else None  # [B,V] what min-p keeps; None: all top-k leaves
-    if top_p >= 1.0:
-        return _compact(logits, logits > float("-inf") if keep is None else keep, keep)
-    w = (logits - top).exp_()  # [B,V] unnormalized probabilities
-    total = w.sum(dim=-1, keepdim=True)  # [B,1], summed in vocabulary order as apply_top_p does
-    cand = _nucleus_bins(w, top_p) if keep is None else _nucleus_bins(w, top_p) & keep
-    for attempt in range(2):
-        vals, ids = _compact(logits, cand, keep)
-        ranked = F.pad(vals.sort(dim=-1, descending=True).values, (0, 1), value=float("-inf"))  # [B,K+1]
-        n_keep = (_mass_above(ranked, top, total) < top_p).sum(dim=-1, keepdim=True)  # [B,1]
-        cutoff = ranked.gather(-1, n_keep - 1)  # [B,1] the smallest kept logit
-        short = cutoff.squeeze(1) == float("-inf")  # [B] the candidates hold less than p: the next one is kept too
-        if attempt or vals.shape[1] == V or not short.any():  # (a host sync)
-            return vals.masked_fill(vals < cutoff, float("-inf")), ids
-        cand = cand | short[:, None] & (logits > float("-inf") if keep is None else keep)  # rare: redo with all
+def greedy(logits):
+    """argmax [B], with its log-prob under the unfiltered distribution."""
+    tok = logits.argmax(-1)
+    logp = logits.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
+    return tok, logp
 
 
-def _compact(logits, cand, keep):
-    """logits [B,V], cand [B,V] bool -> (vals [B,K], ids [B,K]): each row's candidates in vocabulary order, then -inf
-    padding (id 0); K = the most any row has. Over a quarter of V, the whole vocabulary instead (ids 0..V-1, the
-    tokens outside `keep` at -inf): an index of most of it would cost more than it saves."""
-    B, V = logits.shape
-    row, col = cand.nonzero(as_tuple=True)  # [n] each, row-major: a row's ids ascending
-    count = torch.bincount(row, minlength=B)  # [B]
-    K = int(count.max())  # a host sync
-    if 4 * K > V:
-        ids = torch.arange(V, device=logits.device).expand(B, V)
-        return (logits if keep is None else logits.masked_fill(~keep, float("-inf"))), ids
-    slot = torch.arange(len(row), device=row.device) - (count.cumsum(0) - count)[row]  # [n] column in the row
-    vals = logits.new_full((B, K), float("-inf")).index_put_((row, slot), logits[row, col])
-    return vals, torch.zeros(B, K, dtype=torch.long, device=row.device).index_put_((row, slot), col)
-
-
-def _nucleus_bins(w, top_p):
-    """w [B,V] unnormalized probabilities -> bool [B,V]: the tokens of the power-of-two probability bins from the top
-    down to the one where their mass reaches top_p: the nucleus but for rounding (the caller checks), and the rest of
-    its last bin. On CPU in blocks of rows: a fresh int64 [B,V] index costs more (page faults) than the histogram."""
-    guess = torch.empty(w.shape, dtype=torch.bool, device=w.device)
-    rows = len(w) if w.is_cuda else max(1, 2**20 // w.shape[1])
-    for i in range(0, len(w), rows):
-        block = w[i:i + rows]
-        e = block.view(torch.int32).long()
-        e >>= 23  # the float exponent: w in [2^(e-127), 2^(e-126))
-        mass = block.new_zeros(len(block), 256).scatter_add_(1, e, block).flip(1).cumsum(1)  # mass of the top bins
-        crossing = (mass < top_p * mass[:, -1:]).sum(dim=-1, keepdim=True)  # [rows,1] bins above the one reaching p
-        torch.ge(block, ((255 - crossing).int() << 23).view(torch.float32), out=guess[i:i + rows])  # its smallest w
-    return guess
-
-
-def sample_filtered(logits, u, top_k, top_p, min_p):
-    """sample_from(apply_min_p(apply_top_p(apply_top_k(logits)))) drawing over the candidates only (in vocabulary
-    order: the cumulative sum adds the same numbers in the same order)."""
-    vals, ids = filter_candidates(logits, top_k, top_p, min_p)
-    return sample_from(vals, u, token_ids=ids)
+def sample_next_token(logits, u, temperature, top_k, top_p, min_p):
+    """logits [B,V] fp32, u [B] float64 in [0,1) -> (ids [B], log-probs
+    [B]). temperature 0 is greedy; top_k 0, top_p 1, min_p 0 are off."""
+    if temperature == 0:
+        return greedy(logits)
+    logits = apply_temperature(logits, temperature)
+    logits = apply_top_k(logits, top_k)
+    logits = apply_top_p(logits, top_p)
+    logits = apply_min_p(logits, min_p)
+    return sample_from(logits, u)
 
 
 # -----------------------------------------------------------------------------
-# Counter-based random numbers: pure functions of (key, step), computed with integer tensor ops.
+# Counter-based random numbers: pure functions of (key, step)
+
 
 _M32 = 0xFFFFFFFF
 
@@ -228,7 +191,7 @@ def uniforms(keys, step):
 
 
 # -----------------------------------------------------------------------------
-# Generation
+# Checks
 
 
 def _need(ok, name, value, rule):
@@ -263,138 +226,192 @@ def _check_args(model, prompt_ids, num_samples, max_new_tokens, temperature, top
     _need(seeds is None or len(seeds) == len(prompt_ids), "seeds", seeds, "needs one seed per prompt")
 
 
-def _logits(model, h, vocab_size, chunk):
-    """h [n,D] -> fp32 logits [n,vocab_size]: the LM head's real-vocabulary rows, in slices of `chunk`."""
-    W = model.lm_head.weight[:vocab_size]  # [V,D], a view: padded-vocab rows are never scored
-    return torch.cat([F.linear(h, W[i:i + chunk]).float() for i in range(0, vocab_size, chunk)], dim=-1)
+# -----------------------------------------------------------------------------
+# Decoding
 
 
-def _decode_step(model, tok, positions, key_valid, slot, cache, vocab_size, chunk):
-    """One static-shape decode step: tok [N,1], positions [N,1], key_valid [N,S], slot (a tensor) ->
-    logits [N,V]. Every shape is fixed for the round and nothing reads a value on the host."""
-    h = model.hidden_states(tok, attention_mask=key_valid, positions=positions, cache=cache, cache_start=slot)
-    return _logits(model, h[:, 0], vocab_size, chunk)
+def lm_logits(model, h, vocab_size, chunk):
+    """h [n,D] -> fp32 logits [n,vocab_size]: the real vocabulary's rows
+    of the LM head, in slices of `chunk` rows."""
+    W = model.lm_head.weight[:vocab_size]  # [V,D]: padded rows never scored
+    parts = [F.linear(h, W[i:i + chunk]).float()
+             for i in range(0, vocab_size, chunk)]
+    return torch.cat(parts, dim=-1)
 
 
-_COMPILED = {}  # compile mode -> the compiled _decode_step
-_DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> its compiled step's KV cache, reused across rounds
+class Decoder:
+    """The eager decode step: a cache of L + C slots, grown one slot per
+    step; finished rows are compacted away. fast_sampling.StaticDecoder
+    offers the same methods with fixed shapes, for torch.compile."""
+
+    compacts = True  # drop finished rows from the batch
+
+    def __init__(self, model, vocab_size, chunk):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.chunk = chunk
+        device = model.lm_head.weight.device
+        self.sync_every = 1 if device.type == "cpu" else 8
+
+    def prefill_cache(self, P, L, C):
+        return self.model.new_cache(P, L + C)
+
+    def decode_cache(self, prefill, src, L, C):
+        """[N] rows, prompt src[i]'s prefill in row i. -> (cache, slots)"""
+        return prefill.select(src), L + C
+
+    def step(self, tok, positions, key_valid, cache, slot):
+        """tok, positions [n,1]; key_valid [n,S] -> logits [n,V]."""
+        h = self.model.hidden_states(tok, attention_mask=key_valid[:, :slot + 1],
+                                     positions=positions, cache=cache,
+                                     cache_start=slot)  # [n,1,D]
+        return lm_logits(self.model, h[:, 0], self.vocab_size, self.chunk)
 
 
-def _decode_cache(model, prefill, src, S):
-    """The [N, S]-slot cache of the compiled step, holding prompt src[i]'s prefill in row i. Kept on the
-    model between rounds of the same shape, so its buffers keep their addresses (what CUDA graphs need)."""
-    cache = _DECODE_CACHES.get(model)
-    w = model.embed_tokens.weight
-    if cache is None or cache.k[0].shape[0] != len(src) or cache.max_len != S or cache.k[0].dtype != w.dtype \
-            or cache.k[0].device != w.device:
-        cache = _DECODE_CACHES[model] = model.new_cache(len(src), S)
-        if w.device.type == "cuda":
-            for buf in cache.k + cache.v:
-                torch._dynamo.mark_static_address(buf)
-    L = prefill.max_len  # slots >= L hold an earlier round's keys; the key mask hides them
-    for buf, pre in zip(cache.k + cache.v, prefill.k + prefill.v):
-        buf[:, :, :L] = pre.index_select(0, src)
-    return cache
+@dataclass
+class Rows:
+    """The live rows of a decode: what compaction selects from."""
+
+    index: torch.Tensor  # [n] output row of each live row
+    tok: torch.Tensor  # [n] the last sampled token
+    keys: torch.Tensor  # [n] RNG keys
+    key_valid: torch.Tensor  # [n,S] slots each row attends to
+    next_pos: torch.Tensor  # [n] RoPE position of the first new token
+    stopped: torch.Tensor  # [n] bool
+    seen: torch.Tensor | None  # [n,V] tokens present, for the penalty
+
+    def select(self, live):
+        seen = None if self.seen is None else self.seen[live]
+        return Rows(index=self.index[live], tok=self.tok[live],
+                    keys=self.keys[live], key_valid=self.key_valid[live],
+                    next_pos=self.next_pos[live], stopped=self.stopped[live],
+                    seen=seen)
 
 
-@torch.no_grad()  # not inference_mode: the outputs feed the trainer's autograd graph (masks, old logps)
-def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0, top_p=1.0,
-             min_p=0.0, repetition_penalty=1.0, stop_ids=(), pad_id=0, generator=None, vocab_size=None,
-             seeds=None, torch_compile=False) -> Generation:
-    """Sample `num_samples` completions of up to `max_new_tokens` tokens for each prompt.
+@torch.no_grad()  # not inference_mode: the outputs feed autograd (masks)
+def generate(model, prompt_ids, num_samples=1, max_new_tokens=256,
+             temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+             repetition_penalty=1.0, stop_ids=(), pad_id=0, generator=None,
+             vocab_size=None, seeds=None, sample_token=sample_next_token,
+             decoder=None) -> Generation:
+    """Sample `num_samples` completions of up to `max_new_tokens` tokens
+    for each prompt.
 
-    prompt_ids: list of P non-empty lists of token ids (any lengths). Returns a `Generation` with
-    N = P * num_samples rows, prompt i's samples at rows i*G .. i*G+G-1, and C = the longest
-    completion's length (max_new_tokens if any row is truncated). A row stops at the first id of
-    `stop_ids` it samples (included in its mask); pad_id only fills the padding.
-    temperature 0 is greedy (argmax after the repetition penalty; logprobs of the temperature-1, unfiltered
-    distribution). top_k 0, top_p 1, min_p 0 and repetition_penalty 1 are off. vocab_size: the tokenizer's
-    real vocabulary (default model.config.vocab_size); ids >= vocab_size are never sampled.
-    seeds: optional list of P ints, one per prompt (see the module docstring); otherwise they are
-    drawn from `generator` (a torch.Generator) or from torch's global RNG.
-    torch_compile: run each decode step as one torch.compile'd static-shape graph (CUDA graphs on GPU).
-    """
-    vocab_size = model.config.vocab_size if vocab_size is None else vocab_size
+    prompt_ids: P non-empty lists of token ids. Returns a `Generation` of
+    N = P * num_samples rows, prompt i's samples at rows i*G .. i*G+G-1.
+    A row stops at the first id of `stop_ids` it samples (in its mask);
+    pad_id only fills the padding. temperature 0 is greedy (log-probs of
+    the unfiltered temperature-1 distribution); top_k 0, top_p 1, min_p 0
+    and repetition_penalty 1 are off. vocab_size: the tokenizer's real
+    vocabulary (default model.config.vocab_size). seeds: P ints, one per
+    prompt; else drawn from `generator` or torch's RNG.
+    sample_token: sample_next_token or fast_sampling's equal and faster
+    one. decoder: a decoder class, None = the eager `Decoder`;
+    fast_sampling.StaticDecoder runs a compiled static-shape step."""
+    vocab_size = vocab_size or model.config.vocab_size
     prompt_ids = [[int(t) for t in p] for p in prompt_ids]
-    _check_args(model, prompt_ids, num_samples, max_new_tokens, temperature, top_k, top_p, min_p,
-                repetition_penalty, vocab_size, seeds)
+    _check_args(model, prompt_ids, num_samples, max_new_tokens, temperature,
+                top_k, top_p, min_p, repetition_penalty, vocab_size, seeds)
     dev = model.lm_head.weight.device
-    P, G, C, N = len(prompt_ids), num_samples, max_new_tokens, len(prompt_ids) * num_samples
-    stops = torch.tensor(sorted({int(s) for s in stop_ids or ()}), dtype=torch.long, device=dev)
-    if seeds is None:
-        seeds = torch.randint(0, 2**31 - 1, (P,), generator=generator, device=getattr(generator, "device", "cpu"))
-    keys = row_keys(torch.as_tensor(seeds, dtype=torch.long).to(dev), G)  # [N]
-    # CPU BLAS multiplies [n,D] by slices of 2048 vocab rows ~1.6x faster than by the whole [V,D]
+    # CPU BLAS multiplies [n,D] by slices of 2048 vocab rows ~1.6x faster
     chunk = 2048 if dev.type == "cpu" else vocab_size
-    filters = 0 < top_k < vocab_size or top_p < 1.0 or min_p > 0.0
+    decoder = (decoder or Decoder)(model, vocab_size, chunk)
+    P = len(prompt_ids)
+    G = num_samples
+    if seeds is None:
+        where = getattr(generator, "device", "cpu")
+        seeds = torch.randint(0, 2**31 - 1, (P,), generator=generator,
+                              device=where)
+    keys = row_keys(torch.as_tensor(seeds, dtype=torch.long).to(dev), G)
+    stops = sorted({int(s) for s in stop_ids or ()})
+    stops = torch.tensor(stops, dtype=torch.long, device=dev)
+    settings = dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                    min_p=min_p)
+    out_ids, out_logps = decode(
+        model, decoder, prompt_ids, G, max_new_tokens, keys=keys,
+        stops=stops, pad_id=pad_id, repetition_penalty=repetition_penalty,
+        sample=lambda logits, u: sample_token(logits, u, **settings))
+    return assemble(out_ids, out_logps, stops, pad_id)
 
-    # Prefill the P distinct prompts once, left-padded to the longest L.
+
+def prefill(model, decoder, prompt_ids, G, C, pad_id):
+    """Run the P distinct prompts once, left-padded to the longest L.
+    -> (the first logits [N,V], the decode cache, slots S, rows, L)."""
+    dev = model.lm_head.weight.device
+    P = len(prompt_ids)
+    N = P * G
     lens = torch.tensor([len(p) for p in prompt_ids], device=dev)  # [P]
     L = int(lens.max())
-    ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompt_ids], device=dev)  # [P,L]
-    valid = torch.arange(L, device=dev)[None, :] >= (L - lens)[:, None]  # [P,L], False = left padding
+    padded = [[pad_id] * (L - len(p)) + p for p in prompt_ids]
+    ids = torch.tensor(padded, device=dev)  # [P,L]
+    valid = torch.arange(L, device=dev)[None, :] >= (L - lens)[:, None]
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    cache = model.new_cache(P, L if torch_compile else L + C)
-    h = model.hidden_states(ids, attention_mask=valid, positions=positions, cache=cache)  # [P,L,D]
-    src = torch.arange(P, device=dev).repeat_interleave(G)  # [N]: the prompt of each row
-    logits = _logits(model, h[:, -1], vocab_size, chunk)[src]  # [N,V]
-    S = L + C  # cache slots: the prompt's, then the completion's
-    if torch_compile:  # a static round: S rounded up to a bucket of 128 slots, so rounds share one graph
-        S = -(-S // 128) * 128
-        cache = _decode_cache(model, cache, src, S)
-        mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs replay the whole step
-        step = _COMPILED.get(mode) or _COMPILED.setdefault(mode, torch.compile(_decode_step, mode=mode,
-                                                                               dynamic=False, fullgraph=True))
-    else:
-        cache = cache.select(src)  # [N, ...]: each prompt's prefill copied to its G rows
-    key_valid = torch.cat([valid[src], valid.new_ones(N, C), valid.new_zeros(N, S - L - C)], dim=1)  # [N,S]
-    next_pos = lens[src]  # [N]: RoPE position of each row's first completion token
-    # [N,V] the tokens present in each row (prompt, then generated), for the repetition penalty
-    seen = token_mask(torch.where(valid, ids, -1), vocab_size)[src] if repetition_penalty != 1.0 else None
+    cache = decoder.prefill_cache(P, L, C)
+    h = model.hidden_states(ids, attention_mask=valid, positions=positions,
+                            cache=cache)  # [P,L,D]
+    src = torch.arange(P, device=dev).repeat_interleave(G)  # [N] prompts
+    logits = lm_logits(model, h[:, -1], decoder.vocab_size, decoder.chunk)
+    cache, S = decoder.decode_cache(cache, src, L, C)
+    key_valid = torch.cat([valid[src], valid.new_ones(N, C),
+                           valid.new_zeros(N, S - L - C)], dim=1)  # [N,S]
+    prompt_tokens = torch.where(valid, ids, -1)[src]  # [N,L]
+    return logits[src], cache, key_valid, lens[src], prompt_tokens, L
 
+
+def decode(model, decoder, prompt_ids, G, C, keys, stops, pad_id,
+           repetition_penalty, sample):
+    """The decode loop. -> (ids [N,C], log-probs [N,C]) of every step."""
+    dev = model.lm_head.weight.device
+    logits, cache, key_valid, next_pos, prompt_tokens, L = prefill(
+        model, decoder, prompt_ids, G, C, pad_id)
+    N = len(next_pos)
+    seen = None
+    if repetition_penalty != 1.0:  # [N,V] tokens present in each row
+        seen = token_mask(prompt_tokens, decoder.vocab_size)
+    rows = Rows(index=torch.arange(N, device=dev), tok=None, keys=keys,
+                key_valid=key_valid, next_pos=next_pos,
+                stopped=torch.zeros(N, dtype=torch.bool, device=dev),
+                seen=seen)
     out_ids = torch.full((N, C), pad_id, dtype=torch.long, device=dev)
     out_logps = torch.zeros(N, C, device=dev)
-    rows = torch.arange(N, device=dev)  # [n]: output row of each live batch row
-    stopped = torch.zeros(N, dtype=torch.bool, device=dev)  # [n]
-    sync_every = 1 if dev.type == "cpu" and not torch_compile else 8
     for t in range(C):
-        if seen is not None:
-            logits = apply_repetition_penalty(logits, seen, repetition_penalty)
-        if temperature == 0:
-            tok = logits.argmax(-1)  # [n]
-            logp = logits.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
-        else:
-            logits, u = apply_temperature(logits, temperature), uniforms(keys, t)
-            tok, logp = sample_filtered(logits, u, top_k, top_p, min_p) if filters else sample_from(logits, u)
-        out_ids[rows, t], out_logps[rows, t] = tok, logp
-        stopped |= torch.isin(tok, stops)
-        if seen is not None:
-            seen.scatter_(1, tok[:, None], True)
+        if rows.seen is not None:
+            logits = apply_repetition_penalty(logits, rows.seen,
+                                              repetition_penalty)
+        tok, logp = sample(logits, uniforms(rows.keys, t))
+        out_ids[rows.index, t] = tok
+        out_logps[rows.index, t] = logp
+        rows.tok = tok
+        rows.stopped |= torch.isin(tok, stops)
+        if rows.seen is not None:
+            rows.seen.scatter_(1, tok[:, None], True)
         if t == C - 1:
             break
-        if (t + 1) % sync_every == 0:
-            live = (~stopped).nonzero().squeeze(1)  # device->host sync
+        if (t + 1) % decoder.sync_every == 0:
+            live = (~rows.stopped).nonzero().squeeze(1)  # a host sync
             if len(live) == 0:
                 break
-            if len(live) <= 0.75 * len(rows) and not torch_compile:  # compact: finished rows stop costing compute
+            few = len(live) <= 0.75 * len(rows.index)
+            if decoder.compacts and few:  # finished rows stop costing
                 cache = cache.select(live)
-                rows, tok, keys, key_valid, next_pos, stopped = (x[live] for x in (rows, tok, keys, key_valid,
-                                                                                   next_pos, stopped))
-                seen = None if seen is None else seen[live]
-        if torch_compile:  # finished rows run on, masked out of the output
-            logits = step(model, tok[:, None], (next_pos + t)[:, None], key_valid, torch.tensor(L + t, device=dev),
-                          cache, vocab_size, chunk)
-            logits = logits.clone() if mode else logits  # a CUDA graph's output is overwritten by its next replay
-        else:
-            h = model.hidden_states(tok[:, None], attention_mask=key_valid[:, :L + t + 1],
-                                    positions=(next_pos + t)[:, None], cache=cache, cache_start=L + t)  # [n,1,D]
-            logits = _logits(model, h[:, 0], vocab_size, chunk)
+                rows = rows.select(live)
+        logits = decoder.step(rows.tok[:, None], (rows.next_pos + t)[:, None],
+                              rows.key_valid, cache, L + t)
+    return out_ids, out_logps
 
-    # Masks from positions: a row ends at the first step that sampled a stop id (later slots are never read).
+
+def assemble(out_ids, out_logps, stops, pad_id) -> Generation:
+    """Masks from positions: a row ends at the first step that sampled a
+    stop id (later slots are never read); C = the longest row."""
     is_stop = torch.isin(out_ids, stops)  # [N,C]
     has_stop = is_stop.any(-1)
-    length = torch.where(has_stop, is_stop.int().argmax(-1) + 1, C)  # [N]
+    length = torch.where(has_stop, is_stop.int().argmax(-1) + 1,
+                         out_ids.shape[1])  # [N]
     C = int(length.max())
-    mask = torch.arange(C, device=dev)[None, :] < length[:, None]  # [N,C]
-    return Generation(completion_ids=torch.where(mask, out_ids[:, :C], pad_id), completion_mask=mask,
-                      logprobs=torch.where(mask, out_logps[:, :C], 0.0), truncated=~has_stop)
+    arange = torch.arange(C, device=out_ids.device)
+    mask = arange[None, :] < length[:, None]  # [N,C]
+    return Generation(
+        completion_ids=torch.where(mask, out_ids[:, :C], pad_id),
+        completion_mask=mask,
+        logprobs=torch.where(mask, out_logps[:, :C], 0.0),
+        truncated=~has_stop)

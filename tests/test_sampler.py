@@ -11,11 +11,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import FAMILIES, fixture_path, tiny_config
-from nanogrpo import sampler
+from nanogrpo import fast_sampling, sampler
 from nanogrpo.checkpoint import load_model
 from nanogrpo.model import KVCache, Transformer
+from nanogrpo.fast_sampling import StaticDecoder, filter_candidates, sample_next_token_fast
 from nanogrpo.sampler import (apply_min_p, apply_repetition_penalty, apply_temperature, apply_top_k, apply_top_p,
-                              filter_candidates, generate, sample_filtered, sample_from, uniforms)
+                              generate, sample_from, sample_next_token, uniforms)
 
 TOKENIZER_VOCAB, EOS, PAD = 384, [2, 0], 0  # tests/fixtures/tokenizer: 384 real ids, eos {2, 0}, pad 0 == eos
 PROMPTS = [[5, 17, 99, 2, 31, 8, 200], [44], [150, 151, 152, 9], [7, 7, 7, 7, 7, 7, 7, 7, 7, 300, 12]]
@@ -362,9 +363,11 @@ def test_fast_filters_equal_the_reference(logits, top_k, top_p, min_p):
     B = logits.shape[0]
     u = torch.cat([torch.tensor([0.0, 1 - 2**-52], dtype=torch.float64), uniforms(torch.arange(30), 1)])  # [32]
     rows = torch.arange(B).repeat_interleave(len(u))
-    tok, logp = sample_filtered(logits[rows], u.repeat(B), top_k, top_p, min_p)
+    tok, logp = sample_next_token_fast(logits[rows], u.repeat(B), 1.0, top_k, top_p, min_p)
     want_tok, want_logp = sample_from(want[rows], u.repeat(B))  # the same token for the same uniform
     assert torch.equal(tok, want_tok) and torch.equal(logp, want_logp)
+    plain_tok, plain_logp = sample_next_token(logits[rows], u.repeat(B), 1.0, top_k, top_p, min_p)
+    assert torch.equal(plain_tok, want_tok) and torch.equal(plain_logp, want_logp)
 
 
 def test_fast_filters_take_few_candidates_on_a_peaked_row():
@@ -383,7 +386,7 @@ def test_nucleus_bins_hold_the_nucleus_without_waste():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 32000, generator=g) * torch.empty(64, 1).uniform_(2.0, 7.0, generator=g)
     kept = apply_top_p(logits, 0.95) > float("-inf")  # [64,V], from a few tokens to thousands a row
-    guess = sampler._nucleus_bins((logits - logits.amax(dim=-1, keepdim=True)).exp(), 0.95)
+    guess = fast_sampling._nucleus_bins((logits - logits.amax(dim=-1, keepdim=True)).exp(), 0.95)
     assert kept.sum(1).max() > 1000 and (guess >= kept).all() and (guess.sum(1) <= 2 * kept.sum(1)).all()
     assert guess.sum() < 1.3 * kept.sum()  # measured 1.15: the bin where the mass reaches p, no bin below it
 
@@ -392,7 +395,7 @@ def test_a_short_guess_is_redone(monkeypatch):
     """When the guessed candidates hold less than p (here: a guess of the top token alone), the row is redone
     with every token, and the result is still the reference's."""
     logits = torch.randn(4, 3000) * torch.tensor([[0.3], [2.0], [6.0], [20.0]])
-    monkeypatch.setattr(sampler, "_nucleus_bins", lambda w, p: w == 1)
+    monkeypatch.setattr(fast_sampling, "_nucleus_bins", lambda w, p: w == 1)
     for min_p in (0.0, 0.01):
         vals, ids = filter_candidates(logits, 0, 0.9, min_p)
         want = apply_min_p(apply_top_p(logits, 0.9), min_p)
@@ -404,20 +407,48 @@ def test_a_short_guess_is_redone(monkeypatch):
 
 
 def test_compiled_decode_equals_eager_and_never_recompiles(monkeypatch):
-    """torch_compile=True: the same completions as eager, and after the first round no recompile, though the
+    """StaticDecoder (the compiled step, made once and passed in): the same completions as eager, and after the first round no recompile, though the
     prompt lengths change. fullgraph=True proves the step has no graph break (no host sync, no Python branch on
     data). The aot_eager backend traces what inductor would compile, in seconds; inductor's own C++ build
     takes minutes on a cold CPU box, so its speed and output are checked by bench/bench_sampler.py --compile."""
     torch._dynamo.reset()
-    step = torch.compile(sampler._decode_step, backend="aot_eager", dynamic=False, fullgraph=True)
-    monkeypatch.setattr(sampler, "_COMPILED", {None: step})
+    step = torch.compile(fast_sampling._decode_step, backend="aot_eager", dynamic=False, fullgraph=True)
+    monkeypatch.setattr(fast_sampling, "_COMPILED", {None: step})
     model = Transformer(tiny_config())
     args = dict(num_samples=3, max_new_tokens=6, seeds=[1, 2], top_p=0.9, temperature=1.3, stop_ids=[3, 4, 5])
     for prompts in ([[1, 2, 3], [4, 5]], [[9, 8, 7, 6, 5, 4, 3], [4, 5, 9, 9]]):
         with torch._dynamo.config.patch(error_on_recompile=prompts[0][0] == 9):
-            fast = generate(model, prompts, torch_compile=True, **args)
+            fast = generate(model, prompts, decoder=StaticDecoder, **args)
         want = generate(model, prompts, **args)
         assert torch.equal(fast.completion_ids, want.completion_ids) and torch.equal(fast.truncated, want.truncated)
         assert torch.equal(fast.completion_mask, want.completion_mask)
         assert torch.allclose(fast.logprobs, want.logprobs, atol=1e-5)
     assert not want.truncated.all() and want.truncated.any()  # some rows stop, some run on masked
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (5, 0.9, 0.0), (0, 0.95, 0.05), (20, 0.8, 0.5)])
+def test_generate_with_the_fast_draw_equals_the_plain_one(top_k, top_p, min_p):
+    """generate(sample_token=sample_next_token_fast), what training uses, = the plain sample_next_token."""
+    model = load("qwen2")
+    args = sampling_args(num_samples=3, max_new_tokens=12, temperature=1.2, top_k=top_k, top_p=top_p, min_p=min_p,
+                         seeds=[11, 12, 13, 14])
+    plain = generate(model, PROMPTS, **args)
+    fast = generate(model, PROMPTS, sample_token=sample_next_token_fast, **args)
+    assert torch.equal(plain.completion_ids, fast.completion_ids)
+    assert torch.equal(plain.logprobs, fast.logprobs) and torch.equal(plain.completion_mask, fast.completion_mask)
+
+
+def test_min_p_tighter_than_top_p_needs_no_retry(monkeypatch):
+    """The candidates are cut by min-p before top-p is decided: when min-p keeps fewer tokens than the nucleus,
+    the guess holds all that can be kept and the full-vocabulary retry must not run (it used to, every step)."""
+    rounds = []
+    compact = fast_sampling._compact
+    monkeypatch.setattr(fast_sampling, "_compact", lambda *a: rounds.append(1) or compact(*a))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(32, 32000, generator=g) * 3
+    for _ in range(5):
+        vals, ids = filter_candidates(logits, 0, 0.95, 0.5)
+        want = apply_min_p(apply_top_p(logits, 0.95), 0.5)
+        got = torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax")
+        assert torch.equal(got, want)
+    assert len(rounds) == 5  # one candidate set a call, no retry
