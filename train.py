@@ -45,8 +45,9 @@ from nanogrpo.grpo import LossConfig, group_advantages, grpo_step
 from nanogrpo.logprobs import (policy_logprobs, rows_without_gradient,
                                token_logprobs)
 from nanogrpo.rewards import resolve_reward_funcs, score_completions
-from nanogrpo.rollout import Rollout, resolve_tools, rollout
+from nanogrpo.rollout import Rollout, rollout
 from nanogrpo.tokenizer import Tokenizer
+from nanogrpo.tools import resolve_tools
 
 # -----------------------------------------------------------------------------
 # Setup: model, tokenizer, optimizer, rewards, data

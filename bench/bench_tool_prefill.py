@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from nanogrpo.checkpoint import load_model  # noqa: E402
-from nanogrpo.rollout import tool_suffix_ids  # noqa: E402
+from nanogrpo.tools import tool_suffix_ids  # noqa: E402
 from nanogrpo.sampler import generate  # noqa: E402
 from nanogrpo.tokenizer import Tokenizer  # noqa: E402
 import tool_calculator as task  # noqa: E402

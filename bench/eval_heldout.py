@@ -30,7 +30,7 @@ def main(argv=None):
     from nanogrpo.config import load_config
     from nanogrpo.data import load_dataset
     from nanogrpo.rewards import resolve_reward_funcs
-    from nanogrpo.rollout import resolve_tools
+    from nanogrpo.tools import resolve_tools
     from nanogrpo.tokenizer import Tokenizer
 
     cfg = load_config(sys.argv[1:] if argv is None else argv)

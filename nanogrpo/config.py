@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, LossConfig
 from nanogrpo.sampler import check_sampling
-from nanogrpo.rollout import TOOL_CALL_PARSERS
+from nanogrpo.tools import TOOL_CALL_PARSERS
 
 
 class ConfigError(ValueError):
@@ -99,7 +99,7 @@ class TrainConfig:
     tools: list[str] = field(default_factory=list)  # "module:function" or "path/to/file.py:function"
     max_tool_calling_iterations: int | None = None  # tool rounds per completion; None = until no row calls one
     tool_timeout: float = 30.0  # seconds an async tool may run before its result is {"error": ...}
-    tool_call_format: str = "hermes"  # how calls are written in the text: a key of rollout.TOOL_CALL_PARSERS
+    tool_call_format: str = "hermes"  # how calls are written in the text: a key of tools.TOOL_CALL_PARSERS
     # loss (TRL GRPOConfig names and defaults)
     loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo
     beta: float = 0.0  # KL coefficient; 0 = no reference model
