@@ -39,15 +39,16 @@ import torch
 
 from nanogrpo import checkpoint, dist, lora, report, run
 from nanogrpo.config import ConfigError, Schedule, TrainConfig
-from nanogrpo.data import (PromptSampler, check_prompts,
-                           check_reward_columns, columns_of, load_dataset)
+from nanogrpo.data import (PromptSampler, check_prompts, columns_of,
+                           load_dataset)
 from nanogrpo.grpo import LossConfig, group_advantages, grpo_step
 from nanogrpo.logprobs import (policy_logprobs, rows_without_gradient,
                                token_logprobs)
-from nanogrpo.rewards import resolve_reward_funcs, score_completions
+from nanogrpo.rewards import (check_reward_columns, resolve_reward_funcs,
+                              score_completions)
 from nanogrpo.rollout import Rollout, rollout
 from nanogrpo.tokenizer import Tokenizer
-from nanogrpo.tools import resolve_tools
+from nanogrpo.tools import resolve_tools, tool_schema
 
 # -----------------------------------------------------------------------------
 # Setup: model, tokenizer, optimizer, rewards, data
@@ -133,7 +134,8 @@ def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
         optimizer, lambda s: lr_at(s, cfg))
     reward_funcs = build_reward_funcs(cfg, info)
     weights = cfg.reward_weights or [1.0] * len(reward_funcs)
-    rows, eval_rows = load_data(cfg, tok, model, reward_funcs)
+    tools = resolve_tools(cfg.tools)
+    rows, eval_rows = load_data(cfg, tok, model, reward_funcs, tools)
     sched = cfg.schedule(info.world_size)
     return Trainer(
         cfg=cfg, info=info, sched=sched, tok=tok, model=model, ref=ref,
@@ -141,7 +143,7 @@ def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
         loss_cfg=LossConfig(**cfg.loss_config()),
         reward_funcs=reward_funcs,
         reward_weights=torch.tensor(weights, device=info.device),
-        tools=resolve_tools(cfg.tools),
+        tools=tools,
         prompts=PromptSampler(rows, sched.prompts_per_round, seed=cfg.seed),
         eval_rows=eval_rows,
         autocast=dist.autocast(info, cfg.bf16(info.device)),
@@ -168,9 +170,10 @@ def build_reward_funcs(cfg: TrainConfig, info) -> list:
         device=info.device, dtype=dtype)
 
 
-def load_data(cfg: TrainConfig, tok, model, reward_funcs):
+def load_data(cfg: TrainConfig, tok, model, reward_funcs, tools):
     """Training and eval rows, checked before step 1: each prompt fits
-    the context and carries every column the reward functions read."""
+    the context (with the tools' schemas) and carries every column the
+    reward functions read."""
     rows = load_dataset(cfg.dataset, split=cfg.dataset_split, seed=cfg.seed)
     eval_rows = None
     if cfg.eval_dataset and cfg.eval_every:
@@ -180,9 +183,10 @@ def load_data(cfg: TrainConfig, tok, model, reward_funcs):
         dist.print0(f"warning: eval_every={cfg.eval_every} but no "
                     "eval_dataset: no evaluation")
     room = model.config.max_position_embeddings - cfg.max_completion_length
+    schemas = [tool_schema(fn) for fn in tools.values()] or None
     for source, checked in ((cfg.dataset, rows),
                             (cfg.eval_dataset, eval_rows or [])):
-        check_prompts(checked, source, tok, room)
+        check_prompts(checked, source, tok, room, tools=schemas)
         check_reward_columns(reward_funcs, checked, source)
     return rows, eval_rows
 

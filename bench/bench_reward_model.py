@@ -1,6 +1,6 @@
 """What a reward model costs per GRPO step: a SmolLM2-135M-shaped LlamaForSequenceClassification (random
 weights, the real SmolLM2 tokenizer and chat template from .cache/real) scoring N completions of C tokens
-after a short conversational prompt, through the function train.py calls (`rewards.reward_model`).
+after a short conversational prompt, through the function train.py calls (`reward_model.reward_model`).
 
 Interleaved in one process, `--repeats` times: (a) the reward function's call (chat template, tokenization,
 micro-batched forward, pooled score head) and (b) a baseline: one no-grad forward of the same decoder
@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 
 from nanogrpo.checkpoint import config_from_hf, read_json, save_model  # noqa: E402
 from nanogrpo.model import Transformer  # noqa: E402
-from nanogrpo.rewards import reward_model  # noqa: E402
+from nanogrpo.reward_model import reward_model  # noqa: E402
 from nanogrpo.tokenizer import Tokenizer  # noqa: E402
 
 REAL = os.path.join(ROOT, ".cache", "real", "smollm2-135m-instruct")

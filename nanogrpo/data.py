@@ -24,14 +24,9 @@ random policy already earns partial credit for using the right letters and stopp
 length, so groups have reward variance from step 0; (2) the fixed length makes every output
 position read the prompt at one constant relative offset, a single attention pattern that RoPE
 models pick up easily; (3) the vocabulary is tiny: a char-level tokenizer over `DEFAULT_TASK_CHARS`
-plus a few specials. Measured with train.py and configs/tiny.py (2 layers, width 64, 16 prompts x 8,
-lr 1e-3, 400 steps): mean reward of the last 15 steps >= 0.91 on all 16 seeds 11-26 (mean 0.989;
-bench/bench_seeds.py); at lr 3e-3 and 150 steps it was 0.65 +- 0.22, and at 3e-3 even 400 steps left 3
-of the 6 seeds tried at 0.77-0.83 (some letters copied as another, e.g. every g and h as d). In a stand-alone probe, reversal, variable
-lengths and a 257-token byte vocabulary all stayed below 0.45 within 150 steps.
+plus a few specials. (How reliably, over seeds: docs/results.md.)
 """
 
-import inspect
 import json
 import os
 import random
@@ -237,13 +232,14 @@ def check_rows(rows: list[dict], source: str) -> list[dict]:
     return rows
 
 
-def check_prompts(rows: list[dict], source: str, tok, max_prompt_tokens: int) -> None:
-    """Encode every prompt once, at load time, so a bad row stops the run before step 1, named:
-    a prompt longer than `max_prompt_tokens` (the model's context minus max_completion_length), or
-    a character the tokenizer can only map to its unknown token (silently, e.g. the char-level one)."""
+def check_prompts(rows: list[dict], source: str, tok, max_prompt_tokens: int, tools=None) -> None:
+    """Encode every prompt once, at load time, exactly as the rollout will (with the tool schemas
+    `tools` a tool-calling run puts in the chat template), so a bad row stops the run before step 1,
+    named: a prompt longer than `max_prompt_tokens` (the model's context minus max_completion_length),
+    or a character the tokenizer can only map to its unknown token (silently, e.g. the char-level one)."""
     unk = tok.token_to_id(getattr(tok.tokenizer.model, "unk_token", None))
     for i, row in enumerate(rows):
-        ids = tok.encode_prompt(row["prompt"])
+        ids = tok.encode_prompt(row["prompt"], tools=tools)
         if len(ids) > max_prompt_tokens:
             raise ValueError(f"dataset {source}, row {i}: the prompt is {len(ids)} tokens, more than the "
                              f"{max_prompt_tokens} the model's context leaves beside max_completion_length; "
@@ -254,23 +250,6 @@ def check_prompts(rows: list[dict], source: str, tok, max_prompt_tokens: int) ->
             if bad:
                 raise ValueError(f"dataset {source}, row {i}: the tokenizer has no token for {bad} (they would "
                                  "be read as its unknown token); remove them or use a tokenizer that has them")
-
-
-def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
-    """Every column a reward function requires (a parameter without default, besides prompts,
-    completions and completion_ids) must be in every row: found at load time, not as a crash at step 50."""
-    for name, fn in reward_funcs:
-        try:
-            params = inspect.signature(fn).parameters.values()
-        except (TypeError, ValueError):  # a builtin or C callable: nothing to check
-            continue
-        needed = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                  and p.name not in ("prompts", "completions", "completion_ids")]
-        for i, row in enumerate(rows):
-            missing = [c for c in needed if row.get(c) is None]
-            if missing:
-                raise ValueError(f"reward function {name!r} needs the column(s) {missing}, which row {i} of "
-                                 f"dataset {source} lacks (its columns: {sorted(row)})")
 
 
 def columns_of(rows: list[dict]) -> dict[str, list]:
@@ -302,12 +281,6 @@ class PromptSampler:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
             self._order_epoch, self._order = self.epoch, torch.randperm(len(self.rows), generator=generator).tolist()
         return self._order
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> list[dict]:
-        return self.next_batch()
 
     def next_batch(self) -> list[dict]:
         """The next `prompts_per_step` rows (starting a new, reshuffled epoch when this one runs out)."""

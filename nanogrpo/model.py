@@ -258,7 +258,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.num_labels is None:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        else:  # per-token label scores [B,T,num_labels]; pooled_scores reads the one transformers pools
+        else:  # per-token label scores [B,T,num_labels]; reward_model.pooled_scores reads the one transformers pools
             self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
         self.tie_weights()
         self.inv_freq = rope_inv_freq(cfg)  # fp32, kept out of state_dict and of .to(dtype); follows the input's device
@@ -328,13 +328,3 @@ class Transformer(nn.Module):
         """A zeroed KV cache for `batch_size` rows of up to `max_len` tokens, in the model's dtype/device."""
         w = self.embed_tokens.weight
         return KVCache(self.config, batch_size, max_len, w.dtype, w.device)
-
-
-def pooled_scores(model: Transformer, input_ids, attention_mask, pad_id: int) -> torch.Tensor:
-    """A classifier's label scores [B,num_labels] where *ForSequenceClassification pools them: at each row's
-    rightmost token whose id is not pad_id (position 0 if every id is), so with pad = eos a trailing eos is
-    skipped. Only that position goes through the `score` head."""
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    last = (positions * (input_ids != pad_id)).argmax(-1)  # [B]
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    return model(input_ids, attention_mask, head=lambda h, score: score(h[rows, last]))

@@ -1,11 +1,12 @@
 """Reward functions and reward models, and turning their outputs into one [N, K] reward matrix.
 
 Owns: the built-in rewards (`accuracy`, `format`, `soft_overlong`, `countdown`, `default_task`),
-reward models (`reward_model`), resolving config entries (`resolve_reward_funcs`), calling every
-function on a batch of completions (`score_completions`), and their weighted total (`total_reward`).
+resolving config entries (`resolve_reward_funcs`: a reward model's entry goes to reward_model.py),
+calling every function on a batch of completions (`score_completions`), their weighted total
+(`total_reward`), and checking that the dataset has the columns they read (`check_reward_columns`).
 
-Does not know about: the policy, advantages (grpo.py), where dataset columns come from (data.py), or
-other processes: under FSDP2 each rank holds a full replica of every reward model and scores its rows.
+Does not know about: the policy, advantages (grpo.py), where dataset columns come from (data.py),
+reward models' internals (reward_model.py), or other processes.
 
 Choices:
 - TRL's calling convention, so users bring their functions unchanged:
@@ -16,8 +17,6 @@ Choices:
 - Math answers are compared as exact `fractions.Fraction`s (no sympy): 2.50 == 5/2 == \\frac{5}{2}.
 - Countdown equations are parsed with `ast` and evaluated by walking the tree with Fractions; nothing
   is ever passed to `eval`.
-- A reward model (a *ForSequenceClassification checkpoint) runs on our own decoder and scores exactly
-  as TRL's `_calculate_rewards` with transformers' pooling.
 """
 
 import ast
@@ -34,9 +33,6 @@ from fractions import Fraction
 
 import torch
 
-from nanogrpo.checkpoint import config_from_hf, load_model, read_json, resolve_path
-from nanogrpo.model import pooled_scores
-from nanogrpo.tokenizer import Tokenizer
 
 
 class RewardError(RuntimeError):
@@ -291,6 +287,7 @@ def resolve_reward_funcs(names_or_callables, *, max_completion_length: int | Non
         elif item in BUILTINS:
             resolved.append((item, BUILTINS[item]))
         elif os.path.isdir(item) or (":" not in item and item.count("/") == 1 and not item.startswith((".", "~"))):
+            from nanogrpo.reward_model import reward_model  # the checkpoint machinery, only when used
             resolved.append(reward_model(item, tokenizer, device, dtype, batch_size))
         elif ":" in item:
             resolved.append((item.rpartition(":")[2], import_function(item)))
@@ -300,47 +297,6 @@ def resolve_reward_funcs(names_or_callables, *, max_completion_length: int | Non
             raise ValueError(f"unknown reward function {item!r}{hint}; built-ins are {sorted(BUILTINS)}, or give "
                              "'module:function' or a reward model's directory or hub id")
     return resolved
-
-
-def reward_model(path: str, tokenizer: str | None = None, device="cpu", dtype=torch.float32, batch_size: int = 32):
-    """(name, fn): a sequence classifier (our decoder + a 1-label `score` head) on `device` in `dtype` as a
-    reward function with TRL's signature, named by `path`'s last component. Texts as TRL's `_calculate_rewards`
-    makes them: prompt + completion, or the reward tokenizer's chat template over prompt + completion messages
-    (no generation prompt). Tokenizer: the model's own or `tokenizer`; with no pad token it pads with eos (TRL)."""
-    local = resolve_path(path)
-    hf = read_json(os.path.join(local, "config.json")) if os.path.exists(os.path.join(local, "config.json")) else {}
-    arch = (hf.get("architectures") or [None])[0]
-    labels = config_from_hf(hf).num_labels if str(arch).endswith("ForSequenceClassification") else None
-    if labels != 1:
-        raise ValueError(f"reward model {path!r}: config.json names {arch} with num_labels={labels}; a reward model "
-                         "is a *ForSequenceClassification with 1 label (TRL loads it with num_labels=1)")
-    model, tok = load_model(local, dtype=dtype, device=device).eval(), Tokenizer.from_pretrained(tokenizer or local)
-    if tok.pad_token_id is None:
-        raise ValueError(f"reward model {path!r}: its tokenizer has neither a pad nor an eos token to pad with")
-
-    def fn(prompts, completions, **columns) -> list[float]:
-        chat = bool(completions) and not isinstance(prompts[0], str)
-        return score_texts(model, tok, [tok.apply_chat_template(p + c, add_generation_prompt=False) if chat
-                                        else p + c for p, c in zip(prompts, completions)], batch_size)
-
-    fn.__name__ = os.path.basename(str(path).rstrip("/"))
-    return fn.__name__, fn
-
-
-@torch.no_grad()
-def score_texts(model, tok, texts: list[str], batch_size: int = 32) -> list[float]:
-    """Label 0's score of each text: tokenized without special tokens, right-padded with tok.pad_token_id,
-    pooled by model.pooled_scores (as transformers pools), in micro-batches of similar lengths."""
-    rows = [e.ids for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False)]
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-    scores, device = torch.zeros(len(rows)), model.embed_tokens.weight.device
-    for start in range(0, len(rows), batch_size):
-        chunk = [rows[i] for i in order[start:start + batch_size]]
-        T = max(1, max(map(len, chunk)))
-        ids = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in chunk], device=device)  # [b,T]
-        real = torch.arange(T, device=device) < torch.tensor([len(r) for r in chunk], device=device)[:, None]
-        scores[order[start:start + batch_size]] = pooled_scores(model, ids, real, tok.pad_token_id)[:, 0].cpu().float()
-    return scores.tolist()
 
 
 def _check_scores(name: str, scores, n: int) -> list[float]:
@@ -358,6 +314,23 @@ def _check_scores(name: str, scores, n: int) -> list[float]:
             raise RewardError(f"reward function {name!r} returned {s!r} ({type(s).__name__}) at index {i}; "
                               "expected a finite float or None")
     return [float(s) for s in out]
+
+
+def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
+    """Every column a reward function requires (a parameter without default, besides prompts,
+    completions and completion_ids) must be in every row: found at load time, not as a crash at step 50."""
+    for name, fn in reward_funcs:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+            continue
+        needed = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                  and p.name not in ("prompts", "completions", "completion_ids")]
+        for i, row in enumerate(rows):
+            missing = [c for c in needed if row.get(c) is None]
+            if missing:
+                raise ValueError(f"reward function {name!r} needs the column(s) {missing}, which row {i} of "
+                                 f"dataset {source} lacks (its columns: {sorted(row)})")
 
 
 def score_completions(reward_funcs, prompts, completions, completion_ids, columns: dict) -> torch.Tensor:

@@ -126,7 +126,7 @@ def test_addition_answers_and_held_out_split():
 def test_prompt_sampler_epochs_and_resume():
     rows = [{"prompt": str(i)} for i in range(10)]
     uninterrupted = PromptSampler(rows, 3, seed=7)
-    batches = [[r["prompt"] for r in next(uninterrupted)] for _ in range(8)]
+    batches = [[r["prompt"] for r in uninterrupted.next_batch()] for _ in range(8)]
     first_epoch = [p for b in batches[:3] for p in b]
     assert len(set(first_epoch)) == 9  # 3 batches of 3, one row left over
     assert batches[:3] != batches[3:6]  # reshuffled per epoch
@@ -157,3 +157,34 @@ def test_prompts_are_checked_at_load():
         with pytest.raises(ValueError, match="row 1: the prompt is empty"):
             check_rows([{"prompt": "a"} if isinstance(empty, str) else {"prompt": [{"role": "user", "content": "a"}]},
                         {"prompt": empty}], "x")
+
+
+def test_a_tool_prompt_is_measured_with_its_tool_schemas():
+    """The rollout renders tool schemas into the chat template: a prompt that fits without them but not with
+    them must stop the run at load, not mid-run."""
+    import os
+    import string
+    from conftest import fixture_path
+    from nanogrpo.data import check_prompts
+    from nanogrpo.tokenizer import char_level_tokenizer
+    from nanogrpo.tools import tool_schema
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: the first factor
+            b: the second factor
+        """
+        return a * b
+
+    tok = char_level_tokenizer(string.printable)
+    tok.chat_template = open(os.path.join(fixture_path("tools"), "hermes_chatml.jinja")).read()
+    rows = [{"prompt": [{"role": "user", "content": "What is 12 * 34?"}]}]
+    schemas = [tool_schema(multiply)]
+    plain = len(tok.encode_prompt(rows[0]["prompt"]))
+    with_tools = len(tok.encode_prompt(rows[0]["prompt"], tools=schemas))
+    assert with_tools > plain
+    check_prompts(rows, "x", tok, plain)  # fits without the schemas
+    with pytest.raises(ValueError, match=f"row 0: the prompt is {with_tools} tokens, more than the {plain}"):
+        check_prompts(rows, "x", tok, plain, tools=schemas)

@@ -17,7 +17,8 @@ import train
 from nanogrpo.checkpoint import load_model, read_json, save_model
 from nanogrpo.config import ConfigError, TrainConfig
 from nanogrpo.model import ModelConfig, Transformer
-from nanogrpo.rewards import RewardError, resolve_reward_funcs, score_completions, score_texts
+from nanogrpo.reward_model import score_texts
+from nanogrpo.rewards import RewardError, resolve_reward_funcs, score_completions
 from nanogrpo.tokenizer import Tokenizer
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "reward_models")
