@@ -23,8 +23,12 @@ from nanogrpo.tokenizer import Tokenizer
 
 def main(argv=None):
     """Parse the command line, sample, print the completions (and their rewards)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="hub id, checkpoint dir, or a train.py out_dir/checkpoint")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", required=True, help="hub id, checkpoint dir, or a train.py out_dir/checkpoint"
+    )
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="plain-text prompt")
     text.add_argument("--chat", help="a user message, rendered with the chat template")
@@ -39,44 +43,76 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
-    p.add_argument("--reward", action="append", default=[], help="reward function to score with (repeatable)")
-    p.add_argument("--column", action="append", default=[], help="key=value dataset column for the reward")
+    p.add_argument(
+        "--reward", action="append", default=[], help="reward function to score with (repeatable)"
+    )
+    p.add_argument(
+        "--column", action="append", default=[], help="key=value dataset column for the reward"
+    )
     args = p.parse_args(argv)
 
-    model = load_model(args.model, dtype=args.dtype, device=args.device).eval()  # a LoRA adapter: base + adapter
+    model = load_model(
+        args.model, dtype=args.dtype, device=args.device
+    ).eval()  # a LoRA adapter: base + adapter
     tok = Tokenizer.from_pretrained(args.model)  # an adapter without a tokenizer: its base model's
     if args.chat is not None:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages = [{"role": "system", "content": args.system}] if args.system else []
         prompt = messages + [{"role": "user", "content": args.chat}]
     else:
         prompt = args.prompt
     prompt_ids = tok.encode_prompt(prompt)
     room = model.config.max_position_embeddings - len(prompt_ids)  # the context caps generation
     if room < 1:
-        raise SystemExit(f"the prompt ({len(prompt_ids)} tokens) fills the model's whole context "
-                         f"({model.config.max_position_embeddings} positions)")
+        raise SystemExit(
+            f"the prompt ({len(prompt_ids)} tokens) fills the model's whole context "
+            f"({model.config.max_position_embeddings} positions)"
+        )
     max_new_tokens = min(args.max_new_tokens, room)
     generator = torch.Generator(args.device).manual_seed(args.seed)
     with torch.no_grad():
-        out = generate(model, [prompt_ids], num_samples=args.num_samples, max_new_tokens=max_new_tokens,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                       repetition_penalty=args.repetition_penalty, stop_ids=tok.eos_token_ids,
-                       pad_id=tok.pad_token_id, generator=generator, vocab_size=tok.vocab_size,
-                       sample_token=sample_next_token_fast)
+        out = generate(
+            model,
+            [prompt_ids],
+            num_samples=args.num_samples,
+            max_new_tokens=max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            stop_ids=tok.eos_token_ids,
+            pad_id=tok.pad_token_id,
+            generator=generator,
+            vocab_size=tok.vocab_size,
+            sample_token=sample_next_token_fast,
+        )
     ids, texts = tok.decode_completions(out.completion_ids, out.completion_mask)
     rewards = None
     if args.reward:
         columns = dict(kv.split("=", 1) for kv in args.column)
         funcs = resolve_reward_funcs(args.reward)
-        completions = texts if isinstance(prompt, str) else [[{"role": "assistant", "content": t}] for t in texts]
-        rewards = score_completions(funcs, [prompt] * len(texts), completions, ids,
-                                    {k: [v] * len(texts) for k, v in columns.items()})
-    print(f"prompt ({len(prompt_ids)} tokens): {tok.decode(prompt_ids, skip_special_tokens=False)!r}")
+        completions = (
+            texts
+            if isinstance(prompt, str)
+            else [[{"role": "assistant", "content": t}] for t in texts]
+        )
+        rewards = score_completions(
+            funcs,
+            [prompt] * len(texts),
+            completions,
+            ids,
+            {k: [v] * len(texts) for k, v in columns.items()},
+        )
+    print(
+        f"prompt ({len(prompt_ids)} tokens): {tok.decode(prompt_ids, skip_special_tokens=False)!r}"
+    )
     for i, t in enumerate(texts):
         tail = " (truncated)" if out.truncated[i] else ""
         score = ""
         if rewards is not None:
-            score = " | " + ", ".join(f"{name}={rewards[i, k].item():.3f}" for k, (name, _) in enumerate(funcs))
+            score = " | " + ", ".join(
+                f"{name}={rewards[i, k].item():.3f}" for k, (name, _) in enumerate(funcs)
+            )
             if len(funcs) > 1:
                 score += f", total={total_reward(rewards[i:i + 1]).item():.3f}"
         print(f"--- sample {i} ({len(ids[i])} tokens{tail}{score})\n{t}")
@@ -85,6 +121,7 @@ def main(argv=None):
 if __name__ == "__main__":
     import os
     import sys
+
     debug = "--debug" in sys.argv or os.environ.get("NANOGRPO_DEBUG") == "1"
     try:
         main([a for a in sys.argv[1:] if a != "--debug"])

@@ -22,8 +22,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from nanogrpo.sampler import (Decoder, _mass_above, apply_temperature,
-                              greedy, lm_logits, sample_from)
+from nanogrpo.sampler import Decoder, _mass_above, apply_temperature, greedy, lm_logits, sample_from
 
 
 def sample_next_token_fast(logits, u, temperature, top_k, top_p, min_p):
@@ -39,17 +38,20 @@ def sample_next_token_fast(logits, u, temperature, top_k, top_p, min_p):
 
 
 def filter_candidates(logits, top_k, top_p, min_p):
-    """top-k -> top-p -> min-p without sorting the vocabulary: logits [B,V] -> (values [B,K], ids [B,K]), each row's
-    candidates in vocabulary order (removed ones -inf), then -inf padding (id 0); all other tokens are removed. Equal
-    to apply_min_p(apply_top_p(apply_top_k(logits))) bit for bit: the candidates are a row's largest logits, so top-p
-    is decided on a prefix of the same cumsum. They are guessed (`_nucleus_bins`); a row whose guess holds less than
-    p is redone with every token."""
+    """top-k -> top-p -> min-p without sorting the vocabulary: logits [B,V] -> (values [B,K], ids
+    [B,K]), each row's candidates in vocabulary order (removed ones -inf), then -inf padding (id
+    0); all other tokens are removed. Equal to apply_min_p(apply_top_p(apply_top_k(logits))) bit
+    for bit: the candidates are a row's largest logits, so top-p is decided on a prefix of the
+    same cumsum. They are guessed (`_nucleus_bins`); a row whose guess holds less than p is
+    redone with every token."""
     B, V = logits.shape
     if 0 < top_k < V:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B,1] the k-th largest logit
         logits = logits.masked_fill(logits < kth, float("-inf"))
     top = logits.amax(dim=-1, keepdim=True)  # [B,1]
-    keep = logits >= top + math.log(min_p) if min_p > 0.0 else None  # [B,V] what min-p keeps; None: all top-k leaves
+    keep = (
+        logits >= top + math.log(min_p) if min_p > 0.0 else None
+    )  # [B,V] what min-p keeps; None: all top-k leaves
     if top_p >= 1.0:
         return _compact(logits, logits > float("-inf") if keep is None else keep, keep)
     w = (logits - top).exp_()  # [B,V] unnormalized probabilities
@@ -74,9 +76,10 @@ def filter_candidates(logits, top_k, top_p, min_p):
 
 
 def _compact(logits, cand, keep):
-    """logits [B,V], cand [B,V] bool -> (vals [B,K], ids [B,K]): each row's candidates in vocabulary order, then -inf
-    padding (id 0); K = the most any row has. Over a quarter of V, the whole vocabulary instead (ids 0..V-1, the
-    tokens outside `keep` at -inf): an index of most of it would cost more than it saves."""
+    """logits [B,V], cand [B,V] bool -> (vals [B,K], ids [B,K]): each row's candidates in
+    vocabulary order, then -inf padding (id 0); K = the most any row has. Over a quarter of V,
+    the whole vocabulary instead (ids 0..V-1, the tokens outside `keep` at -inf): an index of
+    most of it would cost more than it saves."""
     B, V = logits.shape
     row, col = cand.nonzero(as_tuple=True)  # [n] each, row-major: a row's ids ascending
     count = torch.bincount(row, minlength=B)  # [B]
@@ -84,30 +87,40 @@ def _compact(logits, cand, keep):
     if 4 * K > V:
         ids = torch.arange(V, device=logits.device).expand(B, V)
         return (logits if keep is None else logits.masked_fill(~keep, float("-inf"))), ids
-    slot = torch.arange(len(row), device=row.device) - (count.cumsum(0) - count)[row]  # [n] column in the row
+    slot = (
+        torch.arange(len(row), device=row.device) - (count.cumsum(0) - count)[row]
+    )  # [n] column in the row
     vals = logits.new_full((B, K), float("-inf")).index_put_((row, slot), logits[row, col])
     return vals, torch.zeros(B, K, dtype=torch.long, device=row.device).index_put_((row, slot), col)
 
 
 def _nucleus_bins(w, top_p):
-    """w [B,V] unnormalized probabilities -> bool [B,V]: the tokens of the power-of-two probability bins from the top
-    down to the one where their mass reaches top_p: the nucleus but for rounding (the caller checks), and the rest of
-    its last bin. On CPU in blocks of rows: a fresh int64 [B,V] index costs more (page faults) than the histogram."""
+    """w [B,V] unnormalized probabilities -> bool [B,V]: the tokens of the power-of-two probability
+    bins from the top down to the one where their mass reaches top_p: the nucleus but for
+    rounding (the caller checks), and the rest of its last bin. On CPU in blocks of rows: a
+    fresh int64 [B,V] index costs more (page faults) than the histogram.
+    """
     guess = torch.empty(w.shape, dtype=torch.bool, device=w.device)
     rows = len(w) if w.is_cuda else max(1, 2**20 // w.shape[1])
     for i in range(0, len(w), rows):
-        block = w[i:i + rows]
+        block = w[i : i + rows]
         e = block.view(torch.int32).long()
         e >>= 23  # the float exponent: w in [2^(e-127), 2^(e-126))
-        mass = block.new_zeros(len(block), 256).scatter_add_(1, e, block).flip(1).cumsum(1)  # mass of the top bins
-        crossing = (mass < top_p * mass[:, -1:]).sum(dim=-1, keepdim=True)  # [rows,1] bins above the one reaching p
-        torch.ge(block, ((255 - crossing).int() << 23).view(torch.float32), out=guess[i:i + rows])  # its smallest w
+        mass = (
+            block.new_zeros(len(block), 256).scatter_add_(1, e, block).flip(1).cumsum(1)
+        )  # mass of the top bins
+        crossing = (mass < top_p * mass[:, -1:]).sum(
+            dim=-1, keepdim=True
+        )  # [rows,1] bins above the one reaching p
+        torch.ge(
+            block, ((255 - crossing).int() << 23).view(torch.float32), out=guess[i : i + rows]
+        )  # its smallest w
     return guess
 
 
 def sample_filtered(logits, u, top_k, top_p, min_p):
-    """sample_from(apply_min_p(apply_top_p(apply_top_k(logits)))) drawing over the candidates only (in vocabulary
-    order: the cumulative sum adds the same numbers in the same order)."""
+    """sample_from(apply_min_p(apply_top_p(apply_top_k(logits)))) drawing over the candidates only
+    (in vocabulary order: the cumulative sum adds the same numbers in the same order)."""
     vals, ids = filter_candidates(logits, top_k, top_p, min_p)
     return sample_from(vals, u, token_ids=ids)
 
@@ -116,28 +129,36 @@ def sample_filtered(logits, u, top_k, top_p, min_p):
 # The compiled static-shape decode step
 
 
-def _decode_step(model, tok, positions, key_valid, slot, cache, vocab_size,
-                 chunk):
+def _decode_step(model, tok, positions, key_valid, slot, cache, vocab_size, chunk):
     """One static-shape decode step: tok, positions [N,1], key_valid
     [N,S], slot (a tensor) -> logits [N,V]. Every shape is fixed for the
     round and nothing reads a value on the host."""
-    h = model.hidden_states(tok, attention_mask=key_valid,
-                            positions=positions, cache=cache,
-                            cache_start=slot)
+    h = model.hidden_states(
+        tok, attention_mask=key_valid, positions=positions, cache=cache, cache_start=slot
+    )
     return lm_logits(model, h[:, 0], vocab_size, chunk)
 
 
 _COMPILED = {}  # compile mode -> the compiled _decode_step
-_DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> its compiled step's KV cache, reused across rounds
+_DECODE_CACHES = (
+    weakref.WeakKeyDictionary()
+)  # model -> its compiled step's KV cache, reused across rounds
 
 
 def _decode_cache(model, prefill, src, S):
-    """The [N, S]-slot cache of the compiled step, holding prompt src[i]'s prefill in row i. Kept on the
-    model between rounds of the same shape, so its buffers keep their addresses (what CUDA graphs need)."""
+    """The [N, S]-slot cache of the compiled step, holding prompt src[i]'s prefill in row i. Kept
+    on the model between rounds of the same shape, so its buffers keep their addresses (what
+    CUDA graphs need).
+    """
     cache = _DECODE_CACHES.get(model)
     w = model.embed_tokens.weight
-    if cache is None or cache.k[0].shape[0] != len(src) or cache.max_len != S or cache.k[0].dtype != w.dtype \
-            or cache.k[0].device != w.device:
+    if (
+        cache is None
+        or cache.k[0].shape[0] != len(src)
+        or cache.max_len != S
+        or cache.k[0].dtype != w.dtype
+        or cache.k[0].device != w.device
+    ):
         cache = _DECODE_CACHES[model] = model.new_cache(len(src), S)
         if w.device.type == "cuda":
             for buf in cache.k + cache.v:
@@ -161,7 +182,8 @@ class StaticDecoder(Decoder):
         self.mode = "reduce-overhead" if device.type == "cuda" else None
         if self.mode not in _COMPILED:
             _COMPILED[self.mode] = torch.compile(
-                _decode_step, mode=self.mode, dynamic=False, fullgraph=True)
+                _decode_step, mode=self.mode, dynamic=False, fullgraph=True
+            )
 
     def prefill_cache(self, P, L, C):
         return self.model.new_cache(P, L)
@@ -172,9 +194,9 @@ class StaticDecoder(Decoder):
 
     def step(self, tok, positions, key_valid, cache, slot):
         slot = torch.tensor(slot, device=tok.device)
-        logits = _COMPILED[self.mode](self.model, tok, positions, key_valid,
-                                      slot, cache, self.vocab_size,
-                                      self.chunk)
+        logits = _COMPILED[self.mode](
+            self.model, tok, positions, key_valid, slot, cache, self.vocab_size, self.chunk
+        )
         if self.mode:  # a CUDA graph's output is overwritten by its replay
             logits = logits.clone()
         return logits

@@ -1,9 +1,10 @@
 """GRPO's two pieces of math: group-relative advantages, and the clipped policy loss with all of
-TRL GRPOTrainer's variants, in plain tensor code (reference: TRL 1.16, trl/trainer/grpo_trainer.py,
-`_compute_loss` and `_generate_and_score_completions`; the papers are cited where each variant is).
+TRL GRPOTrainer's variants, in plain tensor code (reference: TRL 1.16,
+trl/trainer/grpo_trainer.py, `_compute_loss` and `_generate_and_score_completions`; the papers
+are cited where each variant is).
 
-Owns: `LossConfig` (TRL's GRPOConfig names and defaults), `group_advantages` (rewards -> advantages)
-and `grpo_step` (per-token log-probs -> one micro-batch's scalar loss + metrics).
+Owns: `LossConfig` (TRL's GRPOConfig names and defaults), `group_advantages` (rewards ->
+advantages) and `grpo_step` (per-token log-probs -> one micro-batch's scalar loss + metrics).
 
 Does not own: computing log-probs (logprobs.py), talking to other processes (the caller gathers
 rewards before `group_advantages`, sums `num_items` over ranks, and averages gradients), the
@@ -11,7 +12,8 @@ optimizer. Out of scope: vLLM's importance-sampling correction (TIS/MIS; we have
 DeepSeek-V3.2's off-policy sequence mask (OPSM), the entropy bonus and MoE auxiliary losses.
 
 Reading guide, one small function per idea:
-    importance_ratio (token or GSPO sequence level); clipped_surrogate (grpo, dr_grpo, dapo, bnpo, luspo);
+    importance_ratio (token or GSPO sequence level);
+    clipped_surrogate (grpo, dr_grpo, dapo, bnpo, luspo);
     cispo_loss, sapo_loss, vespo_weight; high_entropy_mask (top_entropy_quantile); aggregate: the
     normalizer, which is what really tells the loss types apart.
 Masked positions may hold anything (NaN, inf): inputs are cleaned with torch.where up front, so
@@ -39,7 +41,8 @@ class LossConfig:
     loss_type: str = "dapo"
     beta: float = 0.0  # weight of the k3 KL penalty to the reference model; 0 = no reference model
     epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon
-    epsilon_high: float | None = None  # upper clip 1 + epsilon_high (DAPO clip-higher); cispo: absolute cap
+    # upper clip 1 + epsilon_high (DAPO clip-higher); cispo: absolute cap
+    epsilon_high: float | None = None
     delta: float | None = None  # INTELLECT-2 two-sided clip: ratio <= delta also when A < 0
     importance_sampling_level: str = "token"  # "sequence" = GSPO
     max_completion_length: int = 512  # Dr. GRPO's constant normalizer
@@ -55,22 +58,39 @@ class LossConfig:
     def __post_init__(self):
         def check(ok, name, allowed):
             if not ok:
-                raise ValueError(f"LossConfig.{name}={getattr(self, name)!r} is invalid; allowed: {allowed}")
+                raise ValueError(
+                    f"LossConfig.{name}={getattr(self, name)!r} is invalid; allowed: {allowed}"
+                )
 
         check(self.loss_type in LOSS_TYPES, "loss_type", ", ".join(LOSS_TYPES))
-        check(self.importance_sampling_level in IS_LEVELS, "importance_sampling_level", "'token', 'sequence'")
+        check(
+            self.importance_sampling_level in IS_LEVELS,
+            "importance_sampling_level",
+            "'token', 'sequence'",
+        )
         check(self.epsilon > 0, "epsilon", "a float > 0")
-        check(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", "None or a float > 0")
+        check(
+            self.epsilon_high is None or self.epsilon_high > 0,
+            "epsilon_high",
+            "None or a float > 0",
+        )
         check(self.delta is None or self.delta > 1, "delta", "None or a float > 1")
         check(self.beta >= 0, "beta", "a float >= 0")
         check(self.max_completion_length >= 1, "max_completion_length", "an int >= 1")
         check(self.sapo_temperature_pos > 0, "sapo_temperature_pos", "a float > 0")
         check(self.sapo_temperature_neg > 0, "sapo_temperature_neg", "a float > 0")
         check(0.0 <= self.top_entropy_quantile <= 1.0, "top_entropy_quantile", "a float in [0, 1]")
-        check(self.loss_type != "luspo" or self.importance_sampling_level == "sequence",
-              "importance_sampling_level", "'sequence' with loss_type='luspo' (LUSPO is a sequence-level loss)")
-        check(self.loss_type != "vespo" or self.importance_sampling_level == "token", "importance_sampling_level",
-              "'token' with loss_type='vespo' (VESPO builds its own sequence weight from token ratios)")
+        check(
+            self.loss_type != "luspo" or self.importance_sampling_level == "sequence",
+            "importance_sampling_level",
+            "'sequence' with loss_type='luspo' (LUSPO is a sequence-level loss)",
+        )
+        check(
+            self.loss_type != "vespo" or self.importance_sampling_level == "token",
+            "importance_sampling_level",
+            "'token' with loss_type='vespo' (VESPO builds its own sequence weight "
+            "from token ratios)",
+        )
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
 
@@ -89,19 +109,26 @@ def nanstd(x, dim=None, keepdim=False):
     return std if keepdim else std.squeeze(dim)
 
 
-def group_advantages(rewards, num_generations, reward_weights=None, scale_rewards="group",
-                     multi_objective_aggregation="sum_then_normalize"):
+def group_advantages(
+    rewards,
+    num_generations,
+    reward_weights=None,
+    scale_rewards="group",
+    multi_objective_aggregation="sum_then_normalize",
+):
     """Advantages [N] from rewards [N] or [N,K] (K reward functions; NaN = not scored).
 
-    Rows i*G .. i*G+G-1 are the G = num_generations completions of prompt i. Pass the rewards of the
-    whole generation batch (all ranks), then keep your rank's slice of the result.
-    "sum_then_normalize" (GRPO):  r = sum_k w_k R_k;  A = (r - mean_group r) / (std + 1e-4), where std is
-        the group's ("group"), the batch's ("batch"), or no division at all ("none"); the mean is always
-        the group's. std is the unbiased std; 1e-4 is added to the std, not the variance.
-    "normalize_then_sum" (GDPO): z_k = (R_k - mean_group R_k) / (std_group R_k + 1e-4) per function,
-        r = sum_k w_k z_k,  A = (r - mean_batch r) / (std_batch r + 1e-4)  (scale_rewards is ignored).
-    NaN entries are skipped; a row with no score at all, or a group with < 2 scored rows, gets A = 0.
-    scale_rewards also accepts True ("group") and False ("none"), as TRL does.
+    Rows i*G .. i*G+G-1 are the G = num_generations completions of prompt i. Pass the
+    rewards of the whole generation batch (all ranks), then keep your rank's slice.
+    "sum_then_normalize" (GRPO): r = sum_k w_k R_k; A = (r - mean_group r) / (std + 1e-4),
+        where std is the group's ("group"), the batch's ("batch"), or no division at all
+        ("none"); the mean is always the group's. std is the unbiased std; 1e-4 is added to
+        the std, not the variance.
+    "normalize_then_sum" (GDPO): z_k = (R_k - mean_group R_k) / (std_group R_k + 1e-4) per
+        function, r = sum_k w_k z_k, A = (r - mean_batch r) / (std_batch r + 1e-4)
+        (scale_rewards is ignored).
+    NaN entries are skipped; a row with no score at all, or a group with < 2 scored rows,
+    gets A = 0. scale_rewards also accepts True ("group") and False ("none"), as TRL does.
     """
     rewards = torch.as_tensor(rewards)
     rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
@@ -117,10 +144,15 @@ def group_advantages(rewards, num_generations, reward_weights=None, scale_reward
     if scale_rewards is True or scale_rewards is False:
         scale_rewards = "group" if scale_rewards else "none"
     if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards={scale_rewards!r} is invalid; allowed: 'group', 'batch', 'none', True, False")
+        raise ValueError(
+            f"scale_rewards={scale_rewards!r} is invalid; "
+            "allowed: 'group', 'batch', 'none', True, False"
+        )
     if multi_objective_aggregation not in AGGREGATIONS:
-        raise ValueError(f"multi_objective_aggregation={multi_objective_aggregation!r} is invalid; "
-                         f"allowed: {', '.join(AGGREGATIONS)}")
+        raise ValueError(
+            f"multi_objective_aggregation={multi_objective_aggregation!r} is invalid; "
+            f"allowed: {', '.join(AGGREGATIONS)}"
+        )
     w = torch.ones(K) if reward_weights is None else torch.as_tensor(reward_weights)
     w = w.to(dtype=rewards.dtype, device=rewards.device)
     if w.shape != (K,):
@@ -137,7 +169,9 @@ def group_advantages(rewards, num_generations, reward_weights=None, scale_reward
             adv = adv / (nanstd(r) + 1e-4)
     else:
         grouped = rewards.view(-1, G, K)  # [N/G,G,K]
-        z = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+        z = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (
+            nanstd(grouped, dim=1, keepdim=True) + 1e-4
+        )
         r = torch.where(unscorable, torch.nan, (z.view(N, K) * w).nansum(dim=1))  # [N]
         adv = (r - torch.nanmean(r)) / (nanstd(r) + 1e-4)
     return torch.nan_to_num(adv.reshape(N), nan=0.0)
@@ -152,17 +186,20 @@ def importance_ratio(log_ratio, mask, level):
     sequence (GSPO, arXiv 2507.18071): exp(mean over the sequence's tokens of logp - old) [N,1]."""
     if level == "token":
         return torch.exp(log_ratio)
-    mean = torch.where(mask, log_ratio, 0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    mean = torch.where(mask, log_ratio, 0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
+        min=1
+    )
     return torch.exp(mean)
 
 
 def clipped_surrogate(ratio, A, eps_low, eps_high, delta=None):
     """PPO's clipped objective as a loss, L = -min(rho1 * A, clip(rho, 1-eps_low, 1+eps_high) * A).
 
-    GRPO (DeepSeekMath, arXiv 2402.03300) uses eps_low = eps_high; DAPO's clip-higher (arXiv 2503.14476)
-    raises eps_high; INTELLECT-2's two-sided clip (arXiv 2505.07291) sets rho1 = min(rho, delta), bounding the ratio
-    also when A < 0 (plain PPO leaves it unbounded there). The clip bounds use the un-delta'd ratio.
-    Returns (L, rho1); rho1 is what the clip metrics look at.
+    GRPO (DeepSeekMath, arXiv 2402.03300) uses eps_low = eps_high; DAPO's clip-higher (arXiv
+    2503.14476) raises eps_high; INTELLECT-2's two-sided clip (arXiv 2505.07291) sets rho1 =
+    min(rho, delta), bounding the ratio also when A < 0 (plain PPO leaves it unbounded there).
+    The clip bounds use the un-delta'd ratio. Returns (L, rho1); rho1 is what the clip metrics
+    look at.
     """
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     if delta is not None:
@@ -171,16 +208,18 @@ def clipped_surrogate(ratio, A, eps_low, eps_high, delta=None):
 
 
 def cispo_loss(ratio, A, logps, eps_high):
-    """CISPO (MiniMax-M1, arXiv 2506.13585): L = -sg(min(rho, eps_high)) * A * logp.
-    The IS weight is capped (above only, absolute: the default 0.2 caps every on-policy weight at 0.2;
-    TRL suggests epsilon_high=5) and detached, so every token keeps a gradient."""
+    """CISPO (MiniMax-M1, arXiv 2506.13585): L = -sg(min(rho, eps_high)) * A * logp. The IS weight
+    is capped (above only, absolute: the default 0.2 caps every on-policy weight at 0.2; TRL
+    suggests epsilon_high=5) and detached, so every token keeps a gradient."""
     return -ratio.clamp(max=eps_high).detach() * A * logps
 
 
 def sapo_loss(ratio, A, tau_pos, tau_neg):
     """SAPO (arXiv 2511.20347): L = -(4/tau) * sigmoid(tau * (rho - 1)) * A, tau = tau_pos if A > 0
-    else tau_neg. A smooth gate instead of a hard clip; its slope at rho = 1 is 1, like the ratio's."""
-    # [N,1]; tau is first made in the default dtype (float32), as TRL does, so fp64 runs match it to 1e-15
+    else tau_neg. A smooth gate instead of a hard clip; its slope at rho = 1 is 1, like the ratio's.
+    """
+    # [N,1]; tau is first made in the default dtype (float32), as TRL does, so fp64 runs match
+    # it to 1e-15
     tau = torch.where(A > 0, tau_pos, tau_neg).to(ratio.dtype)
     return -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * A
 
@@ -189,9 +228,10 @@ def sapo_loss(ratio, A, tau_pos, tau_neg):
 def vespo_weight(log_ratio, mask, A, k_pos, lam_pos, k_neg, lam_neg):
     """VESPO's gamma weight phi [N,1] (as TRL's vespo; VESPO paper, HF papers 2602.10693).
 
-    w = prod_t rho_t (from the clamped SUM of token log-ratios), phi(w) = e^lam * w^k * e^(-lam*w),
-    so phi(1) = 1; (k, lam) = (k_pos, lam_pos) if A >= 0 else (k_neg, lam_neg). Computed in log space,
-    detached: the loss is L = -phi * A * logp, and phi only rescales each sequence's gradient.
+    w = prod_t rho_t (from the clamped SUM of token log-ratios), phi(w) = e^lam * w^k *
+    e^(-lam*w), so phi(1) = 1; (k, lam) = (k_pos, lam_pos) if A >= 0 else (k_neg, lam_neg).
+    Computed in log space, detached: the loss is L = -phi * A * logp, and phi only rescales each
+    sequence's gradient.
     """
     lo = math.log(1e-8)
     s = torch.where(mask, log_ratio.clamp(-20, 20), 0).sum(-1, keepdim=True)  # [N,1]
@@ -213,12 +253,14 @@ def high_entropy_mask(entropies, mask, quantile):
 
 
 def aggregate(per_token_loss, mask, cfg, num_items, grad_accum, world_size, steps_per_generation):
-    """One micro-batch's loss from L [N,C] (TRL: the loss_type branches of _compute_loss), scaled so that summing over the grad_accum
-    micro-batches and averaging over the world_size ranks gives the loss type's definition:
-      grpo, sapo   mean over sequences of (sum_t L / |o|)             (GRPO; per-sequence token mean)
-      bnpo         sum L / local active tokens                          (TRL's batch-normalized variant)
-      dr_grpo      sum L / (N * max_completion_length)                  (Dr. GRPO, arXiv 2503.20783)
-      luspo        mean over sequences of sum_t L        (LUSPO, HF papers 2602.05261: each sequence weighted by |o|)
+    """One micro-batch's loss from L [N,C] (TRL: the loss_type branches of _compute_loss),
+    scaled so that summing over the grad_accum micro-batches and averaging over the
+    world_size ranks gives the loss type's definition:
+      grpo, sapo   mean over sequences of (sum_t L / |o|)  (GRPO; per-sequence token mean)
+      bnpo         sum L / local active tokens               (TRL's batch-normalized variant)
+      dr_grpo      sum L / (N * max_completion_length)       (Dr. GRPO, arXiv 2503.20783)
+      luspo        mean over sequences of sum_t L            (LUSPO, HF papers 2602.05261:
+                                                              each sequence weighted by |o|)
       dapo, cispo, vespo   sum L / (num_items / world_size * grad_accum / steps_per_generation)
                            = a token mean over the whole step (DAPO's token-level loss)
     """
@@ -244,36 +286,61 @@ def _check_shapes(logps, old_logps, ref_logps, advantages, mask, entropies):
     if logps.dim() != 2:
         raise ValueError(f"logps must be [N,C]; got shape {tuple(logps.shape)}")
     N = logps.shape[0]
-    for name, x in (("mask", mask), ("old_logps", old_logps), ("ref_logps", ref_logps), ("entropies", entropies)):
+    for name, x in (
+        ("mask", mask),
+        ("old_logps", old_logps),
+        ("ref_logps", ref_logps),
+        ("entropies", entropies),
+    ):
         if x is not None and x.shape != logps.shape:
-            raise ValueError(f"{name} has shape {tuple(x.shape)} but logps has {tuple(logps.shape)}; "
-                             "both must be [N,C]")
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)} but logps has {tuple(logps.shape)}; "
+                "both must be [N,C]"
+            )
     if advantages.shape != (N,):
-        raise ValueError(f"advantages must be [N] = [{N}] (one per sequence); got {tuple(advantages.shape)}")
+        raise ValueError(
+            f"advantages must be [N] = [{N}] (one per sequence); got {tuple(advantages.shape)}"
+        )
 
 
-def grpo_step(logps, old_logps, ref_logps, advantages, mask, cfg, num_items=None, grad_accum=1, world_size=1,
-              entropies=None, steps_per_generation=None):
+def grpo_step(
+    logps,
+    old_logps,
+    ref_logps,
+    advantages,
+    mask,
+    cfg,
+    num_items=None,
+    grad_accum=1,
+    world_size=1,
+    entropies=None,
+    steps_per_generation=None,
+):
     """One micro-batch's GRPO loss (a scalar to .backward()) and its metrics (plain floats).
 
     logps [N,C]: current policy log-probs (with grad). old_logps [N,C] or None (on-policy: old =
-    logps.detach(), so the ratio is exactly 1 and the gradient intact). ref_logps [N,C], or None when
-    cfg.beta == 0. advantages [N]. mask [N,C]: 1 = completion token that counts. entropies [N,C]:
-    needed for cfg.top_entropy_quantile < 1, else only logged.
-    num_items: active tokens (sum of mask) over the whole generation batch on all ranks, which with
+    logps.detach(), so the ratio is exactly 1 and the gradient intact). ref_logps [N,C], or None
+    when cfg.beta == 0. advantages [N]. mask [N,C]: 1 = completion token that counts. entropies
+    [N,C]: needed for cfg.top_entropy_quantile < 1, else only logged. num_items: active tokens
+    (sum of mask) over the whole generation batch on all ranks, which with
         steps_per_generation == grad_accum (the default) is the optimizer step's; only dapo, cispo
         and vespo use it. None means "this micro-batch is the whole step": num_items = mask.sum(),
         right only when grad_accum == world_size == 1.
     grad_accum: micro-batches summed per optimizer step; world_size: ranks whose gradients are
-    averaged. Masked positions of every input may hold NaN/inf: they touch neither loss nor gradient.
+    averaged. Masked positions of every input may hold NaN/inf: they touch neither loss nor
+    gradient.
     """
     _check_shapes(logps, old_logps, ref_logps, advantages, mask, entropies)
     if cfg.beta != 0 and ref_logps is None:
-        raise ValueError(f"ref_logps is None but cfg.beta={cfg.beta}; pass reference log-probs or set beta=0")
+        raise ValueError(
+            f"ref_logps is None but cfg.beta={cfg.beta}; pass reference log-probs or set beta=0"
+        )
     if cfg.top_entropy_quantile < 1 and entropies is None:
         raise ValueError(f"cfg.top_entropy_quantile={cfg.top_entropy_quantile} needs entropies")
     steps_per_generation = grad_accum if steps_per_generation is None else steps_per_generation
-    counts = dict(grad_accum=grad_accum, world_size=world_size, steps_per_generation=steps_per_generation)
+    counts = dict(
+        grad_accum=grad_accum, world_size=world_size, steps_per_generation=steps_per_generation
+    )
     for name, v in counts.items():
         if v < 1:
             raise ValueError(f"{name}={v} must be >= 1")
@@ -292,8 +359,15 @@ def grpo_step(logps, old_logps, ref_logps, advantages, mask, cfg, num_items=None
     elif cfg.loss_type == "sapo":
         loss = sapo_loss(ratio, A, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
     else:  # vespo
-        phi = vespo_weight(log_ratio, m, A, cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg,
-                           cfg.vespo_lambda_neg)
+        phi = vespo_weight(
+            log_ratio,
+            m,
+            A,
+            cfg.vespo_k_pos,
+            cfg.vespo_lambda_pos,
+            cfg.vespo_k_neg,
+            cfg.vespo_lambda_neg,
+        )
         loss = -phi * A * logps
     loss = loss.expand_as(logps)  # [N,C] (sequence-level losses are [N,1])
 
@@ -304,7 +378,9 @@ def grpo_step(logps, old_logps, ref_logps, advantages, mask, cfg, num_items=None
     if cfg.beta != 0:
         kl = kl_divergence(logps, torch.where(m, ref_logps, 0), kind="k3")  # [N,C], >= 0
         if cfg.use_bias_correction_kl:
-            kl = kl * ratio  # k3's gradient is biased off-policy; the ratio corrects it (DeepSeek-V3.2)
+            kl = (
+                kl * ratio
+            )  # k3's gradient is biased off-policy; the ratio corrects it (DeepSeek-V3.2)
         loss = loss + cfg.beta * kl
 
     num_items = m.sum() if num_items is None else num_items

@@ -35,25 +35,28 @@ def check_shapes(input_ids, attention_mask, completion_mask, temperature):
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(
             "input_ids and attention_mask must both be [N,L]; got "
-            f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
+            f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
+        )
     N, L = input_ids.shape
     C = completion_mask.shape[-1]
-    if completion_mask.dim() != 2 or completion_mask.shape[0] != N \
-            or not 0 < C < L:
+    if completion_mask.dim() != 2 or completion_mask.shape[0] != N or not 0 < C < L:
         raise ValueError(
             f"completion_mask must be [N,C] with N={N} and 0 < C < L={L} "
-            f"(at least one prompt token); got {tuple(completion_mask.shape)}")
+            f"(at least one prompt token); got {tuple(completion_mask.shape)}"
+        )
     if not temperature > 0:
-        raise ValueError(f"temperature={temperature} must be > 0 "
-                         "(scoring divides the logits by it)")
+        raise ValueError(
+            f"temperature={temperature} must be > 0 " "(scoring divides the logits by it)"
+        )
 
 
 # -----------------------------------------------------------------------------
 # The definition
 
 
-def token_logprobs_plain(model, input_ids, attention_mask, completion_mask,
-                         temperature=1.0, vocab_size=None):
+def token_logprobs_plain(
+    model, input_ids, attention_mask, completion_mask, temperature=1.0, vocab_size=None
+):
     """Log-prob and entropy of each completion token under `model`.
 
     input_ids, attention_mask: [N,L], a left-padded prompt then a
@@ -66,7 +69,7 @@ def token_logprobs_plain(model, input_ids, attention_mask, completion_mask,
     C = completion_mask.shape[1]
     logits = model(input_ids, attention_mask=attention_mask)  # [N,L,V]
     # position i predicts token i+1: the last C tokens come from L-C-1..L-2
-    logits = logits[:, -C - 1:-1, :vocab_size]  # [N,C,V]
+    logits = logits[:, -C - 1 : -1, :vocab_size]  # [N,C,V]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
     targets = input_ids[:, -C:, None]  # [N,C,1]
@@ -85,20 +88,27 @@ def _tempered_logits(h, weight, temperature):
     """h [n,D] @ weight [V,D].T -> logits [n,V] / temperature, in fp32 (fp64 for an fp64 model)."""
     logits = F.linear(h, weight)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return logits if temperature == 1.0 else logits.div_(temperature)  # logits is a new tensor: divided in place
+    return (
+        logits if temperature == 1.0 else logits.div_(temperature)
+    )  # logits is a new tensor: divided in place
 
 
 class ChunkLogProbs(torch.autograd.Function):
-    """(h [n,D], weight [V,D], targets [n], temperature, keep) -> (logp [n], entropy [n]) of the targets under
-    softmax(h @ weight.T / temperature). Backward forms d logp / d logits = onehot - softmax directly instead of
-    replaying each op's backward. With keep, the forward saves the [n,V] probabilities for it; without, it saves
-    h and log Z only and recomputes them (one more [n,D] x [D,V] matmul), so no vocabulary-sized tensor outlives
-    the chunk. The entropy gets no gradient: it is logged or masks tokens, never a loss."""
+    """(h [n,D], weight [V,D], targets [n], temperature, keep) -> (logp [n], entropy [n]) of the
+    targets under softmax(h @ weight.T / temperature). Backward forms d logp / d logits = onehot
+    - softmax directly instead of replaying each op's backward. With keep, the forward saves the
+    [n,V] probabilities for it; without, it saves h and log Z only and recomputes them (one more
+    [n,D] x [D,V] matmul), so no vocabulary-sized tensor outlives the chunk. The entropy gets no
+    gradient: it is logged or masks tokens, never a loss."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")  # backward recomputes under the forward's autocast state
+    @torch.amp.custom_fwd(
+        device_type="cuda"
+    )  # backward recomputes under the forward's autocast state
     def forward(ctx, h, weight, targets, temperature, keep):
-        shifted = _tempered_logits(h, weight, temperature)  # [n,V], a fresh tensor: changed in place below
+        shifted = _tempered_logits(
+            h, weight, temperature
+        )  # [n,V], a fresh tensor: changed in place below
         top = shifted.amax(dim=-1, keepdim=True)  # [n,1]
         shifted = shifted.sub_(top)  # z - max z: every exp below is <= 1
         probs = shifted.exp()  # [n,V], unnormalized until the division
@@ -106,7 +116,9 @@ class ChunkLogProbs(torch.autograd.Function):
         probs.div_(lse)
         lse = lse.log_()  # log Z - max z
         logp = (shifted.gather(-1, targets[:, None]) - lse).squeeze(-1)
-        entropy = (lse - shifted.mul_(probs).sum(dim=-1, keepdim=True)).squeeze(-1)  # H = log Z - E_p[z]
+        entropy = (lse - shifted.mul_(probs).sum(dim=-1, keepdim=True)).squeeze(
+            -1
+        )  # H = log Z - E_p[z]
         ctx.save_for_backward(h, weight, targets, probs if keep else (top + lse).squeeze(-1))
         ctx.temperature, ctx.keep = temperature, keep
         ctx.mark_non_differentiable(entropy)
@@ -116,18 +128,34 @@ class ChunkLogProbs(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_logp, _):
         h, weight, targets, saved = ctx.saved_tensors
-        if ctx.keep:  # the saved probabilities [n,V]; a new tensor, so a retained graph can run backward again
+        if (
+            ctx.keep
+        # the saved probabilities [n,V]; a new tensor, so a retained graph can run backward
+        # again
+        ):
             grad = saved.mul(-grad_logp[:, None])
         else:  # recomputed from log Z [n]
-            grad = _tempered_logits(h, weight, ctx.temperature).sub_(saved[:, None]).exp_().mul_(-grad_logp[:, None])
+            grad = (
+                _tempered_logits(h, weight, ctx.temperature)
+                .sub_(saved[:, None])
+                .exp_()
+                .mul_(-grad_logp[:, None])
+            )
         grad = grad.scatter_add_(1, targets[:, None], grad_logp[:, None])  # d/d logits [n,V]
         grad = (grad if ctx.temperature == 1.0 else grad.div_(ctx.temperature)).to(h.dtype)
         return grad @ weight, grad.T @ h, None, None, None
 
 
-def token_logprobs(model, input_ids, attention_mask, completion_mask,
-                   temperature=1.0, vocab_size=None, chunk_size=256,
-                   keep_bytes=KEEP_BYTES):
+def token_logprobs(
+    model,
+    input_ids,
+    attention_mask,
+    completion_mask,
+    temperature=1.0,
+    vocab_size=None,
+    chunk_size=256,
+    keep_bytes=KEEP_BYTES,
+):
     """token_logprobs_plain's result (same arguments, same numbers) with
     peak memory of keep_bytes of kept probabilities (only with grad, none
     under the model's gradient_checkpointing) plus a few [chunk_size, V]
@@ -142,19 +170,30 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask,
     targets = input_ids[:, -C:]  # [N,C]
 
     def head(h, lm_head):  # h [N,C,D]: h[:, j] predicts completion token j
-        return score_chunks(h, lm_head, targets, completion_mask,
-                            temperature=temperature, vocab_size=vocab_size,
-                            chunk_size=chunk_size, keep_bytes=keep_bytes)
+        return score_chunks(
+            h,
+            lm_head,
+            targets,
+            completion_mask,
+            temperature=temperature,
+            vocab_size=vocab_size,
+            chunk_size=chunk_size,
+            keep_bytes=keep_bytes,
+        )
 
     if checkpointed:  # the cached path would write its cache twice
         L = input_ids.shape[1]
-        return model(input_ids, attention_mask=attention_mask,
-                     head=lambda h, out: head(h[:, L - C - 1:L - 1], out))
+        return model(
+            input_ids,
+            attention_mask=attention_mask,
+            head=lambda h, out: head(h[:, L - C - 1 : L - 1], out),
+        )
     return shared_prompt_forward(model, input_ids, attention_mask, C, head)
 
 
-def score_chunks(h, lm_head, targets, completion_mask, temperature,
-                 vocab_size, chunk_size, keep_bytes):
+def score_chunks(
+    h, lm_head, targets, completion_mask, temperature, vocab_size, chunk_size, keep_bytes
+):
     """The scored tokens' log-probs and entropies, chunk by chunk.
     h: [N,C,D] hidden states; targets, completion_mask: [N,C]."""
     N, C = completion_mask.shape
@@ -168,16 +207,16 @@ def score_chunks(h, lm_head, targets, completion_mask, temperature,
     entropies = []
     for i in range(0, len(targets), chunk_size):
         end = min(i + chunk_size, len(targets))
-        logp, entropy = ChunkLogProbs.apply(h[i:end], weight, targets[i:end],
-                                            temperature, end <= keep_rows)
+        logp, entropy = ChunkLogProbs.apply(
+            h[i:end], weight, targets[i:end], temperature, end <= keep_rows
+        )
         logps.append(logp)
         entropies.append(entropy)
     zeros = torch.zeros(N, C, dtype=out_dtype, device=h.device)
     if not logps:  # nothing to score
         return zeros, zeros.clone()
     # scatter back into [N,C]; masked slots stay 0
-    return (zeros.index_put(where, torch.cat(logps)),
-            zeros.index_put(where, torch.cat(entropies)))
+    return (zeros.index_put(where, torch.cat(logps)), zeros.index_put(where, torch.cat(entropies)))
 
 
 def shared_prompt_forward(model, input_ids, attention_mask, C, head):
@@ -197,17 +236,23 @@ def shared_prompt_forward(model, input_ids, attention_mask, C, head):
     cache = model.new_cache(len(unique), L)
     positions = (valid.cumsum(-1) - 1).clamp(min=0)
     # [U,D]: predicts each prompt's first completion token
-    last = model(ids, attention_mask=valid, positions=positions, cache=cache,
-                 head=lambda h, out: h[:, -1])
+    last = model(
+        ids, attention_mask=valid, positions=positions, cache=cache, head=lambda h, out: h[:, -1]
+    )
     positions = valid.sum(-1)[src, None] + torch.arange(C, device=ids.device)
     key_valid = torch.cat([valid[src], attention_mask[:, P:].bool()], dim=1)
 
     def completion_head(h, lm_head):  # h [N,C,D]
         return head(torch.cat([last[src, None], h[:, :-1]], dim=1), lm_head)
 
-    return model(input_ids[:, P:], attention_mask=key_valid,
-                 positions=positions, cache=cache.select(src),
-                 cache_start=P, head=completion_head)
+    return model(
+        input_ids[:, P:],
+        attention_mask=key_valid,
+        positions=positions,
+        cache=cache.select(src),
+        cache_start=P,
+        head=completion_head,
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -241,16 +286,19 @@ def rows_without_gradient(advantages, beta, model, length):
     return free
 
 
-def policy_logprobs(model, input_ids, attention_mask, completion_mask,
-                    no_grad_rows, world_size=1, **kwargs):
+def policy_logprobs(
+    model, input_ids, attention_mask, completion_mask, no_grad_rows, world_size=1, **kwargs
+):
     """token_logprobs, with rows no_grad_rows [n] bool scored under
     no_grad: no backward, no stored activations. Their log-probs and
     entropies still count in the loss and the metrics. With several ranks
     the no_grad call always runs (on a throwaway row if need be), so every
     rank makes the same FSDP collectives. kwargs: token_logprobs'."""
+
     def score(rows):
-        return token_logprobs(model, input_ids[rows], attention_mask[rows],
-                              completion_mask[rows], **kwargs)
+        return token_logprobs(
+            model, input_ids[rows], attention_mask[rows], completion_mask[rows], **kwargs
+        )
 
     free = no_grad_rows
     if not free.any() and world_size == 1:

@@ -65,9 +65,9 @@ class Generation:
 
 
 def apply_repetition_penalty(logits, seen, penalty):
-    """Penalize tokens already in the row (CTRL rule, as transformers): a seen token's positive logit
-    is divided by `penalty`, a negative one multiplied. seen: bool [B,V], or token ids [B,L] (ids < 0
-    or >= V are ignored, e.g. padding)."""
+    """Penalize tokens already in the row (CTRL rule, as transformers): a seen token's positive
+    logit is divided by `penalty`, a negative one multiplied. seen: bool [B,V], or token ids
+    [B,L] (ids < 0 or >= V are ignored, e.g. padding)."""
     if penalty == 1.0:
         return logits
     if seen.dtype != torch.bool:
@@ -77,9 +77,12 @@ def apply_repetition_penalty(logits, seen, penalty):
 
 
 def token_mask(ids, V):
-    """Token ids [B,L] -> bool [B,V], True where the id occurs in the row (ids < 0 or >= V ignored)."""
+    """Token ids [B,L] -> bool [B,V], True where the id occurs in the row (ids < 0 or >= V
+    ignored)."""
     ids = torch.where((ids >= 0) & (ids < V), ids, V).long()  # ignored ids go to an extra column
-    return torch.zeros(ids.shape[0], V + 1, dtype=torch.bool, device=ids.device).scatter_(1, ids, True)[:, :V]
+    return torch.zeros(ids.shape[0], V + 1, dtype=torch.bool, device=ids.device).scatter_(
+        1, ids, True
+    )[:, :V]
 
 
 def apply_temperature(logits, temperature):
@@ -97,9 +100,11 @@ def apply_top_k(logits, k):
 
 
 def apply_top_p(logits, p):
-    """Nucleus filter: keep the most likely tokens until their probability reaches p, i.e. a token is
-    kept if the tokens ranked above it hold less than p (the top token always stays). Tokens tied with
-    the last kept one are kept too. p = 1: nothing is removed. (`filter_candidates` finds the same set unsorted.)"""
+    """Nucleus filter: keep the most likely tokens until their probability reaches p, i.e. a token
+    is kept if the tokens ranked above it hold less than p (the top token always stays). Tokens
+    tied with the last kept one are kept too. p = 1: nothing is removed. (`filter_candidates`
+    finds the same set unsorted.)
+    """
     if p >= 1.0:
         return logits
     top = logits.amax(dim=-1, keepdim=True)  # [B,1]
@@ -111,8 +116,10 @@ def apply_top_p(logits, p):
 
 
 def _mass_above(ranked, top, total):
-    """Descending logits [B,K] -> [B,K]: probability of the strictly higher-ranked tokens. An exclusive
-    cumsum, so it never decreases (on CPU the cumsum is sequential: a prefix is computed alike for any K)."""
+    """Descending logits [B,K] -> [B,K]: probability of the strictly higher-ranked tokens. An
+    exclusive cumsum, so it never decreases (on CPU the cumsum is sequential: a prefix is
+    computed alike for any K).
+    """
     return F.pad(((ranked - top).exp() / total).cumsum(dim=-1)[:, :-1], (1, 0))
 
 
@@ -121,7 +128,9 @@ def apply_min_p(logits, min_p):
     logit is below max + log(min_p) (the top token always stays). min_p = 0: nothing is removed."""
     if min_p == 0.0:
         return logits
-    return logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True) + math.log(min_p), float("-inf"))
+    return logits.masked_fill(
+        logits < logits.amax(dim=-1, keepdim=True) + math.log(min_p), float("-inf")
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -129,12 +138,13 @@ def apply_min_p(logits, min_p):
 
 
 def sample_from(logits, u, token_ids=None):
-    """Inverse-CDF draw. logits [B,V] fp32 (-inf = removed), u [B] float64 in [0,1) ->
-    (ids [B], their log-probs [B]): id is the first token whose cumulative probability exceeds u.
-    With token_ids [B,K] (ascending, then any -inf padding), logits [B,K] are those tokens' logits, all
-    others removed: the same draw, as zero weights leave a cumulative sum unchanged."""
+    """Inverse-CDF draw. logits [B,V] fp32 (-inf = removed), u [B] float64 in [0,1) -> (ids [B],
+    their log-probs [B]): id is the first token whose cumulative probability exceeds u. With
+    token_ids [B,K] (ascending, then any -inf padding), logits [B,K] are those tokens' logits,
+    all others removed: the same draw, as zero weights leave a cumulative sum unchanged."""
     top = logits.amax(dim=-1, keepdim=True)  # [B,1]
-    # unnormalized probabilities (the largest exactly 1), summed in fp64 so tail tokens keep their exact share;
+    # unnormalized probabilities (the largest exactly 1), summed in fp64 so tail tokens keep
+    # their exact share;
     # in place: on CPU, fresh [B,V] buffers cost more than the arithmetic
     cdf = (logits - top).exp_().double().cumsum_(dim=-1)  # [B,V]
     total = cdf[:, -1:]  # [B,1], in [1, V]
@@ -200,30 +210,62 @@ def _need(ok, name, value, rule):
 
 
 def check_sampling(temperature, top_k, top_p, min_p, repetition_penalty):
-    """The one rule for the sampling settings (generate and TrainConfig both call it); ValueError if off."""
+    """The one rule for the sampling settings (generate and TrainConfig both call it); ValueError
+    if off."""
     _need(temperature >= 0, "temperature", temperature, "must be >= 0 (0 means greedy)")
     _need(top_k >= 0, "top_k", top_k, "must be >= 0 (0 means off)")
     _need(0 < top_p <= 1, "top_p", top_p, "must be in (0, 1] (1 means off)")
     _need(0 <= min_p <= 1, "min_p", min_p, "must be in [0, 1] (0 means off)")
-    _need(repetition_penalty > 0, "repetition_penalty", repetition_penalty, "must be > 0 (1 means off)")
+    _need(
+        repetition_penalty > 0,
+        "repetition_penalty",
+        repetition_penalty,
+        "must be > 0 (1 means off)",
+    )
 
 
-def _check_args(model, prompt_ids, num_samples, max_new_tokens, temperature, top_k, top_p, min_p,
-                repetition_penalty, vocab_size, seeds):
+def _check_args(
+    model,
+    prompt_ids,
+    num_samples,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    min_p,
+    repetition_penalty,
+    vocab_size,
+    seeds,
+):
     _need(num_samples >= 1, "num_samples", num_samples, "must be >= 1")
     _need(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, "must be >= 1")
     check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     V = model.config.vocab_size
-    _need(0 < vocab_size <= V, "vocab_size", vocab_size, f"must be in [1, model.config.vocab_size={V}]")
+    _need(
+        0 < vocab_size <= V,
+        "vocab_size",
+        vocab_size,
+        f"must be in [1, model.config.vocab_size={V}]",
+    )
     _need(len(prompt_ids) > 0, "prompt_ids", prompt_ids, "needs at least one prompt")
     for i, p in enumerate(prompt_ids):
         _need(len(p) > 0, "prompt_ids", f"[..., {i}: []]", f"prompt {i} is empty")
-        _need(min(p) >= 0 and max(p) < V, "prompt_ids", f"[..., {i}: [{min(p)}..{max(p)}]]",
-              f"prompt {i} has ids outside [0, {V})")
+        _need(
+            min(p) >= 0 and max(p) < V,
+            "prompt_ids",
+            f"[..., {i}: [{min(p)}..{max(p)}]]",
+            f"prompt {i} has ids outside [0, {V})",
+        )
     longest, limit = max(map(len, prompt_ids)), model.config.max_position_embeddings
-    _need(longest + max_new_tokens <= limit, "max_new_tokens", max_new_tokens,
-          f"the longest prompt ({longest}) + max_new_tokens exceeds max_position_embeddings={limit}")
-    _need(seeds is None or len(seeds) == len(prompt_ids), "seeds", seeds, "needs one seed per prompt")
+    _need(
+        longest + max_new_tokens <= limit,
+        "max_new_tokens",
+        max_new_tokens,
+        f"the longest prompt ({longest}) + max_new_tokens exceeds max_position_embeddings={limit}",
+    )
+    _need(
+        seeds is None or len(seeds) == len(prompt_ids), "seeds", seeds, "needs one seed per prompt"
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -234,8 +276,7 @@ def lm_logits(model, h, vocab_size, chunk):
     """h [n,D] -> fp32 logits [n,vocab_size]: the real vocabulary's rows
     of the LM head, in slices of `chunk` rows."""
     W = model.lm_head.weight[:vocab_size]  # [V,D]: padded rows never scored
-    parts = [F.linear(h, W[i:i + chunk]).float()
-             for i in range(0, vocab_size, chunk)]
+    parts = [F.linear(h, W[i : i + chunk]).float() for i in range(0, vocab_size, chunk)]
     return torch.cat(parts, dim=-1)
 
 
@@ -262,9 +303,13 @@ class Decoder:
 
     def step(self, tok, positions, key_valid, cache, slot):
         """tok, positions [n,1]; key_valid [n,S] -> logits [n,V]."""
-        h = self.model.hidden_states(tok, attention_mask=key_valid[:, :slot + 1],
-                                     positions=positions, cache=cache,
-                                     cache_start=slot)  # [n,1,D]
+        h = self.model.hidden_states(
+            tok,
+            attention_mask=key_valid[:, : slot + 1],
+            positions=positions,
+            cache=cache,
+            cache_start=slot,
+        )  # [n,1,D]
         return lm_logits(self.model, h[:, 0], self.vocab_size, self.chunk)
 
 
@@ -282,18 +327,36 @@ class Rows:
 
     def select(self, live):
         seen = None if self.seen is None else self.seen[live]
-        return Rows(index=self.index[live], tok=self.tok[live],
-                    keys=self.keys[live], key_valid=self.key_valid[live],
-                    next_pos=self.next_pos[live], stopped=self.stopped[live],
-                    seen=seen)
+        return Rows(
+            index=self.index[live],
+            tok=self.tok[live],
+            keys=self.keys[live],
+            key_valid=self.key_valid[live],
+            next_pos=self.next_pos[live],
+            stopped=self.stopped[live],
+            seen=seen,
+        )
 
 
 @torch.no_grad()  # not inference_mode: the outputs feed autograd (masks)
-def generate(model, prompt_ids, num_samples=1, max_new_tokens=256,
-             temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
-             repetition_penalty=1.0, stop_ids=(), pad_id=0, generator=None,
-             vocab_size=None, seeds=None, sample_token=sample_next_token,
-             decoder=None) -> Generation:
+def generate(
+    model,
+    prompt_ids,
+    num_samples=1,
+    max_new_tokens=256,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    stop_ids=(),
+    pad_id=0,
+    generator=None,
+    vocab_size=None,
+    seeds=None,
+    sample_token=sample_next_token,
+    decoder=None,
+) -> Generation:
     """Sample `num_samples` completions of up to `max_new_tokens` tokens
     for each prompt.
 
@@ -310,8 +373,19 @@ def generate(model, prompt_ids, num_samples=1, max_new_tokens=256,
     fast_sampling.StaticDecoder runs a compiled static-shape step."""
     vocab_size = vocab_size or model.config.vocab_size
     prompt_ids = [[int(t) for t in p] for p in prompt_ids]
-    _check_args(model, prompt_ids, num_samples, max_new_tokens, temperature,
-                top_k, top_p, min_p, repetition_penalty, vocab_size, seeds)
+    _check_args(
+        model,
+        prompt_ids,
+        num_samples,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repetition_penalty,
+        vocab_size,
+        seeds,
+    )
     dev = model.lm_head.weight.device
     # CPU BLAS multiplies [n,D] by slices of 2048 vocab rows ~1.6x faster
     chunk = 2048 if dev.type == "cpu" else vocab_size
@@ -320,17 +394,23 @@ def generate(model, prompt_ids, num_samples=1, max_new_tokens=256,
     G = num_samples
     if seeds is None:
         where = getattr(generator, "device", "cpu")
-        seeds = torch.randint(0, 2**31 - 1, (P,), generator=generator,
-                              device=where)
+        seeds = torch.randint(0, 2**31 - 1, (P,), generator=generator, device=where)
     keys = row_keys(torch.as_tensor(seeds, dtype=torch.long).to(dev), G)
     stops = sorted({int(s) for s in stop_ids or ()})
     stops = torch.tensor(stops, dtype=torch.long, device=dev)
-    settings = dict(temperature=temperature, top_k=top_k, top_p=top_p,
-                    min_p=min_p)
+    settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     out_ids, out_logps = decode(
-        model, decoder, prompt_ids, G, max_new_tokens, keys=keys,
-        stops=stops, pad_id=pad_id, repetition_penalty=repetition_penalty,
-        sample=lambda logits, u: sample_token(logits, u, **settings))
+        model,
+        decoder,
+        prompt_ids,
+        G,
+        max_new_tokens,
+        keys=keys,
+        stops=stops,
+        pad_id=pad_id,
+        repetition_penalty=repetition_penalty,
+        sample=lambda logits, u: sample_token(logits, u, **settings),
+    )
     return assemble(out_ids, out_logps, stops, pad_id)
 
 
@@ -347,37 +427,41 @@ def prefill(model, decoder, prompt_ids, G, C, pad_id):
     valid = torch.arange(L, device=dev)[None, :] >= (L - lens)[:, None]
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
     cache = decoder.prefill_cache(P, L, C)
-    h = model.hidden_states(ids, attention_mask=valid, positions=positions,
-                            cache=cache)  # [P,L,D]
+    h = model.hidden_states(ids, attention_mask=valid, positions=positions, cache=cache)  # [P,L,D]
     src = torch.arange(P, device=dev).repeat_interleave(G)  # [N] prompts
     logits = lm_logits(model, h[:, -1], decoder.vocab_size, decoder.chunk)
     cache, S = decoder.decode_cache(cache, src, L, C)
-    key_valid = torch.cat([valid[src], valid.new_ones(N, C),
-                           valid.new_zeros(N, S - L - C)], dim=1)  # [N,S]
+    key_valid = torch.cat(
+        [valid[src], valid.new_ones(N, C), valid.new_zeros(N, S - L - C)], dim=1
+    )  # [N,S]
     prompt_tokens = torch.where(valid, ids, -1)[src]  # [N,L]
     return logits[src], cache, key_valid, lens[src], prompt_tokens, L
 
 
-def decode(model, decoder, prompt_ids, G, C, keys, stops, pad_id,
-           repetition_penalty, sample):
+def decode(model, decoder, prompt_ids, G, C, keys, stops, pad_id, repetition_penalty, sample):
     """The decode loop. -> (ids [N,C], log-probs [N,C]) of every step."""
     dev = model.lm_head.weight.device
     logits, cache, key_valid, next_pos, prompt_tokens, L = prefill(
-        model, decoder, prompt_ids, G, C, pad_id)
+        model, decoder, prompt_ids, G, C, pad_id
+    )
     N = len(next_pos)
     seen = None
     if repetition_penalty != 1.0:  # [N,V] tokens present in each row
         seen = token_mask(prompt_tokens, decoder.vocab_size)
-    rows = Rows(index=torch.arange(N, device=dev), tok=None, keys=keys,
-                key_valid=key_valid, next_pos=next_pos,
-                stopped=torch.zeros(N, dtype=torch.bool, device=dev),
-                seen=seen)
+    rows = Rows(
+        index=torch.arange(N, device=dev),
+        tok=None,
+        keys=keys,
+        key_valid=key_valid,
+        next_pos=next_pos,
+        stopped=torch.zeros(N, dtype=torch.bool, device=dev),
+        seen=seen,
+    )
     out_ids = torch.full((N, C), pad_id, dtype=torch.long, device=dev)
     out_logps = torch.zeros(N, C, device=dev)
     for t in range(C):
         if rows.seen is not None:
-            logits = apply_repetition_penalty(logits, rows.seen,
-                                              repetition_penalty)
+            logits = apply_repetition_penalty(logits, rows.seen, repetition_penalty)
         tok, logp = sample(logits, uniforms(rows.keys, t))
         out_ids[rows.index, t] = tok
         out_logps[rows.index, t] = logp
@@ -395,8 +479,9 @@ def decode(model, decoder, prompt_ids, G, C, keys, stops, pad_id,
             if decoder.compacts and few:  # finished rows stop costing
                 cache = cache.select(live)
                 rows = rows.select(live)
-        logits = decoder.step(rows.tok[:, None], (rows.next_pos + t)[:, None],
-                              rows.key_valid, cache, L + t)
+        logits = decoder.step(
+            rows.tok[:, None], (rows.next_pos + t)[:, None], rows.key_valid, cache, L + t
+        )
     return out_ids, out_logps
 
 
@@ -405,8 +490,7 @@ def assemble(out_ids, out_logps, stops, pad_id) -> Generation:
     stop id (later slots are never read); C = the longest row."""
     is_stop = torch.isin(out_ids, stops)  # [N,C]
     has_stop = is_stop.any(-1)
-    length = torch.where(has_stop, is_stop.int().argmax(-1) + 1,
-                         out_ids.shape[1])  # [N]
+    length = torch.where(has_stop, is_stop.int().argmax(-1) + 1, out_ids.shape[1])  # [N]
     C = int(length.max())
     arange = torch.arange(C, device=out_ids.device)
     mask = arange[None, :] < length[:, None]  # [N,C]
@@ -414,4 +498,5 @@ def assemble(out_ids, out_logps, stops, pad_id) -> Generation:
         completion_ids=torch.where(mask, out_ids[:, :C], pad_id),
         completion_mask=mask,
         logprobs=torch.where(mask, out_logps[:, :C], 0.0),
-        truncated=~has_stop)
+        truncated=~has_stop,
+    )
