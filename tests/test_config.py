@@ -191,3 +191,88 @@ def test_a_new_dataset_does_not_inherit_the_files_eval_set(capsys):
     cfg = load_config(["--config", "tiny.py", "--dataset=countdown", "--eval_dataset=countdown"])
     assert cfg.eval_dataset == "countdown"
     assert load_config(["--config", "tiny.py"]).eval_dataset == "default"
+
+
+def test_temperature_zero_is_refused_for_training():
+    """One rule (was in train.py's setup): training samples, so temperature must be > 0."""
+    with pytest.raises(ConfigError, match=r"temperature=0\.0: training samples, so it must be > 0"):
+        TrainConfig(temperature=0.0).validate()
+    assert TrainConfig(temperature=0.1).validate().temperature == 0.1
+
+
+def test_lora_rules_in_one_place():
+    """sync_ref_model with LoRA is one rule: validate applies it to use_peft, and check_lora applies
+    it again to a loaded model (a PEFT adapter directory as `model` brings adapters without use_peft)."""
+    synced = TrainConfig(beta=0.1, sync_ref_model=True)
+    synced.validate().check_lora(False)
+    with pytest.raises(ConfigError, match="sync_ref_model=True: refused with LoRA adapters"):
+        synced.check_lora(True)
+    with pytest.raises(ConfigError, match="sync_ref_model=True: refused with LoRA adapters"):
+        TrainConfig(beta=0.1, sync_ref_model=True, use_peft=True).validate()
+
+
+@pytest.mark.parametrize("text, resume", [("False", False), ("false", False), ("TRUE", True), ("runs/a", "runs/a")])
+def test_resume_text_in_a_config_file_is_a_bool(tmp_path, text, resume):
+    """Regression: resume = "False" in a config file was a checkpoint path named False, which train.py
+    read as "resume"."""
+    path = tmp_path / "c.py"
+    path.write_text(f"resume = {text!r}\n")
+    assert load_config(["--config", str(path)]).resume == resume
+    assert load_config([f"--resume={text}"]).resume == resume
+    assert TrainConfig(resume=text).resume == resume
+
+
+def test_eval_every_zero_with_an_eval_set_is_silent():
+    """Regression: tiny.py's eval_dataset with --eval_every=0 (asked for: no evaluation) warned on every run."""
+    assert load_config(["--config", "tiny.py", "--eval_every=0"]).warnings() == []
+    assert TrainConfig(eval_dataset="default", eval_every=0).warnings() == []
+    assert TrainConfig(eval_dataset="default", eval_every=5).warnings() == []
+    (warning,) = TrainConfig(eval_every=5).warnings()
+    assert warning == "eval_every=5 without an eval_dataset: no evaluation"
+    # a new --dataset drops the file's eval set and its eval_every with it: one note, no warning too
+    assert load_config(["--config", "tiny.py", "--dataset=countdown"]).warnings() == []
+
+
+def test_every_unknown_key_is_reported_at_once(tmp_path):
+    """Regression: a file or command line with several unknown keys needed one run per key."""
+    (tmp_path / "c.py").write_text("num_generation = 4\nlearnig_rate = 1e-5\nzzqx = 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([f"--config={tmp_path / 'c.py'}", "--max_step=3", "--beta=0.1"])
+    message = str(e.value)
+    assert message.startswith("4 unknown config keys:")
+    for line in ["'num_generation' in config file", "did you mean num_generations?", "'learnig_rate' in config",
+                 "did you mean learning_rate?", "'zzqx' in config file", "'max_step' on the command line; did you "
+                 "mean max_steps?"]:
+        assert line in message
+    assert "'zzqx' in config file " + str(tmp_path / "c.py") + "\n" in message  # no suggestion for it
+
+
+def test_a_config_must_be_a_python_file(tmp_path, monkeypatch):
+    """Regression: --config data.jsonl was executed as Python and failed with an unrelated error."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text('{"prompt": "x"}\n')
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "cfg").write_text("max_steps = 3\n")
+    for name in ("data.jsonl", "./data.jsonl", "runs/cfg"):
+        with pytest.raises(ConfigError, match=rf"^config '{re.escape(name)}' is not a \.py file"):
+            load_config(["--config", name])
+
+
+def test_which_file_a_config_name_means(tmp_path, monkeypatch, capsys):
+    """A bare built-in name runs the built-in, and says so when the current directory holds a file of
+    that name; a path runs that file; another bare name.py is the file here."""
+    monkeypatch.chdir(tmp_path)
+    assert load_config(["--config", "tiny"]).max_steps == 400
+    assert capsys.readouterr().err == ""  # nothing to say: no ./tiny.py
+    (tmp_path / "tiny.py").write_text("max_steps = 3\n")
+    for name in ("tiny", "tiny.py"):
+        assert load_config(["--config", name]).max_steps == 400
+        err = capsys.readouterr().err
+        assert f"--config {name} runs the built-in {config_module.CONFIGS_DIR}/tiny.py, not ./tiny.py" in err
+        assert "pass --config ./tiny.py" in err
+    assert load_config(["--config", "./tiny.py"]).max_steps == 3
+    assert load_config(["--config", str(tmp_path / "tiny.py")]).max_steps == 3
+    assert capsys.readouterr().err == ""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "small.py").write_text("max_steps = 5\n")
+    assert load_config(["--config", "sub/small.py"]).max_steps == 5
