@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from contextlib import nullcontext
 
 import pytest
@@ -92,6 +93,55 @@ def test_two_processes_match_one(tmp_path, family, lora):
         elif not lora:
             assert not torch.equal(one[k], before[k]) or k.endswith("bias"), k  # the step changed the weights
         assert torch.allclose(one[k], two[k], atol=1e-5, rtol=1e-5), k
+
+
+def forward_backward(rank, world_size, port, out_dir):
+    """For each dtype setting: load the fixture as train.py does (sharded when world_size > 1, bf16 by
+    the config's rule), take logits and token log-probs with grad under dist.autocast, backward; save
+    the logits and every warning raised."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    from nanogrpo import dist
+    from nanogrpo.checkpoint import load_model
+    from nanogrpo.config import TrainConfig
+    from nanogrpo.logprobs import token_logprobs
+    info = dist.setup("cpu")
+    ids = torch.randint(0, 300, (4, 10), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        bf16 = TrainConfig(dtype=dtype).bf16(info.device)
+        model = load_model(fixture_path("qwen2"), info=info, mixed_precision=bf16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with dist.autocast(info, bf16):
+                logits = model(ids)  # [4,10,V]
+                logps, _ = token_logprobs(model, ids, torch.ones_like(ids), torch.ones(4, 4))
+            (logps.sum() + logits.float().mean()).backward()
+        out[dtype] = {"logits": logits.detach().float(), "logits_dtype": str(logits.dtype),
+                      "warnings": [str(w.message) for w in caught]}
+    torch.save(out, os.path.join(out_dir, f"w{world_size}-rank{rank}.pt"))
+    dist.teardown()
+    os._exit(0)  # as one_step
+
+
+def test_bf16_is_one_rule_and_fsdp_returns_no_views(tmp_path):
+    """Regressions: dtype="bfloat16" on CPU computed in fp32 with one process (autocast was CUDA-only)
+    and in bf16 with two (FSDP2's mixed precision); and every FSDP2 forward with grad warned "returned
+    a view tensor" (token_logprobs' head returns h[:, -1], a view)."""
+    results = {}
+    for world in (1, 2):
+        mp.start_processes(forward_backward, args=(world, free_port(), str(tmp_path)), nprocs=world,
+                           start_method="spawn", join=True)
+        results[world] = [torch.load(tmp_path / f"w{world}-rank{r}.pt") for r in range(world)]
+    for dtype in ("float32", "bfloat16"):
+        one, two = results[1][0][dtype], results[2][0][dtype]
+        assert one["logits_dtype"] == two["logits_dtype"] == f"torch.{dtype}"
+        # bf16: autocast and FSDP2's mixed precision round at different points (a few bf16 steps at |logit| ~4)
+        tolerance = 1e-5 if dtype == "float32" else 0.1
+        assert torch.allclose(one["logits"], two["logits"], atol=tolerance), dtype
+        for rank in results[2]:
+            assert not [w for w in rank[dtype]["warnings"] if "view tensor" in w], rank[dtype]["warnings"]
 
 
 def Transformer_state(family):
