@@ -11,9 +11,11 @@ Choices:
   against the field's annotated type, and unknown keys are errors with a spelling suggestion
   (all of them at once), so a typo never silently trains with a default (nanoGPT's
   configurator accepts anything).
-- Every rule about settings lives here: `validate` (and `check_lora`, which train.py calls
-  again once the model is loaded) raise ConfigError; `warnings` names what is valid but
-  probably not meant.
+- The rules between settings live here: `validate` raises ConfigError naming the first
+  broken one, `check_lora` is the LoRA rule that train.py applies again once the loaded
+  model shows whether it carries adapters, and `warnings` names what is valid but probably
+  not meant. train.py checks only what needs the model, the disk or the environment
+  (context length, an out_dir holding a run, an importable tracker).
 - Loss fields use TRL's GRPOConfig names and defaults, so TRL recipes carry over.
 - Batch sizes are counted in prompts and completions, not TRL's per-device batches: you
   choose `prompts_per_step` (all ranks together), `num_generations` and `micro_batch_size`;
@@ -222,7 +224,8 @@ class TrainConfig:
     log_completions: bool = False
     out_dir: str = "out"  # checkpoints, config.json and logs
     # False; True = the latest checkpoint in out_dir if there is one;
-    # or a checkpoint path. The text "true"/"false" (any case) is the bool.
+    # or a checkpoint path. The text true/false (any case; 1/0, yes/no) is
+    # the bool.
     resume: bool | str = False
     # start over in an out_dir holding a run (deletes its checkpoints, logs)
     overwrite_output_dir: bool = False

@@ -8,9 +8,9 @@ and the collectives the trainer needs.
 
 With one process (no torchrun) every function here degrades to a plain no-op
 or identity: the trainer calls the same functions either way, and the model is
-a plain `nn.Module` (no FSDP wrapper). bf16 compute is one flag, the config's
-`bf16(device)`: autocast for one process, FSDP2's mixed-precision policy for
-several, on CPU and CUDA alike.
+a plain `nn.Module` (no FSDP wrapper). bf16 compute is one flag from the
+caller (train.py passes the config's `bf16(device)`): autocast for one process,
+FSDP2's mixed-precision policy for several, on CPU and CUDA alike.
 
 Does not know about: files (checkpoint.py decides what is read and written),
 GRPO, rewards, or the model's internals beyond `model.layers`; it imports
