@@ -115,9 +115,7 @@ def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
     model.gradient_checkpointing = cfg.gradient_checkpointing
     check_context(cfg, model)
     peft = hasattr(model, "lora_config")  # use_peft, or an adapter dir
-    if peft and cfg.sync_ref_model:
-        raise ConfigError("sync_ref_model is refused with LoRA adapters, "
-                          "as TRL does")
+    cfg.check_lora(peft)
     ref = None
     if cfg.beta > 0 and not peft:  # with LoRA: the adapters switched off
         ref = load_policy(cfg.model, cfg, info)
@@ -179,9 +177,8 @@ def load_data(cfg: TrainConfig, tok, model, reward_funcs, tools):
     if cfg.eval_dataset and cfg.eval_every:
         eval_rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split,
                                  seed=cfg.seed)[: cfg.eval_size]
-    elif cfg.eval_every:  # eval_every = 0 asks for no evaluation: no word
-        dist.print0(f"warning: eval_every={cfg.eval_every} but no "
-                    "eval_dataset: no evaluation")
+    for warning in cfg.warnings():
+        dist.print0(f"warning: {warning}")
     room = model.config.max_position_embeddings - cfg.max_completion_length
     schemas = [tool_schema(fn) for fn in tools.values()] or None
     for source, checked in ((cfg.dataset, rows),

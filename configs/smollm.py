@@ -1,19 +1,19 @@
 # A real pretrained model learns on a CPU: SmolLM2-135M-Instruct on two-number addition.
 #
 #     python train.py --config smollm.py                      # from the hub
-#     python train.py --config smollm.py --model=.cache/real/smollm2-135m-instruct   # the fetched copy
+#     python train.py --config smollm.py --model=.cache/real/smollm2-135m-instruct  # fetched
 #
 # The task (data.addition): "What is 12 + 7?" with the system prompt "Answer with just the number.",
-# a, b in 1..25; the held-out split is a disjoint quarter of the problems. SmolLM2-135M starts weak at
-# it: it answers "10 + 18 = 22" or rambles. Rewards: accuracy (the last number equals a + b) and
-# brevity (soft_overlong: 0 up to 12 tokens, down to -1 at 16): a ramble that runs out of tokens is
-# penalized (and its last number is rarely the sum), a short answer never is.
+# a, b in 1..25; the held-out split is a disjoint quarter of the problems. SmolLM2-135M starts
+# weak at it: it answers "10 + 18 = 22" or rambles. Rewards: accuracy (the last number equals
+# a + b) and brevity (soft_overlong: 0 up to 12 tokens, down to -1 at 16): a ramble that runs out
+# of tokens is penalized (and its last number is rarely the sum), a short answer never is.
 #
-# Measured on 2 CPU cores (seed 0): held-out pass@1 0.078 +- 0.024 before (bench/eval_heldout.py),
-# 0.539 +- 0.044 after the 30 steps (n = 128), about 6 s a step (5.6-6.4 s in bench/bench_smollm_trl.py).
+# README gives held-out pass@1 before and after the 30 steps (bench/eval_heldout.py).
 #
-# Sizes are set by the CPU: every step is 4 prompts x 8 completions of at most 16 tokens; prompts are
-# ~25 tokens (the short system prompt replaces SmolLM2's default one, which would double them).
+# Sizes are set by the CPU: every step is 4 prompts x 8 completions of at most 16 tokens;
+# prompts are ~25 tokens (the short system prompt replaces SmolLM2's default one, which would
+# double them).
 
 model = "HuggingFaceTB/SmolLM2-135M-Instruct"
 device = "cpu"

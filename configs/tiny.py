@@ -6,10 +6,9 @@
 # copy a 4-letter string, "bhad=" -> "bhad" + eos, with a dense per-character reward
 # (data.py and rewards.default_task_score explain the task and why it is learnable).
 #
-# The learning rate is what makes it reliable. At 3e-3, 3 of 6 seeds tried stalled at 0.77-0.83 even
-# after 400 steps, copying some letters as another (seed 2: every g and h comes out as d); at 1e-3
-# the same seed learns all eight letters (0.98), in ~200 steps rather than ~120. 400 steps leave a
-# margin; bench/bench_seeds.py measures it over 16 seeds (README's table).
+# The learning rate is what makes it reliable: higher rates learn faster but some seeds stall,
+# copying some letters as another. 400 steps leave a margin; bench/bench_seeds.py measures
+# how reliably it learns over many seeds (README's table).
 
 model = "out/tiny-init"
 init_model = dict(model_type="qwen2", hidden_size=64, intermediate_size=256, num_hidden_layers=2,

@@ -1,15 +1,15 @@
-# Tool calling (TRL's `tools=`): SmolLM2-135M-Instruct learns to use a calculator for 3-digit x 2-digit
-# products, which it cannot compute itself. First write the prompts, then train (2 CPU cores: ~10 min):
+# Tool calling (TRL's `tools=`): SmolLM2-135M-Instruct learns to use a calculator for 3-digit x
+# 2-digit products, which it cannot compute itself. First write the prompts, then train:
 #
 #     python bench/tool_calculator.py && python train.py --config tools.py
 #
-# The tool, the prompts and the reward live in bench/tool_calculator.py: a short system prompt with the
-# <tool_call> format and one worked example conversation before each question (~170 prompt tokens).
-# Measured (seed 0): held-out pass@1 0.094 +- 0.036 before (42% of answers call the tool, many calls
-# malformed), 0.984 +- 0.016 after the 12 steps (every answer calls it); README has the curves.
-# Completions are multi-turn: the model's <tool_call>, the tool's result (context only, never trained
-# on), the model's answer; the whole completion stays within max_completion_length. Logged: tools/call_frequency (calls per completion),
-# tools/failure_frequency (failed share of calls), tools/mean_turns, and the weight-0 `tool_called`.
+# The tool, the prompts and the reward live in bench/tool_calculator.py: a short system prompt
+# with the <tool_call> format and one worked example conversation before each question (~170
+# prompt tokens). README gives held-out pass@1 before and after the 12 steps, and the curves.
+# Completions are multi-turn: the model's <tool_call>, the tool's result (context only, never
+# trained on), the model's answer; the whole completion stays within max_completion_length.
+# Logged: tools/call_frequency (calls per completion), tools/failure_frequency (failed share of
+# calls), tools/mean_turns, and the weight-0 `tool_called`.
 
 model = ".cache/real/smollm2-135m-instruct"  # tests/fetch_real.py builds it
 device = "auto"
@@ -18,7 +18,8 @@ seed = 0
 dataset = "out/tools/products.jsonl"
 eval_dataset = "out/tools/products_test.jsonl"
 eval_size = 64
-eval_every = 0  # held-out: python bench/eval_heldout.py --config tools.py [--model=out/tools/checkpoint]
+# held-out: python bench/eval_heldout.py --config tools.py [--model=out/tools/checkpoint]
+eval_every = 0
 reward_funcs = ["bench/tool_calculator.py:product_reward", "bench/tool_calculator.py:tool_called"]
 reward_weights = [1.0, 0.0]
 tools = ["bench/tool_calculator.py:multiply"]
@@ -26,7 +27,8 @@ max_tool_calling_iterations = 2
 tool_timeout = 10.0
 
 num_generations = 8
-prompts_per_step = 2  # 16 completions a step: the ~170-token prompts make each update ~8x a 16-token one
+# 16 completions a step: the ~170-token prompts make each update ~8x a 16-token one
+prompts_per_step = 2
 micro_batch_size = 16
 max_completion_length = 64  # a call is ~30 tokens, the tool's turn ~12, the answer ~5
 temperature = 1.0

@@ -1,18 +1,26 @@
-"""Every training setting in one dataclass, loaded from a Python config file plus command-line overrides.
+"""Every training setting: one dataclass, a Python config file, command-line overrides.
 
-Owns: `TrainConfig` (fields, defaults, checks), `Schedule` (batch arithmetic), `load_config(argv)`.
+Owns: `TrainConfig` (fields, defaults, the rules between them), `Schedule` (batch arithmetic),
+`load_config(argv)`, and which file a `--config` name means (`config_path`).
 
 Does not know about: what the settings do; train.py and the modules it calls read them.
 
 Choices:
 - A config file is plain Python assigning names (`learning_rate = 1e-5`); command-line
-  `--key=value` (or `--key value`) overrides it. Every value is converted to and checked against
-  the field's annotated type, and unknown keys are errors with a spelling suggestion, so a typo never
-  silently trains with a default (nanoGPT's configurator accepts anything).
+  `--key=value` (or `--key value`) overrides it. Every value is converted to and checked
+  against the field's annotated type, and unknown keys are errors with a spelling suggestion
+  (all of them at once), so a typo never silently trains with a default (nanoGPT's
+  configurator accepts anything).
+- The rules between settings live here: `validate` raises ConfigError naming the first
+  broken one, `check_lora` is the LoRA rule that train.py applies again once the loaded
+  model shows whether it carries adapters, and `warnings` names what is valid but probably
+  not meant. train.py checks only what needs the model, the disk or the environment
+  (context length, an out_dir holding a run, an importable tracker).
 - Loss fields use TRL's GRPOConfig names and defaults, so TRL recipes carry over.
-- Batch sizes are counted in prompts and completions, not TRL's per-device batches: you choose
-  `prompts_per_step` (all ranks together), `num_generations` and `micro_batch_size`; Schedule derives
-  the rest (whole groups per rank, gradient accumulation), and every run prints it.
+- Batch sizes are counted in prompts and completions, not TRL's per-device batches: you
+  choose `prompts_per_step` (all ranks together), `num_generations` and `micro_batch_size`;
+  Schedule derives the rest (whole groups per rank, gradient accumulation), and every run
+  prints it.
 """
 
 import ast
@@ -26,203 +34,387 @@ import typing
 from dataclasses import dataclass, field
 
 from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, LossConfig
+from nanogrpo.rollout import TOOL_CALL_PARSERS
 from nanogrpo.sampler import check_sampling
-from nanogrpo.tools import TOOL_CALL_PARSERS
 
 
 class ConfigError(ValueError):
     """A config key is unknown, has the wrong type, or is inconsistent with the others."""
 
 
-CHOICES = {"dtype": ("float32", "bfloat16", "auto"), "scale_rewards": SCALE_REWARDS,
-           "multi_objective_aggregation": AGGREGATIONS, "lr_scheduler": ("constant", "cosine"),
-           "tool_call_format": tuple(TOOL_CALL_PARSERS)}
-RANGES = [  # (rule, message, fields): each range rule of TrainConfig once; the loss's own live in LossConfig
-    (lambda v: v >= 1, "must be at least 1", "prompts_per_step micro_batch_size num_iterations max_completion_length "
-     "max_steps log_every ref_model_sync_steps eval_size lora_r steps_per_generation max_tool_calling_iterations "
-     "save_total_limit soft_punish_cache".split()),
-    (lambda v: v >= 0, "must be >= 0 (0 = off)", "learning_rate weight_decay warmup_steps eval_every save_every".split()),
+CHOICES = {
+    "dtype": ("float32", "bfloat16", "auto"),
+    "scale_rewards": SCALE_REWARDS,
+    "multi_objective_aggregation": AGGREGATIONS,
+    "lr_scheduler": ("constant", "cosine"),
+    "tool_call_format": tuple(TOOL_CALL_PARSERS),
+}
+# (rule, message, fields): each range rule of TrainConfig once; the loss's own live in LossConfig
+AT_LEAST_1 = """prompts_per_step micro_batch_size num_iterations max_completion_length
+    max_steps log_every ref_model_sync_steps eval_size lora_r steps_per_generation
+    max_tool_calling_iterations save_total_limit soft_punish_cache""".split()
+RANGES = [
+    (lambda v: v >= 1, "must be at least 1", AT_LEAST_1),
+    (lambda v: v >= 0, "must be >= 0 (0 = off)",
+     ["learning_rate", "weight_decay", "warmup_steps", "eval_every", "save_every"]),
     (lambda v: v > 0, "must be > 0", ["lora_alpha", "max_grad_norm", "tool_timeout"]),
-    (lambda v: 0 <= v < 1, "must be in [0, 1)", ["adam_beta1", "adam_beta2", "warmup_ratio", "lora_dropout"]),
-    (lambda v: 0 <= v <= 1, "must be in [0, 1]", ["ref_model_mixup_alpha"])]
+    (lambda v: 0 <= v < 1, "must be in [0, 1)",
+     ["adam_beta1", "adam_beta2", "warmup_ratio", "lora_dropout"]),
+    (lambda v: 0 <= v <= 1, "must be in [0, 1]", ["ref_model_mixup_alpha"]),
+]
 REPORTERS = ("none", "tensorboard", "wandb", "trackio")
-LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig))  # TrainConfig has each, same name and default
+# TrainConfig has each loss field, with the same name and default
+LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig))
+TRUE_WORDS = ("true", "1", "yes")  # how a bool is spelled in text
+FALSE_WORDS = ("false", "0", "no")
 
 
 @dataclass
 class TrainConfig:
     """All settings of a run; see the comment on each field."""
 
-    # model
-    model: str = "tiny"  # checkpoint dir or hub id (the config file decides what the tiny default is)
-    init_model: dict | None = None  # ModelConfig fields: create a random model at `model` if it does not exist
-    init_tokenizer_chars: str = "abcdefgh="  # with init_model: the characters of its char-level tokenizer
-    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (autocast, fp32 weights) | auto (bf16 on CUDA)
+    # --- model
+    # checkpoint dir or hub id (the config file decides what the tiny default is)
+    model: str = "tiny"
+    # ModelConfig fields: create a random model at `model` if it does not exist
+    init_model: dict | None = None
+    # with init_model: the characters of its char-level tokenizer
+    init_tokenizer_chars: str = "abcdefgh="
+    # compute dtype, on every device: float32 | bfloat16 (autocast or FSDP2
+    # mixed precision, fp32 weights) | auto (bfloat16 on CUDA, else float32)
+    dtype: str = "float32"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 1337  # seeds init, prompt order and sampling
-    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
-    # LoRA (TRL's ModelConfig names)
-    use_peft: bool = False  # train LoRA adapters (nanogrpo/lora.py) instead of every weight; base frozen
+    # recompute activations in backward to save memory
+    gradient_checkpointing: bool = False
+
+    # --- LoRA (TRL's ModelConfig names)
+    # train LoRA adapters (nanogrpo/lora.py) instead of every weight; base frozen
+    use_peft: bool = False
     lora_r: int = 16  # adapter rank
     lora_alpha: int = 32  # adapter scaling = lora_alpha / lora_r
     lora_dropout: float = 0.05  # dropout on each adapter's input
-    lora_target_modules: list[str] | str | None = None  # None = q_proj, v_proj (PEFT's default); "all-linear"
-    lora_modules_to_save: list[str] | None = None  # trained in full and saved with the adapter: embed_tokens, lm_head
-    use_rslora: bool = False  # rank-stabilized scaling lora_alpha / sqrt(lora_r)
-    merge_adapter: bool = False  # at the end, also write the adapter merged into a full HF checkpoint (out_dir/merged)
-    # data
-    dataset: str = "default"  # see data.load_dataset: file, hf://datasets/..., gsm8k, default, countdown
-    dataset_split: str | None = None  # split for gsm8k / procedural tasks (None = "train")
-    eval_dataset: str | None = None  # same forms as dataset; None = no evaluation
+    # None = q_proj, v_proj (PEFT's default); "all-linear"
+    lora_target_modules: list[str] | str | None = None
+    # trained in full and saved with the adapter: embed_tokens, lm_head
+    lora_modules_to_save: list[str] | None = None
+    # rank-stabilized scaling lora_alpha / sqrt(lora_r)
+    use_rslora: bool = False
+    # at the end, also write the adapter merged into a full HF checkpoint
+    # (out_dir/merged)
+    merge_adapter: bool = False
+
+    # --- data
+    # see data.load_dataset: file, hf://datasets/..., gsm8k, default, countdown
+    dataset: str = "default"
+    # split for gsm8k / procedural tasks (None = "train")
+    dataset_split: str | None = None
+    # same forms as dataset; None = no evaluation
+    eval_dataset: str | None = None
     eval_split: str | None = "test"  # split of eval_dataset
     eval_size: int = 256  # evaluate on the first this-many eval prompts
-    # rewards
-    reward_funcs: list[str] = field(default_factory=lambda: ["default_task"])  # built-in, module:function, reward model
-    reward_weights: list[float] | None = None  # one per reward function; None = all 1.0
-    reward_processing_classes: list[str | None] | None = None  # per reward model: its tokenizer; None = its own
-    soft_punish_cache: int | None = None  # soft_overlong reward's window (None = max_completion_length // 4)
-    # batch
+
+    # --- rewards
+    # built-in names, module:function, or a reward model
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["default_task"])
+    # one per reward function; None = all 1.0
+    reward_weights: list[float] | None = None
+    # per reward model: its tokenizer; None = its own
+    reward_processing_classes: list[str | None] | None = None
+    # soft_overlong reward's window (None = max_completion_length // 4)
+    soft_punish_cache: int | None = None
+
+    # --- batch
     num_generations: int = 8  # completions per prompt (G), at least 2
-    prompts_per_step: int = 16  # prompts per optimizer step, all ranks together
-    micro_batch_size: int = 32  # completions per forward/backward on one rank
-    num_iterations: int = 1  # optimizer passes over each generated batch (mu)
-    steps_per_generation: int | None = None  # TRL's: micro-batches per rank per generation round; None = 1 step's
-    # generation
-    max_completion_length: int = 512  # new tokens per completion, also dr_grpo's constant
-    temperature: float = 1.0  # 0 = greedy
+    # prompts per optimizer step, all ranks together
+    prompts_per_step: int = 16
+    # completions per forward/backward on one rank
+    micro_batch_size: int = 32
+    # optimizer passes over each generated batch (mu)
+    num_iterations: int = 1
+    # TRL's: micro-batches per rank per generation round; None = 1 step's
+    steps_per_generation: int | None = None
+
+    # --- generation
+    # new tokens per completion, also dr_grpo's constant
+    max_completion_length: int = 512
+    # > 0: training samples (0 = greedy is for sample.py)
+    temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # nucleus sampling, in (0, 1]
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off
-    torch_compile: bool = False  # compile the decode step (sampler.generate(torch_compile=)): CUDA graphs on GPU
-    # tools (TRL's names): functions the policy may call mid-completion; see rollout.py
-    tools: list[str] = field(default_factory=list)  # "module:function" or "path/to/file.py:function"
-    max_tool_calling_iterations: int | None = None  # tool rounds per completion; None = until no row calls one
-    tool_timeout: float = 30.0  # seconds an async tool may run before its result is {"error": ...}
-    tool_call_format: str = "hermes"  # how calls are written in the text: a key of tools.TOOL_CALL_PARSERS
-    # loss (TRL GRPOConfig names and defaults)
-    loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo
+    # compile the decode step (sampler.generate(torch_compile=)):
+    # CUDA graphs on GPU
+    torch_compile: bool = False
+
+    # --- tools (TRL's names): functions the policy may call mid-completion;
+    # see rollout.py
+    # "module:function" or "path/to/file.py:function"
+    tools: list[str] = field(default_factory=list)
+    # tool rounds per completion; None = until no row calls one
+    max_tool_calling_iterations: int | None = None
+    # seconds an async tool may run before its result is {"error": ...}
+    tool_timeout: float = 30.0
+    # how calls are written in the text: a key of rollout.TOOL_CALL_PARSERS
+    tool_call_format: str = "hermes"
+
+    # --- loss (TRL GRPOConfig names and defaults)
+    # grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo
+    loss_type: str = "dapo"
     beta: float = 0.0  # KL coefficient; 0 = no reference model
     epsilon: float = 0.2  # lower clip range
-    epsilon_high: float | None = None  # upper clip range (None = epsilon); cispo's weight cap
-    delta: float | None = None  # INTELLECT-2 upper bound on the ratio, None = off
+    # upper clip range (None = epsilon); cispo's weight cap
+    epsilon_high: float | None = None
+    # INTELLECT-2 upper bound on the ratio, None = off
+    delta: float | None = None
     importance_sampling_level: str = "token"  # token | sequence (GSPO)
-    sapo_temperature_pos: float = 1.0  # sapo gate temperature, positive advantages
-    sapo_temperature_neg: float = 1.05  # sapo gate temperature, non-positive advantages
-    vespo_k_pos: float = 2.0  # vespo power, positive advantages
-    vespo_lambda_pos: float = 3.0  # vespo decay, positive advantages
-    vespo_k_neg: float = 3.0  # vespo power, negative advantages
-    vespo_lambda_neg: float = 2.0  # vespo decay, negative advantages
-    use_bias_correction_kl: bool = True  # multiply the KL term by the importance ratio
-    top_entropy_quantile: float = 1.0  # keep the top-rho tokens by entropy in the loss, 1 = all
-    scale_rewards: str = "group"  # group | batch | none: what the advantage is divided by
-    multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum (GDPO)
-    mask_truncated_completions: bool = False  # drop completions that hit max_completion_length from the loss
-    # optimizer (AdamW)
+    # sapo gate temperatures, positive and non-positive advantages
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    # vespo power and decay, positive and negative advantages
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    # multiply the KL term by the importance ratio
+    use_bias_correction_kl: bool = True
+    # keep the top-rho tokens by entropy in the loss, 1 = all
+    top_entropy_quantile: float = 1.0
+    # group | batch | none: what the advantage is divided by
+    scale_rewards: str = "group"
+    # or normalize_then_sum (GDPO)
+    multi_objective_aggregation: str = "sum_then_normalize"
+    # drop completions that hit max_completion_length from the loss
+    mask_truncated_completions: bool = False
+
+    # --- optimizer (AdamW)
     learning_rate: float = 1e-6  # peak learning rate
-    adam_beta1: float = 0.9  # AdamW beta1
-    adam_beta2: float = 0.99  # AdamW beta2
-    adam_epsilon: float = 1e-8  # AdamW epsilon
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
-    warmup_steps: int = 0  # linear warmup steps (overrides warmup_ratio when > 0)
-    warmup_ratio: float = 0.0  # linear warmup as a fraction of max_steps
-    lr_scheduler: str = "constant"  # constant | cosine (to 0 at max_steps), after warmup
-    max_grad_norm: float | None = 1.0  # gradient clipping; None = off
-    # reference model (beta > 0)
-    sync_ref_model: bool = False  # TR-DPO: pull the reference model toward the policy
-    ref_model_mixup_alpha: float = 0.6  # ref = alpha * policy + (1 - alpha) * ref
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    adam_epsilon: float = 1e-8
+    weight_decay: float = 0.0  # decoupled weight decay
+    # linear warmup steps (overrides warmup_ratio when > 0)
+    warmup_steps: int = 0
+    # linear warmup as a fraction of max_steps
+    warmup_ratio: float = 0.0
+    # constant | cosine (to 0 at max_steps), after warmup
+    lr_scheduler: str = "constant"
+    # gradient clipping; None = off
+    max_grad_norm: float | None = 1.0
+
+    # --- reference model (beta > 0)
+    # TR-DPO: pull the reference model toward the policy
+    sync_ref_model: bool = False
+    # ref = alpha * policy + (1 - alpha) * ref
+    ref_model_mixup_alpha: float = 0.6
     ref_model_sync_steps: int = 512  # optimizer steps between syncs
-    # run
+
+    # --- run
     max_steps: int = 150  # optimizer steps
     eval_every: int = 0  # steps between evaluations, 0 = never
     log_every: int = 1  # steps between log lines
-    save_every: int = 500  # steps between checkpoints (TRL's save_steps), 0 = only at the end; also on Ctrl-C
-    save_total_limit: int | None = None  # keep the newest this-many checkpoints this run wrote; None = all (TRL)
-    log_completions: bool = False  # print a sample of completions at each log step
+    # steps between checkpoints (TRL's save_steps), 0 = only at the end;
+    # also on Ctrl-C
+    save_every: int = 500
+    # keep the newest this-many checkpoints this run wrote; None = all (TRL)
+    save_total_limit: int | None = None
+    # print a sample of completions at each log step
+    log_completions: bool = False
     out_dir: str = "out"  # checkpoints, config.json and logs
-    resume: bool | str = False  # True = latest checkpoint in out_dir, or a checkpoint path
-    overwrite_output_dir: bool = False  # start over in an out_dir holding a run (deletes its checkpoints and logs)
-    report_to: str = "none"  # none | tensorboard | wandb | trackio, or several comma-separated (TRL's name)
+    # False; True = the latest checkpoint in out_dir if there is one;
+    # or a checkpoint path. The text true/false (any case; 1/0, yes/no) is
+    # the bool.
+    resume: bool | str = False
+    # start over in an out_dir holding a run (deletes its checkpoints, logs)
+    overwrite_output_dir: bool = False
+    # none | tensorboard | wandb | trackio, or several comma-separated
+    # (TRL's name)
+    report_to: str = "none"
+
+    def __post_init__(self):
+        # resume="False" in a config file is text: it means False, not a
+        # checkpoint of that name
+        words = TRUE_WORDS + FALSE_WORDS
+        if isinstance(self.resume, str) and self.resume.lower() in words:
+            self.resume = self.resume.lower() in TRUE_WORDS
+
+    # --- batch arithmetic ---------------------------------------------------
+
+    def completions_per_rank(self, world_size: int = 1) -> int:
+        """Completions each rank holds in one optimizer step."""
+        return self.prompts_per_step * self.num_generations // world_size
 
     def schedule(self, world_size: int = 1) -> "Schedule":
-        """Every count derived from the batch settings on `world_size` ranks (call validate first)."""
-        per_rank = self.prompts_per_step * self.num_generations // world_size
+        """Every count derived from the batch settings on `world_size`
+        ranks (call validate first)."""
+        per_rank = self.completions_per_rank(world_size)
         micro_per_step = per_rank // self.micro_batch_size
         spg = self.steps_per_generation or micro_per_step
-        steps = spg // micro_per_step
-        return Schedule(world_size, self.num_generations, self.prompts_per_step, per_rank, self.micro_batch_size,
-                        micro_per_step, spg, steps, self.num_iterations, self.prompts_per_step * steps,
-                        per_rank * steps, steps * self.num_iterations, steps * self.num_iterations > 1)
+        steps = spg // micro_per_step  # optimizer steps one round feeds
+        updates = steps * self.num_iterations
+        return Schedule(
+            world_size=world_size,
+            num_generations=self.num_generations,
+            prompts_per_step=self.prompts_per_step,
+            completions_per_step_per_rank=per_rank,
+            micro_batch_size=self.micro_batch_size,
+            micro_batches_per_step=micro_per_step,
+            steps_per_generation=spg,
+            optimizer_steps_per_generation=steps,
+            num_iterations=self.num_iterations,
+            prompts_per_round=self.prompts_per_step * steps,
+            completions_per_round_per_rank=per_rank * steps,
+            updates_per_round=updates,
+            off_policy=updates > 1,
+        )
 
-    # --- checks and conversions ---------------------------------------------------------------
+    # --- rules between settings ---------------------------------------------
+
+    def _need(self, ok: bool, key: str, why: str):
+        if not ok:
+            raise ConfigError(f"{key}={getattr(self, key)!r}: {why}")
 
     def validate(self, world_size: int = 1) -> "TrainConfig":
-        """Raise ConfigError naming the first inconsistent setting; returns self."""
-
-        def need(ok, key, why):
-            if not ok:
-                raise ConfigError(f"{key}={getattr(self, key)!r}: {why}")
-
+        """Raise ConfigError naming the first inconsistent setting;
+        returns self."""
+        need = self._need
         for key, allowed in CHOICES.items():
-            need(getattr(self, key) in allowed, key, f"must be one of {list(allowed)}")
-        for ok, why, keys in RANGES:  # None passes where the field allows it (its comment says what None means)
+            value = getattr(self, key)
+            need(value in allowed, key, f"must be one of {list(allowed)}")
+        # None passes where the field allows it (its comment says what None means)
+        for ok, why, keys in RANGES:
             for key in keys:
-                need(getattr(self, key) is None or ok(getattr(self, key)), key, why)
+                value = getattr(self, key)
+                need(value is None or ok(value), key, why)
         d = self.device
-        need(d in ("auto", "cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit()), "device",
+        cuda_n = d.startswith("cuda:") and d[5:].isdigit()
+        need(d in ("auto", "cpu", "cuda") or cuda_n, "device",
              "must be auto, cpu, cuda or cuda:N")
-        need(self.num_generations >= 2, "num_generations", "GRPO needs at least 2 completions per prompt")
-        need(self.prompts_per_step % world_size == 0, "prompts_per_step",
-             f"must be divisible by world_size={world_size} so each rank holds whole groups")
-        rows = self.prompts_per_step * self.num_generations // world_size
-        need(rows % self.micro_batch_size == 0, "micro_batch_size",
-             f"must divide the {rows} completions per rank (prompts_per_step * num_generations / world_size)")
-        micro_per_step = rows // self.micro_batch_size
-        need(self.steps_per_generation is None or self.steps_per_generation % micro_per_step == 0,
-             "steps_per_generation", f"counts micro-batches per round, as in TRL: it must be a multiple of the "
-             f"{micro_per_step} micro-batches of one optimizer step on each rank")
-        try:  # the sampler's and the loss's own rules, not restated here
-            check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty)
-            LossConfig(**self.loss_config())
-        except ValueError as e:
-            raise ConfigError(str(e).removeprefix("LossConfig.")) from None
-        need(len(self.reward_funcs) >= 1, "reward_funcs", "needs at least one reward function")
-        for key in ("reward_weights", "reward_processing_classes"):
-            need(getattr(self, key) is None or len(getattr(self, key)) == len(self.reward_funcs), key,
-                 f"needs one entry per reward function ({len(self.reward_funcs)}); reward_processing_classes "
-                 "holds None where a function is not a reward model")
-        need(self.soft_punish_cache is None or self.soft_punish_cache <= self.max_completion_length,
-             "soft_punish_cache", "must be in [1, max_completion_length]")
-        need(not self.sync_ref_model or self.beta > 0, "sync_ref_model", "needs beta > 0 (a reference model)")
-        need(not (self.sync_ref_model and self.use_peft), "sync_ref_model", "is refused with use_peft, as TRL does")
-        need(not self.merge_adapter or self.use_peft, "merge_adapter", "needs use_peft=true (an adapter to merge)")
-        need(all(r in REPORTERS for r in self.reporters()), "report_to", f"takes names from {list(REPORTERS)}")
+        self._validate_batch(world_size)
+        self._validate_sampling_and_loss()
+        self._validate_rewards()
+        need(not self.sync_ref_model or self.beta > 0, "sync_ref_model",
+             "needs beta > 0 (a reference model)")
+        self.check_lora(self.use_peft)
+        need(not self.merge_adapter or self.use_peft, "merge_adapter",
+             "needs use_peft=true (an adapter to merge)")
+        need(all(r in REPORTERS for r in self.reporters()), "report_to",
+             f"takes names from {list(REPORTERS)}")
         return self
 
+    def _validate_batch(self, world_size: int):
+        need = self._need
+        need(self.num_generations >= 2, "num_generations",
+             "GRPO needs at least 2 completions per prompt")
+        need(self.prompts_per_step % world_size == 0, "prompts_per_step",
+             f"must be divisible by world_size={world_size} so each rank "
+             "holds whole groups")
+        rows = self.completions_per_rank(world_size)
+        need(rows % self.micro_batch_size == 0, "micro_batch_size",
+             f"must divide the {rows} completions per rank "
+             "(prompts_per_step * num_generations / world_size)")
+        micro = self.schedule(world_size).micro_batches_per_step
+        spg = self.steps_per_generation
+        need(spg is None or spg % micro == 0, "steps_per_generation",
+             "counts micro-batches per round, as in TRL: it must be a "
+             f"multiple of the {micro} micro-batches of one optimizer step "
+             "on each rank")
+
+    def _validate_sampling_and_loss(self):
+        try:  # the sampler's and the loss's own rules, not restated here
+            check_sampling(
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty,
+            )
+            LossConfig(**self.loss_config())
+        except ValueError as e:
+            message = str(e).removeprefix("LossConfig.")
+            raise ConfigError(message) from None
+        self._need(self.temperature > 0, "temperature",
+                   "training samples, so it must be > 0 "
+                   "(0 = greedy is for sample.py)")
+
+    def _validate_rewards(self):
+        need = self._need
+        n = len(self.reward_funcs)
+        need(n >= 1, "reward_funcs", "needs at least one reward function")
+        for key in ("reward_weights", "reward_processing_classes"):
+            value = getattr(self, key)
+            need(value is None or len(value) == n, key,
+                 f"needs one entry per reward function ({n}); "
+                 "reward_processing_classes holds None where a function "
+                 "is not a reward model")
+        window = self.soft_punish_cache
+        need(window is None or window <= self.max_completion_length,
+             "soft_punish_cache", "must be in [1, max_completion_length]")
+
+    def check_lora(self, lora: bool):
+        """The rules that depend on whether the policy carries LoRA
+        adapters: `lora` is use_peft here (validate), or, once the model is
+        loaded, whether it has them (a PEFT adapter directory as `model`
+        brings its own)."""
+        if lora and self.sync_ref_model:
+            raise ConfigError(
+                "sync_ref_model=True: refused with LoRA adapters (use_peft, or "
+                "a PEFT adapter directory as model), as TRL does")
+
+    def warnings(self) -> list[str]:
+        """What is valid but probably not meant, one sentence each."""
+        out = []
+        if self.eval_every > 0 and not self.eval_dataset:
+            out.append(f"eval_every={self.eval_every} without an "
+                       "eval_dataset: no evaluation")
+        return out
+
+    # --- what other modules read --------------------------------------------
+
     def reporters(self) -> list[str]:
-        """The experiment trackers report_to names ("none" = only metrics.jsonl and the console)."""
-        return [r.strip() for r in self.report_to.split(",") if r.strip() not in ("", "none")]
+        """The experiment trackers report_to names ("none" = only
+        metrics.jsonl and the console)."""
+        names = [r.strip() for r in self.report_to.split(",")]
+        return [r for r in names if r not in ("", "none")]
 
     def bf16(self, device) -> bool:
-        """Whether to compute in bfloat16 on `device` (a torch.device or string)."""
-        return self.dtype == "bfloat16" or (self.dtype == "auto" and str(device).startswith("cuda"))
+        """Whether to compute in bfloat16 on `device` (a torch.device or
+        string): the one rule that dist.autocast (one process) and
+        dist.shard_model (FSDP2 mixed precision) both follow."""
+        if self.dtype == "auto":
+            return str(device).startswith("cuda")
+        return self.dtype == "bfloat16"
 
     def lora_settings(self) -> dict | None:
-        """Keyword arguments for nanogrpo.lora.apply_lora (PEFT's names), or None without use_peft."""
-        targets = "all-linear" if self.lora_target_modules == ["all-linear"] else self.lora_target_modules
-        return {"r": self.lora_r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
-                "target_modules": targets, "modules_to_save": self.lora_modules_to_save,
-                "use_rslora": self.use_rslora} if self.use_peft else None
+        """Keyword arguments for nanogrpo.lora.apply_lora (PEFT's names),
+        or None without use_peft."""
+        if not self.use_peft:
+            return None
+        targets = self.lora_target_modules
+        if targets == ["all-linear"]:
+            targets = "all-linear"
+        return {
+            "r": self.lora_r,
+            "lora_alpha": self.lora_alpha,
+            "lora_dropout": self.lora_dropout,
+            "target_modules": targets,
+            "modules_to_save": self.lora_modules_to_save,
+            "use_rslora": self.use_rslora,
+        }
 
     def loss_config(self) -> dict:
-        """Keyword arguments for nanogrpo.grpo.LossConfig (TRL's names): `LossConfig(**cfg.loss_config())`."""
+        """Keyword arguments for nanogrpo.grpo.LossConfig (TRL's names):
+        `LossConfig(**cfg.loss_config())`."""
         return {key: getattr(self, key) for key in LOSS_FIELDS}
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """What one optimizer step and one generation round are, on every rank: the counts the loop,
-    grpo_step's scaling, the replay order and the logs all read. TRL's names where TRL has them."""
+    """What one optimizer step and one generation round are, on every rank:
+    the counts the loop, grpo_step's scaling, the replay order and the logs
+    all read. TRL's names where TRL has them."""
 
     world_size: int
     num_generations: int  # G completions per prompt
@@ -230,31 +422,48 @@ class Schedule:
     completions_per_step_per_rank: int
     micro_batch_size: int  # completions per forward/backward
     micro_batches_per_step: int  # gradient accumulation steps, on each rank
-    steps_per_generation: int  # TRL's: micro-batches per generation round, on each rank
-    optimizer_steps_per_generation: int  # optimizer steps one round's samples feed, in one pass
+    # TRL's: micro-batches per generation round, on each rank
+    steps_per_generation: int
+    # optimizer steps one round's samples feed, in one pass
+    optimizer_steps_per_generation: int
     num_iterations: int  # passes over each round's samples (TRL's mu)
-    prompts_per_round: int  # prompts sampled per generation round, all ranks together
+    # prompts sampled per generation round, all ranks together
+    prompts_per_round: int
     completions_per_round_per_rank: int
-    updates_per_round: int  # optimizer steps per round: optimizer_steps_per_generation x num_iterations
-    off_policy: bool  # the policy changes between sampling and some update: old log-probs are needed
+    # optimizer steps per round: optimizer_steps_per_generation x num_iterations
+    updates_per_round: int
+    # the policy changes between sampling and some update: old log-probs
+    # are needed
+    off_policy: bool
 
     def replay_order(self) -> list[int]:
-        """The first micro-batch of each optimizer step of a round, in order: the round's micro-batches
-        in step-sized slices, the whole sequence repeated num_iterations times."""
-        one_pass = list(range(0, self.steps_per_generation, self.micro_batches_per_step))
+        """The first micro-batch of each optimizer step of a round, in
+        order: the round's micro-batches in step-sized slices, the whole
+        sequence repeated num_iterations times."""
+        step = self.micro_batches_per_step
+        one_pass = list(range(0, self.steps_per_generation, step))
         return one_pass * self.num_iterations
 
     def table(self) -> str:
-        """A short table for the start of a run: what one step and one round are."""
-        rows = [("ranks", self.world_size),
-                ("prompts x completions per optimizer step (all ranks)", f"{self.prompts_per_step} x "
-                 f"{self.num_generations}"), ("completions per step per rank", self.completions_per_step_per_rank),
-                (f"micro-batches per step per rank (of {self.micro_batch_size} completions)", self.micro_batches_per_step),
-                ("micro-batches per generation round per rank (steps_per_generation)", self.steps_per_generation),
-                ("prompts sampled per round (all ranks)", self.prompts_per_round),
-                ("passes over each round (num_iterations)", self.num_iterations),
-                ("optimizer steps per round", self.updates_per_round),
-                ("old log-probs (off-policy)", "yes" if self.off_policy else "no: ratio is exactly 1")]
+        """A short table for the start of a run: what one step and one
+        round are."""
+        micro = f"of {self.micro_batch_size} completions"
+        old_logps = "yes" if self.off_policy else "no: ratio is exactly 1"
+        rows = [
+            ("ranks", self.world_size),
+            ("prompts x completions per optimizer step (all ranks)",
+             f"{self.prompts_per_step} x {self.num_generations}"),
+            ("completions per step per rank",
+             self.completions_per_step_per_rank),
+            (f"micro-batches per step per rank ({micro})",
+             self.micro_batches_per_step),
+            ("micro-batches per generation round per rank "
+             "(steps_per_generation)", self.steps_per_generation),
+            ("prompts sampled per round (all ranks)", self.prompts_per_round),
+            ("passes over each round (num_iterations)", self.num_iterations),
+            ("optimizer steps per round", self.updates_per_round),
+            ("old log-probs (off-policy)", old_logps),
+        ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
@@ -264,17 +473,33 @@ class Schedule:
 
 
 FIELD_TYPES = typing.get_type_hints(TrainConfig)
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS_DIR = os.path.join(ROOT, "configs")
 
 
-def _unknown_keys(keys: list[tuple[str, str]]) -> ConfigError:
-    """One error naming every unknown key (key, where) at once."""
-    lines = []
-    for key, where in keys:
-        close = difflib.get_close_matches(key, FIELD_TYPES, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        lines.append(f"{key!r} {where}{hint}")
-    return ConfigError(f"{len(lines)} unknown config key(s): " + "; ".join(lines))
+def note(message: str):
+    """A line on stderr, from rank 0 only (torchrun's RANK: the process
+    group does not exist yet while the config loads)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {message}", file=sys.stderr)
+
+
+def _unknown_key(key: str, where: str) -> str:
+    close = difflib.get_close_matches(key, FIELD_TYPES, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"{key!r} {where}{hint}"
+
+
+def check_known(keys: list[tuple[str, str]]):
+    """One ConfigError naming every unknown key of (key, where) pairs, each
+    with its closest field, so nine typos need one run, not nine."""
+    unknown = [_unknown_key(k, where) for k, where in keys
+               if k not in FIELD_TYPES]
+    if len(unknown) == 1:
+        raise ConfigError(f"unknown config key {unknown[0]}")
+    if unknown:
+        lines = "\n  ".join(unknown)
+        raise ConfigError(f"{len(unknown)} unknown config keys:\n  {lines}")
 
 
 def _literal(key: str, text: str):
@@ -284,103 +509,125 @@ def _literal(key: str, text: str):
         raise ConfigError(f"{key}={text!r}: not a Python literal ({e})") from e
 
 
-def convert(key: str, value, tp=None, from_text: bool = False):
-    """`value` as field `key`'s type; strings from the command line are parsed (from_text=True)."""
-    tp = FIELD_TYPES[key] if tp is None else tp
+def _convert_union(key, value, tp, from_text):
     args = typing.get_args(tp)
+    none_text = from_text and str(value).lower() in ("none", "null")
+    if type(None) in args and (value is None or none_text):
+        return None
+    options = [a for a in args if a is not type(None)]
+    if len(options) == 1:  # Optional[X]: X's own, more specific, error
+        return convert(key, value, options[0], from_text)
+    for option in options:
+        try:
+            return convert(key, value, option, from_text)
+        except ConfigError:
+            pass
+    raise ConfigError(f"{key}={value!r}: expected {tp}")
+
+
+def _convert_list(key, value, item_type, from_text):
+    if from_text and isinstance(value, str):
+        text = value.strip()
+        if text[:1] in "[(":
+            value = _literal(key, text)
+        else:  # a,b,c
+            value = [v.strip() for v in text.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}={value!r}: expected a list")
+    return [convert(key, v, item_type, from_text) for v in value]
+
+
+def _convert_number(key, value, tp, from_text):
+    if from_text and isinstance(value, str):
+        try:
+            value = tp(value)
+        except ValueError:
+            pass
+    accepted = (int, float) if tp is float else int  # an int is a fine float
+    if not isinstance(value, accepted) or isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: expected {tp.__name__}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r}: must be a finite number")
+    return tp(value)
+
+
+def convert(key: str, value, tp=None, from_text: bool = False):
+    """`value` as field `key`'s type; strings from the command line are
+    parsed (from_text=True)."""
+    tp = FIELD_TYPES[key] if tp is None else tp
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        if type(None) in args and (value is None or (from_text and str(value).lower() in ("none", "null"))):
-            return None
-        options = [a for a in args if a is not type(None)]
-        if len(options) == 1:  # Optional[X]: X's own, more specific, error
-            return convert(key, value, options[0], from_text)
-        for option in options:
-            try:
-                return convert(key, value, option, from_text)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{key}={value!r}: expected {tp}")
+        return _convert_union(key, value, tp, from_text)
+    if typing.get_origin(tp) is list:
+        return _convert_list(key, value, typing.get_args(tp)[0], from_text)
+    if tp in (int, float):
+        return _convert_number(key, value, tp, from_text)
     if tp is dict:
-        if from_text and isinstance(value, str) and value.strip().startswith("{"):
+        text = from_text and isinstance(value, str)
+        if text and value.strip().startswith("{"):
             value = _literal(key, value)
         if isinstance(value, dict):
             return dict(value)
         raise ConfigError(f"{key}={value!r}: expected a dict")
-    if typing.get_origin(tp) is list:
-        if from_text and isinstance(value, str):
-            text = value.strip()
-            value = _literal(key, text) if text[:1] in "[(" else [v.strip() for v in text.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}={value!r}: expected a list")
-        return [convert(key, v, args[0], from_text) for v in value]
     if tp is bool:
-        if from_text and isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-            return value.lower() in ("true", "1", "yes")
+        words = TRUE_WORDS + FALSE_WORDS
+        if from_text and isinstance(value, str) and value.lower() in words:
+            return value.lower() in TRUE_WORDS
         if isinstance(value, bool):
             return value
-    elif tp in (int, float):
-        if from_text and isinstance(value, str):
-            try:
-                value = tp(value)
-            except ValueError:
-                pass
-        accepted = (int, float) if tp is float else int  # an int is a fine float, not vice versa
-        if isinstance(value, accepted) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise ConfigError(f"{key}={value!r}: must be a finite number")
-            return tp(value)
-    elif tp is str and isinstance(value, str):
+    if tp is str and isinstance(value, str):
         return value
     raise ConfigError(f"{key}={value!r}: expected {getattr(tp, '__name__', tp)}")
 
 
 def config_path(name: str) -> str:
-    """The file a --config value names. A path (with a '/', e.g. ./tiny.py)
-    is that file. A bare name ('tiny', 'small.py') is a built-in config of
-    configs/ when one has that name (a file of the same name in the current
-    directory does not replace it: a note says so), else the file of that
-    name. A config is Python: anything but a .py file is refused."""
-    builtin_name = name if name.endswith(".py") else name + ".py"
-    builtin = os.path.join(CONFIGS_DIR, builtin_name)
+    """The file a --config value names. A config is a Python (.py) file;
+    any other name is refused.
+
+    - A name with a '/' (`./tiny.py`, `runs/a.py`) is that file.
+    - A bare name (`tiny`, `tiny.py`) is the built-in configs/<name>.py
+      when there is one, so the default run never executes a tiny.py that
+      happens to lie in the current directory; when one does, a note says
+      that the built-in runs and how to run yours (`--config ./tiny.py`).
+    - Any other bare `name.py` is the file in the current directory.
+    """
+    ext = os.path.splitext(name)[1]
     is_path = "/" in name or os.sep in name
-    if not is_path and os.path.isfile(builtin):
-        if os.path.isfile(builtin_name) and os.environ.get("RANK", "0") == "0":
-            print(f"note: --config {name} is the built-in {builtin}; the "
-                  f"{builtin_name} in this directory is not used (pass "
-                  f"--config ./{builtin_name} for it)", file=sys.stderr)
-        return builtin
-    if os.path.splitext(name)[1] not in ("", ".py"):
-        raise ConfigError(
-            f"config {name!r} is not a .py file: a config is Python that "
-            "sets TrainConfig's keys (see configs/); data goes in "
-            "--dataset=...")
-    if name.endswith(".py") and os.path.isfile(name):
-        return name
+    if ext != ".py" and (ext or is_path):
+        raise ConfigError(f"config {name!r} is not a .py file: a config is "
+                          "Python assigning settings (see configs/tiny.py)")
+    file = name if ext else name + ".py"
+    if not is_path:
+        builtin = os.path.join(CONFIGS_DIR, file)
+        if os.path.isfile(builtin):
+            if os.path.isfile(file):
+                note(f"--config {name} runs the built-in {builtin}, not "
+                     f"./{file}; for yours, pass --config ./{file}")
+            return builtin
+    if os.path.isfile(file):
+        return file
     known = sorted(f[:-3] for f in os.listdir(CONFIGS_DIR) if f.endswith(".py"))
-    raise ConfigError(f"config {name!r} not found: not a file, nor one of the "
-                      f"built-in configs {known} in {CONFIGS_DIR}")
+    raise ConfigError(f"config {name!r} not found: not a file, nor one of "
+                      f"the built-in configs {known} in {CONFIGS_DIR}")
 
 
 def read_config_file(name: str) -> dict:
-    """Names a config file assigns (skipping _private names, modules, functions and classes).
-    A config file is Python and is executed as code, like a reward-function file: run only your own."""
+    """Names a config file assigns (skipping _private names, modules,
+    functions and classes). A config file is Python and is executed as code,
+    like a reward-function file: run only your own."""
     path = config_path(name)
     namespace: dict = {}
     with open(path) as f:
         exec(compile(f.read(), path, "exec"), namespace)
-    return {k: v for k, v in namespace.items() if not k.startswith("_")
-            and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
+    skipped = (types.ModuleType, types.FunctionType, type)
+    return {k: v for k, v in namespace.items()
+            if not k.startswith("_") and not isinstance(v, skipped)}
 
 
-def load_config(argv: list[str] | None = None) -> TrainConfig:
-    """`[--config FILE] [--key=value | --key value | --bool_key] ...` -> a validated TrainConfig.
-
-    Command-line values override the file's; keys may use dashes for underscores. Two file settings
-    do not follow a command-line change they were not written for, unless the command line names them
-    too: a new `--model` drops the file's `init_model` (a random model is built only where asked), and
-    a new `--dataset` drops the file's `eval_dataset` (an eval set of another task)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pairs, i = [], 0
+def parse_args(argv: list[str]) -> list[tuple[str, str]]:
+    """`--key=value`, `--key value` or `--bool_key` -> [(key, text)] in
+    order; dashes in keys become underscores."""
+    pairs = []
+    i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
@@ -389,32 +636,60 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
         key = key.replace("-", "_")
         if not eq:
             if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                value, i = argv[i + 1], i + 1
+                i += 1
+                value = argv[i]
             elif FIELD_TYPES.get(key) is bool:
                 value = "true"
             else:
                 raise ConfigError(f"--{key} needs a value")
         pairs.append((key, value))
         i += 1
-    settings, from_file = {}, {}
-    command_line = {key: value for key, value in pairs if key != "config"}  # the last of repeated keys wins
-    unknown = []
-    files = {name: read_config_file(name) for name in [value for key, value in pairs if key == "config"]}
-    for name, values in files.items():
-        unknown += [(key, f"in config file {name}") for key in values if key not in FIELD_TYPES]
-    unknown += [(key, "on the command line") for key in command_line if key not in FIELD_TYPES]
-    if unknown:
-        raise _unknown_keys(unknown)
-    for name, values in files.items():
-        for key, value in values.items():
-            settings[key] = from_file[key] = convert(key, value)
+    return pairs
+
+
+def load_config(argv: list[str] | None = None) -> TrainConfig:
+    """`[--config FILE] [--key=value | --key value | --bool_key] ...` -> a
+    validated TrainConfig.
+
+    Command-line values override the file's. Two file settings do not follow
+    a command-line change they were not written for, unless the command line
+    names them too: a new `--model` drops the file's `init_model` (a random
+    model is built only where asked), and a new `--dataset` drops the file's
+    `eval_dataset` and `eval_every` (an eval set of another task)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pairs = parse_args(argv)
+    files = [value for key, value in pairs if key == "config"]
+    file_settings = [(name, read_config_file(name)) for name in files]
+    # the last of repeated keys wins
+    command_line = {key: value for key, value in pairs if key != "config"}
+    where = [(k, f"in config file {name}")
+             for name, read in file_settings for k in read]
+    where += [(k, "on the command line") for k in command_line]
+    check_known(where)
+    from_file = {}
+    for _, read in file_settings:
+        for key, value in read.items():
+            from_file[key] = convert(key, value)
+    settings = dict(from_file)
     for key, value in command_line.items():
         settings[key] = convert(key, value, from_text=True)
-    for key, follows in (("model", "init_model"), ("dataset", "eval_dataset")):
-        if key in command_line and follows not in command_line and from_file.get(follows) is not None \
-                and settings[key] != from_file.get(key):
-            settings[follows] = None
-            if follows == "eval_dataset" and os.environ.get("RANK", "0") == "0":
-                print(f"note: --dataset={settings[key]} replaces the config file's dataset, so its eval_dataset="
-                      f"{from_file[follows]!r} (another task) is not used; pass --eval_dataset=... to evaluate", file=sys.stderr)
+    _drop_followers(settings, from_file, command_line)
     return TrainConfig(**settings).validate()
+
+
+def _drop_followers(settings: dict, from_file: dict, command_line: dict):
+    """load_config's rule for settings that follow another (see there)."""
+    model_changed = settings.get("model") != from_file.get("model")
+    if "model" in command_line and "init_model" not in command_line \
+            and from_file.get("init_model") is not None and model_changed:
+        settings["init_model"] = None
+    dataset_changed = settings.get("dataset") != from_file.get("dataset")
+    if "dataset" in command_line and "eval_dataset" not in command_line \
+            and from_file.get("eval_dataset") is not None and dataset_changed:
+        settings["eval_dataset"] = None
+        dropped = f"eval_dataset={from_file['eval_dataset']!r}"
+        if "eval_every" not in command_line:
+            settings["eval_every"] = 0  # no evaluation, and no warning
+        note(f"--dataset={settings['dataset']} replaces the config file's "
+             f"dataset, so its {dropped} (another task) is not used; "
+             "pass --eval_dataset=... to evaluate")

@@ -1,16 +1,20 @@
 """Everything that knows about more than one process: torch.distributed setup and FSDP2.
 
-Owns: process-group setup from torchrun's environment (nccl on CUDA, gloo on CPU), sharding the
-model with PyTorch's own FSDP2 (`fully_shard` on each block, then the root), filling a sharded model
-from rank 0's full state dict and gathering one back, gathering parameters once for a whole sampling
-phase, and the collectives the trainer needs.
+Owns: process-group setup from torchrun's environment (nccl on CUDA, gloo on
+CPU), sharding the model with PyTorch's own FSDP2 (`fully_shard` on each
+block, then the root), filling a sharded model from rank 0's full state dict
+and gathering one back, gathering parameters once for a whole sampling phase,
+and the collectives the trainer needs.
 
-With one process (no torchrun) every function here degrades to a plain no-op or identity: the
-trainer calls the same functions either way, and the model is a plain `nn.Module` (no FSDP wrapper,
-bf16 through autocast on CUDA).
+With one process (no torchrun) every function here degrades to a plain no-op
+or identity: the trainer calls the same functions either way, and the model is
+a plain `nn.Module` (no FSDP wrapper). bf16 compute is one flag from the
+caller (train.py passes the config's `bf16(device)`): autocast for one process,
+FSDP2's mixed-precision policy for several, on CPU and CUDA alike.
 
-Does not know about: files (checkpoint.py decides what is read and written), GRPO, rewards, or the
-model's internals beyond `model.layers`; it imports nothing of the package.
+Does not know about: files (checkpoint.py decides what is read and written),
+GRPO, rewards, or the model's internals beyond `model.layers`; it imports
+nothing of the package.
 """
 
 import os
@@ -40,33 +44,47 @@ class DistInfo:
 
 
 def setup(device: str = "auto") -> DistInfo:
-    """Read torchrun's RANK/WORLD_SIZE/LOCAL_RANK (absent: one process) and pick the device (each
-    rank its LOCAL_RANK's GPU); initialise the process group (nccl on CUDA, gloo on CPU) when there
-    is more than one process. `cuda:N` names one GPU, so it is for one process only."""
+    """Read torchrun's RANK/WORLD_SIZE/LOCAL_RANK (absent: one process) and
+    pick the device (each rank its LOCAL_RANK's GPU); initialise the process
+    group (nccl on CUDA, gloo on CPU) when there is more than one process.
+    `cuda:N` names one GPU, so it is for one process only."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} but no CUDA device is visible; use device='cpu'")
-        if device != "cuda" and world_size > 1:
-            raise ValueError(f"device={device!r} puts every one of the {world_size} processes on one GPU; "
-                             "use device='cuda' (each rank takes its LOCAL_RANK's GPU) or CUDA_VISIBLE_DEVICES")
-        index = local_rank if device == "cuda" else int(device.split(":")[1])
-        torch.cuda.set_device(index)
-        dev = torch.device("cuda", index)
-    else:
-        dev = torch.device(device)
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = _pick_device(device, world_size, local_rank)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo",
-                                rank=rank, world_size=world_size, device_id=dev if dev.type == "cuda" else None)
+        cuda = dev.type == "cuda"
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo",
+            rank=rank,
+            world_size=world_size,
+            device_id=dev if cuda else None,
+        )
     return DistInfo(rank, world_size, local_rank, dev)
 
 
+def _pick_device(device: str, world_size: int, local_rank: int):
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not device.startswith("cuda"):
+        return torch.device(device)
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but no CUDA device is "
+                         "visible; use device='cpu'")
+    if device != "cuda" and world_size > 1:
+        raise ValueError(
+            f"device={device!r} puts every one of the {world_size} processes "
+            "on one GPU; use device='cuda' (each rank takes its LOCAL_RANK's "
+            "GPU) or CUDA_VISIBLE_DEVICES")
+    index = local_rank if device == "cuda" else int(device.split(":")[1])
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def teardown():
-    """Destroy the process group, if any, once every rank got here (a rank that tears down while
-    another is still in a collective can abort the process)."""
+    """Destroy the process group, if any, once every rank got here (a rank
+    that tears down while another is still in a collective can abort the
+    process)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -104,7 +122,7 @@ def all_gather_rows(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return torch.cat(parts, 0)
 
 
-def broadcast_object(obj, info: DistInfo | None = None):
+def broadcast_object(obj):
     """Rank 0's Python object on every rank."""
     if not dist.is_initialized():
         return obj
@@ -113,10 +131,22 @@ def broadcast_object(obj, info: DistInfo | None = None):
     return box[0]
 
 
-def barrier(info: DistInfo | None = None):
+def barrier():
     """Wait for every rank."""
     if dist.is_initialized():
         dist.barrier()
+
+
+# -----------------------------------------------------------------------------
+# bf16 compute: one flag, two mechanisms
+
+
+def autocast(info: DistInfo, bf16: bool):
+    """bf16 autocast for an unsharded model, on its device (a sharded one
+    computes in bf16 through shard_model's mixed-precision policy)."""
+    if bf16 and not info.sharded:
+        return torch.autocast(info.device.type, dtype=torch.bfloat16)
+    return nullcontext()
 
 
 # -----------------------------------------------------------------------------
@@ -124,28 +154,52 @@ def barrier(info: DistInfo | None = None):
 
 
 def shard_model(model, info: DistInfo, mixed_precision: bool):
-    """Apply `fully_shard` to each transformer block, then to the root (embeddings, final norm and
-    LM head, tied or not). With mixed_precision (CUDA), blocks compute in bf16 and gradients are
-    reduced in fp32 while the sharded master weights stay fp32."""
+    """Apply `fully_shard` to each transformer block, then to the root
+    (embeddings, final norm and LM head, tied or not). With mixed_precision,
+    blocks compute in bf16 and gradients are reduced in fp32 while the
+    sharded master weights stay fp32."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import (MixedPrecisionPolicy, fully_shard,
+                                        register_fsdp_forward_method)
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     kwargs = {"mesh": mesh}
     if mixed_precision:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     # the sampler calls model.hidden_states, not forward: hook it the same way
     register_fsdp_forward_method(model, "hidden_states")
+    # runs before FSDP2's own post-forward hook, which hooks backward on
+    # the outputs and warns on (and can lose to in-place ops) views
+    model.register_forward_hook(_no_view_outputs, prepend=True)
     return model
 
 
+def _no_view_outputs(module, args, output):
+    """The root's outputs as tensors of their own: a `head` may return a view
+    of the hidden states (logprobs' h[:, -1], [N,D]); copying it costs only
+    its own elements. Nothing is copied without grad (sampling)."""
+    if isinstance(output, tuple):
+        return tuple(_own(t) for t in output)
+    return _own(output)
+
+
+def _own(t):
+    if torch.is_tensor(t) and t.requires_grad and t._base is not None:
+        return t.clone()
+    return t
+
+
 def fill_from_rank0(model, full: dict):
-    """Fill a sharded model (allocated, values undefined) from rank 0's full state dict, broadcast
-    shard by shard (other ranks pass {}), so no GPU ever holds a full copy."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    """Fill a sharded model (allocated, values undefined) from rank 0's full
+    state dict, broadcast shard by shard (other ranks pass {}), so no GPU
+    ever holds a full copy."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, set_model_state_dict)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
 
 
 def fsdp_modules(model):
@@ -156,8 +210,9 @@ def fsdp_modules(model):
 
 @contextmanager
 def gathered(model):
-    """Gather every sharded parameter once for a whole sampling phase (not once per decode step),
-    and shard them again afterwards. A no-op for an unsharded model."""
+    """Gather every sharded parameter once for a whole sampling phase (not
+    once per decode step), and shard them again afterwards. A no-op for an
+    unsharded model."""
     modules = fsdp_modules(model)
     for m in modules:
         m.unshard()
@@ -171,35 +226,37 @@ def gathered(model):
 
 
 def gradient_sync(model, enabled: bool):
-    """Turn FSDP's gradient reduce-scatter on (last micro-step) or off (earlier micro-steps)."""
+    """Turn FSDP's gradient reduce-scatter on (last micro-step) or off
+    (earlier micro-steps)."""
     from torch.distributed.fsdp import FSDPModule
     if isinstance(model, FSDPModule):  # the root; recurse=True reaches every block
         model.set_requires_gradient_sync(enabled, recurse=True)
 
 
 def clip_grad_norm(model, max_norm: float) -> float:
-    """Clip gradients to max_norm in total L2 norm (over all ranks for sharded DTensor grads);
-    returns the norm before clipping."""
+    """Clip gradients to max_norm in total L2 norm (over all ranks for
+    sharded DTensor grads); returns the norm before clipping."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    limit = max_norm if max_norm > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, limit)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return norm.item()
 
 
-def autocast(info: DistInfo, bf16: bool):
-    """bf16 autocast for an unsharded model on CUDA (FSDP's mixed-precision policy does it when sharded)."""
-    if bf16 and info.device.type == "cuda" and not info.sharded:
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return nullcontext()
-
-
 def full_state_dict(model, keep=None) -> dict:
-    """The full (unsharded) model state dict on rank 0's CPU, our names; {} on other ranks of a
-    sharded model (every rank must call it: it gathers). keep(name) -> bool: only those tensors (a
-    plain model copies nothing else to the CPU)."""
+    """The full (unsharded) model state dict on rank 0's CPU, our names; {}
+    on other ranks of a sharded model (every rank must call it: it gathers).
+    keep(name) -> bool: only those tensors (a plain model copies nothing else
+    to the CPU)."""
     if not fsdp_modules(model):
-        return {k: v.detach().cpu() for k, v in model.state_dict().items() if keep is None or keep(k)}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v for k, v in state.items() if keep is None or keep(k)} if rank() == 0 else {}
+        state = model.state_dict()
+        return {k: v.detach().cpu() for k, v in state.items()
+                if keep is None or keep(k)}
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    if rank() != 0:
+        return {}
+    return {k: v for k, v in state.items() if keep is None or keep(k)}

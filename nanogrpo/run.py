@@ -115,9 +115,7 @@ def find_checkpoint(cfg: TrainConfig) -> str | None:
     """The checkpoint to resume from: `resume` may be a path (it must
     hold a trainer state) or true (out_dir/checkpoint, when there is
     one); None starts fresh."""
-    resume = cfg.resume
-    if isinstance(resume, str) and resume.lower() in ("true", "false"):
-        resume = resume.lower() == "true"
+    resume = cfg.resume  # False, True or a path (TrainConfig normalises text)
     if not resume:
         return None
     if isinstance(resume, str):
@@ -178,7 +176,7 @@ def clear_out_dir(cfg: TrainConfig, info):
     if info.is_main:
         for name in names:
             remove(os.path.join(cfg.out_dir, name))
-    dist.barrier(info)
+    dist.barrier()
 
 
 def remove(path: str):
@@ -210,7 +208,7 @@ def ensure_tiny_checkpoint(cfg: TrainConfig, info):
                     "init_tokenizer_chars or seed: rebuilding it")
     if info.is_main:
         write_tiny_checkpoint(cfg.model, recipe)
-    dist.barrier(info)
+    dist.barrier()
 
 
 def write_tiny_checkpoint(path: str, recipe: dict):
@@ -309,7 +307,7 @@ def save_merged(run: Run, t):
         with checkpoint.atomic_dir(path) as tmp:
             checkpoint.write_model(tmp, t.model.config, merged,
                                    t.model.generation_config, t.tok)
-    dist.barrier(run.info)
+    dist.barrier()
 
 
 @contextmanager
@@ -374,8 +372,8 @@ def unsaveable(run: Run, t) -> str | None:
 
 def help_text() -> str:
     """Every setting with its default and comment, grouped as in
-    TrainConfig's source: a '# title' line starts a group, a field's
-    comment is on its line, and '#  ' lines below it continue it."""
+    TrainConfig's source: a '# --- title' line starts a group; a field's
+    comment is on the '#' lines just above it and after it on its line."""
     lines = [
         "usage: train.py [--config FILE] [--key=value ...]",
         "  FILE: a config of configs/ by name, or a .py path of your own.",
@@ -401,23 +399,26 @@ def field_comments() -> tuple[dict, dict]:
     comments = {}
     groups = {}
     title = None
-    previous = None  # the last field seen
+    above = []
     for raw in inspect.getsource(TrainConfig).splitlines()[1:]:
         line = raw.strip()
         if line.startswith(("def ", "@")):
             break
         match = re.match(r"(\w+)\s*:", line)
-        if line.startswith("#  ") and previous:
-            comments[previous].append(line[1:].strip())
+        if line.startswith("# ---"):
+            title = line.strip("#- ")
+            above = []
         elif line.startswith("#"):
-            title = line.lstrip("#").strip(" -")
+            above.append(line.lstrip("#").strip())
         elif match and match.group(1) in names:
-            previous = match.group(1)
-            inline = line.split("  # ", 1)[1:]
-            comments[previous] = inline
+            name = match.group(1)
+            comments[name] = above + line.split("  # ", 1)[1:]
             if title:
-                groups[previous] = title
+                groups[name] = title
             title = None
+            above = []
+        else:
+            above = []
     return comments, groups
 
 

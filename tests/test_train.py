@@ -560,7 +560,7 @@ def test_eval_every_zero_is_silent_and_an_eval_without_data_is_named(tmp_path, c
     assert "warning" not in capsys.readouterr().out
     train.train(tiny(tmp_path, "--max_steps=1", "--eval_every=5", "--eval_dataset=None",
                      "--overwrite_output_dir=true"))
-    assert "warning: eval_every=5 but no eval_dataset: no evaluation" in capsys.readouterr().out
+    assert "warning: eval_every=5 without an eval_dataset: no evaluation" in capsys.readouterr().out
 
 
 def test_a_reward_file_with_a_syntax_error_is_one_line(tmp_path):
