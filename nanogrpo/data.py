@@ -1,30 +1,32 @@
 """Prompt datasets: a list of dict rows, where to get them, and the order the trainer sees them in.
 
-Owns: `load_dataset` (local .jsonl/.json/.parquet files, files in a Hub dataset repo, GSM8K, and the
-procedural tasks `default`, `countdown` and `addition`), the row checks, `columns_of` (the extra columns reward
-functions receive) and `PromptSampler` (shuffled, resumable batches of prompts).
+Owns: `load_dataset` (local .jsonl/.json/.parquet files, files in a Hub dataset repo, GSM8K, and
+the procedural tasks `default`, `countdown` and `addition`), the row checks, `columns_of` (the
+extra columns reward functions receive) and `PromptSampler` (shuffled, resumable batches of
+prompts).
 
-Does not know about: tokenization or chat templates (tokenizer.py renders conversational prompts),
-rewards (rewards.py), or processes (the trainer gives each rank its slice of a batch).
+Does not know about: tokenization or chat templates (tokenizer.py renders conversational
+prompts), rewards (rewards.py), or processes (the trainer gives each rank its slice of a batch).
 
 Choices:
 - A dataset is a plain `list[dict]`; no `datasets` dependency. Every row has `prompt`: a string
-  (standard format) or a list of {"role", "content"} messages (conversational format), as in TRL.
-  All other keys are dataset columns, passed to every reward function as keyword arguments.
+  (standard format) or a list of {"role", "content"} messages (conversational format), as in
+  TRL. All other keys are dataset columns, passed to every reward function as keyword arguments.
 - Hub files are named `hf://datasets/<owner>/<name>[@revision]/<path-in-repo>` (the spelling
   huggingface_hub's file system uses) and fetched with `hf_hub_download`, which caches them.
-- Procedural tasks are a pure function of (name, split, num_rows, seed). For `default` and `countdown`
-  split "train" uses `seed`, any other split `seed + 1`, so train and test rows may overlap; `addition`
-  splits the problems themselves, so its test split is truly held out.
+- Procedural tasks are a pure function of (name, split, num_rows, seed). For `default` and
+  `countdown` split "train" uses `seed`, any other split `seed + 1`, so train and test rows may
+  overlap; `addition` splits the problems themselves, so its test split is truly held out.
 
 The default task ("default"): copy a 4-letter string over the alphabet a-h, prompt "bhad=" ->
-target "bhad". It is meant to be learned from scratch, by RL alone, by a ~100k-parameter transformer
-in 200-400 steps on a CPU. It works because (1) the reward (rewards.default_task_score) is dense: a
-random policy already earns partial credit for using the right letters and stopping at the right
-length, so groups have reward variance from step 0; (2) the fixed length makes every output
-position read the prompt at one constant relative offset, a single attention pattern that RoPE
-models pick up easily; (3) the vocabulary is tiny: a char-level tokenizer over `DEFAULT_TASK_CHARS`
-plus a few specials. (How reliably, over seeds: docs/results.md.)
+target "bhad". It is meant to be learned from scratch, by RL alone, by a ~100k-parameter
+transformer in 200-400 steps on a CPU. It works because (1) the reward
+(rewards.default_task_score) is dense: a random policy already earns partial credit for using
+the right letters and stopping at the right length, so groups have reward variance from step 0;
+(2) the fixed length makes every output position read the prompt at one constant relative
+offset, a single attention pattern that RoPE models pick up easily; (3) the vocabulary is tiny:
+a char-level tokenizer over `DEFAULT_TASK_CHARS` plus a few specials. (How reliably, over seeds:
+docs/results.md.)
 """
 
 import json
@@ -34,18 +36,30 @@ import random
 import torch
 
 DEFAULT_TASK_ALPHABET = "abcdefgh"
-DEFAULT_TASK_CHARS = DEFAULT_TASK_ALPHABET + "="  # every character in the default task's prompts and targets
-GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Think step by step inside <think> </think> tags, then give "
-                       "the final answer as a number in \\boxed{} inside <answer> </answer> tags, for example "
-                       "<think> ... </think>\n<answer>\\boxed{42}</answer>")  # what the accuracy + format rewards check
-GSM8K_FILES = {"train": "main/train-00000-of-00001.parquet", "test": "main/test-00000-of-00001.parquet"}
+# every character in the default task's prompts and targets
+DEFAULT_TASK_CHARS = DEFAULT_TASK_ALPHABET + "="
+# what the accuracy + format rewards check
+GSM8K_SYSTEM_PROMPT = (
+    "Solve the math problem. Think step by step inside <think> </think> tags, then give "
+    "the final answer as a number in \\boxed{} inside <answer> </answer> tags, for example "
+    "<think> ... </think>\n<answer>\\boxed{42}</answer>"
+)
+GSM8K_FILES = {
+    "train": "main/train-00000-of-00001.parquet",
+    "test": "main/test-00000-of-00001.parquet",
+}
 
 # -----------------------------------------------------------------------------
 # procedural tasks
 
 
-def make_default_task(num_rows: int, seed: int, length: int = 4, alphabet: str = DEFAULT_TASK_ALPHABET,
-                      reverse: bool = False) -> list[dict]:
+def make_default_task(
+    num_rows: int,
+    seed: int,
+    length: int = 4,
+    alphabet: str = DEFAULT_TASK_ALPHABET,
+    reverse: bool = False,
+) -> list[dict]:
     """Rows {"prompt": "<s>=", "target": s (or s reversed)} with s random letters of `alphabet`."""
     rng = random.Random(seed)
     rows = []
@@ -56,7 +70,8 @@ def make_default_task(num_rows: int, seed: int, length: int = 4, alphabet: str =
 
 
 def _random_expression(nums: list[int], rng: random.Random) -> tuple[str, int] | None:
-    """Combine all of nums with random + - * / into one expression; None when a step is not a whole number."""
+    """Combine all of nums with random + - * / into one expression; None when a step is not a whole
+    number."""
     pool = [(str(n), n) for n in nums]
     while len(pool) > 1:
         (a, va), (b, vb) = pool.pop(rng.randrange(len(pool))), pool.pop(rng.randrange(len(pool)))
@@ -81,15 +96,19 @@ def countdown(num_rows: int, seed: int, conversational: bool = True) -> list[dic
         built = _random_expression(list(nums), rng)
         if built is None or not 0 < built[1] <= 1000:
             continue
-        text = (f"Using the numbers {nums}, write an equation that equals {built[1]}. Use each number exactly "
-                "once and only + - * / and parentheses. Think it through inside <think> </think>, then give "
-                "just the equation inside <answer> </answer>, for example <answer>(1 + 2) / 3</answer>.")
+        text = (
+            f"Using the numbers {nums}, write an equation that equals {built[1]}. Use each number "
+            "exactly once and only + - * / and parentheses. Think it through inside <think> "
+            "</think>, then give just the equation inside <answer> </answer>, for example "
+            "<answer>(1 + 2) / 3</answer>."
+        )
         prompt = [{"role": "user", "content": text}] if conversational else text
         rows.append({"prompt": prompt, "nums": nums, "target": built[1], "equation": built[0]})
     return rows
 
 
-ADDITION_SYSTEM_PROMPT = "Answer with just the number."  # short: replaces SmolLM2's default system prompt
+# short: replaces SmolLM2's default system prompt
+ADDITION_SYSTEM_PROMPT = "Answer with just the number."
 
 
 def addition(num_rows: int, seed: int, split: str = "train", max_operand: int = 25) -> list[dict]:
@@ -101,22 +120,41 @@ def addition(num_rows: int, seed: int, split: str = "train", max_operand: int = 
     the split's problems in a `seed`-shuffled order (all distinct before any repeats). Columns:
     prompt ([system, user]), answer."""
     held_out = split != "train"
-    problems = [(a, b) for a in range(1, max_operand + 1) for b in range(1, max_operand + 1)
-                if (random.Random(f"{min(a, b)}+{max(a, b)}").random() < 0.25) == held_out]
+    problems = [
+        (a, b)
+        for a in range(1, max_operand + 1)
+        for b in range(1, max_operand + 1)
+        if (random.Random(f"{min(a, b)}+{max(a, b)}").random() < 0.25) == held_out
+    ]
     rng = random.Random(seed)
     rows = []
     while len(rows) < num_rows:
         rng.shuffle(problems)
-        rows += [{"prompt": [{"role": "system", "content": ADDITION_SYSTEM_PROMPT},
-                             {"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
-                 for a, b in problems[: num_rows - len(rows)]]
+        rows += [
+            {
+                "prompt": [
+                    {"role": "system", "content": ADDITION_SYSTEM_PROMPT},
+                    {"role": "user", "content": f"What is {a} + {b}?"},
+                ],
+                "answer": str(a + b),
+            }
+            for a, b in problems[: num_rows - len(rows)]
+        ]
     return rows
 
 
 # name -> (make(num_rows, seed, split), default rows for train, default rows otherwise)
 PROCEDURAL = {
-    "default": (lambda n, seed, split: make_default_task(n, seed if split == "train" else seed + 1), 10_000, 256),
-    "countdown": (lambda n, seed, split: countdown(n, seed if split == "train" else seed + 1), 10_000, 256),
+    "default": (
+        lambda n, seed, split: make_default_task(n, seed if split == "train" else seed + 1),
+        10_000,
+        256,
+    ),
+    "countdown": (
+        lambda n, seed, split: countdown(n, seed if split == "train" else seed + 1),
+        10_000,
+        256,
+    ),
     "addition": (addition, 10_000, 128),
 }
 
@@ -157,24 +195,38 @@ def read_rows(path: str) -> list[dict]:
 
 
 def download_hub_file(spec: str) -> str:
-    """'hf://datasets/<owner>/<name>[@revision]/<path-in-repo>' -> local path of the cached download."""
-    parts = spec[len("hf://datasets/"):].split("/", 2)
+    """'hf://datasets/<owner>/<name>[@revision]/<path-in-repo>' -> local path of the cached
+    download."""
+    parts = spec[len("hf://datasets/") :].split("/", 2)
     if not spec.startswith("hf://datasets/") or len(parts) < 3 or not parts[2]:
-        raise ValueError(f"{spec!r}: expected hf://datasets/<owner>/<name>[@revision]/<path-in-repo>")
+        raise ValueError(
+            f"{spec!r}: expected hf://datasets/<owner>/<name>[@revision]/<path-in-repo>"
+        )
     name, _, revision = parts[1].partition("@")
     from huggingface_hub import hf_hub_download
 
-    return hf_hub_download(f"{parts[0]}/{name}", parts[2], repo_type="dataset", revision=revision or None)
+    return hf_hub_download(
+        f"{parts[0]}/{name}", parts[2], repo_type="dataset", revision=revision or None
+    )
 
 
 def gsm8k_rows(raw_rows: list[dict]) -> list[dict]:
     """GSM8K rows {question, answer: "...#### 72"} -> {prompt: [system, user], answer: "72"}."""
-    return [{"prompt": [{"role": "system", "content": GSM8K_SYSTEM_PROMPT},
-                        {"role": "user", "content": row["question"]}],
-             "answer": row["answer"].rsplit("####", 1)[-1].strip().replace(",", "")} for row in raw_rows]
+    return [
+        {
+            "prompt": [
+                {"role": "system", "content": GSM8K_SYSTEM_PROMPT},
+                {"role": "user", "content": row["question"]},
+            ],
+            "answer": row["answer"].rsplit("####", 1)[-1].strip().replace(",", ""),
+        }
+        for row in raw_rows
+    ]
 
 
-def load_dataset(spec: str, split: str | None = None, *, num_rows: int | None = None, seed: int = 0) -> list[dict]:
+def load_dataset(
+    spec: str, split: str | None = None, *, num_rows: int | None = None, seed: int = 0
+) -> list[dict]:
     """Rows of a dataset, checked (see `check_rows`).
 
     spec: a procedural task name ("default", "countdown"), "gsm8k" (hub parquet files of
@@ -190,14 +242,18 @@ def load_dataset(spec: str, split: str | None = None, *, num_rows: int | None = 
     if spec == "gsm8k":
         if split not in GSM8K_FILES:
             raise ValueError(f"gsm8k has splits {sorted(GSM8K_FILES)}, got {split!r}")
-        rows = gsm8k_rows(read_rows(download_hub_file(f"hf://datasets/openai/gsm8k/{GSM8K_FILES[split]}")))
+        rows = gsm8k_rows(
+            read_rows(download_hub_file(f"hf://datasets/openai/gsm8k/{GSM8K_FILES[split]}"))
+        )
     elif spec.startswith("hf://"):
         rows = read_rows(download_hub_file(spec))
     elif os.path.isfile(spec):
         rows = read_rows(spec)
     else:
-        raise ValueError(f"dataset {spec!r} is not a file; use a .jsonl/.json/.parquet path, "
-                         f"hf://datasets/<owner>/<name>/<file>, 'gsm8k', or one of {sorted(PROCEDURAL)}")
+        raise ValueError(
+            f"dataset {spec!r} is not a file; use a .jsonl/.json/.parquet path, "
+            f"hf://datasets/<owner>/<name>/<file>, 'gsm8k', or one of {sorted(PROCEDURAL)}"
+        )
     return check_rows(rows[:num_rows] if num_rows else rows, spec)
 
 
@@ -219,37 +275,58 @@ def check_rows(rows: list[dict], source: str) -> list[dict]:
             found = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ValueError(f"dataset {source}, row {i}: no 'prompt' column (found {found})")
         prompt = row["prompt"]
-        ok = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in prompt))
+        ok = isinstance(prompt, str) or (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+        )
         if not ok:
-            raise ValueError(f"dataset {source}, row {i}: 'prompt' must be a string or a list of "
-                             f"{{'role', 'content'}} messages, got {prompt!r:.100}")
-        if not (prompt.strip() if isinstance(prompt, str) else any(str(m["content"] or "").strip() for m in prompt)):
+            raise ValueError(
+                f"dataset {source}, row {i}: 'prompt' must be a string or a list of "
+                f"{{'role', 'content'}} messages, got {prompt!r:.100}"
+            )
+        if not (
+            prompt.strip()
+            if isinstance(prompt, str)
+            else any(str(m["content"] or "").strip() for m in prompt)
+        ):
             raise ValueError(f"dataset {source}, row {i}: the prompt is empty")
         if is_conversational(row) != is_conversational(rows[0]):
-            raise ValueError(f"dataset {source}, row {i}: mixes standard (string) and conversational "
-                             "(message list) prompts")
+            raise ValueError(
+                f"dataset {source}, row {i}: mixes standard (string) and conversational "
+                "(message list) prompts"
+            )
     return rows
 
 
 def check_prompts(rows: list[dict], source: str, tok, max_prompt_tokens: int, tools=None) -> None:
     """Encode every prompt once, at load time, exactly as the rollout will (with the tool schemas
-    `tools` a tool-calling run puts in the chat template), so a bad row stops the run before step 1,
-    named: a prompt longer than `max_prompt_tokens` (the model's context minus max_completion_length),
-    or a character the tokenizer can only map to its unknown token (silently, e.g. the char-level one)."""
+    `tools` a tool-calling run puts in the chat template), so a bad row stops the run before
+    step 1, named: a prompt longer than `max_prompt_tokens` (the model's context minus
+    max_completion_length), or a character the tokenizer can only map to its unknown token
+    (silently, e.g. the char-level one).
+    """
     unk = tok.token_to_id(getattr(tok.tokenizer.model, "unk_token", None))
     for i, row in enumerate(rows):
         ids = tok.encode_prompt(row["prompt"], tools=tools)
         if len(ids) > max_prompt_tokens:
-            raise ValueError(f"dataset {source}, row {i}: the prompt is {len(ids)} tokens, more than the "
-                             f"{max_prompt_tokens} the model's context leaves beside max_completion_length; "
-                             "shorten or drop that row, or lower max_completion_length")
+            raise ValueError(
+                f"dataset {source}, row {i}: the prompt is {len(ids)} tokens, more than the "
+                f"{max_prompt_tokens} the model's context leaves beside max_completion_length; "
+                "shorten or drop that row, or lower max_completion_length"
+            )
         if unk is not None and unk in ids:
-            text = row["prompt"] if isinstance(row["prompt"], str) else "".join(str(m["content"]) for m in row["prompt"])
+            text = (
+                row["prompt"]
+                if isinstance(row["prompt"], str)
+                else "".join(str(m["content"]) for m in row["prompt"])
+            )
             bad = sorted({c for c in text if tok.encode(c, add_special_tokens=False) == [unk]})
             if bad:
-                raise ValueError(f"dataset {source}, row {i}: the tokenizer has no token for {bad} (they would "
-                                 "be read as its unknown token); remove them or use a tokenizer that has them")
+                raise ValueError(
+                    f"dataset {source}, row {i}: the tokenizer has no token for {bad} (they would "
+                    "be read as its unknown token); remove them or use a tokenizer that has them"
+                )
 
 
 def columns_of(rows: list[dict]) -> dict[str, list]:
@@ -271,7 +348,9 @@ class PromptSampler:
 
     def __init__(self, rows: list[dict], prompts_per_step: int, seed: int = 0):
         if not 0 < prompts_per_step <= len(rows):
-            raise ValueError(f"prompts_per_step={prompts_per_step} must be in [1, {len(rows)} rows]")
+            raise ValueError(
+                f"prompts_per_step={prompts_per_step} must be in [1, {len(rows)} rows]"
+            )
         self.rows, self.prompts_per_step, self.seed = rows, prompts_per_step, seed
         self.epoch, self.position = 0, 0
         self._order_epoch, self._order = None, None
@@ -279,11 +358,15 @@ class PromptSampler:
     def _epoch_order(self) -> list[int]:
         if self._order_epoch != self.epoch:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            self._order_epoch, self._order = self.epoch, torch.randperm(len(self.rows), generator=generator).tolist()
+            self._order_epoch, self._order = (
+                self.epoch,
+                torch.randperm(len(self.rows), generator=generator).tolist(),
+            )
         return self._order
 
     def next_batch(self) -> list[dict]:
-        """The next `prompts_per_step` rows (starting a new, reshuffled epoch when this one runs out)."""
+        """The next `prompts_per_step` rows (starting a new, reshuffled epoch when this one runs
+        out)."""
         if self.position + self.prompts_per_step > len(self.rows):
             self.epoch, self.position = self.epoch + 1, 0
         indices = self._epoch_order()[self.position : self.position + self.prompts_per_step]
@@ -292,10 +375,17 @@ class PromptSampler:
 
     def state_dict(self) -> dict:
         """Where the sampler is: {"epoch", "position", "seed", "num_rows"}."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_rows": len(self.rows)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_rows": len(self.rows),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a `state_dict()`; the dataset must have the same number of rows."""
         if state["num_rows"] != len(self.rows):
-            raise ValueError(f"sampler state is for {state['num_rows']} rows, this dataset has {len(self.rows)}")
+            raise ValueError(
+                f"sampler state is for {state['num_rows']} rows, this dataset has {len(self.rows)}"
+            )
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]

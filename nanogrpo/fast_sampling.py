@@ -49,9 +49,8 @@ def filter_candidates(logits, top_k, top_p, min_p):
         kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B,1] the k-th largest logit
         logits = logits.masked_fill(logits < kth, float("-inf"))
     top = logits.amax(dim=-1, keepdim=True)  # [B,1]
-    keep = (
-        logits >= top + math.log(min_p) if min_p > 0.0 else None
-    )  # [B,V] what min-p keeps; None: all top-k leaves
+    # [B,V] what min-p keeps; None: all top-k leaves
+    keep = logits >= top + math.log(min_p) if min_p > 0.0 else None
     if top_p >= 1.0:
         return _compact(logits, logits > float("-inf") if keep is None else keep, keep)
     w = (logits - top).exp_()  # [B,V] unnormalized probabilities
@@ -87,9 +86,8 @@ def _compact(logits, cand, keep):
     if 4 * K > V:
         ids = torch.arange(V, device=logits.device).expand(B, V)
         return (logits if keep is None else logits.masked_fill(~keep, float("-inf"))), ids
-    slot = (
-        torch.arange(len(row), device=row.device) - (count.cumsum(0) - count)[row]
-    )  # [n] column in the row
+    # [n] column in the row
+    slot = torch.arange(len(row), device=row.device) - (count.cumsum(0) - count)[row]
     vals = logits.new_full((B, K), float("-inf")).index_put_((row, slot), logits[row, col])
     return vals, torch.zeros(B, K, dtype=torch.long, device=row.device).index_put_((row, slot), col)
 
@@ -106,15 +104,12 @@ def _nucleus_bins(w, top_p):
         block = w[i : i + rows]
         e = block.view(torch.int32).long()
         e >>= 23  # the float exponent: w in [2^(e-127), 2^(e-126))
-        mass = (
-            block.new_zeros(len(block), 256).scatter_add_(1, e, block).flip(1).cumsum(1)
-        )  # mass of the top bins
-        crossing = (mass < top_p * mass[:, -1:]).sum(
-            dim=-1, keepdim=True
-        )  # [rows,1] bins above the one reaching p
-        torch.ge(
-            block, ((255 - crossing).int() << 23).view(torch.float32), out=guess[i : i + rows]
-        )  # its smallest w
+        # mass of the top bins
+        mass = block.new_zeros(len(block), 256).scatter_add_(1, e, block).flip(1).cumsum(1)
+        # [rows,1] bins above the one reaching p
+        crossing = (mass < top_p * mass[:, -1:]).sum(dim=-1, keepdim=True)
+        # its smallest w
+        torch.ge(block, ((255 - crossing).int() << 23).view(torch.float32), out=guess[i : i + rows])
     return guess
 
 
@@ -140,9 +135,8 @@ def _decode_step(model, tok, positions, key_valid, slot, cache, vocab_size, chun
 
 
 _COMPILED = {}  # compile mode -> the compiled _decode_step
-_DECODE_CACHES = (
-    weakref.WeakKeyDictionary()
-)  # model -> its compiled step's KV cache, reused across rounds
+# model -> its compiled step's KV cache, reused across rounds
+_DECODE_CACHES = weakref.WeakKeyDictionary()
 
 
 def _decode_cache(model, prefill, src, S):

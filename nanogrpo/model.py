@@ -54,13 +54,17 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v (Qwen2 always has it)
     mlp_bias: bool = False
     initializer_range: float = 0.02
-    num_labels: int | None = None  # a sequence classifier (reward model): a `score` head of num_labels, no lm_head
-    extra: dict = field(default_factory=dict, repr=False, compare=False)  # other config.json keys, written back as-is
+    # a sequence classifier (reward model): a `score` head of num_labels, no lm_head
+    num_labels: int | None = None
+    # other config.json keys, written back as-is
+    extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"config.json: model_type={self.model_type!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(
+                f"config.json: model_type={self.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         if self.model_type == "qwen2":
             self.attention_bias = True
         if self.num_key_value_heads is None:
@@ -68,12 +72,16 @@ class ModelConfig:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"config.json: rope_scaling.rope_type={rope_type!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+            raise ValueError(
+                f"config.json: rope_scaling.rope_type={rope_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
 
     @property
     def qk_norm(self) -> bool:
@@ -102,7 +110,9 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] of RoPE, with `linear` or `llama3` scaling applied."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d)
+    )
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
@@ -135,17 +145,23 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """Static key/value buffers for every layer: k[layer], v[layer] are [B, H_kv, max_len, head_dim].
+    """Static key/value buffers for every layer: k[layer], v[layer] are [B, H_kv, max_len,
+    head_dim].
 
     Written in place at slot indices by `Transformer.forward(..., cache=, cache_start=)`; never
-    reallocated while decoding. `select(rows)` builds a cache holding only (or repeating) some rows,
-    which the sampler uses to copy a prompt's prefill into its G samples and to drop finished rows.
+    reallocated while decoding. `select(rows)` builds a cache holding only (or repeating) some
+    rows, which the sampler uses to copy a prompt's prefill into its G samples and to drop
+    finished rows.
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype, device):
         shape = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.k = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
+        ]
+        self.v = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
+        ]
         self.max_len = max_len
 
     def select(self, rows: torch.Tensor) -> "KVCache":
@@ -162,7 +178,11 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
@@ -181,7 +201,9 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None and torch.is_tensor(cache_start):  # static shapes: attend over every slot (masked)
+        if cache is not None and torch.is_tensor(
+            cache_start
+        ):  # static shapes: attend over every slot (masked)
             slots = cache_start + torch.arange(T, device=x.device)
             cache.k[layer].index_copy_(2, slots, k)
             cache.v[layer].index_copy_(2, slots, v)
@@ -194,7 +216,9 @@ class Attention(nn.Module):
         if T == 1 and mask is not None and self.n_kv != self.n_heads:
             # one-token decode step: fold each kv head's query heads into the query axis
             # ([B,H,1,D] -> [B,Hkv,H/Hkv,D]) instead of copying the whole cache H/Hkv times
-            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, -1, self.head_dim), k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(
+                q.reshape(B, self.n_kv, -1, self.head_dim), k, v, attn_mask=mask
+            )
             return self.o_proj(y.reshape(B, T, -1))
         if self.n_kv != self.n_heads:  # grouped-query: each kv head serves n_heads/n_kv query heads
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
@@ -239,7 +263,9 @@ def attention_mask_for(key_valid, T, cache_start):
     """Boolean mask [B,1,T,S]: query t (at slot cache_start+t) sees key slot s if s <= its slot and
     the key is valid; a query always sees its own slot (keeps fully padded rows finite)."""
     S = key_valid.shape[1]
-    q_slot = (cache_start + torch.arange(T, device=key_valid.device))[:, None]  # [T,1]; cache_start: int or tensor
+    q_slot = (cache_start + torch.arange(T, device=key_valid.device))[
+        :, None
+    ]  # [T,1]; cache_start: int or tensor
     k_slot = torch.arange(S, device=key_valid.device)[None, :]  # [1,S]
     causal = k_slot <= q_slot  # [T,S]
     mask = (key_valid.bool()[:, None, :] & causal) | (k_slot == q_slot)  # [B,T,S]
@@ -258,16 +284,20 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.num_labels is None:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        else:  # per-token label scores [B,T,num_labels]; reward_model.pooled_scores reads the one transformers pools
+        # per-token label scores [B,T,num_labels]; reward_model.pooled_scores reads the one
+        # transformers pools
+        else:
             self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
         self.tie_weights()
-        self.inv_freq = rope_inv_freq(cfg)  # fp32, kept out of state_dict and of .to(dtype); follows the input's device
+        # fp32, kept out of state_dict and of .to(dtype); follows the input's device
+        self.inv_freq = rope_inv_freq(cfg)
         self.gradient_checkpointing = False
         if self.embed_tokens.weight.device.type != "meta":
             self.apply(self._init_weights)
 
     def tie_weights(self):
-        """With tie_word_embeddings, the LM head is the embedding matrix (one Parameter, not a copy)."""
+        """With tie_word_embeddings, the LM head is the embedding matrix (one Parameter, not a
+        copy)."""
         if self.config.tie_word_embeddings and self.config.num_labels is None:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -277,15 +307,17 @@ class Transformer(nn.Module):
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
-    def hidden_states(self, input_ids, attention_mask=None, positions=None, cache=None, cache_start=0):
+    def hidden_states(
+        self, input_ids, attention_mask=None, positions=None, cache=None, cache_start=0
+    ):
         """Final-norm hidden states [B,T,C] (everything but the LM head).
 
         input_ids [B,T]. attention_mask: which keys are real tokens, [B,T] without a cache or
-        [B, cache_start+T] with one (0 = padding). positions [B,T] for RoPE; by default the count
-        of real tokens before each one (left-padding aware) or cache_start + arange(T).
-        cache/cache_start: write this chunk's keys at slots cache_start.. and attend to all slots.
-        A tensor cache_start (a compiled decode step: shapes never change) attends over all cache.max_len
-        slots, so attention_mask is then [B, cache.max_len].
+        [B, cache_start+T] with one (0 = padding). positions [B,T] for RoPE; by default the
+        count of real tokens before each one (left-padding aware) or cache_start + arange(T).
+        cache/cache_start: write this chunk's keys at slots cache_start.. and attend to all
+        slots. A tensor cache_start (a compiled decode step: shapes never change) attends over
+        all cache.max_len slots, so attention_mask is then [B, cache.max_len].
         """
         return self._trunk(input_ids, attention_mask, positions, cache, cache_start)
 
@@ -296,35 +328,54 @@ class Transformer(nn.Module):
             if attention_mask is not None and cache is None:
                 positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             else:
-                positions = torch.arange(cache_start, cache_start + T, device=input_ids.device).expand(B, T)
-        if cache is not None and not torch.is_tensor(cache_start) and cache_start + T > cache.max_len:
-            raise ValueError(f"KV cache of {cache.max_len} slots is too small for {cache_start + T} tokens")
+                positions = torch.arange(
+                    cache_start, cache_start + T, device=input_ids.device
+                ).expand(B, T)
+        if (
+            cache is not None
+            and not torch.is_tensor(cache_start)
+            and cache_start + T > cache.max_len
+        ):
+            raise ValueError(
+                f"KV cache of {cache.max_len} slots is too small for {cache_start + T} tokens"
+            )
         mask = None
         if attention_mask is not None or cache is not None:
             if attention_mask is None:
-                attention_mask = torch.ones(B, cache_start + T, dtype=torch.bool, device=input_ids.device)
+                attention_mask = torch.ones(
+                    B, cache_start + T, dtype=torch.bool, device=input_ids.device
+                )
             mask = attention_mask_for(attention_mask, T, cache_start)
         x = self.embed_tokens(input_ids)
         if self.inv_freq.device != x.device:  # moved once, on the first forward on a new device
             self.inv_freq = self.inv_freq.to(x.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, block in enumerate(self.layers):
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
+            if (
+                self.gradient_checkpointing
+                and self.training
+                and torch.is_grad_enabled()
+                and cache is None
+            ):
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, cache, i, cache_start)
         return self.norm(x)
 
-    def forward(self, input_ids, attention_mask=None, positions=None, cache=None, cache_start=0, head=None):
-        """Logits [B,T,V] (a classifier: label scores [B,T,num_labels]); arguments as in `hidden_states`.
-        With `head`, returns head(hidden [B,T,C], self.lm_head or self.score) instead: how token_logprobs
-        scores in chunks without full logits and a reward model scores only its pooled position, inside
-        the forward call (so FSDP keeps the head gathered while it runs)."""
+    def forward(
+        self, input_ids, attention_mask=None, positions=None, cache=None, cache_start=0, head=None
+    ):
+        """Logits [B,T,V] (a classifier: label scores [B,T,num_labels]); arguments as in
+        `hidden_states`. With `head`, returns head(hidden [B,T,C], self.lm_head or self.score)
+        instead: how token_logprobs scores in chunks without full logits and a reward model
+        scores only its pooled position, inside the forward call (so FSDP keeps the head
+        gathered while it runs)."""
         h = self._trunk(input_ids, attention_mask, positions, cache, cache_start)
         out = self.lm_head if self.config.num_labels is None else self.score
         return out(h) if head is None else head(h, out)
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        """A zeroed KV cache for `batch_size` rows of up to `max_len` tokens, in the model's dtype/device."""
+        """A zeroed KV cache for `batch_size` rows of up to `max_len` tokens, in the model's
+        dtype/device."""
         w = self.embed_tokens.weight
         return KVCache(self.config, batch_size, max_len, w.dtype, w.device)

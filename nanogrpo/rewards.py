@@ -1,22 +1,25 @@
 """Reward functions and reward models, and turning their outputs into one [N, K] reward matrix.
 
 Owns: the built-in rewards (`accuracy`, `format`, `soft_overlong`, `countdown`, `default_task`),
-resolving config entries (`resolve_reward_funcs`: a reward model's entry goes to reward_model.py),
-calling every function on a batch of completions (`score_completions`), their weighted total
-(`total_reward`), and checking that the dataset has the columns they read (`check_reward_columns`).
+resolving config entries (`resolve_reward_funcs`: a reward model's entry goes to
+reward_model.py), calling every function on a batch of completions (`score_completions`), their
+weighted total (`total_reward`), and checking that the dataset has the columns they read
+(`check_reward_columns`).
 
-Does not know about: the policy, advantages (grpo.py), where dataset columns come from (data.py),
-reward models' internals (reward_model.py), or other processes.
+Does not know about: the policy, advantages (grpo.py), where dataset columns come from
+(data.py), reward models' internals (reward_model.py), or other processes.
 
 Choices:
-- TRL's calling convention, so users bring their functions unchanged:
-  `fn(prompts, completions, completion_ids=..., **columns) -> list[float | None]`. Completions are
-  strings for plain-text prompts and `[{"role": "assistant", "content": ...}]` for conversational
-  ones; every built-in accepts both. `None` means "not scored" and becomes NaN in the matrix.
-- `async def` reward functions are awaited together in one `asyncio.run`: slow remote verifiers overlap.
-- Math answers are compared as exact `fractions.Fraction`s (no sympy): 2.50 == 5/2 == \\frac{5}{2}.
-- Countdown equations are parsed with `ast` and evaluated by walking the tree with Fractions; nothing
-  is ever passed to `eval`.
+- TRL's calling convention, so users bring their functions unchanged: `fn(prompts, completions,
+  completion_ids=..., **columns) -> list[float | None]`. Completions are strings for plain-text
+  prompts and `[{"role": "assistant", "content": ...}]` for conversational ones; every built-in
+  accepts both. `None` means "not scored" and becomes NaN in the matrix.
+- `async def` reward functions are awaited together in one `asyncio.run`: slow remote verifiers
+  overlap.
+- Math answers are compared as exact `fractions.Fraction`s (no sympy): 2.50 == 5/2 ==
+  \\frac{5}{2}.
+- Countdown equations are parsed with `ast` and evaluated by walking the tree with Fractions;
+  nothing is ever passed to `eval`.
 """
 
 import ast
@@ -32,7 +35,6 @@ import re
 from fractions import Fraction
 
 import torch
-
 
 
 class RewardError(RuntimeError):
@@ -56,7 +58,8 @@ def last_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}` in text, nested braces allowed; None if there is none."""
     start = text.rfind("\\boxed")
     while start != -1:
-        i = len(text) - len(text[start + len("\\boxed"):].lstrip(" "))  # the first non-space after \\boxed
+        # the first non-space after \\boxed
+        i = len(text) - len(text[start + len("\\boxed") :].lstrip(" "))
         if i < len(text) and text[i] == "{":
             depth = 0
             for j in range(i, len(text)):
@@ -71,7 +74,8 @@ _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer in a solution: last `\\boxed{}`, else what follows `####`, else the last number."""
+    """The final answer in a solution: last `\\boxed{}`, else what follows `####`, else the last
+    number."""
     if (boxed := last_boxed(text)) is not None:
         return boxed
     if "####" in text:
@@ -100,7 +104,8 @@ def parse_number(s: str) -> Fraction | None:
 
 
 def answers_match(predicted: str, gold: str) -> bool:
-    """Numeric equivalence when both parse as numbers, else whitespace- and `$`-insensitive equality."""
+    """Numeric equivalence when both parse as numbers, else whitespace- and `$`-insensitive
+    equality."""
     p, g = parse_number(predicted), parse_number(gold)
     if p is not None and g is not None:
         return p == g
@@ -132,13 +137,17 @@ def accuracy_reward(completions, answer=None, solution=None, **kwargs) -> list[f
 # format, soft overlong punishment
 
 
-_THINK_ANSWER = re.compile(r"<think>(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*</answer>",
-                           re.DOTALL)
+_THINK_ANSWER = re.compile(
+    r"<think>(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*</answer>", re.DOTALL
+)
 
 
 def format_reward(completions, **kwargs) -> list[float]:
-    """1.0 when the whole completion is `<think>...</think>` then `<answer>...</answer>`, else 0.0."""
-    return [float(_THINK_ANSWER.fullmatch(completion_text(c).strip()) is not None) for c in completions]
+    """1.0 when the whole completion is `<think>...</think>` then `<answer>...</answer>`, else "
+    "0.0."""
+    return [
+        float(_THINK_ANSWER.fullmatch(completion_text(c).strip()) is not None) for c in completions
+    ]
 
 
 def soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int):
@@ -146,12 +155,16 @@ def soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int):
     max_completion_len, C = soft_punish_cache: 0 when L <= M - C, falling linearly to -1 across the
     last C tokens ((M - C - L) / C), and -1 beyond M."""
     if not 0 < soft_punish_cache <= max_completion_len:
-        raise ValueError(f"soft_punish_cache={soft_punish_cache} must be in [1, {max_completion_len}]")
+        raise ValueError(
+            f"soft_punish_cache={soft_punish_cache} must be in [1, {max_completion_len}]"
+        )
     free = max_completion_len - soft_punish_cache
 
     def soft_overlong(completion_ids, **kwargs) -> list[float]:
-        return [0.0 if n <= free else -1.0 if n > max_completion_len else (free - n) / soft_punish_cache
-                for n in map(len, completion_ids)]
+        return [
+            0.0 if n <= free else -1.0 if n > max_completion_len else (free - n) / soft_punish_cache
+            for n in map(len, completion_ids)
+        ]
 
     return soft_overlong
 
@@ -160,12 +173,17 @@ def soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int):
 # countdown: safe arithmetic with ast
 
 
-_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
-        ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+_OPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
 
 
 def _evaluate(node, used: list) -> Fraction:
-    """Value of an expression tree of integers, + - * /, parentheses and unary minus; anything else raises."""
+    """Value of an expression tree of integers, + - * /, parentheses and unary minus; anything else
+    raises."""
     if isinstance(node, ast.Expression):
         return _evaluate(node.body, used)
     if isinstance(node, ast.Constant) and type(node.value) is int:
@@ -193,12 +211,17 @@ def check_equation(equation: str, nums, target) -> bool:
 
 
 def countdown_reward(completions, nums, target, **kwargs) -> list[float]:
-    """1.0 when the `<answer>` equation (or, without tags, the last line) reaches `target` from `nums`."""
+    """1.0 when the `<answer>` equation (or, without tags, the last line) reaches `target` from
+    `nums`."""
     scores = []
     for completion, row_nums, row_target in zip(completions, nums, target):
         text = completion_text(completion)
-        equation = (re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)  # the last tagged one, else the last line
-                    or [line for line in text.strip().split("\n") if line.strip()] or [""])[-1]
+        equation = (
+            # the last tagged one, else the last line
+            re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+            or [line for line in text.strip().split("\n") if line.strip()]
+            or [""]
+        )[-1]
         scores.append(float(check_equation(equation, row_nums, row_target)))
     return scores
 
@@ -208,42 +231,59 @@ def countdown_reward(completions, nums, target, **kwargs) -> list[float]:
 
 
 def default_task_score(completion: str, target: str, num_tokens: int | None = None) -> float:
-    """Dense score in [0, 1], 1.0 only for the exact target at the exact length:
-    0.7 * fraction of positions right + 0.15 * multiset overlap of characters (both over
-    max(length, len target)) + 0.15 * length closeness (1 - |length - len target| / len target, >= 0).
-    length = len(completion), or num_tokens - 1 if larger: num_tokens counts the generated ids up to and
-    including the stop token, so tokens that decode to nothing (special tokens) still count as length
-    and the policy must learn to stop rather than pad with invisible tokens."""
+    """Dense score in [0, 1], 1.0 only for the exact target at the exact length: 0.7 * fraction of
+    positions right + 0.15 * multiset overlap of characters (both over max(length, len target))
+    + 0.15 * length closeness (1 - |length - len target| / len target, >= 0). length =
+    len(completion), or num_tokens - 1 if larger: num_tokens counts the generated ids up to and
+    including the stop token, so tokens that decode to nothing (special tokens) still count as
+    length and the policy must learn to stop rather than pad with invisible tokens."""
     length = len(completion) if num_tokens is None else max(len(completion), num_tokens - 1)
     if completion == target and length == len(target):
         return 1.0
     longest = max(length, len(target), 1)
     positions = sum(a == b for a, b in zip(completion, target)) / longest
-    overlap = sum((collections.Counter(completion) & collections.Counter(target)).values()) / longest
+    overlap = (
+        sum((collections.Counter(completion) & collections.Counter(target)).values()) / longest
+    )
     closeness = max(0.0, 1.0 - abs(length - len(target)) / max(len(target), 1))
     return 0.7 * positions + 0.15 * overlap + 0.15 * closeness
 
 
 def default_task_reward(completions, target, completion_ids=None, **kwargs) -> list[float]:
     """`default_task_score` of each completion against the dataset column `target`."""
-    counts = [None] * len(completions) if completion_ids is None else [len(ids) for ids in completion_ids]
-    return [default_task_score(completion_text(c).strip(), str(t), n) for c, t, n in zip(completions, target, counts)]
+    counts = (
+        [None] * len(completions)
+        if completion_ids is None
+        else [len(ids) for ids in completion_ids]
+    )
+    return [
+        default_task_score(completion_text(c).strip(), str(t), n)
+        for c, t, n in zip(completions, target, counts)
+    ]
 
 
 # -----------------------------------------------------------------------------
 # resolving names, reward models, scoring a batch
 
 
-BUILTINS = {"accuracy": accuracy_reward, "format": format_reward, "countdown": countdown_reward,
-            "default_task": default_task_reward, "soft_overlong": soft_overlong_punishment}
+BUILTINS = {
+    "accuracy": accuracy_reward,
+    "format": format_reward,
+    "countdown": countdown_reward,
+    "default_task": default_task_reward,
+    "soft_overlong": soft_overlong_punishment,
+}
 
 
 def import_function(spec: str, kind: str = "reward function"):
-    """'package.module:function' or 'path/to/file.py:function' -> the function (`kind` names it in errors)."""
+    """'package.module:function' or 'path/to/file.py:function' -> the function (`kind` names it in
+    errors)."""
     module_name, _, attr = spec.rpartition(":")
     try:
         if module_name.endswith(".py"):
-            loader_spec = importlib.util.spec_from_file_location(f"_reward_{abs(hash(module_name))}", module_name)
+            loader_spec = importlib.util.spec_from_file_location(
+                f"_reward_{abs(hash(module_name))}", module_name
+            )
             module = importlib.util.module_from_spec(loader_spec)
             loader_spec.loader.exec_module(module)
         else:
@@ -253,26 +293,39 @@ def import_function(spec: str, kind: str = "reward function"):
     except SyntaxError as e:  # one line naming the place, not a traceback
         raise ValueError(f"{kind} {spec!r}: {e.filename}, line {e.lineno}: {e.msg}") from None
     except Exception as e:  # the file ran and raised
-        raise ValueError(f"{kind} {spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from e
+        raise ValueError(
+            f"{kind} {spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}"
+        ) from e
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{kind} {spec!r}: {module_name!r} has no function {attr!r}")
     return fn
 
 
-def resolve_reward_funcs(names_or_callables, *, max_completion_length: int | None = None,
-                         soft_punish_cache: int | None = None, reward_processing_classes=None, device="cpu",
-                         dtype=torch.float32, batch_size: int = 32) -> list[tuple[str, object]]:
-    """Config entries -> [(name, fn)]: callables, built-in names, "module:function" or "file.py:function",
-    and reward models: the directory or hub id ('org/name') of a *ForSequenceClassification checkpoint,
-    loaded by `reward_model` with reward_processing_classes[i] (TRL's name: one entry per function; None =
-    the model's own tokenizer; ignored for other functions, as in TRL). `soft_overlong` is built from
+def resolve_reward_funcs(
+    names_or_callables,
+    *,
+    max_completion_length: int | None = None,
+    soft_punish_cache: int | None = None,
+    reward_processing_classes=None,
+    device="cpu",
+    dtype=torch.float32,
+    batch_size: int = 32,
+) -> list[tuple[str, object]]:
+    """Config entries -> [(name, fn)]: callables, built-in names, "module:function" or
+    "file.py:function", and reward models: the directory or hub id ('org/name') of a
+    *ForSequenceClassification checkpoint, loaded by `reward_model` with
+    reward_processing_classes[i] (TRL's name: one entry per function; None = the model's own
+    tokenizer; ignored for other functions, as in TRL). `soft_overlong` is built from
     max_completion_length and soft_punish_cache (default: a quarter of max_completion_length)."""
     if isinstance(names_or_callables, str) or callable(names_or_callables):
         names_or_callables = [names_or_callables]
     tokenizers = list(reward_processing_classes or [None] * len(names_or_callables))
     if len(tokenizers) != len(names_or_callables):
-        raise ValueError(f"reward_processing_classes: {len(tokenizers)} entries, {len(names_or_callables)} functions")
+        raise ValueError(
+            f"reward_processing_classes: {len(tokenizers)} entries, {len(names_or_callables)} "
+            "functions"
+        )
     resolved = []
     for item, tokenizer in zip(names_or_callables, tokenizers):
         if callable(item):
@@ -282,20 +335,32 @@ def resolve_reward_funcs(names_or_callables, *, max_completion_length: int | Non
         elif item == "soft_overlong":
             if max_completion_length is None:
                 raise ValueError("soft_overlong needs max_completion_length")
-            cache = soft_punish_cache if soft_punish_cache is not None else max(1, max_completion_length // 4)
+            cache = (
+                soft_punish_cache
+                if soft_punish_cache is not None
+                else max(1, max_completion_length // 4)
+            )
             resolved.append((item, soft_overlong_punishment(max_completion_length, cache)))
         elif item in BUILTINS:
             resolved.append((item, BUILTINS[item]))
-        elif os.path.isdir(item) or (":" not in item and item.count("/") == 1 and not item.startswith((".", "~"))):
-            from nanogrpo.reward_model import reward_model  # the checkpoint machinery, only when used
+        elif os.path.isdir(item) or (
+            ":" not in item and item.count("/") == 1 and not item.startswith((".", "~"))
+        ):
+            # the checkpoint machinery, only when used
+            from nanogrpo.reward_model import (
+                reward_model,
+            )
+
             resolved.append(reward_model(item, tokenizer, device, dtype, batch_size))
         elif ":" in item:
             resolved.append((item.rpartition(":")[2], import_function(item)))
         else:
             close = difflib.get_close_matches(item, BUILTINS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"unknown reward function {item!r}{hint}; built-ins are {sorted(BUILTINS)}, or give "
-                             "'module:function' or a reward model's directory or hub id")
+            raise ValueError(
+                f"unknown reward function {item!r}{hint}; built-ins are {sorted(BUILTINS)}, or "
+                "give 'module:function' or a reward model's directory or hub id"
+            )
     return resolved
 
 
@@ -304,54 +369,81 @@ def _check_scores(name: str, scores, n: int) -> list[float]:
     if hasattr(scores, "tolist"):  # tensor, numpy array
         scores = scores.tolist()
     if not isinstance(scores, (list, tuple)):
-        raise RewardError(f"reward function {name!r} returned {type(scores).__name__} {scores!r:.80}, "
-                          "expected a list with one float (or None) per completion")
+        raise RewardError(
+            f"reward function {name!r} returned {type(scores).__name__} {scores!r:.80}, "
+            "expected a list with one float (or None) per completion"
+        )
     if len(scores) != n:
-        raise RewardError(f"reward function {name!r} returned {len(scores)} values for {n} completions")
+        raise RewardError(
+            f"reward function {name!r} returned {len(scores)} values for {n} completions"
+        )
     out = [math.nan if s is None else s for s in scores]
     for i, s in enumerate(out):
         if not isinstance(s, numbers.Real) or math.isinf(s):
-            raise RewardError(f"reward function {name!r} returned {s!r} ({type(s).__name__}) at index {i}; "
-                              "expected a finite float or None")
+            raise RewardError(
+                f"reward function {name!r} returned {s!r} ({type(s).__name__}) at index {i}; "
+                "expected a finite float or None"
+            )
     return [float(s) for s in out]
 
 
 def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
     """Every column a reward function requires (a parameter without default, besides prompts,
-    completions and completion_ids) must be in every row: found at load time, not as a crash at step 50."""
+    completions and completion_ids) must be in every row: found at load time, not as a crash at
+    step 50.
+    """
     for name, fn in reward_funcs:
         try:
             params = inspect.signature(fn).parameters.values()
         except (TypeError, ValueError):  # a builtin or C callable: nothing to check
             continue
-        needed = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                  and p.name not in ("prompts", "completions", "completion_ids")]
+        needed = [
+            p.name
+            for p in params
+            if p.default is p.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.name not in ("prompts", "completions", "completion_ids")
+        ]
         for i, row in enumerate(rows):
             missing = [c for c in needed if row.get(c) is None]
             if missing:
-                raise ValueError(f"reward function {name!r} needs the column(s) {missing}, which row {i} of "
-                                 f"dataset {source} lacks (its columns: {sorted(row)})")
+                raise ValueError(
+                    f"reward function {name!r} needs the column(s) {missing}, which row {i} of "
+                    f"dataset {source} lacks (its columns: {sorted(row)})"
+                )
 
 
-def score_completions(reward_funcs, prompts, completions, completion_ids, columns: dict) -> torch.Tensor:
-    """Call every reward function on the batch -> float32 [N, K], NaN where a function returned None.
-    reward_funcs: [(name, fn)] from resolve_reward_funcs (bare callables also accepted).
-    prompts, completions, completion_ids: N entries each (prompt i*G..i*G+G-1 repeated as the trainer
-    lays them out); columns: dataset columns, each a list of N values, passed as keyword arguments."""
+def score_completions(
+    reward_funcs, prompts, completions, completion_ids, columns: dict
+) -> torch.Tensor:
+    """Call every reward function on the batch -> float32 [N, K], NaN where a function returned
+    None. reward_funcs: [(name, fn)] from resolve_reward_funcs (bare callables also accepted).
+    prompts, completions, completion_ids: N entries each (prompt i*G..i*G+G-1 repeated as the
+    trainer lays them out); columns: dataset columns, each a list of N values, passed as keyword
+    arguments.
+    """
     n = len(completions)
     for key, values in columns.items():
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
-    funcs = [f if isinstance(f, tuple) else (getattr(f, "__name__", repr(f)), f) for f in reward_funcs]
+    funcs = [
+        f if isinstance(f, tuple) else (getattr(f, "__name__", repr(f)), f) for f in reward_funcs
+    ]
     results, pending = {}, {}
     try:
         for k, (name, fn) in enumerate(funcs):
             try:
-                out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+                out = fn(
+                    prompts=prompts,
+                    completions=completions,
+                    completion_ids=completion_ids,
+                    **columns,
+                )
             except Exception as e:
                 raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
             (pending if inspect.isawaitable(out) else results)[k] = out
         if pending:
+
             async def gather():
                 return await asyncio.gather(*pending.values(), return_exceptions=True)
 
@@ -359,7 +451,9 @@ def score_completions(reward_funcs, prompts, completions, completion_ids, column
             pending.clear()
             for k, out in zip(keys, outs):
                 if isinstance(out, BaseException):
-                    raise RewardError(f"reward function {funcs[k][0]!r} raised {type(out).__name__}: {out}") from out
+                    raise RewardError(
+                        f"reward function {funcs[k][0]!r} raised {type(out).__name__}: {out}"
+                    ) from out
                 results[k] = out
     finally:
         for coroutine in pending.values():  # never awaited because an earlier function failed
@@ -372,6 +466,10 @@ def total_reward(rewards: torch.Tensor, weights=None) -> torch.Tensor:
     """The weighted total [N] of a reward matrix [N,K]: sum_k w_k R_k over the scored (non-NaN)
     entries, NaN for a row no function scored. The one definition that training metrics, evaluation,
     printed samples and sample.py use (group_advantages applies the same rule)."""
-    w = torch.ones(rewards.shape[1]) if weights is None else torch.as_tensor(weights, dtype=rewards.dtype)
+    w = (
+        torch.ones(rewards.shape[1])
+        if weights is None
+        else torch.as_tensor(weights, dtype=rewards.dtype)
+    )
     total = torch.nansum(rewards * w.to(rewards.device), dim=1)
     return torch.where(torch.isnan(rewards).all(dim=1), torch.nan, total)

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from nanogrpo.checkpoint import resolve_path
 
+
 def _token_text(value):
     """A special token from tokenizer_config.json: a string or an AddedToken dict -> its text."""
     if isinstance(value, dict):
@@ -31,11 +32,17 @@ def _read_json_if_exists(path) -> dict:
         return json.load(f)
 
 
-REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # first found wins, as in transformers
+# first found wins, as in transformers
+REASONING_KEYS = (
+    "reasoning_content",
+    "thinking",
+    "reasoning",
+)
 
 
 def _template_message(message: dict) -> dict:
-    """A message as transformers hands it to a chat template: None values dropped, reasoning aliased."""
+    """A message as transformers hands it to a chat template: None values dropped, reasoning
+    aliased."""
     message = {k: v for k, v in message.items() if v is not None}
     reasoning = next((message[k] for k in REASONING_KEYS if k in message), None)
     if reasoning is not None:
@@ -55,9 +62,13 @@ def compile_chat_template(source: str):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -67,13 +78,20 @@ def compile_chat_template(source: str):
 class Tokenizer:
     """A checkpoint's tokenizer: encode/decode, chat template, eos and pad ids."""
 
-    def __init__(self, tokenizer: HFTokenizer, config: dict, chat_template: str | None = None,
-                 generation_config: dict | None = None):
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        config: dict,
+        chat_template: str | None = None,
+        generation_config: dict | None = None,
+    ):
         self.tokenizer = tokenizer
         self.config = config
         self.chat_template = chat_template
-        self.special_tokens = {k: _token_text(config.get(k)) for k in
-                               ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.special_tokens = {
+            k: _token_text(config.get(k))
+            for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+        }
         self.bos_token_id = self.token_to_id(self.special_tokens["bos_token"])
         self.eos_token_id = self.token_to_id(self.special_tokens["eos_token"])
         gen_eos = (generation_config or {}).get("eos_token_id")
@@ -81,20 +99,27 @@ class Tokenizer:
         self.eos_token_ids: set[int] = {i for i in [self.eos_token_id, *gen_eos] if i is not None}
         pad = self.token_to_id(self.special_tokens["pad_token"])
         self.pad_token_id: int = pad if pad is not None else self.eos_token_id
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)  # ids >= this are padding rows
+        # ids >= this are padding rows
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template = None
 
     @classmethod
     def from_pretrained(cls, path_or_hub_id) -> "Tokenizer":
-        """Load tokenizer.json (+ tokenizer_config.json, chat_template.jinja, generation_config.json)
-        from a local directory or a hub id; a PEFT adapter directory without them: its base model's."""
+        """Load tokenizer.json (+ tokenizer_config.json, chat_template.jinja,
+        generation_config.json) from a local directory or a hub id; a PEFT adapter directory
+        without them: its base model's.
+        """
         path = resolve_path(path_or_hub_id)
         tok_path = os.path.join(path, "tokenizer.json")
         if not os.path.exists(tok_path):
-            base = _read_json_if_exists(os.path.join(path, "adapter_config.json")).get("base_model_name_or_path")
+            base = _read_json_if_exists(os.path.join(path, "adapter_config.json")).get(
+                "base_model_name_or_path"
+            )
             if base:  # a PEFT adapter saved without a tokenizer: its base model's
                 return cls.from_pretrained(base)
-            raise FileNotFoundError(f"{tok_path} not found: nanogrpo needs a fast tokenizer (tokenizer.json)")
+            raise FileNotFoundError(
+                f"{tok_path} not found: nanogrpo needs a fast tokenizer (tokenizer.json)"
+            )
         config = _read_json_if_exists(os.path.join(path, "tokenizer_config.json"))
         special_map = _read_json_if_exists(os.path.join(path, "special_tokens_map.json"))
         for key, value in special_map.items():
@@ -104,7 +129,9 @@ class Tokenizer:
         if os.path.exists(jinja_path):
             with open(jinja_path) as f:
                 template = f.read()
-        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        if isinstance(
+            template, list
+        ):  # named templates: [{"name": "default", "template": ...}, ...]
             template = {t["name"]: t["template"] for t in template}.get("default")
         generation_config = _read_json_if_exists(os.path.join(path, "generation_config.json"))
         return cls(HFTokenizer.from_file(tok_path), config, template, generation_config)
@@ -118,9 +145,17 @@ class Tokenizer:
         tokenizer_config.json's add_bos_token/add_eos_token are honoured."""
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens:
-            if self.config.get("add_bos_token") and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            if (
+                self.config.get("add_bos_token")
+                and self.bos_token_id is not None
+                and ids[:1] != [self.bos_token_id]
+            ):
                 ids = [self.bos_token_id] + ids
-            if self.config.get("add_eos_token") and self.eos_token_id is not None and ids[-1:] != [self.eos_token_id]:
+            if (
+                self.config.get("add_eos_token")
+                and self.eos_token_id is not None
+                and ids[-1:] != [self.eos_token_id]
+            ):
                 ids = ids + [self.eos_token_id]
         return ids
 
@@ -133,15 +168,24 @@ class Tokenizer:
         """decode() of each row."""
         return [self.decode(r, skip_special_tokens) for r in rows]
 
-    def decode_completions(self, completion_ids, completion_mask) -> tuple[list[list[int]], list[str]]:
-        """Generated rows [N,C] (right-padded, mask [N,C]) -> (each row's ids up to its length, its text
-        with special tokens skipped). One device-to-host transfer for the lengths of the whole batch."""
+    def decode_completions(
+        self, completion_ids, completion_mask
+    ) -> tuple[list[list[int]], list[str]]:
+        """Generated rows [N,C] (right-padded, mask [N,C]) -> (each row's ids up to its length, its
+        text with special tokens skipped). One device-to-host transfer for the lengths of the
+        whole batch.
+        """
         lengths = completion_mask.sum(1).tolist()
         ids = [row[:n] for row, n in zip(completion_ids.tolist(), lengths)]
         return ids, self.batch_decode(ids)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **kwargs) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **kwargs,
+    ) -> str:
         """Render a conversation (list of {"role", "content"} dicts) to the prompt text.
 
         The messages are seen as transformers shows them to a template: keys whose value is None are
@@ -149,23 +193,31 @@ class Tokenizer:
         message's reasoning given as `reasoning_content`, `thinking` or `reasoning` is offered under
         the first two names (Qwen3's template reads `reasoning_content`, gpt-oss's `thinking`)."""
         if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template (no chat_template in tokenizer_config.json "
-                             "and no chat_template.jinja): use plain-text prompts instead")
+            raise ValueError(
+                "this tokenizer has no chat template (no chat_template in tokenizer_config.json "
+                "and no chat_template.jinja): use plain-text prompts instead"
+            )
         if self._template is None:
             self._template = compile_chat_template(self.chat_template)
         context = {k: v for k, v in self.special_tokens.items() if v is not None}
         context.update(kwargs)
-        return self._template.render(messages=[_template_message(m) for m in messages], tools=tools,
-                                     add_generation_prompt=add_generation_prompt, **context)
+        return self._template.render(
+            messages=[_template_message(m) for m in messages],
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **context,
+        )
 
     def encode_prompt(self, prompt, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt as TRL makes them: a string is encoded with its special tokens; a
-        message list is rendered with the chat template (generation prompt added, `tools`: JSON schemas
-        for its tools= argument), then encoded without adding special tokens again."""
+        message list is rendered with the chat template (generation prompt added, `tools`: JSON
+        schemas for its tools= argument), then encoded without adding special tokens again."""
         if isinstance(prompt, str):
             return self.encode(prompt)
-        return self.encode(self.apply_chat_template(prompt, add_generation_prompt=True, tools=tools),
-                           add_special_tokens=False)
+        return self.encode(
+            self.apply_chat_template(prompt, add_generation_prompt=True, tools=tools),
+            add_special_tokens=False,
+        )
 
     def save_pretrained(self, out_dir):
         """Write tokenizer.json, tokenizer_config.json (and chat_template.jinja when the template
@@ -173,25 +225,33 @@ class Tokenizer:
         self.tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump(self.config, f, indent=2, ensure_ascii=False)
-        if self.chat_template is not None and self.config.get("chat_template") != self.chat_template:
+        if (
+            self.chat_template is not None
+            and self.config.get("chat_template") != self.chat_template
+        ):
             with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
                 f.write(self.chat_template)
 
 
-
 def char_level_tokenizer(chars: str) -> Tokenizer:
-    """A tokenizer with one token per character of `chars` plus <|endoftext|> (the eos, also the pad)
-    and nothing else: no chat template, and no other special token a policy could learn to emit
-    invisibly. Characters outside `chars` encode as <|endoftext|>.
+    """A tokenizer with one token per character of `chars` plus <|endoftext|> (the eos, also the
+    pad) and nothing else: no chat template, and no other special token a policy could learn to
+    emit invisibly. Characters outside `chars` encode as <|endoftext|>.
 
-    What the embedded default trains with: a from-scratch model learns far faster over a handful of
-    characters than over 256 bytes, and the result is still a standard tokenizer.json."""
+    What the embedded default trains with: a from-scratch model learns far faster over a handful
+    of characters than over 256 bytes, and the result is still a standard tokenizer.json."""
     from tokenizers import Regex, decoders, models, pre_tokenizers
+
     vocab = {t: i for i, t in enumerate(["<|endoftext|>"] + sorted(set(chars)))}
     tok = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(["<|endoftext|>"])
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-              "bos_token": None, "model_max_length": 4096}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "model_max_length": 4096,
+    }
     return Tokenizer(tok, config, None, {"eos_token_id": vocab["<|endoftext|>"]})

@@ -18,20 +18,26 @@ import re
 import types
 import typing
 
-
 # -----------------------------------------------------------------------------
 # Tool schemas: a Python function -> the JSON schema transformers' `get_json_schema` makes of it
 
 _SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}
-_BARE = {**{t: {"type": k} for t, k in _SCALARS.items()}, list: {"type": "array"}, tuple: {"type": "array"},
-         dict: {"type": "object"}, typing.Any: {}}
+_BARE = {
+    **{t: {"type": k} for t, k in _SCALARS.items()},
+    list: {"type": "array"},
+    tuple: {"type": "array"},
+    dict: {"type": "object"},
+    typing.Any: {},
+}
 
 
 def _enum_schema(values: list) -> dict:
     """{"type": t or [t1, t2, ...] (JSON types in order of first appearance), "enum": values}."""
     kinds = list(dict.fromkeys(_SCALARS.get(type(v)) for v in values))
     if None in kinds:
-        raise ValueError(f"enum values {values!r}: only int, float, str, bool and None can be JSON enum values")
+        raise ValueError(
+            f"enum values {values!r}: only int, float, str, bool and None can be JSON enum values"
+        )
     return {"type": kinds[0] if len(kinds) == 1 else kinds, "enum": list(values)}
 
 
@@ -43,13 +49,17 @@ def _type_schema(hint) -> dict:
     if origin is None:
         if hint in _BARE:
             return dict(_BARE[hint])
-        raise ValueError(f"type hint {hint!r} has no JSON schema: use int, float, str, bool, None, Enum, Literal, "
-                         "or list/tuple/dict/Union of those")
+        raise ValueError(
+            f"type hint {hint!r} has no JSON schema: use int, float, str, bool, None, Enum, "
+            "Literal, or list/tuple/dict/Union of those"
+        )
     if origin in (typing.Union, types.UnionType):
         parts = [_type_schema(a) for a in args if a is not type(None)]
         if len(parts) == 1:
             out = parts[0]
-        elif all(set(p) == {"type"} and isinstance(p["type"], str) for p in parts):  # plain types: a type list
+        elif all(
+            set(p) == {"type"} and isinstance(p["type"], str) for p in parts
+        ):  # plain types: a type list
             kinds = sorted({p["type"] for p in parts})
             out = {"type": kinds[0] if len(kinds) == 1 else kinds}
         else:
@@ -61,15 +71,24 @@ def _type_schema(hint) -> dict:
         return {"type": "array", **({"items": _type_schema(args[0])} if args else {})}
     if origin is tuple:
         if len(args) == 1 or ... in args:
-            raise ValueError(f"type hint {hint!r}: use list[...] for a variable-length or one-element tuple")
-        return {"type": "array", **({"prefixItems": [_type_schema(a) for a in args]} if args else {})}
+            raise ValueError(
+                f"type hint {hint!r}: use list[...] for a variable-length or one-element tuple"
+            )
+        return {
+            "type": "array",
+            **({"prefixItems": [_type_schema(a) for a in args]} if args else {}),
+        }
     if origin is dict:
-        return {"type": "object", **({"additionalProperties": _type_schema(args[1])} if len(args) == 2 else {})}
+        return {
+            "type": "object",
+            **({"additionalProperties": _type_schema(args[1])} if len(args) == 2 else {}),
+        }
     raise ValueError(f"type hint {hint!r} has no JSON schema")
 
 
 def _docstring_parts(doc: str) -> tuple[str, dict, str | None]:
-    """A Google-style docstring -> (description, {argument: description}, returns description or None)."""
+    """A Google-style docstring -> (description, {argument: description}, returns description or
+    None)."""
     sections, current = {"": []}, ""
     for line in doc.split("\n"):
         if line.strip() in ("Args:", "Returns:", "Raises:"):
@@ -90,31 +109,42 @@ def _docstring_parts(doc: str) -> tuple[str, dict, str | None]:
 
 
 def tool_schema(fn) -> dict:
-    """The JSON schema of a tool function, equal to transformers' `get_json_schema(fn)`: its type hints and
-    Google-style docstring (Args:, Returns:, a trailing `(choices: [...])` -> enum); required = arguments
-    without a default. ValueError naming the function where transformers raises."""
+    """The JSON schema of a tool function, equal to transformers' `get_json_schema(fn)`: its type
+    hints and Google-style docstring (Args:, Returns:, a trailing `(choices: [...])` -> enum);
+    required = arguments without a default. ValueError naming the function where transformers
+    raises."""
     name = getattr(fn, "__name__", "operation")
     doc = inspect.getdoc(fn)
     if not doc:
-        raise ValueError(f"tool {name}: has no docstring; write a Google-style one with an Args: block")
+        raise ValueError(
+            f"tool {name}: has no docstring; write a Google-style one with an Args: block"
+        )
     description, arg_docs, returns_doc = _docstring_parts(doc.strip())
     params = list(inspect.signature(fn).parameters.values())
-    if params and params[0].name in ("self", "cls") and params[0].annotation is inspect.Parameter.empty:
+    if (
+        params
+        and params[0].name in ("self", "cls")
+        and params[0].annotation is inspect.Parameter.empty
+    ):
         params = params[1:]
     hints, properties = typing.get_type_hints(fn), {}
     for p in params:
         if p.annotation is inspect.Parameter.empty:
             raise ValueError(f"tool {name}: argument {p.name!r} has no type hint")
         if p.name not in arg_docs:
-            raise ValueError(f"tool {name}: the docstring's Args: block does not describe argument {p.name!r}")
+            raise ValueError(
+                f"tool {name}: the docstring's Args: block does not describe argument {p.name!r}"
+            )
         try:
             schema, desc = _type_schema(hints[p.name]), arg_docs[p.name]
         except ValueError as e:
             raise ValueError(f"tool {name}: argument {p.name!r}: {e}") from None
         choices = re.search(r"\(choices:\s*(.*?)\)\s*$", desc, flags=re.IGNORECASE)
         if choices:
-            schema["enum"] = [c.strip() if isinstance(c, str) else c for c in json.loads(choices.group(1))]
-            desc = desc[:choices.start()].strip()
+            schema["enum"] = [
+                c.strip() if isinstance(c, str) else c for c in json.loads(choices.group(1))
+            ]
+            desc = desc[: choices.start()].strip()
         properties[p.name] = {**schema, "description": desc}
     parameters = {"type": "object", "properties": properties}
     required = [p.name for p in params if p.default is inspect.Parameter.empty]
@@ -135,7 +165,8 @@ def tool_schema(fn) -> dict:
 
 
 def parse_hermes(text: str) -> tuple[str, list[dict]]:
-    """The Hermes/Qwen form: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+    """The Hermes/Qwen form: each call is `<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>`."""
     calls = []
     for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, flags=re.DOTALL):
         try:
@@ -146,7 +177,13 @@ def parse_hermes(text: str) -> tuple[str, list[dict]]:
                 raise ValueError('expected {"name": str, "arguments": object}')
             calls.append({"name": call["name"], "arguments": args})
         except ValueError as e:  # json.JSONDecodeError is a ValueError
-            calls.append({"name": "unknown", "arguments": {}, "error": f"malformed tool call {body.strip()!r}: {e}"})
+            calls.append(
+                {
+                    "name": "unknown",
+                    "arguments": {},
+                    "error": f"malformed tool call {body.strip()!r}: {e}",
+                }
+            )
     return text.split("<tool_call>", 1)[0].rstrip(), calls
 
 
@@ -154,19 +191,29 @@ TOOL_CALL_PARSERS = {"hermes": parse_hermes}  # another model family's format pl
 
 
 def parse_tool_calls(text: str, format: str = "hermes") -> list[dict]:
-    """The tool calls in a text: [{"name", "arguments"}]; one that could not be read: name "unknown", + "error"."""
+    """The tool calls in a text: [{"name", "arguments"}]; one that could not be read: name
+    "unknown", + "error"."""
     return TOOL_CALL_PARSERS[format](text)[1]
 
 
 def assistant_message(content: str, calls: list[dict]) -> dict:
     """One assistant turn as transformers' chat templates read it (OpenAI-style `tool_calls`)."""
-    tool_calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
-    return {"role": "assistant", "content": content, **({"tool_calls": tool_calls} if calls else {})}
+    tool_calls = [
+        {"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for c in calls
+    ]
+    return {
+        "role": "assistant",
+        "content": content,
+        **({"tool_calls": tool_calls} if calls else {}),
+    }
 
 
 def resolve_tools(specs) -> dict:
-    """Config entries ("module:function", "path/file.py:function") or callables -> {name: function}."""
+    """Config entries ("module:function", "path/file.py:function") or callables -> {name:
+    function}."""
     from nanogrpo.rewards import import_function
+
     out = {}
     for spec in specs or ():
         if not callable(spec):
@@ -176,7 +223,9 @@ def resolve_tools(specs) -> dict:
     return out
 
 
-def run_tools(calls: list[list[dict]], tools: dict, timeout: float) -> list[list[tuple[str, object, bool]]]:
+def run_tools(
+    calls: list[list[dict]], tools: dict, timeout: float
+) -> list[list[tuple[str, object, bool]]]:
     """Run every row's calls: sync tools in order, async ones all concurrently, each under `timeout`
     seconds. A malformed call, an unknown tool, an exception or a timeout gives {"error": message}.
     -> per row, per call: (name, result, failed)."""
@@ -196,8 +245,11 @@ def run_tools(calls: list[list[dict]], tools: dict, timeout: float) -> list[list
             except Exception as e:
                 out[i][j] = (call["name"], {"error": str(e)}, True)
     if pending:
+
         async def gather():
-            return await asyncio.gather(*(asyncio.wait_for(c, timeout) for _, _, c in pending), return_exceptions=True)
+            return await asyncio.gather(
+                *(asyncio.wait_for(c, timeout) for _, _, c in pending), return_exceptions=True
+            )
 
         for (i, j, _), result in zip(pending, asyncio.run(gather())):
             if isinstance(result, asyncio.TimeoutError):
@@ -212,14 +264,25 @@ def tool_suffix_ids(tok, tool_messages: list[dict]) -> list[int]:
     turns and the next generation prompt, as the chat template renders them (TRL's construction: a
     small user -> assistant(tool call) conversation rendered with and without the tool messages)."""
     call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-    head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
-    prefix = tok.encode(tok.apply_chat_template(head, add_generation_prompt=False), add_special_tokens=False)
-    full = tok.encode(tok.apply_chat_template(head + tool_messages, add_generation_prompt=True),
-                      add_special_tokens=False)
+    head = [
+        {"role": "user", "content": "dummy"},
+        {"role": "assistant", "content": "", "tool_calls": call},
+    ]
+    prefix = tok.encode(
+        tok.apply_chat_template(head, add_generation_prompt=False), add_special_tokens=False
+    )
+    full = tok.encode(
+        tok.apply_chat_template(head + tool_messages, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
     ends = [k for k, t in enumerate(prefix) if t in tok.eos_token_ids]
-    prefix = prefix[:ends[-1] + 1] if ends else prefix  # the turn as generated ends at its stop token
-    if full[:len(prefix)] != prefix:
-        raise ValueError("this chat template does not preserve prefixes (a conversation renders differently once tool"
-                         " messages follow), so tool results cannot be appended to the generated ids; give the "
-                         "checkpoint a prefix-preserving chat_template.jinja (TRL swaps in its own for some families)")
-    return full[len(prefix):]
+    # the turn as generated ends at its stop token
+    prefix = prefix[: ends[-1] + 1] if ends else prefix
+    if full[: len(prefix)] != prefix:
+        raise ValueError(
+            "this chat template does not preserve prefixes (a conversation renders differently "
+            "once tool messages follow), so tool results cannot be appended to the generated ids; "
+            "give the checkpoint a prefix-preserving chat_template.jinja (TRL swaps in its own "
+            "for some families)"
+        )
+    return full[len(prefix) :]
