@@ -27,7 +27,7 @@ def main(argv=None):
     import train
     from nanogrpo import dist
     from nanogrpo.checkpoint import load_model
-    from nanogrpo.config import load_config
+    from nanogrpo.configurator import load_config
     from nanogrpo.data import load_dataset
     from nanogrpo.rewards import resolve_reward_funcs
     from nanogrpo.tools import resolve_tools

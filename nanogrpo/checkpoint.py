@@ -1,24 +1,21 @@
-"""Everything that lives on disk: Hugging Face model checkpoints and trainer checkpoints.
+"""Hugging Face model checkpoints on disk: read and write them.
 
-Owns: hub-id/path resolution, config.json <-> ModelConfig, safetensors (one
-file or shards + index), `load_model` / `save_model` (one process or FSDP2; a
-LoRA model as PEFT's adapter files, names from lora.py), atomic directories,
-the trainer checkpoint (`checkpoint-<step>/`, the `checkpoint` link, pruning).
+Owns: hub-id/path resolution, safetensors (one file or shards + index),
+`load_model` / `save_model` (one process or FSDP2; a LoRA model as PEFT's
+adapter files, names from lora.py) and atomic directories. What config.json
+and the tensor names mean is hf_format.py's; a run's checkpoint-<step>/
+around these files is trainer_state.py's.
 
-Does not know about: the network's arithmetic (model.py) or GRPO. With several
-processes it decides which rank reads and writes (rank 0, or every rank its
-optimizer shard) and where all must wait; the collectives themselves are
-dist.py's (barrier, broadcast, sharding, gathering a state dict), and the
-sharded optimizer goes through torch.distributed.checkpoint.
+Does not know about: the network's arithmetic (model.py) or GRPO. With
+several processes it decides which rank reads and writes (rank 0) and where
+all must wait; the collectives themselves are dist.py's (barrier,
+broadcast, sharding, gathering a state dict).
 
 Choices:
-- Our tensor names are HF's without `model.`. Tied embeddings are ONE rule
-  (`to_hf_names` / `from_hf_names`): the tied lm_head is never written and on
-  load it is the embedding.
-- Loading builds on the meta device and assigns each tensor once; under FSDP2
-  rank 0 reads and the shards are filled by broadcast. Directories are written
-  under a temporary name and renamed when complete. No pickle: trainer state
-  is JSON, the optimizer loads weights_only.
+- Loading builds on the meta device and assigns each tensor once; under
+  FSDP2 rank 0 reads and the shards are filled by broadcast.
+- Directories are written under a temporary name and renamed when
+  complete: a crash leaves the old one intact and no half-written one.
 """
 
 import errno
@@ -26,22 +23,17 @@ import json
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager, suppress
-from dataclasses import fields
+from contextlib import contextmanager
 from functools import partial
 
 import torch
 
 from nanogrpo import dist, lora
-from nanogrpo.model import SUPPORTED_MODEL_TYPES, ModelConfig, Transformer
+from nanogrpo.hf_format import config_from_hf, config_to_hf, from_hf_names, to_hf_names
+from nanogrpo.model import ModelConfig, Transformer
 
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
-# config.json's architectures: the family's prefix + ForCausalLM etc.
-ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2",
-                 "qwen3": "Qwen3"}
 SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
-# config.json's keys that ModelConfig holds under another layout
-OWN_LAYOUT = ("extra", "rope_theta", "rope_scaling", "num_labels")
 
 # -----------------------------------------------------------------------------
 # Paths, JSON, dtypes
@@ -99,134 +91,7 @@ def parse_dtype(dtype) -> torch.dtype:
 
 
 # -----------------------------------------------------------------------------
-# config.json <-> ModelConfig
-
-
-def config_from_hf(hf: dict) -> ModelConfig:
-    """ModelConfig from the dict of an HF config.json; features we do not
-    implement raise ValueError."""
-    check_supported(hf)
-    # RoPE: transformers >= 5 writes `rope_parameters`; older checkpoints
-    # `rope_theta` + `rope_scaling`
-    rope = dict(hf.get("rope_parameters") or {})
-    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling = rope or hf.get("rope_scaling")
-    if scaling is not None:
-        scaling = dict(scaling)
-        kind = scaling.pop("type", "default")
-        scaling["rope_type"] = scaling.get("rope_type", kind)
-        if scaling["rope_type"] == "default":
-            scaling = None
-    known = {f.name for f in fields(ModelConfig)} - set(OWN_LAYOUT)
-    kwargs = {k: hf[k] for k in known if hf.get(k) is not None}
-    architectures = [str(a) for a in hf.get("architectures") or []]
-    if any(a.endswith("ForSequenceClassification") for a in architectures):
-        # counted as transformers counts them
-        if hf.get("id2label"):
-            kwargs["num_labels"] = len(hf["id2label"])
-        else:
-            kwargs["num_labels"] = hf.get("num_labels") or 2
-    return ModelConfig(**kwargs, rope_theta=float(theta),
-                       rope_scaling=scaling, extra=dict(hf))
-
-
-def check_supported(hf: dict):
-    """ValueError naming the first feature of config.json we do not implement."""
-    model_type = hf.get("model_type")
-    families = ", ".join(SUPPORTED_MODEL_TYPES)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"config.json: model_type={model_type!r} is not "
-                         f"supported; supported: {families}")
-    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if hf.get(key):
-            raise ValueError(f"config.json: {key}={hf[key]} (mixture of "
-                             f"experts) is not supported; only dense "
-                             f"{families} models are")
-    window = hf.get("sliding_window")
-    if window and (model_type == "mistral" or hf.get("use_sliding_window")):
-        raise ValueError(f"config.json: sliding_window={window} (sliding-"
-                         "window attention) is not supported; only full "
-                         "attention is (set sliding_window to null)")
-    layer_types = hf.get("layer_types") or []
-    bad_layers = [t for t in layer_types if t != "full_attention"]
-    if bad_layers:
-        raise ValueError(f"config.json: layer_types contains {bad_layers[0]!r}; "
-                         "only 'full_attention' is supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r} is not "
-                         "supported; only 'silu' (SwiGLU)")
-
-
-def config_to_hf(cfg: ModelConfig) -> dict:
-    """The dict to write as config.json (keeps the unknown keys of the file
-    it was loaded from)."""
-    hf = dict(cfg.extra)
-    for f in fields(cfg):
-        if f.name not in OWN_LAYOUT:
-            hf[f.name] = getattr(cfg, f.name)
-    if "rope_parameters" in hf:  # transformers >= 5 layout
-        scaling = cfg.rope_scaling or {"rope_type": "default"}
-        hf["rope_parameters"] = {"rope_theta": cfg.rope_theta, **scaling}
-    else:  # the classic layout, read by every transformers and vLLM version
-        hf["rope_theta"] = cfg.rope_theta
-        hf["rope_scaling"] = cfg.rope_scaling
-    head = "ForSequenceClassification" if cfg.num_labels else "ForCausalLM"
-    hf["architectures"] = [ARCHITECTURES[cfg.model_type] + head]
-    labels = len(hf.get("id2label") or {})
-    if cfg.num_labels and labels != cfg.num_labels:
-        # transformers counts id2label's labels
-        hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)}
-    if cfg.model_type == "qwen2":
-        hf.pop("attention_bias", None)  # implied by the family
-    return hf
-
-
-# -----------------------------------------------------------------------------
-# Tensors under HF's names (the one place that knows about tied embeddings)
-
-
-def to_hf_names(state: dict, cfg: ModelConfig) -> dict:
-    """Our state dict -> HF's names (`model.` prefix but on the head),
-    contiguous; a tied lm_head is left out."""
-    out = {}
-    for name, t in state.items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if name not in ("lm_head.weight", "score.weight"):
-            name = "model." + name
-        out[name] = t.detach().contiguous()
-    return out
-
-
-def _first(names: list, n: int = 10) -> str:
-    return f"{names[:n]}{' ...' if len(names) > n else ''}"
-
-
-def from_hf_names(state: dict, model: Transformer) -> dict:
-    """HF-named tensors -> a complete state dict of `model` (a tied lm_head
-    is the embedding), with an error listing missing or unexpected tensors
-    and shape mismatches. Works on a meta-device model."""
-    ours = {k.removeprefix("model."): v for k, v in state.items()}
-    tied = model.config.tie_word_embeddings
-    if tied:
-        ours.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
-    expected = model.state_dict()
-    implied = {"lm_head.weight"} if tied else set()
-    missing = sorted(set(expected) - set(ours) - implied)
-    unexpected = sorted(set(ours) - set(expected))
-    if missing or unexpected:
-        raise ValueError("checkpoint does not match its config.json: "
-                         f"missing tensors {_first(missing)}; "
-                         f"unexpected tensors {_first(unexpected)}")
-    for name, tensor in ours.items():
-        shape = tuple(tensor.shape)
-        want = tuple(expected[name].shape)
-        if shape != want:
-            raise ValueError(f"checkpoint tensor {name} has shape {shape}, "
-                             f"config.json implies {want}")
-    if tied and "lm_head.weight" in expected:  # (a classifier has no LM head)
-        ours["lm_head.weight"] = ours["embed_tokens.weight"]
-    return ours
+# Tensor files
 
 
 def read_safetensors(path, dtype=None, device="cpu", file=None) -> dict:
@@ -455,105 +320,3 @@ def state_to_write(model) -> tuple[dict, dict | None]:
         saved = adapter["modules_to_save"]
         keep = partial(lora.is_adapter_key, modules_to_save=saved)
     return dist.full_state_dict(model, keep), adapter
-
-
-# -----------------------------------------------------------------------------
-# Trainer checkpoints: out_dir/checkpoint-<step>/
-#   {HF model or adapter files, train_config.json, trainer/}
-
-
-def save_checkpoint(out_dir, step: int, model, optimizer, tokenizer,
-                    trainer_state: dict, train_config: dict,
-                    info: dist.DistInfo) -> str:
-    """Write out_dir/checkpoint-<step> (the policy or its LoRA adapter,
-    tokenizer, train_config.json, trainer/: optimizer, `trainer_state`) under
-    a temporary name, rename it, then swap the `checkpoint` link to it."""
-    step_dir = os.path.join(out_dir, f"checkpoint-{step}")
-    tmp = step_dir + ".tmp"
-    state, adapter = state_to_write(model)
-    if info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash
-        os.makedirs(os.path.join(tmp, "trainer"))
-    dist.barrier()
-    try:
-        if info.is_main:
-            write_model(tmp, model.config, state,
-                        generation_config=model.generation_config,
-                        tokenizer=tokenizer, adapter=adapter)
-            write_json(os.path.join(tmp, "train_config.json"), train_config)
-            state_file = os.path.join(tmp, "trainer", "trainer_state.json")
-            write_json(state_file, trainer_state)
-        save_optimizer(os.path.join(tmp, "trainer"), model, optimizer, info)
-        dist.barrier()
-    except BaseException as e:
-        if info.is_main:
-            _remove_partial(tmp, step_dir, e)
-        raise
-    if info.is_main:
-        shutil.rmtree(step_dir, ignore_errors=True)
-        os.rename(tmp, step_dir)
-        _point_link(os.path.join(out_dir, "checkpoint"), step_dir)
-    dist.barrier()
-    return step_dir
-
-
-def _point_link(link, target):
-    """Make the symlink `link` point at `target` (a sibling), atomically:
-    readers see the old or the new checkpoint."""
-    with suppress(FileNotFoundError):
-        os.remove(link + ".tmp")  # left over from a crash
-    os.symlink(os.path.basename(target), link + ".tmp")
-    os.replace(link + ".tmp", link)
-
-
-def prune_checkpoints(out_dir, written: list[str], limit: int | None,
-                      keep: str | None = None) -> list[str]:
-    """Delete the oldest checkpoints of `written` (names this run wrote,
-    oldest first) beyond the newest `limit` (None = keep all); `keep` (the
-    resume source) is never deleted. Returns what remains."""
-    if limit is None or len(written) <= limit:
-        return written
-    keep_real = os.path.realpath(keep) if keep else None
-    remaining = list(written[-limit:])
-    for name in reversed(written[:-limit]):
-        path = os.path.join(out_dir, name)
-        if os.path.realpath(path) == keep_real:
-            remaining.insert(0, name)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-    return remaining
-
-
-def save_optimizer(path, model, optimizer, info: dist.DistInfo):
-    """Optimizer state: sharded with torch.distributed.checkpoint (every rank
-    writes its shard), or one optimizer.pt (tensors and plain numbers only,
-    so it loads with weights_only=True)."""
-    if info.sharded:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.save(state, checkpoint_id=os.path.join(path, "optimizer"))
-    else:
-        torch.save(optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
-
-
-def load_trainer_state(ckpt_dir, model, optimizer, info: dist.DistInfo) -> dict:
-    """Restore the optimizer from ckpt_dir/trainer and return the trainer
-    state (same world size). Never unpickles: a checkpoint cannot run code."""
-    path = os.path.join(ckpt_dir, "trainer")
-    if info.sharded:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            get_optimizer_state_dict, set_optimizer_state_dict)
-        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    else:
-        file = os.path.join(path, "optimizer.pt")
-        try:
-            optimizer.load_state_dict(torch.load(file, weights_only=True))
-        except Exception as e:
-            raise ValueError(f"{file} cannot be loaded as plain tensors "
-                             "(corrupt, or it holds pickled code, which is "
-                             f"refused): {e}") from None
-    return read_json(os.path.join(path, "trainer_state.json"))

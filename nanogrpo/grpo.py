@@ -109,6 +109,20 @@ def nanstd(x, dim=None, keepdim=False):
     return std if keepdim else std.squeeze(dim)
 
 
+def total_reward(rewards, weights=None):
+    """The weighted total [N] of a reward matrix [N,K]: sum_k w_k R_k over the scored (non-NaN)
+    entries, NaN for a row no function scored. The one definition that the advantages, training
+    metrics, evaluation, printed samples and sample.py use."""
+    K = rewards.shape[1]
+    w = torch.ones(K) if weights is None else torch.as_tensor(weights)
+    w = w.to(dtype=rewards.dtype, device=rewards.device)
+    if w.shape != (K,):
+        raise ValueError(f"reward_weights has {w.numel()} entries but rewards has K={K} columns")
+    total = torch.nansum(rewards * w, dim=1)  # [N]
+    unscored = torch.isnan(rewards).all(dim=1)  # [N]
+    return torch.where(unscored, torch.nan, total)
+
+
 def group_advantages(
     rewards,
     num_generations,
@@ -153,15 +167,11 @@ def group_advantages(
             f"multi_objective_aggregation={multi_objective_aggregation!r} is invalid; "
             f"allowed: {', '.join(AGGREGATIONS)}"
         )
-    w = torch.ones(K) if reward_weights is None else torch.as_tensor(reward_weights)
-    w = w.to(dtype=rewards.dtype, device=rewards.device)
-    if w.shape != (K,):
-        raise ValueError(f"reward_weights has {w.numel()} entries but rewards has K={K} columns")
 
     unscorable = torch.isnan(rewards).all(dim=1)  # [N]
     # (With G = 1 every std below is NaN and every advantage ends as 0, as TRL's std := 0 gives.)
     if multi_objective_aggregation == "sum_then_normalize":
-        r = torch.where(unscorable, torch.nan, (rewards * w).nansum(dim=1)).view(-1, G)  # [N/G,G]
+        r = total_reward(rewards, reward_weights).view(-1, G)  # [N/G,G]
         adv = r - torch.nanmean(r, dim=1, keepdim=True)
         if scale_rewards == "group":
             adv = adv / (nanstd(r, dim=1, keepdim=True) + 1e-4)
@@ -172,7 +182,10 @@ def group_advantages(
         z = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (
             nanstd(grouped, dim=1, keepdim=True) + 1e-4
         )
-        r = torch.where(unscorable, torch.nan, (z.view(N, K) * w).nansum(dim=1))  # [N]
+        # a scored row counts an unnormalisable z as 0; an unscored row stays NaN
+        z = torch.where(torch.isnan(z), 0.0, z).view(N, K)  # [N,K]
+        z = torch.where(unscorable[:, None], torch.nan, z)
+        r = total_reward(z, reward_weights)  # [N]
         adv = (r - torch.nanmean(r)) / (nanstd(r) + 1e-4)
     return torch.nan_to_num(adv.reshape(N), nan=0.0)
 

@@ -21,7 +21,7 @@ import torch
 from nanogrpo import dist
 from nanogrpo.config import ConfigError, TrainConfig
 from nanogrpo.grpo import nanstd
-from nanogrpo.rewards import total_reward
+from nanogrpo.grpo import total_reward
 
 
 # -----------------------------------------------------------------------------

@@ -17,7 +17,8 @@ import os
 
 import torch
 
-from nanogrpo.checkpoint import config_from_hf, load_model, read_json, resolve_path
+from nanogrpo.checkpoint import load_model, read_json, resolve_path
+from nanogrpo.hf_format import config_from_hf
 from nanogrpo.tokenizer import Tokenizer
 
 

@@ -2,9 +2,8 @@
 
 Owns: the built-in rewards (`accuracy`, `format`, `soft_overlong`, `countdown`, `default_task`),
 resolving config entries (`resolve_reward_funcs`: a reward model's entry goes to
-reward_model.py), calling every function on a batch of completions (`score_completions`), their
-weighted total (`total_reward`), and checking that the dataset has the columns they read
-(`check_reward_columns`).
+reward_model.py), calling every function on a batch of completions (`score_completions`), and
+checking that the dataset has the columns they read (`check_reward_columns`).
 
 Does not know about: the policy, advantages (grpo.py), where dataset columns come from
 (data.py), reward models' internals (reward_model.py), or other processes.
@@ -16,8 +15,7 @@ Choices:
   accepts both. `None` means "not scored" and becomes NaN in the matrix.
 - `async def` reward functions are awaited together in one `asyncio.run`: slow remote verifiers
   overlap.
-- Math answers are compared as exact `fractions.Fraction`s (no sympy): 2.50 == 5/2 ==
-  \\frac{5}{2}.
+- Math answers are compared as exact `fractions.Fraction`s (math_answers.py, no sympy).
 - Countdown equations are parsed with `ast` and evaluated by walking the tree with Fractions;
   nothing is ever passed to `eval`.
 """
@@ -36,6 +34,8 @@ from fractions import Fraction
 
 import torch
 
+from nanogrpo.math_answers import answers_match, extract_answer
+
 
 class RewardError(RuntimeError):
     """A reward function failed or returned something that is not one score per completion."""
@@ -51,66 +51,7 @@ def completion_text(completion) -> str:
 
 
 # -----------------------------------------------------------------------------
-# accuracy: math answers
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` in text, nested braces allowed; None if there is none."""
-    start = text.rfind("\\boxed")
-    while start != -1:
-        # the first non-space after \\boxed
-        i = len(text) - len(text[start + len("\\boxed") :].lstrip(" "))
-        if i < len(text) and text[i] == "{":
-            depth = 0
-            for j in range(i, len(text)):
-                depth += {"{": 1, "}": -1}.get(text[j], 0)
-                if depth == 0:
-                    return text[i + 1 : j]
-        start = text.rfind("\\boxed", 0, start)  # no brace or unbalanced: try an earlier one
-    return None
-
-
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer in a solution: last `\\boxed{}`, else what follows `####`, else the last
-    number."""
-    if (boxed := last_boxed(text)) is not None:
-        return boxed
-    if "####" in text:
-        return text.rsplit("####", 1)[1].strip().split("\n")[0].strip()
-    return (_NUMBER.findall(text) or [None])[-1]
-
-
-def parse_number(s: str) -> Fraction | None:
-    """An answer string as an exact Fraction, or None if it is not a plain number. Understands
-    "-1,234.50", "$5", "50%", "3/4", "\\frac{3}{4}", "\\dfrac34", "x = 7", "5 \\text{cm}"."""
-    s = re.sub(r"\\(?:text|mathrm|mbox)\{[^{}]*\}", "", str(s))
-    for junk in ("\\left", "\\right", "\\!", "\\,", "\\ ", "\\$", "$", "{,}", "\\%", "%"):
-        s = s.replace(junk, "")
-    s = s.replace("\u2212", "-").rsplit("=", 1)[-1].replace(" ", "").rstrip(".").lstrip("+")
-    if m := re.fullmatch(r"(-?)\\[dt]?frac(?:\{([^{}]+)\}\{([^{}]+)\}|(\d)(\d))", s):
-        num, den = parse_number(m[2] or m[4]), parse_number(m[3] or m[5])
-        return None if num is None or not den else -num / den if m[1] else num / den
-    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
-        s = s.replace(",", "")
-    if m := re.fullmatch(r"(-?(?:\d+\.?\d*|\.\d+))/(-?(?:\d+\.?\d*|\.\d+))", s):
-        den = Fraction(m[2])
-        return Fraction(m[1]) / den if den else None
-    if re.fullmatch(r"-?(?:\d+\.?\d*|\.\d+)", s):
-        return Fraction(s)
-    return None
-
-
-def answers_match(predicted: str, gold: str) -> bool:
-    """Numeric equivalence when both parse as numbers, else whitespace- and `$`-insensitive
-    equality."""
-    p, g = parse_number(predicted), parse_number(gold)
-    if p is not None and g is not None:
-        return p == g
-    predicted, gold = (re.sub(r"\s+|\$", "", str(s)) for s in (predicted, gold))
-    return predicted == gold != ""
+# accuracy: math answers (math_answers.py parses them)
 
 
 def accuracy_reward(completions, answer=None, solution=None, **kwargs) -> list[float | None]:
@@ -143,11 +84,10 @@ _THINK_ANSWER = re.compile(
 
 
 def format_reward(completions, **kwargs) -> list[float]:
-    """1.0 when the whole completion is `<think>...</think>` then `<answer>...</answer>`, else "
-    "0.0."""
-    return [
-        float(_THINK_ANSWER.fullmatch(completion_text(c).strip()) is not None) for c in completions
-    ]
+    """1.0 when the whole completion is `<think>...</think>` then
+    `<answer>...</answer>`, else 0.0."""
+    texts = [completion_text(c).strip() for c in completions]
+    return [float(_THINK_ANSWER.fullmatch(text) is not None) for text in texts]
 
 
 def soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int):
@@ -160,11 +100,15 @@ def soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int):
         )
     free = max_completion_len - soft_punish_cache
 
+    def penalty(n: int) -> float:
+        if n <= free:
+            return 0.0
+        if n > max_completion_len:
+            return -1.0
+        return (free - n) / soft_punish_cache
+
     def soft_overlong(completion_ids, **kwargs) -> list[float]:
-        return [
-            0.0 if n <= free else -1.0 if n > max_completion_len else (free - n) / soft_punish_cache
-            for n in map(len, completion_ids)
-        ]
+        return [penalty(len(ids)) for ids in completion_ids]
 
     return soft_overlong
 
@@ -216,12 +160,11 @@ def countdown_reward(completions, nums, target, **kwargs) -> list[float]:
     scores = []
     for completion, row_nums, row_target in zip(completions, nums, target):
         text = completion_text(completion)
-        equation = (
-            # the last tagged one, else the last line
-            re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
-            or [line for line in text.strip().split("\n") if line.strip()]
-            or [""]
-        )[-1]
+        # the last tagged equation, else the last line
+        candidates = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+        if not candidates:
+            candidates = [line for line in text.strip().split("\n") if line.strip()]
+        equation = candidates[-1] if candidates else ""
         scores.append(float(check_equation(equation, row_nums, row_target)))
     return scores
 
@@ -242,20 +185,17 @@ def default_task_score(completion: str, target: str, num_tokens: int | None = No
         return 1.0
     longest = max(length, len(target), 1)
     positions = sum(a == b for a, b in zip(completion, target)) / longest
-    overlap = (
-        sum((collections.Counter(completion) & collections.Counter(target)).values()) / longest
-    )
+    shared = collections.Counter(completion) & collections.Counter(target)
+    overlap = sum(shared.values()) / longest
     closeness = max(0.0, 1.0 - abs(length - len(target)) / max(len(target), 1))
     return 0.7 * positions + 0.15 * overlap + 0.15 * closeness
 
 
 def default_task_reward(completions, target, completion_ids=None, **kwargs) -> list[float]:
     """`default_task_score` of each completion against the dataset column `target`."""
-    counts = (
-        [None] * len(completions)
-        if completion_ids is None
-        else [len(ids) for ids in completion_ids]
-    )
+    counts = [None] * len(completions)
+    if completion_ids is not None:
+        counts = [len(ids) for ids in completion_ids]
     return [
         default_task_score(completion_text(c).strip(), str(t), n)
         for c, t, n in zip(completions, target, counts)
@@ -335,21 +275,16 @@ def resolve_reward_funcs(
         elif item == "soft_overlong":
             if max_completion_length is None:
                 raise ValueError("soft_overlong needs max_completion_length")
-            cache = (
-                soft_punish_cache
-                if soft_punish_cache is not None
-                else max(1, max_completion_length // 4)
-            )
+            cache = soft_punish_cache
+            if cache is None:
+                cache = max(1, max_completion_length // 4)
             resolved.append((item, soft_overlong_punishment(max_completion_length, cache)))
         elif item in BUILTINS:
             resolved.append((item, BUILTINS[item]))
         elif os.path.isdir(item) or (
             ":" not in item and item.count("/") == 1 and not item.startswith((".", "~"))
         ):
-            # the checkpoint machinery, only when used
-            from nanogrpo.reward_model import (
-                reward_model,
-            )
+            from nanogrpo.reward_model import reward_model  # loads weights: only when used
 
             resolved.append(reward_model(item, tokenizer, device, dtype, batch_size))
         elif ":" in item:
@@ -414,13 +349,14 @@ def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
 
 
 def score_completions(
-    reward_funcs, prompts, completions, completion_ids, columns: dict
+    reward_funcs, prompts, completions, completion_ids, columns: dict, extras: dict | None = None
 ) -> torch.Tensor:
     """Call every reward function on the batch -> float32 [N, K], NaN where a function returned
     None. reward_funcs: [(name, fn)] from resolve_reward_funcs (bare callables also accepted).
     prompts, completions, completion_ids: N entries each (prompt i*G..i*G+G-1 repeated as the
     trainer lays them out); columns: dataset columns, each a list of N values, passed as keyword
-    arguments.
+    arguments. extras: more keyword arguments, as TRL passes them (trainer_state, log_metric,
+    log_extra).
     """
     n = len(completions)
     for key, values in columns.items():
@@ -429,7 +365,9 @@ def score_completions(
     funcs = [
         f if isinstance(f, tuple) else (getattr(f, "__name__", repr(f)), f) for f in reward_funcs
     ]
-    results, pending = {}, {}
+    kwargs = dict(columns, **(extras or {}))
+    results = {}
+    pending = {}  # async functions' coroutines, awaited together
     try:
         for k, (name, fn) in enumerate(funcs):
             try:
@@ -437,24 +375,17 @@ def score_completions(
                     prompts=prompts,
                     completions=completions,
                     completion_ids=completion_ids,
-                    **columns,
+                    **kwargs,
                 )
             except Exception as e:
                 raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
-            (pending if inspect.isawaitable(out) else results)[k] = out
-        if pending:
-
-            async def gather():
-                return await asyncio.gather(*pending.values(), return_exceptions=True)
-
-            outs, keys = asyncio.run(gather()), list(pending)
-            pending.clear()
-            for k, out in zip(keys, outs):
-                if isinstance(out, BaseException):
-                    raise RewardError(
-                        f"reward function {funcs[k][0]!r} raised {type(out).__name__}: {out}"
-                    ) from out
+            if inspect.isawaitable(out):
+                pending[k] = out
+            else:
                 results[k] = out
+        if pending:
+            results.update(await_all(pending, funcs))
+            pending.clear()
     finally:
         for coroutine in pending.values():  # never awaited because an earlier function failed
             getattr(coroutine, "close", lambda: None)()
@@ -462,14 +393,20 @@ def score_completions(
     return torch.tensor(rows, dtype=torch.float32).reshape(len(funcs), n).T.contiguous()
 
 
-def total_reward(rewards: torch.Tensor, weights=None) -> torch.Tensor:
-    """The weighted total [N] of a reward matrix [N,K]: sum_k w_k R_k over the scored (non-NaN)
-    entries, NaN for a row no function scored. The one definition that training metrics, evaluation,
-    printed samples and sample.py use (group_advantages applies the same rule)."""
-    w = (
-        torch.ones(rewards.shape[1])
-        if weights is None
-        else torch.as_tensor(weights, dtype=rewards.dtype)
-    )
-    total = torch.nansum(rewards * w.to(rewards.device), dim=1)
-    return torch.where(torch.isnan(rewards).all(dim=1), torch.nan, total)
+def await_all(pending: dict, funcs: list) -> dict:
+    """Run the coroutines of async reward functions in one event loop, so
+    slow remote verifiers overlap. -> {k: scores}"""
+
+    async def gather():
+        return await asyncio.gather(*pending.values(), return_exceptions=True)
+
+    outs = asyncio.run(gather())
+    results = {}
+    for k, out in zip(pending, outs):
+        if isinstance(out, BaseException):
+            name = funcs[k][0]
+            raise RewardError(
+                f"reward function {name!r} raised {type(out).__name__}: {out}"
+            ) from out
+        results[k] = out
+    return results

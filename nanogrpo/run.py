@@ -3,7 +3,7 @@
 Owns: the output folder (a fresh run never replaces another), which
 checkpoint a run resumes from and what it restores, saving (on schedule,
 on Ctrl-C, after an error), the embedded default's tiny checkpoint, and
-the command line (`train.py --help`, one-line errors). What a run
+`main`: one-line errors (`--help` is configurator.py's). What a run
 reports (metrics, console, trackers, summary) is report.py's.
 
 Does not know about: the GRPO math. It reads a few named fields of
@@ -11,7 +11,6 @@ train.py's `Trainer` (model, optimizer, scheduler, tok, prompts, step,
 round, round_begin) to save and restore them.
 """
 
-import inspect
 import json
 import os
 import re
@@ -20,12 +19,13 @@ import shutil
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from nanogrpo import checkpoint, dist, lora, report
-from nanogrpo.config import ConfigError, TrainConfig, load_config
+from nanogrpo import checkpoint, dist, lora, report, trainer_state
+from nanogrpo.config import ConfigError, TrainConfig
+from nanogrpo.configurator import help_text, load_config
 from nanogrpo.model import ModelConfig, Transformer
 from nanogrpo.rewards import RewardError
 from nanogrpo.tokenizer import char_level_tokenizer
@@ -234,7 +234,7 @@ def write_tiny_checkpoint(path: str, recipe: dict):
 def restore(run: Run, t):
     """Load the trainer state of run.resume_from into t (a Trainer)."""
     cfg = run.cfg
-    state = checkpoint.load_trainer_state(run.resume_from, t.model,
+    state = trainer_state.load_trainer_state(run.resume_from, t.model,
                                           t.optimizer, run.info)
     t.step = state["step"]
     t.round = state.get("round", t.step // t.sched.updates_per_round)
@@ -288,11 +288,11 @@ def save(run: Run, t):
         "history": run.history,
         "checkpoints": run.written + [name],
     }
-    checkpoint.save_checkpoint(cfg.out_dir, t.step, t.model, t.optimizer,
+    trainer_state.save_checkpoint(cfg.out_dir, t.step, t.model, t.optimizer,
                                t.tok, state, asdict(cfg), run.info)
     run.written.append(name)
     if run.info.is_main:
-        run.written = checkpoint.prune_checkpoints(
+        run.written = trainer_state.prune_checkpoints(
             cfg.out_dir, run.written, cfg.save_total_limit,
             keep=run.resume_source)
 
@@ -364,62 +364,6 @@ def unsaveable(run: Run, t) -> str | None:
     if t.round_begin is not None and t.step > t.round_start_step:
         return "it stopped between two optimizer steps of one round"
     return None
-
-
-# -----------------------------------------------------------------------------
-# train.py --help
-
-
-def help_text() -> str:
-    """Every setting with its default and comment, grouped as in
-    TrainConfig's source: a '# --- title' line starts a group; a field's
-    comment is on the '#' lines just above it and after it on its line."""
-    lines = [
-        "usage: train.py [--config FILE] [--key=value ...]",
-        "  FILE: a config of configs/ by name, or a .py path of your own.",
-        "Command-line values override the file's. Keys and TrainConfig's "
-        "defaults (a config file sets its own):",
-    ]
-    defaults = TrainConfig()
-    comments, groups = field_comments()
-    for f in fields(TrainConfig):
-        if f.name in groups:
-            lines.append(f"\n  {groups[f.name]}:")
-        default = repr(getattr(defaults, f.name))
-        lines.append(f"  --{f.name}={default}")
-        for comment in comments.get(f.name, []):
-            lines.append(f"      {comment}")
-    return "\n".join(lines)
-
-
-def field_comments() -> tuple[dict, dict]:
-    """({field: [comment lines]}, {first field of a group: its title})
-    read from TrainConfig's source, up to its first method."""
-    names = {f.name for f in fields(TrainConfig)}
-    comments = {}
-    groups = {}
-    title = None
-    above = []
-    for raw in inspect.getsource(TrainConfig).splitlines()[1:]:
-        line = raw.strip()
-        if line.startswith(("def ", "@")):
-            break
-        match = re.match(r"(\w+)\s*:", line)
-        if line.startswith("# ---"):
-            title = line.strip("#- ")
-            above = []
-        elif line.startswith("#"):
-            above.append(line.lstrip("#").strip())
-        elif match and match.group(1) in names:
-            name = match.group(1)
-            comments[name] = above + line.split("  # ", 1)[1:]
-            if title:
-                groups[name] = title
-            title = None
-            above = []
-        else:
-            above = []
-    return comments, groups
 
 
 # -----------------------------------------------------------------------------

@@ -32,13 +32,10 @@ Choices:
 - Logits cover the real vocabulary only (the first `vocab_size` rows of
   lm_head): padded embedding rows can never be sampled. Sampling math is
   fp32 whatever the model dtype.
-- RNG: counter-based, per row. Row (prompt i, sample j) has the key
-  hash(seed_i, j); at step t it draws u = hash(key, t) and takes the
-  first token whose cumulative probability exceeds u. A row's samples
-  depend only on its prompt, the model and (seed_i, j), not on its batch
-  mates or the device: batched generation equals each prompt alone (up
-  to float rounding of the logits). Without `seeds`, one seed per prompt
-  is drawn from `generator` (or torch's RNG).
+- RNG: counter-based, per row (rng.py): a row's samples depend only on
+  its prompt, the model and (seed_i, j), not on its batch mates or the
+  device. Without `seeds`, one seed per prompt is drawn from `generator`
+  (or torch's RNG).
 """
 
 import math
@@ -46,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from nanogrpo.rng import row_keys, uniforms
 
 
 @dataclass
@@ -149,9 +148,12 @@ def sample_from(logits, u, token_ids=None):
     cdf = (logits - top).exp_().double().cumsum_(dim=-1)  # [B,V]
     total = cdf[:, -1:]  # [B,1], in [1, V]
     # u * total < total, so the first cdf entry above it belongs to a token of nonzero probability
-    ids = torch.searchsorted(cdf, u[:, None] * total, right=True).clamp_(max=logits.shape[-1] - 1)
-    logp = (logits.gather(-1, ids) - top - total.log().float()).squeeze(-1)
-    return (ids if token_ids is None else token_ids.gather(-1, ids)).squeeze(-1), logp
+    ids = torch.searchsorted(cdf, u[:, None] * total, right=True)  # [B,1]
+    ids = ids.clamp_(max=logits.shape[-1] - 1)
+    logp = (logits.gather(-1, ids) - top - total.log().float()).squeeze(-1)  # [B]
+    if token_ids is not None:
+        ids = token_ids.gather(-1, ids)  # positions among the candidates -> token ids
+    return ids.squeeze(-1), logp
 
 
 def greedy(logits):
@@ -174,33 +176,6 @@ def sample_next_token(logits, u, temperature, top_k, top_p, min_p):
 
 
 # -----------------------------------------------------------------------------
-# Counter-based random numbers: pure functions of (key, step)
-
-
-_M32 = 0xFFFFFFFF
-
-
-def _mix(x):
-    """A bijective 32-bit integer hash, on python ints or int64 tensors holding 32-bit values."""
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    return (x >> 16) ^ x
-
-
-def row_keys(seeds, num_samples):
-    """seeds [P] int64 -> keys [P*G] int64: one random stream per (prompt, sample)."""
-    sample = torch.arange(num_samples, device=seeds.device).repeat(len(seeds))  # [P*G]
-    return _mix((_mix((seeds.repeat_interleave(num_samples) & _M32) ^ 0x9E3779B9) + sample) & _M32)
-
-
-def uniforms(keys, step):
-    """keys [n] int64, step int -> [n] float64 in [0,1) (52 random bits), the same on every device."""
-    h = _mix(keys ^ _mix(step ^ 0x3C6EF372))
-    hi, lo = _mix(h ^ 0x68E31DA4) >> 6, _mix(h ^ 0x1B56C4E9) >> 6  # 26 bits each
-    return (hi * 2**26 + lo).double() / 2**52
-
-
-# -----------------------------------------------------------------------------
 # Checks
 
 
@@ -210,62 +185,38 @@ def _need(ok, name, value, rule):
 
 
 def check_sampling(temperature, top_k, top_p, min_p, repetition_penalty):
-    """The one rule for the sampling settings (generate and TrainConfig both call it); ValueError
-    if off."""
+    """The one rule for the sampling settings (generate and TrainConfig
+    both call it); ValueError if off."""
     _need(temperature >= 0, "temperature", temperature, "must be >= 0 (0 means greedy)")
     _need(top_k >= 0, "top_k", top_k, "must be >= 0 (0 means off)")
     _need(0 < top_p <= 1, "top_p", top_p, "must be in (0, 1] (1 means off)")
     _need(0 <= min_p <= 1, "min_p", min_p, "must be in [0, 1] (0 means off)")
-    _need(
-        repetition_penalty > 0,
-        "repetition_penalty",
-        repetition_penalty,
-        "must be > 0 (1 means off)",
-    )
+    penalty = repetition_penalty
+    _need(penalty > 0, "repetition_penalty", penalty, "must be > 0 (1 means off)")
 
 
-def _check_args(
-    model,
-    prompt_ids,
-    num_samples,
-    max_new_tokens,
-    temperature,
-    top_k,
-    top_p,
-    min_p,
-    repetition_penalty,
-    vocab_size,
-    seeds,
-):
+def check_prompts(model, prompt_ids, num_samples, max_new_tokens, vocab_size, seeds):
+    """ValueError naming the first argument of generate that cannot run."""
     _need(num_samples >= 1, "num_samples", num_samples, "must be >= 1")
     _need(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, "must be >= 1")
-    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     V = model.config.vocab_size
-    _need(
-        0 < vocab_size <= V,
-        "vocab_size",
-        vocab_size,
-        f"must be in [1, model.config.vocab_size={V}]",
-    )
+    in_range = f"must be in [1, model.config.vocab_size={V}]"
+    _need(0 < vocab_size <= V, "vocab_size", vocab_size, in_range)
     _need(len(prompt_ids) > 0, "prompt_ids", prompt_ids, "needs at least one prompt")
     for i, p in enumerate(prompt_ids):
         _need(len(p) > 0, "prompt_ids", f"[..., {i}: []]", f"prompt {i} is empty")
-        _need(
-            min(p) >= 0 and max(p) < V,
-            "prompt_ids",
-            f"[..., {i}: [{min(p)}..{max(p)}]]",
-            f"prompt {i} has ids outside [0, {V})",
-        )
-    longest, limit = max(map(len, prompt_ids)), model.config.max_position_embeddings
-    _need(
-        longest + max_new_tokens <= limit,
-        "max_new_tokens",
-        max_new_tokens,
-        f"the longest prompt ({longest}) + max_new_tokens exceeds max_position_embeddings={limit}",
+        ids = f"[..., {i}: [{min(p)}..{max(p)}]]"
+        ok = min(p) >= 0 and max(p) < V
+        _need(ok, "prompt_ids", ids, f"prompt {i} has ids outside [0, {V})")
+    longest = max(map(len, prompt_ids))
+    limit = model.config.max_position_embeddings
+    too_long = (
+        f"the longest prompt ({longest}) + max_new_tokens exceeds "
+        f"max_position_embeddings={limit}"
     )
-    _need(
-        seeds is None or len(seeds) == len(prompt_ids), "seeds", seeds, "needs one seed per prompt"
-    )
+    _need(longest + max_new_tokens <= limit, "max_new_tokens", max_new_tokens, too_long)
+    ok = seeds is None or len(seeds) == len(prompt_ids)
+    _need(ok, "seeds", seeds, "needs one seed per prompt")
 
 
 # -----------------------------------------------------------------------------
@@ -373,19 +324,8 @@ def generate(
     fast_sampling.StaticDecoder runs a compiled static-shape step."""
     vocab_size = vocab_size or model.config.vocab_size
     prompt_ids = [[int(t) for t in p] for p in prompt_ids]
-    _check_args(
-        model,
-        prompt_ids,
-        num_samples,
-        max_new_tokens,
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        repetition_penalty,
-        vocab_size,
-        seeds,
-    )
+    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
+    check_prompts(model, prompt_ids, num_samples, max_new_tokens, vocab_size, seeds)
     dev = model.lm_head.weight.device
     # CPU BLAS multiplies [n,D] by slices of 2048 vocab rows ~1.6x faster
     chunk = 2048 if dev.type == "cpu" else vocab_size

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import fixture_path, tiny_config
-from nanogrpo.checkpoint import config_from_hf, config_to_hf, load_model, save_model
+from nanogrpo.checkpoint import load_model, save_model
+from nanogrpo.hf_format import config_from_hf, config_to_hf
 from nanogrpo.model import Transformer
 
 
@@ -156,7 +157,7 @@ def test_resume_never_unpickles_code(tmp_path):
     """Security regression: optimizer.pt and trainer_state.pt were loaded with weights_only=False, so
     a pickle payload in a shared checkpoint ran on --resume."""
     from nanogrpo import dist
-    from nanogrpo.checkpoint import load_trainer_state, save_checkpoint
+    from nanogrpo.trainer_state import load_trainer_state, save_checkpoint
     model = Transformer(tiny_config())
     opt = torch.optim.AdamW(model.parameters())
     model(torch.zeros(1, 3, dtype=torch.long)).sum().backward()
@@ -179,7 +180,7 @@ def test_resume_never_unpickles_code(tmp_path):
 
 
 def test_prune_keeps_the_newest_and_the_resume_source(tmp_path):
-    from nanogrpo.checkpoint import prune_checkpoints
+    from nanogrpo.trainer_state import prune_checkpoints
     names = [f"checkpoint-{i}" for i in (1, 2, 3, 4)]
     for n in names + ["checkpoint-other"]:
         os.makedirs(tmp_path / n)

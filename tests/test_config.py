@@ -8,8 +8,9 @@ import re
 import pytest
 
 from nanogrpo import config as config_module
-from nanogrpo.config import (LOSS_FIELDS, ConfigError, TrainConfig, convert,
-                             load_config)
+from nanogrpo import configurator
+from nanogrpo.config import LOSS_FIELDS, ConfigError, TrainConfig
+from nanogrpo.configurator import convert, load_config
 
 CONFIG_FILE = """
 import math
@@ -50,7 +51,7 @@ def test_file_then_overrides(tmp_path):
 
 def test_bare_names_are_found_in_configs_dirs(tmp_path, monkeypatch):
     (tmp_path / "mine.py").write_text("max_steps = 7\n")
-    monkeypatch.setattr(config_module, "CONFIGS_DIR", str(tmp_path))
+    monkeypatch.setattr(configurator, "CONFIGS_DIR", str(tmp_path))
     assert load_config(["--config=mine"]).max_steps == 7
     assert load_config(["--config=mine.py"]).max_steps == 7
     with pytest.raises(ConfigError, match="not found"):
@@ -140,7 +141,7 @@ def test_every_range_rule_names_real_fields_and_rejects_just_outside():
                "must be in [0, 1]": 1.5}
     for _, why, keys in config_module.RANGES:
         for key in keys:
-            assert key in config_module.FIELD_TYPES
+            assert key in configurator.FIELD_TYPES
             with pytest.raises(ConfigError, match=rf"^{key}=.*{re.escape(why)}"):
                 TrainConfig(**{key: outside[why]}).validate()
     # None = off
@@ -339,7 +340,7 @@ def test_which_file_a_config_name_means(tmp_path, monkeypatch, capsys):
     assert load_config(["--config", "tiny"]).max_steps == 400
     assert capsys.readouterr().err == ""  # nothing to say: no ./tiny.py
     (tmp_path / "tiny.py").write_text("max_steps = 3\n")
-    builtin = f"{config_module.CONFIGS_DIR}/tiny.py"
+    builtin = f"{configurator.CONFIGS_DIR}/tiny.py"
     for name in ("tiny", "tiny.py"):
         assert load_config(["--config", name]).max_steps == 400
         err = capsys.readouterr().err

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import ROOT, fixture_path
-from nanogrpo.config import read_config_file
+from nanogrpo.configurator import read_config_file
 
 
 def free_port() -> int:

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from conftest import FIXTURES, fixture_path, tiny_config
 from nanogrpo import lora
 from nanogrpo.checkpoint import load_model, save_model
-from nanogrpo.config import ConfigError, load_config
+from nanogrpo.config import ConfigError
+from nanogrpo.configurator import load_config
 from nanogrpo.logprobs import token_logprobs
 from nanogrpo.model import Transformer
 

@@ -167,7 +167,7 @@ def length_reward(completions, **kwargs):
 
 def test_training_with_a_reward_model_and_a_callable(tmp_path):
     """A short run of train.py: a reward model plus a callable, weighted; both are logged."""
-    from nanogrpo.config import load_config
+    from nanogrpo.configurator import load_config
     from test_train import INIT
     cfg = load_config(["--config", "tiny.py", f"--model={tmp_path}/init", INIT, f"--out_dir={tmp_path}/run",
                        "--prompts_per_step=2", "--num_generations=4", "--micro_batch_size=8",

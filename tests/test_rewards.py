@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
+from nanogrpo.math_answers import extract_answer, last_boxed, parse_number
 from nanogrpo.rewards import (RewardError, accuracy_reward, check_equation, countdown_reward,
-                              default_task_reward, extract_answer, format_reward, last_boxed, parse_number,
-                              resolve_reward_funcs, score_completions, soft_overlong_punishment)
+                              default_task_reward, format_reward, resolve_reward_funcs,
+                              score_completions, soft_overlong_punishment)
 
 
 def as_messages(texts):
@@ -182,7 +183,7 @@ def test_score_completions_errors_name_the_function():
 
 
 def test_total_reward_is_the_weighted_nan_aware_sum():
-    from nanogrpo.rewards import total_reward
+    from nanogrpo.grpo import total_reward
     nan = float("nan")
     r = torch.tensor([[1.0, 2.0], [nan, 3.0], [nan, nan]])
     total = total_reward(r, [0.5, 2.0])

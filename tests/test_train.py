@@ -9,7 +9,8 @@ import torch
 
 import train
 from nanogrpo import report, run
-from nanogrpo.config import ConfigError, load_config, read_config_file
+from nanogrpo.config import ConfigError
+from nanogrpo.configurator import load_config, read_config_file
 from nanogrpo.logprobs import token_logprobs
 from nanogrpo.checkpoint import load_model
 from nanogrpo.rewards import RewardError
@@ -84,7 +85,7 @@ def test_crash_while_saving_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C in the middle of writing the next checkpoint
 
-    monkeypatch.setattr(train.checkpoint, "write_model", crash)
+    monkeypatch.setattr(train.run.checkpoint, "write_model", crash)
     with pytest.raises(KeyboardInterrupt):
         train.train(tiny(tmp_path, "--max_steps=3", "--resume=true"))
     assert os.path.realpath(ckpt).endswith("checkpoint-2")  # still the last complete one
@@ -353,7 +354,7 @@ def test_a_reward_function_that_raises_keeps_the_last_completed_step(tmp_path, c
 
 
 def test_ctrl_c_during_a_save_never_claims_a_checkpoint_that_is_not_there(tmp_path, monkeypatch, capsys):
-    real = train.run.checkpoint.save_checkpoint
+    real = train.run.trainer_state.save_checkpoint
     calls = []
 
     def interrupted(out_dir, step, *args):
@@ -362,7 +363,7 @@ def test_ctrl_c_during_a_save_never_claims_a_checkpoint_that_is_not_there(tmp_pa
             raise KeyboardInterrupt
         return real(out_dir, step, *args)
 
-    monkeypatch.setattr(train.run.checkpoint, "save_checkpoint", interrupted)
+    monkeypatch.setattr(train.run.trainer_state, "save_checkpoint", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train.train(tiny(tmp_path, "--max_steps=4", "--save_every=2"))
     assert "saved" in capsys.readouterr().out
