@@ -15,7 +15,8 @@ import argparse
 import torch
 
 from nanogrpo.checkpoint import load_model
-from nanogrpo.rewards import resolve_reward_funcs, score_completions, total_reward
+from nanogrpo.grpo import total_reward
+from nanogrpo.rewards import resolve_reward_funcs, score_completions
 from nanogrpo.fast_sampling import sample_next_token_fast
 from nanogrpo.sampler import generate
 from nanogrpo.tokenizer import Tokenizer
