@@ -30,10 +30,9 @@ the synced reference weights are not checkpointed, so a resumed run
 restarts from the initial reference model.
 """
 
-import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +46,7 @@ from nanogrpo.logprobs import (policy_logprobs, rows_without_gradient,
 from nanogrpo.rewards import (check_reward_columns, resolve_reward_funcs,
                               score_completions)
 from nanogrpo.rollout import Rollout, rollout
+from nanogrpo.schedules import lr_lambda, warmup_length
 from nanogrpo.tokenizer import Tokenizer
 from nanogrpo.tools import resolve_tools, tool_schema
 
@@ -77,27 +77,37 @@ class Trainer:
     round: int = 0  # generation rounds done
     round_begin: dict | None = None  # prompt sampler state, inside a round
     round_start_step: int = 0  # the step the current round began at
+    # what reward functions logged this round (TRL's log_metric, log_extra)
+    user_metrics: dict = field(default_factory=dict)
+    user_columns: dict = field(default_factory=dict)
 
 
 def load_policy(path, cfg: TrainConfig, info, lora_settings=None):
     """fp32 master weights (bf16 compute under autocast), FSDP2-sharded
     on several ranks; with lora_settings, fresh LoRA adapters on it."""
-    return checkpoint.load_model(path, dtype=torch.float32,
+    return checkpoint.load_model(path, dtype=cfg.weight_dtype(),
                                  device=info.device, info=info,
-                                 mixed_precision=cfg.bf16(info.device),
+                                 mixed_precision=cfg.use_bf16(info.device),
                                  lora_settings=lora_settings)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning-rate multiplier: linear warmup, then constant or cosine
-    decay to 0 at max_steps."""
-    warmup = cfg.warmup_steps or int(cfg.warmup_ratio * cfg.max_steps)
-    if step < warmup:
-        return (step + 1) / warmup
-    if cfg.lr_scheduler == "cosine":
-        progress = (step - warmup) / max(1, cfg.max_steps - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return 1.0
+def make_optimizer(model, cfg: TrainConfig, info):
+    """AdamW (transformers' optim names) and its learning-rate schedule,
+    step for step transformers' get_scheduler (schedules.py)."""
+    # fused: one kernel for the whole step; FSDP2's sharded parameters
+    # keep the default implementation
+    fused = cfg.optim == "adamw_torch_fused" and info.world_size == 1
+    optimizer = torch.optim.AdamW(lora.trainable_parameters(model),
+                                  lr=cfg.learning_rate,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay,
+                                  eps=cfg.adam_epsilon,
+                                  fused=fused)
+    warmup = warmup_length(cfg.max_steps, cfg.warmup_steps, cfg.warmup_ratio)
+    multiplier = lr_lambda(cfg.lr_scheduler_type, warmup, cfg.max_steps,
+                           cfg.learning_rate, cfg.lr_scheduler_kwargs)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+    return optimizer, scheduler
 
 
 def round_seed(cfg: TrainConfig, rnd: int, rank: int, salt=0) -> int:
@@ -120,21 +130,14 @@ def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
     if cfg.beta > 0 and not peft:  # with LoRA: the adapters switched off
         ref = load_policy(cfg.model, cfg, info)
         ref.eval().requires_grad_(False)
-    # fused: one kernel for the whole step; FSDP2's sharded parameters
-    # keep the default implementation
-    optimizer = torch.optim.AdamW(lora.trainable_parameters(model),
-                                  lr=cfg.learning_rate,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay,
-                                  eps=cfg.adam_epsilon,
-                                  fused=info.world_size == 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_at(s, cfg))
     reward_funcs = build_reward_funcs(cfg, info)
     weights = cfg.reward_weights or [1.0] * len(reward_funcs)
     tools = resolve_tools(cfg.tools)
     rows, eval_rows = load_data(cfg, tok, model, reward_funcs, tools)
     sched = cfg.schedule(info.world_size)
+    # max_steps=-1: num_train_epochs passes over the prompts, as TRL counts
+    cfg.max_steps = cfg.total_steps(len(rows), info.world_size)
+    optimizer, scheduler = make_optimizer(model, cfg, info)
     return Trainer(
         cfg=cfg, info=info, sched=sched, tok=tok, model=model, ref=ref,
         optimizer=optimizer, scheduler=scheduler,
@@ -142,9 +145,10 @@ def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
         reward_funcs=reward_funcs,
         reward_weights=torch.tensor(weights, device=info.device),
         tools=tools,
-        prompts=PromptSampler(rows, sched.prompts_per_round, seed=cfg.seed),
+        prompts=PromptSampler(rows, sched.prompts_per_round, seed=cfg.seed,
+                              shuffle=cfg.shuffle_dataset),
         eval_rows=eval_rows,
-        autocast=dist.autocast(info, cfg.bf16(info.device)),
+        autocast=dist.autocast(info, cfg.use_bf16(info.device)),
     )
 
 
@@ -158,12 +162,12 @@ def check_context(cfg: TrainConfig, model):
 
 
 def build_reward_funcs(cfg: TrainConfig, info) -> list:
-    dtype = torch.bfloat16 if cfg.bf16(info.device) else torch.float32
+    dtype = torch.bfloat16 if cfg.use_bf16(info.device) else torch.float32
     return resolve_reward_funcs(
         cfg.reward_funcs,
         max_completion_length=cfg.max_completion_length,
         soft_punish_cache=cfg.soft_punish_cache,
-        batch_size=cfg.micro_batch_size,
+        batch_size=cfg.per_device_train_batch_size,
         reward_processing_classes=cfg.reward_processing_classes,
         device=info.device, dtype=dtype)
 
@@ -174,16 +178,23 @@ def load_data(cfg: TrainConfig, tok, model, reward_funcs, tools):
     reward functions read."""
     rows = load_dataset(cfg.dataset, split=cfg.dataset_split, seed=cfg.seed)
     eval_rows = None
-    if cfg.eval_dataset and cfg.eval_every:
+    if cfg.eval_every():
         eval_rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split,
                                  seed=cfg.seed)[: cfg.eval_size]
     for warning in cfg.warnings():
         dist.print0(f"warning: {warning}")
     room = model.config.max_position_embeddings - cfg.max_completion_length
     schemas = [tool_schema(fn) for fn in tools.values()] or None
+    encode = dict(max_length=cfg.max_prompt_length,
+                  **(cfg.chat_template_kwargs or {}))
     for source, checked in ((cfg.dataset, rows),
                             (cfg.eval_dataset, eval_rows or [])):
-        check_prompts(checked, source, tok, room, tools=schemas)
+        cut = check_prompts(checked, source, tok, room, tools=schemas,
+                            **encode)
+        if cut:
+            dist.print0(f"warning: {cut} of {len(checked)} prompts of "
+                        f"{source} are longer than max_prompt_length="
+                        f"{cfg.max_prompt_length} tokens: cut from the left")
         check_reward_columns(reward_funcs, checked, source)
     return rows, eval_rows
 
@@ -201,14 +212,28 @@ def round_prompts(t: Trainer) -> list[dict]:
     return rows[first:first + per_rank]
 
 
-def reward_rollout(ro: Rollout, reward_funcs) -> torch.Tensor:
+def reward_rollout(ro: Rollout, reward_funcs, t=None) -> torch.Tensor:
     """Every reward function, called with TRL's convention (dataset
-    columns repeated per completion). -> [n, K] fp32, NaN = unscored."""
+    columns repeated per completion, and TRL's trainer_state, log_metric,
+    log_extra). -> [n, K] fp32, NaN = unscored."""
     G = ro.num_generations
     columns = {k: [v for v in values for _ in range(G)]
                for k, values in columns_of(ro.rows).items()}
+    extras = None if t is None else reward_extras(t)
     return score_completions(reward_funcs, ro.prompts, ro.completions,
-                             ro.completion_token_ids, columns)
+                             ro.completion_token_ids, columns, extras)
+
+
+def reward_extras(t: Trainer) -> dict:
+    """The keyword arguments TRL 1.16 adds for reward functions: the
+    trainer's progress, and two ways to log from inside a function."""
+    state = {"global_step": t.step, "max_steps": t.cfg.max_steps,
+             "epoch": t.prompts.epoch}
+    return {
+        "trainer_state": state,
+        "log_metric": t.user_metrics.__setitem__,  # log_metric(name, value)
+        "log_extra": t.user_columns.__setitem__,  # log_extra(column, values)
+    }
 
 
 def advantages_of(t: Trainer, rewards: torch.Tensor, G: int):
@@ -234,7 +259,7 @@ def frozen_logprobs(model, ro: Rollout, t: Trainer) -> torch.Tensor:
     was_training = model.training
     model.eval()
     parts = []
-    size = t.cfg.micro_batch_size
+    size = t.cfg.per_device_train_batch_size
     for i in range(0, len(ro.input_ids), size):
         rows = slice(i, i + size)
         with t.autocast:
@@ -255,7 +280,7 @@ def micro_batches(t: Trainer) -> list[torch.Tensor]:
     """The round's rows shuffled (seeded by the round), cut into
     micro-batches of row indices."""
     n = t.sched.completions_per_round_per_rank
-    size = t.cfg.micro_batch_size
+    size = t.cfg.per_device_train_batch_size
     seed = round_seed(t.cfg, t.round, t.info.rank, salt=1)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     perm = perm.to(t.info.device)
@@ -309,6 +334,7 @@ def round_updates(t: Trainer, ro: Rollout) -> list[dict]:
     records = []
     for j in t.sched.replay_order()[: cfg.max_steps - t.step]:
         t0 = time.time()
+        lr_used = t.scheduler.get_last_lr()[0]
         m = optimizer_step(t, ro, micro[j:j + GA])
         t.scheduler.step()
         t.step += 1
@@ -316,7 +342,8 @@ def round_updates(t: Trainer, ro: Rollout) -> list[dict]:
         if t.ref is not None and cfg.sync_ref_model and due:
             sync_ref_model(t.ref, t.model, cfg.ref_model_mixup_alpha)
         m["step"] = t.step
-        m["lr"] = t.scheduler.get_last_lr()[0]
+        # the rate this step used (the scheduler has moved on)
+        m["learning_rate"] = lr_used
         m["time/update"] = time.time() - t0
         records.append(m)
     return records
@@ -348,7 +375,7 @@ def train_round(t: Trainer, r: run.Run) -> list[dict]:
     ro = rollout(t.model, t.tok, round_prompts(t), cfg,
                  cfg.num_generations, generator, t.autocast, t.tools)
     t1 = time.time()
-    local = reward_rollout(ro, t.reward_funcs)  # [n, K]
+    local = reward_rollout(ro, t.reward_funcs, t)  # [n, K]
     rewards = dist.all_gather_rows(local.to(info.device), info).float()
     ro.advantages = advantages_of(t, rewards, ro.num_generations)
     ro.num_items = dist.all_reduce_sum(ro.completion_mask.sum(), info)
@@ -392,12 +419,12 @@ def train(cfg: TrainConfig, command=None) -> list[dict]:
         while t.step < cfg.max_steps:
             first_step = t.step
             r.pending = train_round(t, r)
-            eval_due = crossed(cfg.eval_every, first_step, t.step)
+            eval_due = crossed(cfg.eval_every(), first_step, t.step)
             last = t.step == cfg.max_steps
             if t.eval_rows and (eval_due or last):
                 r.pending[-1].update(evaluate(t))
             report.log(r)
-            if crossed(cfg.save_every, first_step, t.step) or last:
+            if crossed(cfg.save_steps, first_step, t.step) or last:
                 run.save(r, t)
     if cfg.merge_adapter:
         run.save_merged(r, t)

@@ -53,8 +53,8 @@ def tiny_step_time(steps: int) -> float:
     import train
     from nanogrpo.configurator import load_config
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(["--config", "tiny.py", f"--model={tmp}/init", f"--out_dir={tmp}/run",
-                           f"--max_steps={steps}", "--eval_every=0", "--save_every=0"])
+        cfg = load_config(["--config", "tiny.py", f"--model={tmp}/init", f"--output_dir={tmp}/run",
+                           f"--max_steps={steps}", "--eval_strategy=no", "--save_steps=0"])
         history = train.train(cfg)
     return statistics.median(m["step_time"] for m in history[1:])
 

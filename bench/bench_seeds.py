@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 from nanogrpo.configurator import read_config_file  # noqa: E402
 
 INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"  # tiny.py's random model, built at --model
-SHARED = ("num_generations", "prompts_per_step", "micro_batch_size", "max_completion_length", "temperature",
+SHARED = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "max_completion_length", "temperature",
           "loss_type", "beta", "learning_rate", "adam_beta2", "max_grad_norm")  # what trl_runner.py takes too
 
 
@@ -70,8 +70,8 @@ def run_nanogrpo(arm, seed, work):
         rollout.generate = plain_generate
     torch.manual_seed(seed)
     cfg = load_config(["--config", "tiny.py", f"--model={work}/init-{seed}", INIT, f"--seed={seed}",
-                       f"--out_dir={work}/{arm}-{seed}", "--overwrite_output_dir=true", "--eval_every=0",
-                       "--save_every=0", "--log_every=100000"])
+                       f"--output_dir={work}/{arm}-{seed}", "--overwrite_output_dir=true", "--eval_strategy=no",
+                       "--save_steps=0", "--logging_steps=100000"])
     return [m["reward"] for m in train.train(cfg)]
 
 
@@ -82,7 +82,7 @@ def run_trl(seed, work):
     make_tiny_checkpoint(f"{work}/init-{seed}", seed)  # the same init the nanogrpo arms use
     out = f"{work}/trl-{seed}"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "trl_runner.py"), "--model", f"{work}/init-{seed}",
-           "--out_dir", out, "--max_steps", str(max_steps), "--seed", str(seed)] + [
+           "--output_dir", out, "--max_steps", str(max_steps), "--seed", str(seed)] + [
            part for a in flags for part in a.split("=", 1)]
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     with open(f"{out}/metrics.jsonl") as f:

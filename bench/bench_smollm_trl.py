@@ -32,7 +32,7 @@ from bench_train import machine_info, median_step, run_child  # noqa: E402
 from nanogrpo.configurator import read_config_file  # noqa: E402
 
 SMOLLM = read_config_file("smollm")
-SHARED = ("num_generations", "prompts_per_step", "micro_batch_size", "max_completion_length", "temperature", "top_k",
+SHARED = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "max_completion_length", "temperature", "top_k",
           "soft_punish_cache", "loss_type", "beta", "learning_rate", "max_grad_norm")
 KEYS = ("step", "reward", "step_time", "time/sample", "time/score", "time/update", "completions/mean_length")
 
@@ -40,11 +40,11 @@ KEYS = ("step", "reward", "step_time", "time/sample", "time/score", "time/update
 def commands(trainer: str, model: str, out_dir: str, steps: int, seed: int) -> tuple[list[str], str]:
     """The training command and where its final model lands."""
     if trainer == "nanogrpo":
-        return [sys.executable, "train.py", "--config", "smollm.py", f"--model={model}", f"--out_dir={out_dir}",
-                f"--max_steps={steps}", f"--seed={seed}", "--eval_every=0", "--save_every=0",
+        return [sys.executable, "train.py", "--config", "smollm.py", f"--model={model}", f"--output_dir={out_dir}",
+                f"--max_steps={steps}", f"--seed={seed}", "--eval_strategy=no", "--save_steps=0",
                 "--log_completions=false", "--overwrite_output_dir=true"], os.path.join(out_dir, "checkpoint")
     flags = [a for k in SHARED for a in (f"--{k}", str(SMOLLM[k]))]
-    return [sys.executable, "bench/trl_runner.py", "--model", model, "--out_dir", out_dir, "--max_steps", str(steps),
+    return [sys.executable, "bench/trl_runner.py", "--model", model, "--output_dir", out_dir, "--max_steps", str(steps),
             "--seed", str(seed), "--dataset", SMOLLM["dataset"], "--reward_funcs", ",".join(SMOLLM["reward_funcs"]),
             "--reward_weights", ",".join(map(str, SMOLLM["reward_weights"])), "--adam_beta2",
             str(SMOLLM.get("adam_beta2", 0.99)), *flags, "--save_final", os.path.join(out_dir, "final")], \

@@ -59,9 +59,11 @@ from nanogrpo.configurator import read_config_file  # noqa: E402
 INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"  # tiny.py's random model, built at --model
 
 # Settings passed identically to both trainers (names are nanogrpo's train.py keys and trl_runner's flags).
-TINY = dict(num_generations=8, prompts_per_step=16, micro_batch_size=64, max_completion_length=8,
+TINY = dict(num_generations=8, per_device_train_batch_size=64, gradient_accumulation_steps=2,
+            max_completion_length=8,
             temperature=1.0, loss_type="dapo", beta=0.0, learning_rate=3e-3, adam_beta2=0.99, max_grad_norm=1.0)
-BIG_FLAT = dict(TINY, prompts_per_step=4, micro_batch_size=32, max_completion_length=64)
+BIG_FLAT = dict(TINY, per_device_train_batch_size=32, gradient_accumulation_steps=1,
+                max_completion_length=64)
 BIG = dict(BIG_FLAT, reward_funcs="bench/bench_train.py:even_code_points")
 BIG_MODEL = dict(model_type="qwen2", vocab_size=32000, hidden_size=512, intermediate_size=2048,
                  num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
@@ -145,10 +147,10 @@ def run_child(cmd: list[str], log_path: str) -> dict:
 
 def trainer_cmd(trainer: str, model: str, out_dir: str, steps: int, seed: int, settings: dict) -> list[str]:
     if trainer == "nanogrpo":
-        return [sys.executable, "train.py", "--config", "tiny.py", f"--model={model}", f"--out_dir={out_dir}",
-                f"--max_steps={steps}", f"--seed={seed}", "--eval_every=0", "--save_every=0", "--overwrite_output_dir=true",
+        return [sys.executable, "train.py", "--config", "tiny.py", f"--model={model}", f"--output_dir={out_dir}",
+                f"--max_steps={steps}", f"--seed={seed}", "--eval_strategy=no", "--save_steps=0", "--overwrite_output_dir=true",
                 *[f"--{k}={v}" for k, v in settings.items()]]
-    return [sys.executable, "bench/trl_runner.py", "--model", model, "--out_dir", out_dir,
+    return [sys.executable, "bench/trl_runner.py", "--model", model, "--output_dir", out_dir,
             "--max_steps", str(steps), "--seed", str(seed),
             *[a for k, v in settings.items() for a in (f"--{k}", str(v))]]
 
@@ -304,8 +306,10 @@ def speed_markdown(title: str, part: dict) -> list[str]:
     a, b = s["nanogrpo"], s["trl"]
     st = part["settings"]
     lines = [f"#### {title}", "",
-             f"{st['prompts_per_step']} prompts x {st['num_generations']} completions per step, "
-             f"{st['max_completion_length']} new tokens max, micro-batch {st['micro_batch_size']}, "
+             f"{st['per_device_train_batch_size'] * st['gradient_accumulation_steps']} completions "
+             f"({st['num_generations']} per prompt) per step, "
+             f"{st['max_completion_length']} new tokens max, micro-batch "
+             f"{st['per_device_train_batch_size']}, "
              f"{part['steps']} steps x {part['reps']} runs per trainer (alternating); per-step figures are the "
              f"median over the {a['n_steps']} steps after the first {part['warmup']} of each run.", "",
              "| | nanogrpo | TRL GRPOTrainer | nanogrpo / TRL |", "|---|---:|---:|---:|"]

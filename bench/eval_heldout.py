@@ -3,7 +3,7 @@
     python bench/eval_heldout.py --config smollm.py --model=.cache/real/smollm2-135m-instruct
     python bench/eval_heldout.py --config smollm.py --model=out/smollm/checkpoint
 
-train.py evaluates every eval_every steps and at the end, never before the first step; this script
+train.py evaluates every eval_steps steps and at the end, never before the first step; this script
 runs the very same `train.evaluate` (same eval rows, sampling settings and sampling seed) on the
 checkpoint given as --model, so before and after are measured alike. Prints one JSON line with
 eval/pass@1, its standard error sqrt(p (1 - p) / n), eval/reward and per-function means.
@@ -46,7 +46,7 @@ def main(argv=None):
     tools = resolve_tools(cfg.tools) if cfg.tools else None  # a tool-calling config evaluates with its tools
     weights = torch.tensor(cfg.reward_weights or [1.0] * len(funcs))
     t = SimpleNamespace(cfg=cfg, info=info, tok=tok, model=model, eval_rows=rows, reward_funcs=funcs,
-                        reward_weights=weights, tools=tools, autocast=dist.autocast(info, cfg.bf16(info.device)))
+                        reward_weights=weights, tools=tools, autocast=dist.autocast(info, cfg.use_bf16(info.device)))
     m = train.evaluate(t)  # reads these fields of train.Trainer
     p, n = m["eval/pass@1"], len(rows)
     m.update({"model": cfg.model, "eval_size": n, "eval/pass@1_se": math.sqrt(p * (1 - p) / n),

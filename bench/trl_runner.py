@@ -1,20 +1,20 @@
 """Run TRL's GRPOTrainer on a nanogrpo checkpoint with nanogrpo's settings; benchmark helper.
 
-    python bench/trl_runner.py --model out/tiny-init --out_dir out/bench/trl --max_steps 20 --seed 1337
+    python bench/trl_runner.py --model out/tiny-init --output_dir out/bench/trl --max_steps 20 --seed 1337
 
 Loads the checkpoint directory with transformers' Auto classes, builds a `datasets.Dataset` from
 `nanogrpo.data.load_dataset(dataset, seed=seed)`, uses nanogrpo's reward functions by name
 (`--reward_funcs`, default `default_task`; `--reward_weights` as TRL's reward_weights), and
 trains with a GRPOConfig set to what `python train.py --config tiny.py` does (every TRL default that
 differs from ours overridden: no gradient checkpointing, fp32 on CPU, constant lr, beta2 0.99,
-logging every step, no checkpoints). One optimizer step = prompts_per_step prompts x num_generations
-completions, in micro-batches of micro_batch_size (per_device_train_batch_size) with gradient
+logging every step, no checkpoints). One optimizer step = per_device_train_batch_size x gradient_accumulation_steps
+completions (num_generations per prompt), as in train.py, with gradient
 accumulation, exactly like nanogrpo's batch arithmetic.
 
-Writes <out_dir>/metrics.jsonl, one line per optimizer step, with nanogrpo's key names so the same
+Writes <output_dir>/metrics.jsonl, one line per optimizer step, with nanogrpo's key names so the same
 tools read both: step, reward, reward_std, step_time, time/sample, time/score, time/update,
 completions/mean_length, loss, grad_norm, plus loop_time (previous step end -> this step end,
-which adds data loading and logging). And <out_dir>/run_info.json (versions, threads, peak RSS).
+which adds data loading and logging). And <output_dir>/run_info.json (versions, threads, peak RSS).
 
 Time split (TRL exposes none of it with report_to="none", so a subclass times its own methods):
     sample = GRPOTrainer._generate_single_turn (left-pad prompts, model.generate, cut at eos)
@@ -38,13 +38,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="checkpoint dir (config.json, model.safetensors, tokenizer.json)")
-    p.add_argument("--out_dir", required=True)
+    p.add_argument("--output_dir", required=True)
     p.add_argument("--max_steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--dataset", default="default")
     p.add_argument("--num_generations", type=int, default=8)
-    p.add_argument("--prompts_per_step", type=int, default=16)
-    p.add_argument("--micro_batch_size", type=int, default=64)
+    p.add_argument("--per_device_train_batch_size", type=int, default=64)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=2)
     p.add_argument("--max_completion_length", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top_k", type=int, default=0, help="0 = off")
@@ -77,10 +77,7 @@ def main(argv=None):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows_per_step = args.prompts_per_step * args.num_generations
-    if rows_per_step % args.micro_batch_size:
-        raise SystemExit(f"micro_batch_size {args.micro_batch_size} must divide {rows_per_step} completions per step")
-    grad_accum = rows_per_step // args.micro_batch_size
+    grad_accum = args.gradient_accumulation_steps
 
     class TimedGRPOTrainer(GRPOTrainer):
         """GRPOTrainer that adds up the seconds spent generating, and generating + scoring."""
@@ -143,8 +140,8 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     config = GRPOConfig(
-        output_dir=args.out_dir, num_generations=args.num_generations,
-        per_device_train_batch_size=args.micro_batch_size, gradient_accumulation_steps=grad_accum,
+        output_dir=args.output_dir, num_generations=args.num_generations,
+        per_device_train_batch_size=args.per_device_train_batch_size, gradient_accumulation_steps=grad_accum,
         max_completion_length=args.max_completion_length, temperature=args.temperature,
         top_k=args.top_k, reward_weights=weights,
         loss_type=args.loss_type, beta=args.beta, learning_rate=args.learning_rate, adam_beta1=0.9,
@@ -161,8 +158,8 @@ def main(argv=None):
         trainer.save_model(args.save_final)  # model, tokenizer (processing_class) and generation_config
         tokenizer.save_pretrained(args.save_final)
 
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "metrics.jsonl"), "w") as f:
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, "metrics.jsonl"), "w") as f:
         for step in sorted(records):
             f.write(json.dumps(records[step]) + "\n")
     info = {"trainer": "trl", "trl": trl.__version__, "transformers": transformers.__version__,
@@ -170,7 +167,7 @@ def main(argv=None):
             "params": sum(p.numel() for p in model.parameters()), "setup_s": t_setup, "total_s": t_total,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "grad_accum": grad_accum, "args": vars(args)}
-    with open(os.path.join(args.out_dir, "run_info.json"), "w") as f:
+    with open(os.path.join(args.output_dir, "run_info.json"), "w") as f:
         json.dump(info, f, indent=2)
     last = records[max(records)] if records else {}
     print(f"trl: {len(records)} steps, last reward {last.get('reward', float('nan')):.3f}, "

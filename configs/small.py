@@ -9,7 +9,7 @@
 
 model = "Qwen/Qwen2.5-0.5B-Instruct"
 device = "cuda"
-dtype = "bfloat16"
+bf16 = True
 gradient_checkpointing = True
 
 dataset = "gsm8k"
@@ -17,13 +17,14 @@ dataset_split = "train"
 eval_dataset = "gsm8k"
 eval_split = "test"
 eval_size = 256
-eval_every = 50
+eval_strategy = "steps"
+eval_steps = 50
 reward_funcs = ["accuracy", "format"]
 reward_weights = [1.0, 0.2]
 
 num_generations = 8
-prompts_per_step = 64
-micro_batch_size = 16
+gradient_accumulation_steps = 4  # x 16 x 8 GPUs = 512 completions: 64 prompts x 8
+per_device_train_batch_size = 16
 max_completion_length = 512
 temperature = 1.0
 
@@ -32,10 +33,13 @@ epsilon = 0.2
 epsilon_high = 0.28  # DAPO's clip-higher
 beta = 0.0
 learning_rate = 1e-6
-lr_scheduler = "constant"
+lr_scheduler_type = "constant"
+adam_beta2 = 0.99
+logging_steps = 1
+seed = 1337
 warmup_steps = 10
 max_grad_norm = 1.0
 max_steps = 500
-save_every = 100
+save_steps = 100
 log_completions = True
-out_dir = "out/small"
+output_dir = "out/small"

@@ -17,21 +17,22 @@
 
 model = "HuggingFaceTB/SmolLM2-135M-Instruct"
 device = "cpu"
-dtype = "float32"
+bf16 = False
 seed = 0
 
 dataset = "addition"
 eval_dataset = "addition"
 eval_split = "test"
 eval_size = 128  # held-out problems, all distinct; standard error of pass@1 <= 0.045
-eval_every = 10
+eval_strategy = "steps"
+eval_steps = 10
 reward_funcs = ["accuracy", "soft_overlong"]
 reward_weights = [1.0, 0.5]
 soft_punish_cache = 4  # free up to 12 tokens ("12 + 7 = 19" is ~10), -1 at 16
 
 num_generations = 8  # enough spread per group for a signal when the model is right ~1 time in 4
-prompts_per_step = 4
-micro_batch_size = 32
+gradient_accumulation_steps = 1  # 32 completions: 4 prompts x 8
+per_device_train_batch_size = 32
 max_completion_length = 16
 # Sampling for a 135M model: at temperature 1.0 its long tail of unlikely tokens derails short
 # answers into noise (wrong digits, stray words); 0.7 keeps completions on-topic while the 8
@@ -43,9 +44,12 @@ top_k = 50
 loss_type = "dapo"
 beta = 0.0  # no reference model: half the memory and no extra forward per step
 learning_rate = 3e-5  # a few dozen steps, so a bolder rate than long runs use (1e-6 .. 1e-5)
-lr_scheduler = "constant"
+lr_scheduler_type = "constant"
+adam_beta2 = 0.99
+logging_steps = 1
+gradient_checkpointing = False
 max_grad_norm = 1.0
 max_steps = 30
-save_every = 0
+save_steps = 0
 log_completions = True
-out_dir = "out/smollm"
+output_dir = "out/smollm"

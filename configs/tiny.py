@@ -16,19 +16,20 @@ init_model = dict(model_type="qwen2", hidden_size=64, intermediate_size=256, num
                   tie_word_embeddings=True, rope_theta=10000.0)
 init_tokenizer_chars = "abcdefgh="
 device = "cpu"
-dtype = "float32"
+bf16 = False
 seed = 1337
 
 dataset = "default"
 eval_dataset = "default"
 eval_split = "test"
 eval_size = 64
-eval_every = 100
+eval_strategy = "steps"
+eval_steps = 100
 reward_funcs = ["default_task"]
 
 num_generations = 8
-prompts_per_step = 16
-micro_batch_size = 64
+gradient_accumulation_steps = 2  # x 64 = 16 prompts x 8 completions a step
+per_device_train_batch_size = 64
 max_completion_length = 8
 temperature = 1.0
 
@@ -37,5 +38,8 @@ learning_rate = 1e-3
 adam_beta2 = 0.99
 max_grad_norm = 1.0
 max_steps = 400
-save_every = 100
-out_dir = "out/tiny"
+logging_steps = 1
+lr_scheduler_type = "constant"
+gradient_checkpointing = False
+save_steps = 100
+output_dir = "out/tiny"

@@ -1,9 +1,9 @@
 # Tool calling (TRL's `tools=`): SmolLM2-135M-Instruct learns to use a calculator for 3-digit x
 # 2-digit products, which it cannot compute itself. First write the prompts, then train:
 #
-#     python bench/tool_calculator.py && python train.py --config tools.py
+#     python examples/tool_calculator.py && python train.py --config tools.py
 #
-# The tool, the prompts and the reward live in bench/tool_calculator.py: a short system prompt
+# The tool, the prompts and the reward live in examples/tool_calculator.py: a short system prompt
 # with the <tool_call> format and one worked example conversation before each question (~170
 # prompt tokens). README gives held-out pass@1 before and after the 12 steps, and the curves.
 # Completions are multi-turn: the model's <tool_call>, the tool's result (context only, never
@@ -19,17 +19,16 @@ dataset = "out/tools/products.jsonl"
 eval_dataset = "out/tools/products_test.jsonl"
 eval_size = 64
 # held-out: python bench/eval_heldout.py --config tools.py [--model=out/tools/checkpoint]
-eval_every = 0
-reward_funcs = ["bench/tool_calculator.py:product_reward", "bench/tool_calculator.py:tool_called"]
+reward_funcs = ["examples/tool_calculator.py:product_reward", "examples/tool_calculator.py:tool_called"]
 reward_weights = [1.0, 0.0]
-tools = ["bench/tool_calculator.py:multiply"]
+tools = ["examples/tool_calculator.py:multiply"]
 max_tool_calling_iterations = 2
 tool_timeout = 10.0
 
 num_generations = 8
 # 16 completions a step: the ~170-token prompts make each update ~8x a 16-token one
-prompts_per_step = 2
-micro_batch_size = 16
+gradient_accumulation_steps = 1
+per_device_train_batch_size = 16
 max_completion_length = 64  # a call is ~30 tokens, the tool's turn ~12, the answer ~5
 temperature = 1.0
 
@@ -38,7 +37,10 @@ beta = 0.0
 learning_rate = 3e-5  # as configs/smollm.py: a few dozen steps on CPU
 max_grad_norm = 1.0
 max_steps = 12  # every group is solved by step ~6: later steps have zero advantages
-save_every = 0
-log_every = 1
+save_steps = 0
+logging_steps = 1
+lr_scheduler_type = "constant"
+adam_beta2 = 0.99
+gradient_checkpointing = False
 log_completions = True
-out_dir = "out/tools"
+output_dir = "out/tools"

@@ -21,33 +21,40 @@ Choices:
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, LossConfig
-from nanogrpo.rollout import TOOL_CALL_PARSERS
+from nanogrpo.tools import TOOL_CALL_PARSERS
 from nanogrpo.sampler import check_sampling
+from nanogrpo.schedules import SCHEDULES
 
 
 class ConfigError(ValueError):
     """A config key is unknown, has the wrong type, or is inconsistent with the others."""
 
 
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 CHOICES = {
-    "dtype": ("float32", "bfloat16", "auto"),
     "scale_rewards": SCALE_REWARDS,
     "multi_objective_aggregation": AGGREGATIONS,
-    "lr_scheduler": ("constant", "cosine"),
+    "lr_scheduler_type": SCHEDULES,
     "tool_call_format": tuple(TOOL_CALL_PARSERS),
+    "optim": OPTIMIZERS,
+    "eval_strategy": ("no", "steps"),
 }
 # (rule, message, fields): each range rule of TrainConfig once; the loss's own live in LossConfig
-AT_LEAST_1 = """prompts_per_step micro_batch_size num_iterations max_completion_length
-    max_steps log_every ref_model_sync_steps eval_size lora_r steps_per_generation
-    max_tool_calling_iterations save_total_limit soft_punish_cache""".split()
+AT_LEAST_1 = """per_device_train_batch_size gradient_accumulation_steps num_iterations
+    max_completion_length logging_steps ref_model_sync_steps eval_size lora_r
+    steps_per_generation generation_batch_size max_tool_calling_iterations
+    save_total_limit soft_punish_cache eval_steps max_prompt_length
+    num_generations_eval num_completions_to_print""".split()
 RANGES = [
     (lambda v: v >= 1, "must be at least 1", AT_LEAST_1),
     (lambda v: v >= 0, "must be >= 0 (0 = off)",
-     ["learning_rate", "weight_decay", "warmup_steps", "eval_every", "save_every"]),
-    (lambda v: v > 0, "must be > 0", ["lora_alpha", "max_grad_norm", "tool_timeout"]),
+     ["learning_rate", "weight_decay", "warmup_steps", "save_steps"]),
+    (lambda v: v > 0, "must be > 0",
+     ["lora_alpha", "max_grad_norm", "tool_timeout", "num_train_epochs"]),
     (lambda v: 0 <= v < 1, "must be in [0, 1)",
      ["adam_beta1", "adam_beta2", "warmup_ratio", "lora_dropout"]),
     (lambda v: 0 <= v <= 1, "must be in [0, 1]", ["ref_model_mixup_alpha"]),
@@ -57,11 +64,15 @@ REPORTERS = ("none", "tensorboard", "wandb", "trackio")
 LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig))
 TRUE_WORDS = ("true", "1", "yes")  # how a bool is spelled in text
 FALSE_WORDS = ("false", "0", "no")
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_OUTPUT_DIR = "trainer_output"  # transformers' output_dir=None
 
 
 @dataclass
 class TrainConfig:
-    """All settings of a run; see the comment on each field."""
+    """All settings of a run; see the comment on each field. Names,
+    meanings and defaults are TRL's GRPOConfig's (with transformers'
+    TrainingArguments) wherever TRL has the setting."""
 
     # --- model
     # checkpoint dir or hub id (the config file decides what the tiny default is)
@@ -70,13 +81,17 @@ class TrainConfig:
     init_model: dict | None = None
     # with init_model: the characters of its char-level tokenizer
     init_tokenizer_chars: str = "abcdefgh="
-    # compute dtype, on every device: float32 | bfloat16 (autocast or FSDP2
-    # mixed precision, fp32 weights) | auto (bfloat16 on CUDA, else float32)
-    dtype: str = "float32"
+    # {"dtype": "bfloat16"} loads the weights in that dtype (TRL's); None = float32
+    model_init_kwargs: dict | None = None
+    # compute in bfloat16 (autocast, or FSDP2 mixed precision; fp32 weights).
+    # None: on CUDA yes, on CPU no (TRL's None means yes; bf16 is slow on CPU)
+    bf16: bool | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    seed: int = 1337  # seeds init, prompt order and sampling
+    seed: int = 42  # seeds init, prompt order and sampling
     # recompute activations in backward to save memory
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = True
+    # set every dropout probability (LoRA's) to 0
+    disable_dropout: bool = False
 
     # --- LoRA (TRL's ModelConfig names)
     # train LoRA adapters (nanogrpo/lora.py) instead of every weight; base frozen
@@ -91,7 +106,7 @@ class TrainConfig:
     # rank-stabilized scaling lora_alpha / sqrt(lora_r)
     use_rslora: bool = False
     # at the end, also write the adapter merged into a full HF checkpoint
-    # (out_dir/merged)
+    # (output_dir/merged)
     merge_adapter: bool = False
 
     # --- data
@@ -103,11 +118,16 @@ class TrainConfig:
     eval_dataset: str | None = None
     eval_split: str | None = "test"  # split of eval_dataset
     eval_size: int = 256  # evaluate on the first this-many eval prompts
+    shuffle_dataset: bool = True  # a new prompt order every epoch
+    # prompt tokens kept, cut from the left with a warning; None = all
+    max_prompt_length: int | None = None
+    # extra variables of the chat template, e.g. {"enable_thinking": False}
+    chat_template_kwargs: dict | None = None
 
     # --- rewards
-    # built-in names, module:function, or a reward model
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["default_task"])
+    # built-in names, module:function, a reward model, or functions defined
+    # in the config file itself
+    reward_funcs: list = field(default_factory=lambda: ["default_task"])
     # one per reward function; None = all 1.0
     reward_weights: list[float] | None = None
     # per reward model: its tokenizer; None = its own
@@ -115,16 +135,22 @@ class TrainConfig:
     # soft_overlong reward's window (None = max_completion_length // 4)
     soft_punish_cache: int | None = None
 
-    # --- batch
+    # --- batch (TRL's arithmetic: an optimizer step trains on
+    # per_device_train_batch_size x gradient_accumulation_steps x processes
+    # completions, a multiple of num_generations)
     num_generations: int = 8  # completions per prompt (G), at least 2
-    # prompts per optimizer step, all ranks together
-    prompts_per_step: int = 16
-    # completions per forward/backward on one rank
-    micro_batch_size: int = 32
+    # completions per forward/backward on one process
+    per_device_train_batch_size: int = 8
+    # forward/backwards summed per optimizer step
+    gradient_accumulation_steps: int = 1
+    # micro-batches per process sampled at once; None = gradient_accumulation_steps
+    steps_per_generation: int | None = None
+    # completions sampled at once, all processes; None = from steps_per_generation
+    generation_batch_size: int | None = None
     # optimizer passes over each generated batch (mu)
     num_iterations: int = 1
-    # TRL's: micro-batches per rank per generation round; None = 1 step's
-    steps_per_generation: int | None = None
+    # completions per prompt in evaluation; None = 1 (nanogrpo scores one)
+    num_generations_eval: int | None = None
 
     # --- generation
     # new tokens per completion, also dr_grpo's constant
@@ -133,21 +159,21 @@ class TrainConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # nucleus sampling, in (0, 1]
-    min_p: float = 0.0  # 0 = off
+    min_p: float | None = None  # None = off
     repetition_penalty: float = 1.0  # 1 = off
     # compile the decode step (sampler.generate(torch_compile=)):
     # CUDA graphs on GPU
     torch_compile: bool = False
 
     # --- tools (TRL's names): functions the policy may call mid-completion;
-    # see rollout.py
-    # "module:function" or "path/to/file.py:function"
-    tools: list[str] = field(default_factory=list)
+    # see tools.py
+    # "module:function", "path/to/file.py:function", or a function of the config file
+    tools: list = field(default_factory=list)
     # tool rounds per completion; None = until no row calls one
     max_tool_calling_iterations: int | None = None
     # seconds an async tool may run before its result is {"error": ...}
     tool_timeout: float = 30.0
-    # how calls are written in the text: a key of rollout.TOOL_CALL_PARSERS
+    # how calls are written in the text: a key of tools.TOOL_CALL_PARSERS
     tool_call_format: str = "hermes"
 
     # --- loss (TRL GRPOConfig names and defaults)
@@ -179,18 +205,21 @@ class TrainConfig:
     # drop completions that hit max_completion_length from the loss
     mask_truncated_completions: bool = False
 
-    # --- optimizer (AdamW)
+    # --- optimizer and learning-rate schedule (transformers' names)
     learning_rate: float = 1e-6  # peak learning rate
+    optim: str = "adamw_torch_fused"  # or adamw_torch (fused where the device has it)
     adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
+    adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     weight_decay: float = 0.0  # decoupled weight decay
-    # linear warmup steps (overrides warmup_ratio when > 0)
-    warmup_steps: int = 0
-    # linear warmup as a fraction of max_steps
+    # linear | cosine | constant | constant_with_warmup | cosine_with_min_lr
+    lr_scheduler_type: str = "linear"
+    # cosine_with_min_lr: {"min_lr": x} or {"min_lr_rate": x}; cosine: {"num_cycles": x}
+    lr_scheduler_kwargs: dict | None = None
+    # warmup steps (the first at lr 0); below 1, a fraction of max_steps
+    warmup_steps: float = 0
+    # warmup as a fraction of max_steps, rounded up (when warmup_steps is 0)
     warmup_ratio: float = 0.0
-    # constant | cosine (to 0 at max_steps), after warmup
-    lr_scheduler: str = "constant"
     # gradient clipping; None = off
     max_grad_norm: float | None = 1.0
 
@@ -202,63 +231,102 @@ class TrainConfig:
     ref_model_sync_steps: int = 512  # optimizer steps between syncs
 
     # --- run
-    max_steps: int = 150  # optimizer steps
-    eval_every: int = 0  # steps between evaluations, 0 = never
-    log_every: int = 1  # steps between log lines
-    # steps between checkpoints (TRL's save_steps), 0 = only at the end;
-    # also on Ctrl-C
-    save_every: int = 500
-    # keep the newest this-many checkpoints this run wrote; None = all (TRL)
+    # optimizer steps; -1 = num_train_epochs passes over the dataset
+    max_steps: int = -1
+    # passes over the prompts, as TRL counts them (when max_steps is -1)
+    num_train_epochs: float = 3.0
+    logging_steps: int = 10  # steps between console lines and tracker logs
+    logging_first_step: bool = False  # also log step 1
+    eval_strategy: str = "no"  # no | steps
+    eval_steps: int | None = None  # with eval_strategy="steps"; None = logging_steps
+    # steps between checkpoints, 0 = only at the end; also on Ctrl-C
+    save_steps: int = 500
+    # keep the newest this-many checkpoints this run wrote; None = all
     save_total_limit: int | None = None
     # print a sample of completions at each log step
     log_completions: bool = False
-    out_dir: str = "out"  # checkpoints, config.json and logs
-    # False; True = the latest checkpoint in out_dir if there is one;
-    # or a checkpoint path. The text true/false (any case; 1/0, yes/no) is
-    # the bool.
-    resume: bool | str = False
-    # start over in an out_dir holding a run (deletes its checkpoints, logs)
+    # prompts whose first completion log_completions prints; None = 2
+    num_completions_to_print: int | None = None
+    # checkpoints, train_config.json and logs; None = "trainer_output"
+    output_dir: str | None = None
+    run_name: str | None = None  # the trackers' run name; None = output_dir
+    # None/False; True = the latest checkpoint in output_dir if there is
+    # one; or a checkpoint path. The text true/false (any case; 1/0,
+    # yes/no) is the bool.
+    resume_from_checkpoint: bool | str | None = None
+    # start over in an output_dir holding a run (deletes its checkpoints, logs)
     overwrite_output_dir: bool = False
     # none | tensorboard | wandb | trackio, or several comma-separated
-    # (TRL's name)
     report_to: str = "none"
+    # upload each checkpoint to the hub repo hub_model_id (huggingface-hub)
+    push_to_hub: bool = False
+    hub_model_id: str | None = None  # None = the output_dir's name
 
     def __post_init__(self):
-        # resume="False" in a config file is text: it means False, not a
-        # checkpoint of that name
+        # resume_from_checkpoint="False" in a config file is text: it
+        # means False, not a checkpoint of that name
+        resume = self.resume_from_checkpoint
         words = TRUE_WORDS + FALSE_WORDS
-        if isinstance(self.resume, str) and self.resume.lower() in words:
-            self.resume = self.resume.lower() in TRUE_WORDS
+        if isinstance(resume, str) and resume.lower() in words:
+            self.resume_from_checkpoint = resume.lower() in TRUE_WORDS
+        if self.output_dir is None:
+            self.output_dir = DEFAULT_OUTPUT_DIR
 
-    # --- batch arithmetic ---------------------------------------------------
+    # --- batch arithmetic (TRL's) -------------------------------------------
 
-    def completions_per_rank(self, world_size: int = 1) -> int:
-        """Completions each rank holds in one optimizer step."""
-        return self.prompts_per_step * self.num_generations // world_size
+    def completions_per_rank(self) -> int:
+        """Completions each process trains on in one optimizer step."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    def micro_batches_per_round(self, world_size: int = 1) -> int:
+        """TRL's steps_per_generation: micro-batches each process samples
+        at once, from generation_batch_size when that is given."""
+        if self.generation_batch_size is not None:
+            per_round = self.per_device_train_batch_size * world_size
+            return self.generation_batch_size // per_round
+        return self.steps_per_generation or self.gradient_accumulation_steps
 
     def schedule(self, world_size: int = 1) -> "Schedule":
         """Every count derived from the batch settings on `world_size`
-        ranks (call validate first)."""
-        per_rank = self.completions_per_rank(world_size)
-        micro_per_step = per_rank // self.micro_batch_size
-        spg = self.steps_per_generation or micro_per_step
+        processes (call validate first)."""
+        per_rank = self.completions_per_rank()
+        micro_per_step = self.gradient_accumulation_steps
+        spg = self.micro_batches_per_round(world_size)
         steps = spg // micro_per_step  # optimizer steps one round feeds
         updates = steps * self.num_iterations
+        prompts_per_step = per_rank * world_size // self.num_generations
         return Schedule(
             world_size=world_size,
             num_generations=self.num_generations,
-            prompts_per_step=self.prompts_per_step,
+            prompts_per_step=prompts_per_step,
             completions_per_step_per_rank=per_rank,
-            micro_batch_size=self.micro_batch_size,
+            micro_batch_size=self.per_device_train_batch_size,
             micro_batches_per_step=micro_per_step,
             steps_per_generation=spg,
             optimizer_steps_per_generation=steps,
             num_iterations=self.num_iterations,
-            prompts_per_round=self.prompts_per_step * steps,
+            prompts_per_round=prompts_per_step * steps,
             completions_per_round_per_rank=per_rank * steps,
             updates_per_round=updates,
             off_policy=updates > 1,
         )
+
+    def total_steps(self, num_prompts: int, world_size: int = 1) -> int:
+        """max_steps, or TRL's count for num_train_epochs passes over
+        `num_prompts`: each round of whole generation batches feeds
+        num_iterations x its optimizer steps."""
+        if self.max_steps > 0:
+            return self.max_steps
+        sched = self.schedule(world_size)
+        rounds = num_prompts // sched.prompts_per_round
+        per_epoch = max(rounds * sched.updates_per_round, 1)
+        return math.ceil(self.num_train_epochs * per_epoch)
+
+    def eval_every(self) -> int:
+        """Steps between evaluations; 0 = never."""
+        if self.eval_strategy == "no" or not self.eval_dataset:
+            return 0
+        return self.eval_steps or self.logging_steps
 
     # --- rules between settings ---------------------------------------------
 
@@ -270,6 +338,9 @@ class TrainConfig:
         """Raise ConfigError naming the first inconsistent setting;
         returns self."""
         need = self._need
+        need(self.optim in OPTIMIZERS or "8bit" not in self.optim, "optim",
+             "needs bitsandbytes, which nanogrpo does not use: use adamw_torch "
+             "(or LoRA, use_peft=True, for a small optimizer state)")
         for key, allowed in CHOICES.items():
             value = getattr(self, key)
             need(value in allowed, key, f"must be one of {list(allowed)}")
@@ -283,6 +354,12 @@ class TrainConfig:
         need(d in ("auto", "cpu", "cuda") or cuda_n, "device",
              "must be auto, cpu, cuda or cuda:N")
         self._validate_batch(world_size)
+        kwargs = self.model_init_kwargs or {}
+        unknown = sorted(set(kwargs) - {"dtype", "torch_dtype"})
+        need(not unknown, "model_init_kwargs",
+             f"nanogrpo builds its own model: only dtype is read, not {unknown}")
+        need(self.weight_dtype() in WEIGHT_DTYPES, "model_init_kwargs",
+             f"dtype must be one of {list(WEIGHT_DTYPES)} or auto")
         self._validate_sampling_and_loss()
         self._validate_rewards()
         need(not self.sync_ref_model or self.beta > 0, "sync_ref_model",
@@ -296,21 +373,29 @@ class TrainConfig:
 
     def _validate_batch(self, world_size: int):
         need = self._need
-        need(self.num_generations >= 2, "num_generations",
-             "GRPO needs at least 2 completions per prompt")
-        need(self.prompts_per_step % world_size == 0, "prompts_per_step",
-             f"must be divisible by world_size={world_size} so each rank "
-             "holds whole groups")
-        rows = self.completions_per_rank(world_size)
-        need(rows % self.micro_batch_size == 0, "micro_batch_size",
-             f"must divide the {rows} completions per rank "
-             "(prompts_per_step * num_generations / world_size)")
-        micro = self.schedule(world_size).micro_batches_per_step
-        spg = self.steps_per_generation
-        need(spg is None or spg % micro == 0, "steps_per_generation",
-             "counts micro-batches per round, as in TRL: it must be a "
-             f"multiple of the {micro} micro-batches of one optimizer step "
-             "on each rank")
+        G = self.num_generations
+        need(G >= 2, "num_generations", "GRPO needs at least 2 completions per prompt")
+        both = self.steps_per_generation and self.generation_batch_size
+        need(not both, "generation_batch_size",
+             "set it or steps_per_generation, not both (as in TRL)")
+        per_round = self.per_device_train_batch_size * world_size
+        gbs = self.generation_batch_size
+        need(gbs is None or gbs % per_round == 0, "generation_batch_size",
+             f"must be a multiple of per_device_train_batch_size x processes "
+             f"= {per_round}")
+        spg = self.micro_batches_per_round(world_size)
+        GA = self.gradient_accumulation_steps
+        need(spg % GA == 0, "steps_per_generation",
+             f"counts micro-batches per generation, as in TRL: it must be a "
+             f"multiple of gradient_accumulation_steps={GA}")
+        sampled = self.per_device_train_batch_size * spg
+        need(sampled % G == 0, "per_device_train_batch_size",
+             f"x steps_per_generation ({sampled} completions sampled per "
+             f"process) must be a multiple of num_generations={G}: each "
+             "process holds whole groups (TRL asks this of all processes "
+             "together)")
+        need(self.max_steps > 0 or self.max_steps == -1, "max_steps",
+             "must be > 0, or -1 for num_train_epochs")
 
     def _validate_sampling_and_loss(self):
         try:  # the sampler's and the loss's own rules, not restated here
@@ -318,7 +403,7 @@ class TrainConfig:
                 temperature=self.temperature,
                 top_k=self.top_k,
                 top_p=self.top_p,
-                min_p=self.min_p,
+                min_p=self.min_p or 0.0,
                 repetition_penalty=self.repetition_penalty,
             )
             LossConfig(**self.loss_config())
@@ -356,8 +441,8 @@ class TrainConfig:
     def warnings(self) -> list[str]:
         """What is valid but probably not meant, one sentence each."""
         out = []
-        if self.eval_every > 0 and not self.eval_dataset:
-            out.append(f"eval_every={self.eval_every} without an "
+        if self.eval_strategy != "no" and not self.eval_dataset:
+            out.append(f"eval_strategy={self.eval_strategy!r} without an "
                        "eval_dataset: no evaluation")
         return out
 
@@ -369,13 +454,19 @@ class TrainConfig:
         names = [r.strip() for r in self.report_to.split(",")]
         return [r for r in names if r not in ("", "none")]
 
-    def bf16(self, device) -> bool:
+    def use_bf16(self, device) -> bool:
         """Whether to compute in bfloat16 on `device` (a torch.device or
         string): the one rule that dist.autocast (one process) and
         dist.shard_model (FSDP2 mixed precision) both follow."""
-        if self.dtype == "auto":
+        if self.bf16 is None:
             return str(device).startswith("cuda")
-        return self.dtype == "bfloat16"
+        return self.bf16
+
+    def weight_dtype(self) -> str:
+        """The dtype weights load in: model_init_kwargs' dtype, else float32."""
+        kwargs = self.model_init_kwargs or {}
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype", "float32"))
+        return "float32" if dtype == "auto" else dtype
 
     def lora_settings(self) -> dict | None:
         """Keyword arguments for nanogrpo.lora.apply_lora (PEFT's names),
@@ -388,7 +479,7 @@ class TrainConfig:
         return {
             "r": self.lora_r,
             "lora_alpha": self.lora_alpha,
-            "lora_dropout": self.lora_dropout,
+            "lora_dropout": 0.0 if self.disable_dropout else self.lora_dropout,
             "target_modules": targets,
             "modules_to_save": self.lora_modules_to_save,
             "use_rslora": self.use_rslora,

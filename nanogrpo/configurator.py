@@ -47,6 +47,9 @@ def note(message: str):
 
 
 def _unknown_key(key: str, where: str) -> str:
+    why = refusal(key)
+    if why:
+        return f"{key!r} {where}: {why}"
     close = difflib.get_close_matches(key, FIELD_TYPES, n=1)
     hint = f"; did you mean {close[0]}?" if close else ""
     return f"{key!r} {where}{hint}"
@@ -55,10 +58,12 @@ def _unknown_key(key: str, where: str) -> str:
 def check_known(keys: list[tuple[str, str]]):
     """One ConfigError naming every unknown key of (key, where) pairs, each
     with its closest field, so nine typos need one run, not nine."""
+    bad = [k for k, _ in keys if k not in FIELD_TYPES]
     unknown = [_unknown_key(k, where) for k, where in keys
                if k not in FIELD_TYPES]
     if len(unknown) == 1:
-        raise ConfigError(f"unknown config key {unknown[0]}")
+        kind = "unsupported" if refusal(bad[0]) else "unknown"
+        raise ConfigError(f"{kind} config key {unknown[0]}")
     if unknown:
         lines = "\n  ".join(unknown)
         raise ConfigError(f"{len(unknown)} unknown config keys:\n  {lines}")
@@ -121,6 +126,9 @@ def convert(key: str, value, tp=None, from_text: bool = False):
         return _convert_union(key, value, tp, from_text)
     if typing.get_origin(tp) is list:
         return _convert_list(key, value, typing.get_args(tp)[0], from_text)
+    if tp is list:  # reward_funcs, tools: names, or functions of the config file
+        value = _convert_list(key, value, str | typing.Callable, from_text)
+        return value
     if tp in (int, float):
         return _convert_number(key, value, tp, from_text)
     if tp is dict:
@@ -137,6 +145,8 @@ def convert(key: str, value, tp=None, from_text: bool = False):
         if isinstance(value, bool):
             return value
     if tp is str and isinstance(value, str):
+        return value
+    if tp is typing.Callable and callable(value) and not from_text:
         return value
     raise ConfigError(f"{key}={value!r}: expected {getattr(tp, '__name__', tp)}")
 
@@ -217,7 +227,7 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     a command-line change they were not written for, unless the command line
     names them too: a new `--model` drops the file's `init_model` (a random
     model is built only where asked), and a new `--dataset` drops the file's
-    `eval_dataset` and `eval_every` (an eval set of another task)."""
+    `eval_dataset` and `eval_strategy` (an eval set of another task)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pairs = parse_args(argv)
     files = [value for key, value in pairs if key == "config"]
@@ -250,11 +260,76 @@ def _drop_followers(settings: dict, from_file: dict, command_line: dict):
             and from_file.get("eval_dataset") is not None and dataset_changed:
         settings["eval_dataset"] = None
         dropped = f"eval_dataset={from_file['eval_dataset']!r}"
-        if "eval_every" not in command_line:
-            settings["eval_every"] = 0  # no evaluation, and no warning
+        if "eval_strategy" not in command_line:
+            settings["eval_strategy"] = "no"  # no evaluation, and no warning
         note(f"--dataset={settings['dataset']} replaces the config file's "
              f"dataset, so its {dropped} (another task) is not used; "
              "pass --eval_dataset=... to evaluate")
+
+# -----------------------------------------------------------------------------
+# TRL's names that nanogrpo does not have: refused with why, never a
+# "did you mean" (a close spelling may mean something else)
+
+# trl 1.16 GRPOConfig's fields (with TrainingArguments') that TrainConfig
+# lacks; tests/test_config.py keeps this list equal to the fixture's
+TRL_ONLY = set("""
+    accelerator_config activation_checkpointing
+    activation_checkpointing_kwargs auto_find_batch_size
+    average_tokens_across_devices batch_eval_metrics bf16_full_eval
+    cache_implementation cast_lm_head_to_fp32 data_seed
+    dataloader_drop_last dataloader_in_order
+    dataloader_multiprocessing_context dataloader_num_workers
+    dataloader_persistent_workers dataloader_pin_memory
+    dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers
+    ddp_bucket_cap_mb ddp_find_unused_parameters ddp_static_graph
+    ddp_timeout debug deepspeed disable_tqdm do_eval do_predict do_train
+    ds3_gather_for_generation enable_jit_checkpoint entropy_coef
+    entropy_coef_delta entropy_coef_max entropy_coef_min entropy_target
+    eval_accumulation_steps eval_delay eval_do_concat_batches
+    eval_on_start eval_use_gather_object fp16 fp16_full_eval fsdp
+    fsdp_config full_determinism generation_kwargs
+    gradient_checkpointing_kwargs greater_is_better hub_always_push
+    hub_private_repo hub_revision hub_strategy hub_token
+    ignore_data_skip include_for_metrics include_num_input_tokens_seen
+    label_names label_smoothing_factor length_column_name
+    liger_kernel_config load_best_model_at_end local_rank
+    log_completions_hub_repo log_level log_level_replica log_multimodal
+    log_on_each_node log_unique_prompts logging_nan_inf_filter
+    logging_strategy metric_for_best_model neftune_noise_alpha
+    off_policy_mask_threshold optim_args optim_target_modules
+    pad_to_multiple_of parallelism_config per_device_eval_batch_size
+    prediction_loss_only project remove_unused_columns
+    restore_callback_states_from_checkpoint router_aux_loss_coef
+    save_on_each_node save_only_model save_strategy skip_memory_metrics
+    tf32 torch_compile_backend torch_compile_mode
+    torch_empty_cache_steps trackio_bucket_id trackio_space_id
+    trackio_static_space_id train_sampling_strategy
+    transformers_continuous_batching_config trust_remote_code
+    use_adaptive_entropy use_cache use_cpu use_liger_kernel
+    use_transformers_continuous_batching use_transformers_paged use_vllm
+""".split())
+REFUSED = {
+    "use_vllm": "generation runs in nanogrpo's own KV-cached sampler: remove it",
+    "fp16": "fp16 training is not supported: use bf16=True, or leave both out",
+    "deepspeed": "several processes train with FSDP2 under torchrun: remove it",
+    "fsdp": "several processes train with FSDP2 under torchrun: remove it",
+    "fsdp_config": "several processes train with FSDP2 under torchrun: remove it",
+    "use_liger_kernel": "the LM head's log-probs are already chunked (logprobs.py): remove it",
+    "save_strategy": "checkpoints come every save_steps (0 = only at the end): remove it",
+    "logging_strategy": "lines come every logging_steps: remove it",
+    "per_device_eval_batch_size": "evaluation runs in per_device_train_batch_size batches",
+}
+
+
+def refusal(key: str) -> str | None:
+    """Why a TRL setting is refused, or None for a name TRL does not have."""
+    if key.startswith("vllm_"):
+        return "there is no vLLM in nanogrpo (its own sampler generates): remove it"
+    if key in REFUSED:
+        return REFUSED[key]
+    if key in TRL_ONLY:
+        return "a TRL/transformers setting nanogrpo does not have: remove it"
+    return None
 
 
 # -----------------------------------------------------------------------------

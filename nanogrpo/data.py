@@ -299,21 +299,29 @@ def check_rows(rows: list[dict], source: str) -> list[dict]:
     return rows
 
 
-def check_prompts(rows: list[dict], source: str, tok, max_prompt_tokens: int, tools=None) -> None:
+def check_prompts(
+    rows: list[dict], source: str, tok, max_prompt_tokens: int, tools=None, **encode_kwargs
+) -> int:
     """Encode every prompt once, at load time, exactly as the rollout will (with the tool schemas
-    `tools` a tool-calling run puts in the chat template), so a bad row stops the run before
-    step 1, named: a prompt longer than `max_prompt_tokens` (the model's context minus
-    max_completion_length), or a character the tokenizer can only map to its unknown token
-    (silently, e.g. the char-level one).
+    `tools` a tool-calling run puts in the chat template, and encode_kwargs: max_length,
+    chat-template variables), so a bad row stops the run before step 1, named: a prompt longer
+    than `max_prompt_tokens` (the model's context minus max_completion_length), or a character
+    the tokenizer can only map to its unknown token (silently, e.g. the char-level one).
+    -> how many prompts max_length cuts.
     """
     unk = tok.token_to_id(getattr(tok.tokenizer.model, "unk_token", None))
+    max_length = encode_kwargs.pop("max_length", None)
+    cut = 0
     for i, row in enumerate(rows):
-        ids = tok.encode_prompt(row["prompt"], tools=tools)
+        ids = tok.encode_prompt(row["prompt"], tools=tools, **encode_kwargs)
+        if max_length is not None and len(ids) > max_length:
+            cut += 1
+            ids = ids[-max_length:]
         if len(ids) > max_prompt_tokens:
             raise ValueError(
                 f"dataset {source}, row {i}: the prompt is {len(ids)} tokens, more than the "
                 f"{max_prompt_tokens} the model's context leaves beside max_completion_length; "
-                "shorten or drop that row, or lower max_completion_length"
+                "shorten or drop that row, set max_prompt_length, or lower max_completion_length"
             )
         if unk is not None and unk in ids:
             text = (
@@ -327,6 +335,7 @@ def check_prompts(rows: list[dict], source: str, tok, max_prompt_tokens: int, to
                     f"dataset {source}, row {i}: the tokenizer has no token for {bad} (they would "
                     "be read as its unknown token); remove them or use a tokenizer that has them"
                 )
+    return cut
 
 
 def columns_of(rows: list[dict]) -> dict[str, list]:
@@ -340,37 +349,42 @@ def columns_of(rows: list[dict]) -> dict[str, list]:
 
 
 class PromptSampler:
-    """Endless batches of `prompts_per_step` rows, reshuffled every epoch, resumable.
+    """Endless batches of `batch_size` rows, reshuffled every epoch, resumable.
 
-    Epoch e visits the rows in torch.randperm order from a generator seeded with seed + e; the
-    last len(rows) % prompts_per_step rows of each epoch's order are skipped. `state_dict()` is
-    (epoch, position), so a restored sampler yields exactly what the original would have."""
+    Epoch e visits the rows in torch.randperm order from a generator seeded
+    with seed + e (or in file order with shuffle=False, TRL's
+    shuffle_dataset); the last len(rows) % batch_size rows of each epoch's
+    order are skipped. `state_dict()` is (epoch, position), so a restored
+    sampler yields exactly what the original would have."""
 
-    def __init__(self, rows: list[dict], prompts_per_step: int, seed: int = 0):
-        if not 0 < prompts_per_step <= len(rows):
+    def __init__(self, rows: list[dict], batch_size: int, seed: int = 0, shuffle: bool = True):
+        if not 0 < batch_size <= len(rows):
             raise ValueError(
-                f"prompts_per_step={prompts_per_step} must be in [1, {len(rows)} rows]"
+                f"{batch_size} prompts per generation round must be in [1, {len(rows)} rows]: "
+                "use a smaller batch or a larger dataset"
             )
-        self.rows, self.prompts_per_step, self.seed = rows, prompts_per_step, seed
-        self.epoch, self.position = 0, 0
-        self._order_epoch, self._order = None, None
+        self.rows = rows
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
 
-    def _epoch_order(self) -> list[int]:
-        if self._order_epoch != self.epoch:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            self._order_epoch, self._order = (
-                self.epoch,
-                torch.randperm(len(self.rows), generator=generator).tolist(),
-            )
-        return self._order
+    def epoch_order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.rows)))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.rows), generator=generator).tolist()
 
     def next_batch(self) -> list[dict]:
-        """The next `prompts_per_step` rows (starting a new, reshuffled epoch when this one runs
-        out)."""
-        if self.position + self.prompts_per_step > len(self.rows):
-            self.epoch, self.position = self.epoch + 1, 0
-        indices = self._epoch_order()[self.position : self.position + self.prompts_per_step]
-        self.position += self.prompts_per_step
+        """The next `batch_size` rows (starting a new, reshuffled epoch
+        when this one runs out)."""
+        if self.position + self.batch_size > len(self.rows):
+            self.epoch += 1
+            self.position = 0
+        start = self.position
+        indices = self.epoch_order()[start : start + self.batch_size]
+        self.position += self.batch_size
         return [self.rows[i] for i in indices]
 
     def state_dict(self) -> dict:
@@ -388,4 +402,6 @@ class PromptSampler:
             raise ValueError(
                 f"sampler state is for {state['num_rows']} rows, this dataset has {len(self.rows)}"
             )
-        self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+        self.epoch = state["epoch"]
+        self.position = state["position"]
+        self.seed = state["seed"]

@@ -36,7 +36,7 @@ def log(run):
     run.history.extend(records)
     if not run.info.is_main:
         return
-    path = os.path.join(run.cfg.out_dir, "metrics.jsonl")
+    path = os.path.join(run.cfg.output_dir, "metrics.jsonl")
     with open(path, "a") as f:
         for m in records:
             f.write(json.dumps(m) + "\n")
@@ -44,7 +44,8 @@ def log(run):
         for report in run.reporters:
             report(m, m["step"])
         last = m["step"] == run.cfg.max_steps
-        if m["step"] % run.cfg.log_every == 0 or last:
+        first = m["step"] == 1 and run.cfg.logging_first_step
+        if m["step"] % run.cfg.logging_steps == 0 or last or first:
             print_step(m, run)
 
 
@@ -76,7 +77,7 @@ def print_step(m: dict, run):
         f"loss {m['loss']:+.4f}",
         f"len {m['completions/mean_length']:.1f}",
         f"grad {m['grad_norm']:.3f}",
-        f"lr {m['lr']:.2e}",
+        f"lr {m['learning_rate']:.2e}",
         f"{m['step_time']:.2f}s (sample {m['time/sample']:.2f}, "
         f"update {m['time/update']:.2f})",
         f"eta {eta_minutes(run, m['step']):.1f} min",
@@ -101,8 +102,6 @@ def tracker_names(m: dict) -> dict:
             continue
         if k.startswith("eval/"):
             out[k] = v
-        elif k == "lr":
-            out["train/learning_rate"] = v
         else:
             out["train/" + k] = v
     return out
@@ -126,7 +125,7 @@ def open_reporters(cfg: TrainConfig, info) -> list:
 def open_reporter(name: str, cfg: TrainConfig):
     if name == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(os.path.join(cfg.out_dir, "runs"))
+        writer = SummaryWriter(os.path.join(cfg.output_dir, "runs"))
 
         def report(m, step):
             for k, v in tracker_names(m).items():
@@ -136,11 +135,12 @@ def open_reporter(name: str, cfg: TrainConfig):
     if name == "wandb":
         import wandb
         project = os.environ.get("WANDB_PROJECT", "nanogrpo")
-        wb = wandb.init(project=project, config=asdict(cfg), dir=cfg.out_dir)
+        wb = wandb.init(project=project, name=cfg.run_name, config=asdict(cfg),
+                        dir=cfg.output_dir)
         return lambda m, step: wb.log(tracker_names(m), step=step)
     import trackio
     project = os.environ.get("TRACKIO_PROJECT", "nanogrpo")
-    trackio.init(project=project, config=asdict(cfg))
+    trackio.init(project=project, name=cfg.run_name, config=asdict(cfg))
     return lambda m, step: trackio.log(tracker_names(m), step=step)
 
 
@@ -162,7 +162,11 @@ def add_round_metrics(run, t, ro, local, rewards, records, timing):
     gen = generation_metrics(t, ro, rewards)
     total = total_reward(rewards, t.reward_weights)
     check_rewards(run, total, gen["frac_reward_zero_std"])
-    run.samples = shown_samples(ro, local, t.reward_weights)
+    shown = t.cfg.num_completions_to_print or 2
+    run.samples = shown_samples(ro, local, t.reward_weights, shown, t.user_columns)
+    user_metrics = t.user_metrics  # what reward functions logged (log_metric)
+    t.user_metrics = {}
+    t.user_columns = {}
     updates = sum(m["time/update"] for m in records)
     round_time = sum(timing.values()) + updates
     tokens = torch.tensor(float(ro.num_tokens()), device=info.device)
@@ -170,6 +174,7 @@ def add_round_metrics(run, t, ro, local, rewards, records, timing):
     for m in records:
         m.update(gen)
         m.update(timing)
+        m.update(user_metrics)
         m["step_time"] = round_time / len(records)
         m["tokens_per_sec"] = tokens / round_time
 
@@ -231,9 +236,10 @@ def eval_metrics(rewards: torch.Tensor, reward_funcs, weights) -> dict:
     return m
 
 
-def shown_samples(ro, rewards: torch.Tensor, weights, k: int = 2) -> list:
-    """(prompt, completion, total reward) of the first sample of the
-    first k prompts. rewards: [n, K] this rank's."""
+def shown_samples(ro, rewards: torch.Tensor, weights, k: int = 2, columns=None) -> list:
+    """(prompt, completion, total reward) of the first sample of each of
+    the first k prompts; the completion ends with the row's value of each
+    column reward functions logged (log_extra). rewards: [n, K] this rank's."""
     G = ro.num_generations
     out = []
     for i in range(0, min(k * G, len(ro.prompts)), G):
@@ -243,6 +249,8 @@ def shown_samples(ro, rewards: torch.Tensor, weights, k: int = 2) -> list:
             prompt = prompt[-1]["content"]
         if not isinstance(completion, str):
             completion = conversation_text(completion)
+        for name, values in (columns or {}).items():
+            completion += f" [{name}: {values[i]}]"
         reward = total_reward(rewards[i:i + 1], weights).item()
         out.append((prompt, completion, reward))
     return out
@@ -321,7 +329,7 @@ def summarize(run, t):
         change = "no step had a scored reward"
     print(f"done: {len(history)} steps, {change}. Last round:")
     print_samples(run.samples)
-    ckpt = os.path.join(run.cfg.out_dir, "checkpoint")
+    ckpt = os.path.join(run.cfg.output_dir, "checkpoint")
     prompt = t.prompts.rows[0]["prompt"]
     if isinstance(prompt, str):
         text = f"--prompt {shlex.quote(prompt)}"
@@ -336,8 +344,8 @@ def summarize(run, t):
 def plot_rewards(cfg: TrainConfig) -> str:
     """Draw out_dir/reward.png from metrics.jsonl when matplotlib is
     installed; otherwise say how to get it."""
-    metrics = os.path.join(cfg.out_dir, "metrics.jsonl")
-    png = os.path.join(cfg.out_dir, "reward.png")
+    metrics = os.path.join(cfg.output_dir, "metrics.jsonl")
+    png = os.path.join(cfg.output_dir, "reward.png")
     try:
         import matplotlib
     except ImportError:
@@ -353,7 +361,7 @@ def plot_rewards(cfg: TrainConfig) -> str:
     ax.plot(steps, rewards)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward")
-    ax.set_title(cfg.out_dir)
+    ax.set_title(cfg.output_dir)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(png, dpi=100)

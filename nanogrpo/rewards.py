@@ -322,6 +322,17 @@ def _check_scores(name: str, scores, n: int) -> list[float]:
     return [float(s) for s in out]
 
 
+# what the trainer passes besides the dataset's columns (TRL 1.16's names)
+TRAINER_ARGUMENTS = (
+    "prompts",
+    "completions",
+    "completion_ids",
+    "trainer_state",
+    "log_metric",
+    "log_extra",
+)
+
+
 def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
     """Every column a reward function requires (a parameter without default, besides prompts,
     completions and completion_ids) must be in every row: found at load time, not as a crash at
@@ -337,7 +348,7 @@ def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
             for p in params
             if p.default is p.empty
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-            and p.name not in ("prompts", "completions", "completion_ids")
+            and p.name not in TRAINER_ARGUMENTS
         ]
         for i, row in enumerate(rows):
             missing = [c for c in needed if row.get(c) is None]

@@ -64,12 +64,10 @@ class Rollout:
     completion_lengths: torch.Tensor  # [n] long: generated tokens per row (the stop token included)
     truncated: torch.Tensor  # [n] bool: no stop token within max_completion_length
     prompts: list  # [n] each row's prompt, as reward functions receive it (str or message list)
-    completions: (
-        list  # [n] decoded completion: str, or a message list (assistant turns, tool results)
-    )
-    completion_token_ids: list[
-        list[int]
-    ]  # [n] each row's ids up to its end (tool-result ids included)
+    # [n] decoded completion: str, or a message list (assistant turns, tool results)
+    completions: list
+    # [n] each row's ids up to its end (tool-result ids included)
+    completion_token_ids: list[list[int]]
     tool_calls: int = 0  # tool calls made in this round on this rank (failed ones included)
     tool_failures: int = 0  # of which failed: malformed, unknown tool, exception or timeout
     # [n] long: assistant turns per completion (1 without tool calls)
@@ -122,7 +120,7 @@ def sampling_kwargs(cfg) -> dict:
         temperature=cfg.temperature,
         top_k=cfg.top_k,
         top_p=cfg.top_p,
-        min_p=cfg.min_p,
+        min_p=cfg.min_p or 0.0,
         repetition_penalty=cfg.repetition_penalty,
         sample_token=sample_next_token_fast,
         decoder=StaticDecoder if cfg.torch_compile else None,
@@ -222,7 +220,12 @@ def rollout(
         raise ValueError(
             "tools need conversational prompts (message lists); this dataset's are plain strings"
         )
-    prompt_ids = [tok.encode_prompt(r["prompt"], tools=schemas) for r in rows]
+    encode = dict(
+        tools=schemas,
+        max_length=getattr(cfg, "max_prompt_length", None),
+        **(getattr(cfg, "chat_template_kwargs", None) or {}),
+    )
+    prompt_ids = [tok.encode_prompt(r["prompt"], **encode) for r in rows]
     was_training = model.training
     model.eval()
     with torch.no_grad(), dist.gathered(model), autocast or torch.autocast("cpu", enabled=False):

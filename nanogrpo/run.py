@@ -70,7 +70,7 @@ def start(cfg: TrainConfig, info, command=None) -> tuple[Run, TrainConfig]:
     """Decide fresh or resumed, check out_dir, build the embedded
     default's checkpoint. -> (the run, the config the run will use:
     on resume, the optimizer settings come from the checkpoint)."""
-    check_out_dir(cfg.out_dir)
+    check_out_dir(cfg.output_dir)
     run = Run(cfg=cfg, info=info, command=command or ["train.py"])
     run.resume_from = find_checkpoint(cfg)
     if run.resume_from:
@@ -87,8 +87,8 @@ def check_out_dir(out_dir: str):
     """out_dir must be a directory this process can write. Checked by
     writing there; folders made for the check are removed again."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ConfigError(f"out_dir={out_dir!r} is a file, not a directory: "
-                          "choose another --out_dir")
+        raise ConfigError(f"output_dir={out_dir!r} is a file, not a directory: "
+                          "choose another --output_dir")
     made = []
     path = os.path.abspath(out_dir)
     while not os.path.exists(path):
@@ -101,8 +101,8 @@ def check_out_dir(out_dir: str):
             pass
         os.remove(probe)
     except OSError as e:
-        raise ConfigError(f"out_dir={out_dir!r} cannot be written "
-                          f"({e.strerror}): choose another --out_dir") from None
+        raise ConfigError(f"output_dir={out_dir!r} cannot be written "
+                          f"({e.strerror}): choose another --output_dir") from None
     finally:
         for folder in made:  # deepest first; another rank may use it
             try:
@@ -115,20 +115,20 @@ def find_checkpoint(cfg: TrainConfig) -> str | None:
     """The checkpoint to resume from: `resume` may be a path (it must
     hold a trainer state) or true (out_dir/checkpoint, when there is
     one); None starts fresh."""
-    resume = cfg.resume  # False, True or a path (TrainConfig normalises text)
+    resume = cfg.resume_from_checkpoint  # False, True or a path (TrainConfig normalises text)
     if not resume:
         return None
     if isinstance(resume, str):
         if not os.path.exists(os.path.join(resume, "trainer")):
             raise FileNotFoundError(
-                f"resume={resume!r}: no trainer state at {resume}/trainer; "
+                f"resume_from_checkpoint={resume!r}: no trainer state at {resume}/trainer; "
                 "point it at an out_dir/checkpoint written by train.py, "
-                "or use --resume=true")
+                "or use --resume_from_checkpoint=true")
         return resume
-    latest = os.path.join(cfg.out_dir, "checkpoint")
+    latest = os.path.join(cfg.output_dir, "checkpoint")
     if os.path.exists(os.path.join(latest, "trainer")):
         return latest
-    dist.print0(f"resume=true: no checkpoint in {cfg.out_dir} yet, "
+    dist.print0(f"resume_from_checkpoint=true: no checkpoint in {cfg.output_dir} yet, "
                 "so this run starts fresh")
     return None
 
@@ -141,10 +141,10 @@ def restored_config(saved: dict, cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(
             f"this checkpoint was trained from model={saved['model']!r}, "
             f"not {cfg.model!r}: resume without --model, or start a new "
-            "run in another --out_dir")
-    now = asdict(cfg)
+            "run in another --output_dir")
+    now = config_record(cfg)
     restored = {}
-    skip = ("resume", "max_steps")
+    skip = ("resume_from_checkpoint", "max_steps")
     changed = [k for k in now if k in saved and saved[k] != now[k]]
     for key in sorted(k for k in changed if k not in skip):
         note = f"note: {key} was {saved[key]!r} in the checkpoint's run"
@@ -157,25 +157,36 @@ def restored_config(saved: dict, cfg: TrainConfig) -> TrainConfig:
     return replace(cfg, **restored)
 
 
+def config_record(cfg: TrainConfig) -> dict:
+    """The config as JSON can hold it: a function defined in the config
+    file is recorded by name (the file defines it again on resume)."""
+    record = asdict(cfg)
+    for key in ("reward_funcs", "tools"):
+        names = [item if isinstance(item, str) else f"{item.__name__} (config file)"
+                 for item in record[key]]
+        record[key] = names
+    return record
+
+
 def clear_out_dir(cfg: TrainConfig, info):
     """A fresh run never silently replaces another: an out_dir holding
     what train.py writes is an error, unless overwrite_output_dir asks
     to delete those files (only those)."""
-    if not os.path.isdir(cfg.out_dir):
+    if not os.path.isdir(cfg.output_dir):
         return
-    names = sorted(n for n in os.listdir(cfg.out_dir)
+    names = sorted(n for n in os.listdir(cfg.output_dir)
                    if re.fullmatch(RUN_FILES, n))
     if not names:
         return
     if not cfg.overwrite_output_dir:
         raise ConfigError(
-            f"out_dir={cfg.out_dir!r} holds a run ({', '.join(names[:4])}): "
-            "continue it with --resume=true, start over with "
+            f"output_dir={cfg.output_dir!r} holds a run ({', '.join(names[:4])}): "
+            "continue it with --resume_from_checkpoint=true, start over with "
             "--overwrite_output_dir=true (deletes them), or choose "
-            "another --out_dir")
+            "another --output_dir")
     if info.is_main:
         for name in names:
-            remove(os.path.join(cfg.out_dir, name))
+            remove(os.path.join(cfg.output_dir, name))
     dist.barrier()
 
 
@@ -242,7 +253,7 @@ def restore(run: Run, t):
     t.prompts.load_state_dict(state["prompts"])
     run.history = state["history"]
     run.written = [n for n in state.get("checkpoints", [])
-                   if os.path.isdir(os.path.join(cfg.out_dir, n))]
+                   if os.path.isdir(os.path.join(cfg.output_dir, n))]
     # the `checkpoint` link moves on: keep what it pointed at
     run.resume_source = os.path.realpath(run.resume_from)
     dist.print0(f"resumed from {run.resume_from} at step {t.step}")
@@ -251,8 +262,8 @@ def restore(run: Run, t):
 def open_logs(run: Run, t):
     """metrics.jsonl (rewritten from history on resume) and trackers."""
     if run.info.is_main:
-        os.makedirs(run.cfg.out_dir, exist_ok=True)
-        path = os.path.join(run.cfg.out_dir, "metrics.jsonl")
+        os.makedirs(run.cfg.output_dir, exist_ok=True)
+        path = os.path.join(run.cfg.output_dir, "metrics.jsonl")
         with open(path, "w") as f:
             for m in run.history:
                 f.write(json.dumps(m) + "\n")
@@ -288,12 +299,12 @@ def save(run: Run, t):
         "history": run.history,
         "checkpoints": run.written + [name],
     }
-    trainer_state.save_checkpoint(cfg.out_dir, t.step, t.model, t.optimizer,
-                               t.tok, state, asdict(cfg), run.info)
+    trainer_state.save_checkpoint(cfg.output_dir, t.step, t.model, t.optimizer,
+                               t.tok, state, config_record(cfg), run.info)
     run.written.append(name)
     if run.info.is_main:
         run.written = trainer_state.prune_checkpoints(
-            cfg.out_dir, run.written, cfg.save_total_limit,
+            cfg.output_dir, run.written, cfg.save_total_limit,
             keep=run.resume_source)
 
 
@@ -303,7 +314,7 @@ def save_merged(run: Run, t):
     state = dist.full_state_dict(t.model)  # every rank gathers
     if run.info.is_main:
         merged = lora.merged_state_dict(state, t.model.lora_config)
-        path = os.path.join(run.cfg.out_dir, "merged")
+        path = os.path.join(run.cfg.output_dir, "merged")
         with checkpoint.atomic_dir(path) as tmp:
             checkpoint.write_model(tmp, t.model.config, merged,
                                    t.model.generation_config, t.tok)
@@ -337,7 +348,7 @@ def save_on_stop(run: Run, t, why: str):
     where the round began, so the resumed run redoes that round."""
     cfg = run.cfg
     where = f"{why} at step {t.step}/{cfg.max_steps}"
-    latest = os.path.join(cfg.out_dir, "checkpoint")
+    latest = os.path.join(cfg.output_dir, "checkpoint")
     reason = unsaveable(run, t)
     if reason:
         dist.print0(f"\n{where}: not saved ({reason}); "
@@ -350,8 +361,8 @@ def save_on_stop(run: Run, t, why: str):
         save(run, t)
     args = [a for a in run.command
             if not a.startswith(("--resume", "--overwrite_output_dir"))]
-    again = shlex.join(args + ["--resume=true"])
-    dist.print0(f"\n{where}: saved {cfg.out_dir}/checkpoint-{t.step}. "
+    again = shlex.join(args + ["--resume_from_checkpoint=true"])
+    dist.print0(f"\n{where}: saved {cfg.output_dir}/checkpoint-{t.step}. "
                 f"Continue with:\n  python {again}")
 
 

@@ -208,16 +208,22 @@ class Tokenizer:
             **context,
         )
 
-    def encode_prompt(self, prompt, tools: list[dict] | None = None) -> list[int]:
+    def encode_prompt(self, prompt, tools=None, max_length=None, **template_kwargs) -> list[int]:
         """Token ids of a prompt as TRL makes them: a string is encoded with its special tokens; a
         message list is rendered with the chat template (generation prompt added, `tools`: JSON
-        schemas for its tools= argument), then encoded without adding special tokens again."""
+        schemas for its tools= argument, template_kwargs: TRL's chat_template_kwargs), then
+        encoded without adding special tokens again. max_length keeps the last that-many ids
+        (TRL's max_prompt_length cuts from the left)."""
         if isinstance(prompt, str):
-            return self.encode(prompt)
-        return self.encode(
-            self.apply_chat_template(prompt, add_generation_prompt=True, tools=tools),
-            add_special_tokens=False,
-        )
+            ids = self.encode(prompt)
+        else:
+            text = self.apply_chat_template(
+                prompt, add_generation_prompt=True, tools=tools, **template_kwargs
+            )
+            ids = self.encode(text, add_special_tokens=False)
+        if max_length is not None:
+            ids = ids[-max_length:]
+        return ids
 
     def save_pretrained(self, out_dir):
         """Write tokenizer.json, tokenizer_config.json (and chat_template.jinja when the template

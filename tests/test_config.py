@@ -3,6 +3,7 @@ sizes, which file a --config name means."""
 
 import dataclasses
 import json
+import os
 import re
 
 import pytest
@@ -18,8 +19,8 @@ _helper = 3
 learning_rate = 1e-5 * _helper
 reward_funcs = ("accuracy", "format")
 reward_weights = [1, 0.5]
-prompts_per_step = 4
-micro_batch_size = 16
+gradient_accumulation_steps = 2
+per_device_train_batch_size = 16
 init_model = dict(hidden_size=64, num_hidden_layers=2)
 def not_a_setting():
     pass
@@ -31,7 +32,7 @@ def test_file_then_overrides(tmp_path):
     path.write_text(CONFIG_FILE)
     cfg = load_config([
         "--config", str(path), "--learning_rate=2e-6", "--top-p", "0.9",
-        "--gradient_checkpointing", "--eval_dataset=None", "--resume=runs/a",
+        "--gradient_checkpointing", "--eval_dataset=None", "--resume_from_checkpoint=runs/a",
         "--reward_weights=2,3", "--epsilon_high", "0.28"])
     assert cfg.learning_rate == 2e-6
     assert cfg.top_p == 0.9
@@ -39,12 +40,12 @@ def test_file_then_overrides(tmp_path):
     assert cfg.reward_funcs == ["accuracy", "format"]
     assert cfg.reward_weights == [2.0, 3.0]
     assert cfg.eval_dataset is None
-    assert cfg.resume == "runs/a"
+    assert cfg.resume_from_checkpoint == "runs/a"
     assert cfg.epsilon_high == 0.28
     assert cfg.init_model == {"hidden_size": 64, "num_hidden_layers": 2}
     from_file = load_config(["--config", str(path)])
     assert from_file.learning_rate == pytest.approx(3e-5)
-    assert load_config(["--resume=true"]).resume is True
+    assert load_config(["--resume_from_checkpoint=true"]).resume_from_checkpoint is True
     off = load_config(["--gradient_checkpointing=0"])
     assert off.gradient_checkpointing is False
 
@@ -113,14 +114,18 @@ def test_file_values_are_type_checked():
 
 
 @pytest.mark.parametrize("overrides, key", [
-    ({"prompts_per_step": 3, "micro_batch_size": 16}, "micro_batch_size"),
+    ({"per_device_train_batch_size": 3}, "per_device_train_batch_size"),
     ({"num_generations": 1}, "num_generations"),
     ({"temperature": -0.1}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
-    ({"dtype": "fp16"}, "dtype"),
+    ({"model_init_kwargs": {"dtype": "fp8"}}, "model_init_kwargs"),
+    ({"model_init_kwargs": {"attn_implementation": "sdpa"}}, "model_init_kwargs"),
+    ({"optim": "adamw_8bit"}, "optim"),
+    ({"steps_per_generation": 2, "generation_batch_size": 16}, "generation_batch_size"),
     ({"device": "tpu"}, "device"),
     ({"max_steps": 0}, "max_steps"),
+    ({"lr_scheduler_type": "polynomial"}, "lr_scheduler_type"),
     ({"loss_type": "ppo"}, "loss_type"),
     ({"loss_type": "luspo"}, "loss_type"),
     ({"reward_weights": [1.0, 2.0]}, "reward_weights"),
@@ -150,43 +155,54 @@ def test_every_range_rule_names_real_fields_and_rejects_just_outside():
 
 
 def test_batch_arithmetic_and_world_size():
-    cfg = TrainConfig(prompts_per_step=16, num_generations=8,
-                      micro_batch_size=16, steps_per_generation=16).validate()
+    """TRL's arithmetic: a step trains on per_device x accumulation x
+    processes completions; steps_per_generation micro-batches are sampled
+    at once (generation_batch_size, all processes, is the other spelling)."""
+    cfg = TrainConfig(per_device_train_batch_size=16, num_generations=8,
+                      gradient_accumulation_steps=8, steps_per_generation=16).validate()
     s = cfg.schedule()
     assert s.completions_per_step_per_rank == 128
+    assert s.prompts_per_step == 16
     assert s.micro_batches_per_step == 8
     assert s.steps_per_generation == 16
     assert s.optimizer_steps_per_generation == 2
     assert s.prompts_per_round == 32
     assert s.completions_per_round_per_rank == 256
     s4 = cfg.validate(world_size=4).schedule(4)
-    assert s4.micro_batches_per_step == 2
-    assert s4.steps_per_generation == 16
-    assert s4.optimizer_steps_per_generation == 8
-    default = TrainConfig().schedule()
-    # TRL's default
-    assert default.steps_per_generation == default.micro_batches_per_step
+    assert s4.prompts_per_step == 64
+    assert s4.micro_batches_per_step == 8
+    assert s4.optimizer_steps_per_generation == 2
+    same = TrainConfig(per_device_train_batch_size=16, num_generations=8,
+                       gradient_accumulation_steps=8, generation_batch_size=1024)
+    assert same.validate(world_size=4).schedule(4) == s4
+    default = TrainConfig().validate().schedule()
+    assert default.steps_per_generation == default.micro_batches_per_step == 1
     with pytest.raises(ConfigError, match="steps_per_generation.*multiple of "
-                       "the 8 micro-batches"):
-        TrainConfig(prompts_per_step=16, num_generations=8, micro_batch_size=16,
+                       "gradient_accumulation_steps=8"):
+        TrainConfig(per_device_train_batch_size=16, gradient_accumulation_steps=8,
                     steps_per_generation=12).validate()
-    with pytest.raises(ConfigError, match="world_size=3"):
-        cfg.validate(world_size=3)
-    with pytest.raises(ConfigError, match="micro_batch_size"):
-        cfg.validate(world_size=16)  # 8 completions per rank, micro-batch 16
+    with pytest.raises(ConfigError, match="generation_batch_size.*multiple of"):
+        TrainConfig(per_device_train_batch_size=16, generation_batch_size=40).validate()
+    with pytest.raises(ConfigError, match="per_device_train_batch_size.*whole groups"):
+        TrainConfig(per_device_train_batch_size=4, num_generations=8).validate()
+
+
+def test_num_train_epochs_counts_steps_as_trl():
+    """max_steps=-1: ceil(epochs x the optimizer steps one pass over the
+    prompts feeds); max_steps > 0 wins."""
+    cfg = TrainConfig(per_device_train_batch_size=8, num_generations=8,
+                      gradient_accumulation_steps=2, num_train_epochs=1.5).validate()
+    # 2 prompts a step; 100 prompts = 50 rounds of 1 step
+    assert cfg.total_steps(100) == 75
+    assert TrainConfig(num_iterations=2, num_train_epochs=1).total_steps(10) == 20
+    assert TrainConfig(max_steps=7).total_steps(100) == 7
 
 
 def test_defaults_follow_trl_and_loss_config():
     cfg = TrainConfig().validate()
     assert cfg.loss_type == "dapo"
-    assert cfg.beta == 0.0
-    assert cfg.epsilon == 0.2
-    assert cfg.epsilon_high is None
-    assert cfg.num_generations == 8
-    assert cfg.learning_rate == 1e-6
-    assert cfg.adam_beta2 == 0.99
-    assert cfg.scale_rewards == "group"
-    assert cfg.use_bias_correction_kl is True
+    assert cfg.adam_beta2 == 0.999
+    assert cfg.output_dir == "trainer_output"
     kwargs = cfg.loss_config()
     assert set(kwargs) == set(LOSS_FIELDS)
     assert kwargs["max_completion_length"] == cfg.max_completion_length
@@ -195,6 +211,24 @@ def test_defaults_follow_trl_and_loss_config():
     for f in dataclasses.fields(LossConfig):  # one default for each loss setting
         assert getattr(TrainConfig(), f.name) == f.default, f.name
     assert LossConfig(**kwargs).loss_type == "dapo"
+
+
+def test_every_shared_default_is_trl_1_16s():
+    """Field by field against GRPOConfig() of trl 1.16 (the fixture script
+    writes it); the few that differ say why."""
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "trl", "grpo_config_defaults.json")
+    trl = json.load(open(path))["defaults"]
+    ours = dataclasses.asdict(TrainConfig())
+    # None means "TRL's value where it pays": bf16 on CUDA only (TRL: on);
+    # output_dir None is "trainer_output" in transformers too
+    differ = {"bf16": (None, None), "output_dir": (None, "trainer_output")}
+    shared = sorted(set(trl) & set(ours))
+    assert len(shared) >= 60
+    for key in shared:
+        if key in differ:
+            assert (trl[key], ours[key]) == differ[key], key
+        else:
+            assert ours[key] == trl[key], key
 
 
 def test_min_p_has_one_rule():
@@ -207,19 +241,21 @@ def test_min_p_has_one_rule():
 
 def test_to_dict_round_trips():
     cfg = TrainConfig(reward_funcs=["accuracy"], init_model={"hidden_size": 8},
-                      resume="x")
+                      resume_from_checkpoint="x", bf16=False)
     saved = json.loads(json.dumps(dataclasses.asdict(cfg)))
     assert TrainConfig(**saved) == cfg
-    assert cfg.bf16("cuda:0") is False
-    assert TrainConfig(dtype="auto").bf16("cuda")
-    assert not TrainConfig(dtype="auto").bf16("cpu")
+    assert cfg.use_bf16("cuda:0") is False
+    assert TrainConfig().use_bf16("cuda")
+    assert not TrainConfig().use_bf16("cpu")
+    assert TrainConfig(bf16=True).use_bf16("cpu")
 
 
 def test_replay_order_and_the_schedule_table():
     """Each round: step-sized slices of the round's micro-batches, all of
     them, num_iterations times."""
-    s = TrainConfig(prompts_per_step=4, num_generations=4, micro_batch_size=4,
-                    steps_per_generation=12, num_iterations=2).validate().schedule()
+    s = TrainConfig(per_device_train_batch_size=4, num_generations=4,
+                    gradient_accumulation_steps=4, steps_per_generation=12,
+                    num_iterations=2).validate().schedule()
     assert s.micro_batches_per_step == 4
     assert s.replay_order() == [0, 4, 8, 0, 4, 8]
     assert s.updates_per_round == 6 and s.off_policy
@@ -279,21 +315,22 @@ def test_resume_text_in_a_config_file_is_a_bool(tmp_path, text, resume):
     """Regression: resume = "False" in a config file was a checkpoint path
     named False, which train.py read as "resume"."""
     path = tmp_path / "c.py"
-    path.write_text(f"resume = {text!r}\n")
-    assert load_config(["--config", str(path)]).resume == resume
-    assert load_config([f"--resume={text}"]).resume == resume
-    assert TrainConfig(resume=text).resume == resume
+    path.write_text(f"resume_from_checkpoint = {text!r}\n")
+    key = "resume_from_checkpoint"
+    assert getattr(load_config(["--config", str(path)]), key) == resume
+    assert getattr(load_config([f"--{key}={text}"]), key) == resume
+    assert TrainConfig(resume_from_checkpoint=text).resume_from_checkpoint == resume
 
 
 def test_eval_every_zero_with_an_eval_set_is_silent():
-    """Regression: tiny.py's eval_dataset with --eval_every=0 (asked for: no
+    """Regression: tiny.py's eval_dataset with --eval_strategy=no (asked for: no
     evaluation) warned on every run."""
-    cfg = load_config(["--config", "tiny.py", "--eval_every=0"])
+    cfg = load_config(["--config", "tiny.py", "--eval_strategy=no"])
     assert cfg.warnings() == []
-    assert TrainConfig(eval_dataset="default", eval_every=0).warnings() == []
-    assert TrainConfig(eval_dataset="default", eval_every=5).warnings() == []
-    (warning,) = TrainConfig(eval_every=5).warnings()
-    assert warning == "eval_every=5 without an eval_dataset: no evaluation"
+    assert TrainConfig(eval_dataset="default").warnings() == []
+    assert TrainConfig(eval_dataset="default", eval_strategy="steps").warnings() == []
+    (warning,) = TrainConfig(eval_strategy="steps").warnings()
+    assert warning == "eval_strategy='steps' without an eval_dataset: no evaluation"
     # a new --dataset drops the file's eval set and its eval_every with it:
     # load_config's note, and no warning too
     cfg = load_config(["--config", "tiny.py", "--dataset=countdown"])
@@ -352,3 +389,52 @@ def test_which_file_a_config_name_means(tmp_path, monkeypatch, capsys):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "small.py").write_text("max_steps = 5\n")
     assert load_config(["--config", "sub/small.py"]).max_steps == 5
+
+
+def test_trl_names_nanogrpo_lacks_are_refused_with_the_reason():
+    """Every TRL 1.16 name TrainConfig lacks is known (the list matches the
+    fixture), refused in one line saying why, never with a "did you mean"."""
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "trl", "grpo_config_defaults.json")
+    trl = set(json.load(open(path))["defaults"])
+    lacking = {k for k in trl - set(configurator.FIELD_TYPES) if not k.startswith("vllm_")}
+    assert configurator.TRL_ONLY == lacking
+    cases = {
+        "use_vllm": "nanogrpo's own KV-cached sampler: remove it",
+        "vllm_mode": "there is no vLLM",
+        "fp16": "use bf16=True",
+        "save_strategy": "every save_steps",
+        "ddp_timeout": "a TRL/transformers setting nanogrpo does not have",
+    }
+    for key, why in cases.items():
+        with pytest.raises(ConfigError) as e:
+            load_config([f"--{key}=1"])
+        assert str(e.value).startswith(f"unsupported config key '{key}'")
+        assert why in str(e.value)
+        assert "did you mean" not in str(e.value)
+    with pytest.raises(ConfigError, match="optim='adamw_8bit': needs bitsandbytes.*adamw_torch"):
+        TrainConfig(optim="adamw_8bit").validate()
+    with pytest.raises(ConfigError, match="did you mean max_prompt_length"):
+        load_config(["--max_prompt_len=3"])  # a typo still gets its suggestion
+
+
+def test_a_config_file_may_define_reward_functions_and_tools(tmp_path):
+    """TRL scripts define their functions inline: a config file may too."""
+    path = tmp_path / "recipe.py"
+    path.write_text(
+        "def correctness_reward(prompts, completions, answer, **kwargs):\n"
+        "    return [1.0 for _ in completions]\n"
+        "def add(a: int, b: int) -> int:\n"
+        '    """Add two integers.\n\n    Args:\n        a: one\n        b: two\n    """\n'
+        "    return a + b\n"
+        'reward_funcs = [correctness_reward, "accuracy"]\n'
+        "tools = [add]\n")
+    cfg = load_config(["--config", str(path)])
+    assert cfg.reward_funcs[0].__name__ == "correctness_reward"
+    assert cfg.reward_funcs[1] == "accuracy"
+    assert cfg.tools[0](2, 3) == 5
+    with pytest.raises(ConfigError, match="reward_funcs"):
+        convert("reward_funcs", [3])  # a name or a function, nothing else
+    from nanogrpo.run import config_record
+    record = config_record(cfg)
+    assert record["reward_funcs"] == ["correctness_reward (config file)", "accuracy"]
+    json.dumps(record)

@@ -140,7 +140,7 @@ def test_prompt_sampler_epochs_and_resume():
     assert [[r["prompt"] for r in resumed.next_batch()] for _ in range(4)] == batches[4:]
     with pytest.raises(ValueError, match="for 10 rows, this dataset has 11"):
         PromptSampler(rows + [{"prompt": "x"}], 3).load_state_dict(state)
-    with pytest.raises(ValueError, match="prompts_per_step"):
+    with pytest.raises(ValueError, match="prompts per generation round"):
         PromptSampler(rows, 11)
 
 

@@ -79,7 +79,7 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None):
         old_logps=old_logps[mine],
         num_items=mask.sum())  # active tokens of the step on all ranks
     micro = [torch.arange(i, i + 2) for i in range(0, n, 2)]  # micro-batches of 2 rows
-    cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, micro_batch_size=2)
+    cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, per_device_train_batch_size=2)
     loss_cfg = LossConfig(loss_type="dapo", epsilon_high=0.28)
     from types import SimpleNamespace
     t = SimpleNamespace(  # the fields of train.Trainer an optimizer step reads
@@ -142,7 +142,7 @@ def forward_backward(rank, world_size, port, out_dir):
     ids = torch.randint(0, 300, (4, 10), generator=g)
     out = {}
     for dtype in ("float32", "bfloat16"):
-        bf16 = TrainConfig(dtype=dtype).bf16(info.device)
+        bf16 = TrainConfig(bf16=dtype == "bfloat16").use_bf16(info.device)
         model = load_model(fixture_path("qwen2"), info=info,
                            mixed_precision=bf16)
         with warnings.catch_warnings(record=True) as caught:
@@ -161,7 +161,7 @@ def forward_backward(rank, world_size, port, out_dir):
 
 
 def test_bf16_is_one_rule_and_fsdp_returns_no_views(tmp_path):
-    """Regressions: dtype="bfloat16" on CPU computed in fp32 with one process
+    """Regressions: bf16 on CPU computed in fp32 with one process
     (autocast was CUDA-only) and in bf16 with two (FSDP2's mixed precision);
     and every FSDP2 forward with grad warned "returned a view tensor"
     (token_logprobs' head returns h[:, -1], a view)."""
@@ -201,14 +201,14 @@ def torchrun(*args, timeout=300):
 def test_torchrun_tiny_train_save_resume(tmp_path):
     init = f"--init_model={read_config_file('tiny')['init_model']!r}"
     common = ["--config", "tiny.py", f"--model={tmp_path}/init", init,
-              f"--out_dir={tmp_path}/run", "--prompts_per_step=4",
-              "--num_generations=4", "--micro_batch_size=4",
-              "--max_completion_length=6", "--eval_every=0"]
+              f"--output_dir={tmp_path}/run", "--gradient_accumulation_steps=2",
+              "--num_generations=4", "--per_device_train_batch_size=4",
+              "--max_completion_length=6", "--eval_strategy=no"]
     first = torchrun(*common, "--max_steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "2 process(es)" in first.stdout
     assert "done: 2 steps" in first.stdout
-    resumed = torchrun(*common, "--max_steps=4", "--resume=true")
+    resumed = torchrun(*common, "--max_steps=4", "--resume_from_checkpoint=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert "done: 4 steps" in resumed.stdout

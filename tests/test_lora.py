@@ -124,7 +124,7 @@ def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
                  truncated=torch.zeros(4, dtype=torch.bool),
                  prompts=[], completions=[], completion_token_ids=[], advantages=torch.randn(4, generator=g),
                  num_items=mask.sum())
-    cfg = TrainConfig(micro_batch_size=2)
+    cfg = TrainConfig(per_device_train_batch_size=2)
     micro = [torch.arange(0, 2), torch.arange(2, 4)]
     torch.manual_seed(3)  # the dropout masks
     from types import SimpleNamespace
@@ -245,7 +245,7 @@ def test_train_with_lora_resumes_exactly_samples_and_merges(tmp_path, capsys):
     full = train.train(tiny(tmp_path / "a", "--max_steps=2", *args))
     assert "kl" in full[-1] and full[-1]["kl"] > 0  # the reference = adapters off, and the policy moved away
     train.train(tiny(tmp_path / "b", "--max_steps=1", *args))
-    resumed = train.train(tiny(tmp_path / "b", "--resume=true", "--max_steps=2", *args))
+    resumed = train.train(tiny(tmp_path / "b", "--resume_from_checkpoint=true", "--max_steps=2", *args))
     assert strip_timing(resumed) == strip_timing(full)
     ckpt = tmp_path / "b" / "run" / "checkpoint"
     files = set(os.listdir(ckpt))

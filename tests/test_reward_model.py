@@ -169,8 +169,8 @@ def test_training_with_a_reward_model_and_a_callable(tmp_path):
     """A short run of train.py: a reward model plus a callable, weighted; both are logged."""
     from nanogrpo.configurator import load_config
     from test_train import INIT
-    cfg = load_config(["--config", "tiny.py", f"--model={tmp_path}/init", INIT, f"--out_dir={tmp_path}/run",
-                       "--prompts_per_step=2", "--num_generations=4", "--micro_batch_size=8",
+    cfg = load_config(["--config", "tiny.py", f"--model={tmp_path}/init", INIT, f"--output_dir={tmp_path}/run",
+                       "--gradient_accumulation_steps=1", "--num_generations=4", "--per_device_train_batch_size=8",
                        "--max_completion_length=6", "--max_steps=2", "--learning_rate=1e-3",
                        f"--reward_funcs={rm('qwen2_rm')},{__file__}:length_reward", "--reward_weights=0.5,1.0"])
     history = train.train(cfg)

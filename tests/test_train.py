@@ -22,9 +22,9 @@ INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"  # build tiny.
 
 def tiny(tmp_path, *overrides):
     """The embedded default config, made small, with its init checkpoint and outputs under tmp_path."""
-    return load_config(["--config", "tiny.py", f"--model={tmp_path}/init", INIT, f"--out_dir={tmp_path}/run",
-                        "--prompts_per_step=4", "--num_generations=4", "--micro_batch_size=8",
-                        "--max_completion_length=6", "--eval_every=0", "--max_steps=3", *overrides])
+    return load_config(["--config", "tiny.py", f"--model={tmp_path}/init", INIT, f"--output_dir={tmp_path}/run",
+                        "--gradient_accumulation_steps=2", "--num_generations=4", "--per_device_train_batch_size=8",
+                        "--max_completion_length=6", "--eval_strategy=no", "--max_steps=3", *overrides])
 
 
 def strip_timing(history):
@@ -32,14 +32,14 @@ def strip_timing(history):
 
 
 def test_smoke_metrics_and_checkpoint(tmp_path, capsys):
-    cfg = tiny(tmp_path, "--eval_every=2", "--eval_size=8", "--log_completions=true")
+    cfg = tiny(tmp_path, "--eval_strategy=steps", "--eval_steps=2", "--eval_size=8", "--log_completions=true")
     history = train.train(cfg)
     assert [m["step"] for m in history] == [1, 2, 3]
     lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert strip_timing(lines) == strip_timing(history)
     for key in ("step", "reward", "reward_std", "rewards/default_task/mean", "entropy", "clip_ratio/region_mean",
                 "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std", "loss",
-                "grad_norm", "lr", "tokens_per_sec", "time/sample", "time/score", "time/logprobs", "time/update"):
+                "grad_norm", "learning_rate", "tokens_per_sec", "time/sample", "time/score", "time/logprobs", "time/update"):
         assert key in lines[0], key
     assert "kl" not in lines[0]  # beta = 0: no reference model, no kl
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in lines)
@@ -68,7 +68,7 @@ def test_smoke_metrics_and_checkpoint(tmp_path, capsys):
 def test_resume_is_exact(tmp_path, split, args):
     full = train.train(tiny(tmp_path / "a", "--max_steps=6", *args))
     first = train.train(tiny(tmp_path / "b", f"--max_steps={split}", *args))
-    resumed = train.train(tiny(tmp_path / "b", "--resume=true", "--max_steps=6", *args))
+    resumed = train.train(tiny(tmp_path / "b", "--resume_from_checkpoint=true", "--max_steps=6", *args))
     assert len(full) == 6
     assert strip_timing(first) == strip_timing(full[:split])
     assert strip_timing(resumed) == strip_timing(full)
@@ -87,11 +87,11 @@ def test_crash_while_saving_keeps_the_last_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train.run.checkpoint, "write_model", crash)
     with pytest.raises(KeyboardInterrupt):
-        train.train(tiny(tmp_path, "--max_steps=3", "--resume=true"))
+        train.train(tiny(tmp_path, "--max_steps=3", "--resume_from_checkpoint=true"))
     assert os.path.realpath(ckpt).endswith("checkpoint-2")  # still the last complete one
     load_model(ckpt)
     monkeypatch.undo()
-    history = train.train(tiny(tmp_path, "--max_steps=3", "--resume=true"))
+    history = train.train(tiny(tmp_path, "--max_steps=3", "--resume_from_checkpoint=true"))
     assert [m["step"] for m in history] == [1, 2, 3]
     # save_total_limit=None (TRL's default) keeps every checkpoint; no half-written one is left
     assert sorted(p for p in os.listdir(tmp_path / "run") if p.startswith("checkpoint")) == [
@@ -102,11 +102,11 @@ def test_save_total_limit_prunes_only_this_runs_checkpoints(tmp_path):
     """Regression: saving used to delete every other checkpoint-* in out_dir, the resume source and
     checkpoints a user put there included."""
     os.makedirs(tmp_path / "run" / "checkpoint-99-mine")
-    train.train(tiny(tmp_path, "--max_steps=2", "--save_every=1", "--save_total_limit=1"))
+    train.train(tiny(tmp_path, "--max_steps=2", "--save_steps=1", "--save_total_limit=1"))
     run = tmp_path / "run"
     assert sorted(p for p in os.listdir(run) if p.startswith("checkpoint")) == [
         "checkpoint", "checkpoint-2", "checkpoint-99-mine"]
-    train.train(tiny(tmp_path, "--max_steps=4", "--save_every=1", "--save_total_limit=1", "--resume=true"))
+    train.train(tiny(tmp_path, "--max_steps=4", "--save_steps=1", "--save_total_limit=1", "--resume_from_checkpoint=true"))
     # the resume source (checkpoint-2) is kept; checkpoint-3 went when checkpoint-4 came
     assert sorted(p for p in os.listdir(run) if p.startswith("checkpoint")) == [
         "checkpoint", "checkpoint-2", "checkpoint-4", "checkpoint-99-mine"]
@@ -115,8 +115,8 @@ def test_save_total_limit_prunes_only_this_runs_checkpoints(tmp_path):
 def test_learning_default_task(tmp_path):
     # the embedded default's batch and learning rate (1e-3) for the first 80 of its 400 steps (~20 s): the
     # last 10 steps clearly beat the first 10 (measured at step 80 for seeds 1, 2 and 1337: +0.20, +0.23, +0.24)
-    history = train.train(tiny(tmp_path, "--max_steps=80", "--prompts_per_step=16", "--num_generations=8",
-                               "--micro_batch_size=64", "--max_completion_length=8"))
+    history = train.train(tiny(tmp_path, "--max_steps=80", "--gradient_accumulation_steps=2", "--num_generations=8",
+                               "--per_device_train_batch_size=64", "--max_completion_length=8"))
     start = sum(m["reward"] for m in history[:10]) / 10
     end = sum(m["reward"] for m in history[-10:]) / 10
     assert end > start + 0.1, (start, end)
@@ -142,14 +142,14 @@ def test_reward_function_errors_name_the_function(tmp_path):
 
 def test_resume_from_a_missing_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="no trainer state"):
-        train.train(tiny(tmp_path, f"--resume={tmp_path}/nowhere"))
+        train.train(tiny(tmp_path, f"--resume_from_checkpoint={tmp_path}/nowhere"))
 
 
 def test_config_errors():
     with pytest.raises(ConfigError, match="did you mean learning_rate"):
         load_config(["--config", "tiny.py", "--learnng_rate=1e-3"])
-    with pytest.raises(ConfigError, match="micro_batch_size"):
-        load_config(["--config", "tiny.py", "--micro_batch_size=48"])
+    with pytest.raises(ConfigError, match="per_device_train_batch_size"):
+        load_config(["--config", "tiny.py", "--per_device_train_batch_size=3"])
     with pytest.raises(ConfigError, match="num_generations"):
         load_config(["--config", "tiny.py", "--num_generations=1"])
 
@@ -202,7 +202,7 @@ def test_every_eval_row_counts_once_on_any_world_size(num_rows, world_size):
 
 def test_a_second_run_never_overwrites_the_first(tmp_path):
     train.train(tiny(tmp_path, "--max_steps=1"))
-    with pytest.raises(ConfigError, match="holds a run.*--resume=true.*--overwrite_output_dir=true"):
+    with pytest.raises(ConfigError, match="holds a run.*--resume_from_checkpoint=true.*--overwrite_output_dir=true"):
         train.train(tiny(tmp_path, "--max_steps=1"))
     assert os.path.isdir(tmp_path / "run" / "checkpoint-1")  # untouched by the refused run
     os.makedirs(tmp_path / "run" / "checkpoint-7-mine")
@@ -215,9 +215,9 @@ def test_model_paths_that_are_not_checkpoints_are_errors(tmp_path):
     user_file = tmp_path / "notes.txt"
     user_file.write_text("mine")
     with pytest.raises(NotADirectoryError, match="is a file"):
-        train.train(load_config(["--config", "tiny.py", f"--model={user_file}", f"--out_dir={tmp_path}/run"]))
+        train.train(load_config(["--config", "tiny.py", f"--model={user_file}", f"--output_dir={tmp_path}/run"]))
     assert user_file.read_text() == "mine" and os.listdir(tmp_path) == ["notes.txt"]
-    cfg = load_config(["--config", "tiny.py", f"--model={tmp_path}/missing", f"--out_dir={tmp_path}/run"])
+    cfg = load_config(["--config", "tiny.py", f"--model={tmp_path}/missing", f"--output_dir={tmp_path}/run"])
     assert cfg.init_model is None  # the file's init_model builds only at the file's own model path
     with pytest.raises(FileNotFoundError, match="no such directory"):
         train.train(cfg)
@@ -248,13 +248,13 @@ def test_a_failing_evaluation_keeps_what_was_trained(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train, "evaluate", broken)
     with pytest.raises(RuntimeError, match="eval broke"):
-        train.train(tiny(tmp_path, "--eval_every=2", "--save_every=0", "--max_steps=4"))
+        train.train(tiny(tmp_path, "--eval_strategy=steps", "--eval_steps=2", "--save_steps=0", "--max_steps=4"))
     assert os.path.isdir(tmp_path / "run" / "checkpoint-2")
     assert [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
 
 
 def test_ctrl_c_saves_and_the_resumed_run_is_exact(tmp_path, monkeypatch, capsys):
-    full = train.train(tiny(tmp_path / "a", "--max_steps=4", "--save_every=0"))
+    full = train.train(tiny(tmp_path / "a", "--max_steps=4", "--save_steps=0"))
     calls, score = [], train.reward_rollout
 
     def interrupted(*args):  # Ctrl-C while the third round is being scored
@@ -265,11 +265,11 @@ def test_ctrl_c_saves_and_the_resumed_run_is_exact(tmp_path, monkeypatch, capsys
 
     monkeypatch.setattr(train, "reward_rollout", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        train.train(tiny(tmp_path / "b", "--max_steps=4", "--save_every=0"))
+        train.train(tiny(tmp_path / "b", "--max_steps=4", "--save_steps=0"))
     out = capsys.readouterr().out
-    assert "interrupted at step 2/4: saved" in out and "--resume=true" in out
+    assert "interrupted at step 2/4: saved" in out and "--resume_from_checkpoint=true" in out
     monkeypatch.setattr(train, "reward_rollout", score)
-    resumed = train.train(tiny(tmp_path / "b", "--max_steps=4", "--save_every=0", "--resume=true"))
+    resumed = train.train(tiny(tmp_path / "b", "--max_steps=4", "--save_steps=0", "--resume_from_checkpoint=true"))
     assert strip_timing(resumed) == strip_timing(full)
     a, b = load_model(tmp_path / "a" / "run" / "checkpoint"), load_model(tmp_path / "b" / "run" / "checkpoint")
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
@@ -299,11 +299,11 @@ def test_rewards_that_cannot_teach_are_warned_about(tmp_path, capsys, func, step
 
 
 def test_resume_reports_what_it_does(tmp_path, capsys):
-    train.train(tiny(tmp_path, "--max_steps=2", "--resume=true"))
+    train.train(tiny(tmp_path, "--max_steps=2", "--resume_from_checkpoint=true"))
     assert "no checkpoint in" in capsys.readouterr().out
-    train.train(tiny(tmp_path, "--max_steps=2", "--resume=true"))
+    train.train(tiny(tmp_path, "--max_steps=2", "--resume_from_checkpoint=true"))
     assert "nothing to do: the checkpoint is at step 2 and max_steps=2" in capsys.readouterr().out
-    train.train(tiny(tmp_path, "--max_steps=3", "--resume=true", "--learning_rate=0.5"))
+    train.train(tiny(tmp_path, "--max_steps=3", "--resume_from_checkpoint=true", "--learning_rate=0.5"))
     out = capsys.readouterr().out
     assert "note: learning_rate was 0.001 in the checkpoint's run; 0.5 is ignored" in out
     # what the checkpoint records is what the run used: the restored optimizer's rate
@@ -315,15 +315,15 @@ def test_resuming_with_another_model_names_both(tmp_path):
     train.train(tiny(tmp_path, "--max_steps=1"))
     other = tmp_path / "other"
     with pytest.raises(ConfigError, match="trained from model=.*init.*not .*other.*resume without --model"):
-        train.train(tiny(tmp_path, "--max_steps=2", "--resume=true", f"--model={other}"))
+        train.train(tiny(tmp_path, "--max_steps=2", "--resume_from_checkpoint=true", f"--model={other}"))
 
 
 def test_an_out_dir_that_cannot_hold_a_run_is_one_clear_error(tmp_path):
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(ConfigError, match="out_dir=.*afile.* is a file, not a directory"):
-        train.train(tiny(tmp_path, f"--out_dir={tmp_path}/afile"))
-    with pytest.raises(ConfigError, match="out_dir='/proc/nanogrpo' cannot be written"):
-        train.train(tiny(tmp_path, "--out_dir=/proc/nanogrpo"))
+    with pytest.raises(ConfigError, match="output_dir=.*afile.* is a file, not a directory"):
+        train.train(tiny(tmp_path, f"--output_dir={tmp_path}/afile"))
+    with pytest.raises(ConfigError, match="output_dir='/proc/nanogrpo' cannot be written"):
+        train.train(tiny(tmp_path, "--output_dir=/proc/nanogrpo"))
 
 
 def nan_reward(completions, **kwargs):
@@ -348,7 +348,7 @@ def test_a_reward_function_that_raises_keeps_the_last_completed_step(tmp_path, c
     fails_on_third_call.calls = 0
     with pytest.raises(RewardError, match="reward broke"):
         train.train(tiny(tmp_path, f"--reward_funcs={__name__}:fails_on_third_call", "--max_steps=4",
-                         "--save_every=0"))
+                         "--save_steps=0"))
     assert "stopped by an error at step 2/4: saved" in capsys.readouterr().out
     assert os.path.realpath(tmp_path / "run" / "checkpoint").endswith("checkpoint-2")
 
@@ -365,7 +365,7 @@ def test_ctrl_c_during_a_save_never_claims_a_checkpoint_that_is_not_there(tmp_pa
 
     monkeypatch.setattr(train.run.trainer_state, "save_checkpoint", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        train.train(tiny(tmp_path, "--max_steps=4", "--save_every=2"))
+        train.train(tiny(tmp_path, "--max_steps=4", "--save_steps=2"))
     assert "saved" in capsys.readouterr().out
     assert os.path.realpath(tmp_path / "run" / "checkpoint").endswith("checkpoint-2")
     assert calls == [2, 2]  # the interrupted save is made again, not taken as done
@@ -381,9 +381,9 @@ def test_round_seeds_never_repeat_after_a_round_cut_short(tmp_path, monkeypatch)
         return real(cfg, rnd, rank, salt)
 
     monkeypatch.setattr(train, "round_seed", recording)
-    args = ["--steps_per_generation=2", "--micro_batch_size=8", "--prompts_per_step=2"]
+    args = ["--steps_per_generation=2", "--per_device_train_batch_size=8", "--gradient_accumulation_steps=1"]
     train.train(tiny(tmp_path, "--max_steps=3", *args))  # round 1 is cut after one of its two steps
-    train.train(tiny(tmp_path, "--max_steps=5", "--resume=true", *args))
+    train.train(tiny(tmp_path, "--max_steps=5", "--resume_from_checkpoint=true", *args))
     assert seen == [0, 1, 2]
 
 
@@ -391,7 +391,7 @@ def test_nothing_to_do_still_tears_down(tmp_path, monkeypatch):
     train.train(tiny(tmp_path, "--max_steps=1"))
     calls = []
     monkeypatch.setattr(train.dist, "teardown", lambda: calls.append(1))
-    train.train(tiny(tmp_path, "--max_steps=1", "--resume=true"))
+    train.train(tiny(tmp_path, "--max_steps=1", "--resume_from_checkpoint=true"))
     assert calls == [1]
 
 
@@ -425,15 +425,15 @@ def test_command_line_help_errors_and_the_reward_curve_hint(tmp_path, monkeypatc
     import sys
     from conftest import ROOT
     done = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0 and "--learning_rate=1e-06" in done.stdout and "optimizer (AdamW):" in done.stdout
+    assert done.returncode == 0 and "--learning_rate=1e-06" in done.stdout and "optimizer and learning-rate schedule (transformers' names):" in done.stdout
     from dataclasses import fields
     from nanogrpo.config import TrainConfig
     keys = [line.split("=")[0].strip() for line in done.stdout.splitlines() if line.startswith("  --")]
     assert keys == [f"--{f.name}" for f in fields(TrainConfig)]  # every setting, once, in order
     assert not [line for line in done.stdout.splitlines() if line.strip().startswith(("def ", "raise ", "--def"))]
-    bad = subprocess.run([sys.executable, "train.py", "--max_steps=-1"], capture_output=True, text=True, cwd=ROOT)
+    bad = subprocess.run([sys.executable, "train.py", "--max_steps=0"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.startswith("train.py: error: max_steps=-1: must be at least 1")
+    assert bad.stderr.startswith("train.py: error: max_steps=0: must be > 0, or -1 for num_train_epochs")
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert report.plot_rewards(tiny(tmp_path)).startswith("pip install matplotlib, then: python bench/plot.py")
 
@@ -496,7 +496,7 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
     from nanogrpo.dist import DistInfo
     from nanogrpo.grpo import LossConfig, grpo_step
     rounds = [_rollout_batch([0.0, 0.0, 1.0, -1.0, 0.0, 0.0, 0.5, 0.0]), _rollout_batch([0.0] * 8, seed=1)]
-    cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, micro_batch_size=4)
+    cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, per_device_train_batch_size=4)
     loss_cfg = LossConfig(loss_type=loss_type, beta=beta, top_entropy_quantile=0.5)
     micro = [torch.arange(0, 4), torch.arange(4, 8)]
     results = []
@@ -557,11 +557,11 @@ def test_small_models_do_not_split_off_rows_without_advantage():
     saved = 4 * sum(p.numel() for p in model.parameters()) * 2 * ro.input_ids.shape[1]
     assert saved < logprobs.SKIP_MIN_FLOPS["cpu"]  # the backward the split would save
 def test_eval_every_zero_is_silent_and_an_eval_without_data_is_named(tmp_path, capsys):
-    train.train(tiny(tmp_path, "--max_steps=1", "--eval_every=0"))
+    train.train(tiny(tmp_path, "--max_steps=1", "--eval_strategy=no"))
     assert "warning" not in capsys.readouterr().out
-    train.train(tiny(tmp_path, "--max_steps=1", "--eval_every=5", "--eval_dataset=None",
+    train.train(tiny(tmp_path, "--max_steps=1", "--eval_strategy=steps", "--eval_dataset=None",
                      "--overwrite_output_dir=true"))
-    assert "warning: eval_every=5 without an eval_dataset: no evaluation" in capsys.readouterr().out
+    assert "warning: eval_strategy='steps' without an eval_dataset: no evaluation" in capsys.readouterr().out
 
 
 def test_a_reward_file_with_a_syntax_error_is_one_line(tmp_path):
@@ -570,7 +570,27 @@ def test_a_reward_file_with_a_syntax_error_is_one_line(tmp_path):
     from conftest import ROOT
     bad = tmp_path / "myreward.py"
     bad.write_text("def reward(completions, **kw):\n    return [1.0 for c in completions\n")
-    done = subprocess.run([sys.executable, "train.py", f"--reward_funcs={bad}:reward", f"--out_dir={tmp_path}/o",
+    done = subprocess.run([sys.executable, "train.py", f"--reward_funcs={bad}:reward", f"--output_dir={tmp_path}/o",
                            f"--model={tmp_path}/init", INIT], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.startswith(f"train.py: error: reward function '{bad}:reward': {bad}, line 2:")
+
+
+def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra(tmp_path, capsys):
+    """A TRL script's step-dependent reward ports unchanged: trainer_state,
+    log_metric (logged beside the others) and log_extra (shown with the
+    logged completions)."""
+    seen = []
+
+    def staged(completions, target, trainer_state, log_metric, log_extra, **kwargs):
+        seen.append((trainer_state["global_step"], trainer_state["max_steps"]))
+        log_metric("my/first_letter_right", 0.5)
+        log_extra("guess", [c[:1] for c in completions])
+        return [float(c[:1] == t[:1]) for c, t in zip(completions, target)]
+
+    cfg = tiny(tmp_path, "--max_steps=2", "--log_completions=true", "--logging_steps=1")
+    cfg.reward_funcs = [staged, "default_task"]
+    history = train.train(cfg)
+    assert seen == [(0, 2), (1, 2)]
+    assert [m["my/first_letter_right"] for m in history] == [0.5, 0.5]
+    assert "[guess: " in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """The tool-calling demo task: multi-digit products that a 135M model can only get right with a calculator.
 
-    python bench/tool_calculator.py            # writes out/tools/products.jsonl (the prompts)
+    python examples/tool_calculator.py            # writes out/tools/products.jsonl (the prompts)
     python train.py --config tools.py          # GRPO on SmolLM2-135M-Instruct with the `multiply` tool
 
 Each prompt asks for a product of a 3-digit and a 2-digit number. The system prompt states the call
