@@ -162,6 +162,7 @@ def add_round_metrics(run, t, ro, local, rewards, records, timing):
     gen = generation_metrics(t, ro, rewards)
     total = total_reward(rewards, t.reward_weights)
     check_rewards(run, total, gen["frac_reward_zero_std"])
+    check_lengths(run, gen["completions/clipped_ratio"], t.cfg.max_completion_length)
     shown = t.cfg.num_completions_to_print or 2
     run.samples = shown_samples(ro, local, t.reward_weights, shown, t.user_columns)
     user_metrics = t.user_metrics  # what reward functions logged (log_metric)
@@ -307,6 +308,22 @@ def check_rewards(run, total: torch.Tensor, frac_zero_std: float,
                   "rounds in a row: advantages are 0 and nothing is "
                   "learned; make the task easier, the reward more graded, "
                   "or num_generations larger")
+
+
+def check_lengths(run, clipped_ratio: float, max_length: int, patience: int = 5):
+    """Say so (once) when most completions hit max_completion_length for
+    `patience` rounds in a row: the most common cause of a reward stuck
+    at 0 (the answer never gets written)."""
+    if clipped_ratio > 0.5:
+        run.clipped_rounds += 1
+    else:
+        run.clipped_rounds = 0
+    if run.clipped_rounds >= patience:
+        warn_once(run, "clipped",
+                  f"most completions hit max_completion_length={max_length} "
+                  f"for {patience} rounds in a row: they are cut before "
+                  "their answer; raise max_completion_length or ask for "
+                  "shorter answers")
 
 
 # -----------------------------------------------------------------------------

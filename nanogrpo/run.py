@@ -59,6 +59,7 @@ class Run:
     started: tuple = (0.0, 0)  # (time, step) at start: for the ETA
     warned: set = field(default_factory=set)  # warnings already given
     zero_spread_rounds: int = 0  # rounds in a row without spread
+    clipped_rounds: int = 0  # rounds in a row where most hit max_completion_length
     command: list = field(default_factory=list)  # for the resume hint
 
 
@@ -306,6 +307,27 @@ def save(run: Run, t):
         run.written = trainer_state.prune_checkpoints(
             cfg.output_dir, run.written, cfg.save_total_limit,
             keep=run.resume_source)
+        if cfg.push_to_hub:
+            push_to_hub(cfg, os.path.join(cfg.output_dir, name), t.step)
+
+
+def hub_repo(cfg: TrainConfig) -> str:
+    """TRL's hub_model_id, or the output_dir's name (as transformers)."""
+    return cfg.hub_model_id or os.path.basename(os.path.abspath(cfg.output_dir))
+
+
+def push_to_hub(cfg: TrainConfig, folder: str, step: int):
+    """Upload a checkpoint's model files (not the optimizer) to the hub
+    repo, through huggingface-hub's upload API (token: HF_TOKEN or
+    `hf auth login`)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    repo = hub_repo(cfg)
+    api.create_repo(repo, exist_ok=True)
+    api.upload_folder(repo_id=repo, folder_path=folder,
+                      commit_message=f"nanogrpo: step {step}",
+                      ignore_patterns=["trainer/*"])
 
 
 def save_merged(run: Run, t):

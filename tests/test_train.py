@@ -594,3 +594,34 @@ def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra(tmp_pa
     assert seen == [(0, 2), (1, 2)]
     assert [m["my/first_letter_right"] for m in history] == [0.5, 0.5]
     assert "[guess: " in capsys.readouterr().out
+
+
+def test_push_to_hub_uploads_each_checkpoint_without_its_optimizer(tmp_path, monkeypatch):
+    """push_to_hub goes through huggingface-hub's upload API: checked here by
+    what would be uploaded (no network)."""
+    import huggingface_hub
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, repo, exist_ok=False):
+            calls.append(("create", repo, exist_ok))
+
+        def upload_folder(self, repo_id, folder_path, commit_message, ignore_patterns):
+            files = sorted(os.listdir(folder_path))
+            calls.append(("upload", repo_id, os.path.basename(folder_path), files, ignore_patterns))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    train.train(tiny(tmp_path, "--max_steps=2", "--save_steps=1", "--push_to_hub=true",
+                     "--hub_model_id=me/tiny-grpo"))
+    uploads = [c for c in calls if c[0] == "upload"]
+    assert [c[2] for c in uploads] == ["checkpoint-1", "checkpoint-2"]
+    assert all(c[1] == "me/tiny-grpo" and c[4] == ["trainer/*"] for c in uploads)
+    assert "model.safetensors" in uploads[0][3] and "config.json" in uploads[0][3]
+    assert ("create", "me/tiny-grpo", True) in calls
+
+
+def test_a_warning_when_most_completions_hit_max_completion_length(tmp_path, capsys):
+    """The most common cause of a reward stuck at 0 in TRL's tracker gets a
+    line of its own (the tiny task's answers are 5 tokens: 2 cut them)."""
+    train.train(tiny(tmp_path, "--max_steps=6", "--max_completion_length=2"))
+    assert "most completions hit max_completion_length=2 for 5 rounds" in capsys.readouterr().out
