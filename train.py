@@ -12,7 +12,7 @@ One round of GRPO (train_round):
     -> micro-batched grpo_step with gradient accumulation (grpo.py)
     -> clip -> AdamW step
 
-Batch arithmetic (config.Schedule, printed at the start of every run):
+Batch arithmetic (schedules.Schedule, printed at the start of every run):
 an optimizer step trains on prompts_per_step prompts x num_generations
 completions (all ranks together), in micro-batches of micro_batch_size
 completions. A round samples steps_per_generation steps' worth at once
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanogrpo import checkpoint, dist, lora, report, run
-from nanogrpo.config import ConfigError, Schedule, TrainConfig
+from nanogrpo.config import ConfigError, TrainConfig
 from nanogrpo.data import (PromptSampler, check_prompts, columns_of,
                            load_dataset)
 from nanogrpo.grpo import LossConfig, group_advantages, grpo_step
@@ -46,7 +46,7 @@ from nanogrpo.logprobs import (policy_logprobs, rows_without_gradient,
 from nanogrpo.rewards import (check_reward_columns, resolve_reward_funcs,
                               score_completions)
 from nanogrpo.rollout import Rollout, rollout
-from nanogrpo.schedules import lr_lambda, warmup_length
+from nanogrpo.schedules import Schedule, lr_lambda, warmup_length
 from nanogrpo.tokenizer import Tokenizer
 from nanogrpo.tools import resolve_tools, tool_schema
 

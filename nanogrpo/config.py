@@ -1,33 +1,29 @@
 """Every training setting: one dataclass and the rules between its fields.
 
-Owns: `TrainConfig` (fields, defaults, the rules between them) and
-`Schedule` (batch arithmetic). configurator.py reads a config file and the
-command line into a TrainConfig.
+Owns: `TrainConfig` (fields, defaults, the rules between them). Names,
+meanings and defaults are TRL's GRPOConfig's (with transformers'
+TrainingArguments) wherever TRL has the setting. configurator.py reads a
+config file and the command line into it; schedules.py derives the batch
+Schedule and the learning rate from it.
 
 Does not know about: what the settings do; train.py and the modules it
 calls read them.
 
-Choices:
-- The rules between settings live here: `validate` raises ConfigError naming the first
-  broken one, `check_lora` is the LoRA rule that train.py applies again once the loaded
-  model shows whether it carries adapters, and `warnings` names what is valid but probably
-  not meant. train.py checks only what needs the model, the disk or the environment
-  (context length, an out_dir holding a run, an importable tracker).
-- Loss fields use TRL's GRPOConfig names and defaults, so TRL recipes carry over.
-- Batch sizes are counted in prompts and completions, not TRL's per-device batches: you
-  choose `prompts_per_step` (all ranks together), `num_generations` and `micro_batch_size`;
-  Schedule derives the rest (whole groups per rank, gradient accumulation), and every run
-  prints it.
+Choices: `validate` raises ConfigError naming the first broken rule,
+`check_lora` is the LoRA rule train.py applies again once the loaded
+model shows whether it carries adapters, and `warnings` names what is
+valid but probably not meant. train.py checks only what needs the model,
+the disk or the environment.
 """
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, LossConfig
 from nanogrpo.tools import TOOL_CALL_PARSERS
 from nanogrpo.sampler import check_sampling
-from nanogrpo.schedules import SCHEDULES
+from nanogrpo.schedules import SCHEDULES, Schedule, batch_schedule, micro_batches_per_round
+from nanogrpo.schedules import total_steps
 
 
 class ConfigError(ValueError):
@@ -272,55 +268,15 @@ class TrainConfig:
         if self.output_dir is None:
             self.output_dir = DEFAULT_OUTPUT_DIR
 
-    # --- batch arithmetic (TRL's) -------------------------------------------
+    # --- batch arithmetic (TRL's; schedules.py) ----------------------------
 
-    def completions_per_rank(self) -> int:
-        """Completions each process trains on in one optimizer step."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps
-
-    def micro_batches_per_round(self, world_size: int = 1) -> int:
-        """TRL's steps_per_generation: micro-batches each process samples
-        at once, from generation_batch_size when that is given."""
-        if self.generation_batch_size is not None:
-            per_round = self.per_device_train_batch_size * world_size
-            return self.generation_batch_size // per_round
-        return self.steps_per_generation or self.gradient_accumulation_steps
-
-    def schedule(self, world_size: int = 1) -> "Schedule":
-        """Every count derived from the batch settings on `world_size`
-        processes (call validate first)."""
-        per_rank = self.completions_per_rank()
-        micro_per_step = self.gradient_accumulation_steps
-        spg = self.micro_batches_per_round(world_size)
-        steps = spg // micro_per_step  # optimizer steps one round feeds
-        updates = steps * self.num_iterations
-        prompts_per_step = per_rank * world_size // self.num_generations
-        return Schedule(
-            world_size=world_size,
-            num_generations=self.num_generations,
-            prompts_per_step=prompts_per_step,
-            completions_per_step_per_rank=per_rank,
-            micro_batch_size=self.per_device_train_batch_size,
-            micro_batches_per_step=micro_per_step,
-            steps_per_generation=spg,
-            optimizer_steps_per_generation=steps,
-            num_iterations=self.num_iterations,
-            prompts_per_round=prompts_per_step * steps,
-            completions_per_round_per_rank=per_rank * steps,
-            updates_per_round=updates,
-            off_policy=updates > 1,
-        )
+    def schedule(self, world_size: int = 1) -> Schedule:
+        """Every count derived from the batch settings (call validate first)."""
+        return batch_schedule(self, world_size)
 
     def total_steps(self, num_prompts: int, world_size: int = 1) -> int:
-        """max_steps, or TRL's count for num_train_epochs passes over
-        `num_prompts`: each round of whole generation batches feeds
-        num_iterations x its optimizer steps."""
-        if self.max_steps > 0:
-            return self.max_steps
-        sched = self.schedule(world_size)
-        rounds = num_prompts // sched.prompts_per_round
-        per_epoch = max(rounds * sched.updates_per_round, 1)
-        return math.ceil(self.num_train_epochs * per_epoch)
+        """max_steps, or num_train_epochs passes counted as TRL counts."""
+        return total_steps(self, num_prompts, world_size)
 
     def eval_every(self) -> int:
         """Steps between evaluations; 0 = never."""
@@ -383,7 +339,7 @@ class TrainConfig:
         need(gbs is None or gbs % per_round == 0, "generation_batch_size",
              f"must be a multiple of per_device_train_batch_size x processes "
              f"= {per_round}")
-        spg = self.micro_batches_per_round(world_size)
+        spg = micro_batches_per_round(self, world_size)
         GA = self.gradient_accumulation_steps
         need(spg % GA == 0, "steps_per_generation",
              f"counts micro-batches per generation, as in TRL: it must be a "
@@ -489,61 +445,3 @@ class TrainConfig:
         """Keyword arguments for nanogrpo.grpo.LossConfig (TRL's names):
         `LossConfig(**cfg.loss_config())`."""
         return {key: getattr(self, key) for key in LOSS_FIELDS}
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """What one optimizer step and one generation round are, on every rank:
-    the counts the loop, grpo_step's scaling, the replay order and the logs
-    all read. TRL's names where TRL has them."""
-
-    world_size: int
-    num_generations: int  # G completions per prompt
-    prompts_per_step: int  # prompts per optimizer step, all ranks together
-    completions_per_step_per_rank: int
-    micro_batch_size: int  # completions per forward/backward
-    micro_batches_per_step: int  # gradient accumulation steps, on each rank
-    # TRL's: micro-batches per generation round, on each rank
-    steps_per_generation: int
-    # optimizer steps one round's samples feed, in one pass
-    optimizer_steps_per_generation: int
-    num_iterations: int  # passes over each round's samples (TRL's mu)
-    # prompts sampled per generation round, all ranks together
-    prompts_per_round: int
-    completions_per_round_per_rank: int
-    # optimizer steps per round: optimizer_steps_per_generation x num_iterations
-    updates_per_round: int
-    # the policy changes between sampling and some update: old log-probs
-    # are needed
-    off_policy: bool
-
-    def replay_order(self) -> list[int]:
-        """The first micro-batch of each optimizer step of a round, in
-        order: the round's micro-batches in step-sized slices, the whole
-        sequence repeated num_iterations times."""
-        step = self.micro_batches_per_step
-        one_pass = list(range(0, self.steps_per_generation, step))
-        return one_pass * self.num_iterations
-
-    def table(self) -> str:
-        """A short table for the start of a run: what one step and one
-        round are."""
-        micro = f"of {self.micro_batch_size} completions"
-        old_logps = "yes" if self.off_policy else "no: ratio is exactly 1"
-        rows = [
-            ("ranks", self.world_size),
-            ("prompts x completions per optimizer step (all ranks)",
-             f"{self.prompts_per_step} x {self.num_generations}"),
-            ("completions per step per rank",
-             self.completions_per_step_per_rank),
-            (f"micro-batches per step per rank ({micro})",
-             self.micro_batches_per_step),
-            ("micro-batches per generation round per rank "
-             "(steps_per_generation)", self.steps_per_generation),
-            ("prompts sampled per round (all ranks)", self.prompts_per_round),
-            ("passes over each round (num_iterations)", self.num_iterations),
-            ("optimizer steps per round", self.updates_per_round),
-            ("old log-probs (off-policy)", old_logps),
-        ]
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
