@@ -438,3 +438,13 @@ def test_a_config_file_may_define_reward_functions_and_tools(tmp_path):
     record = config_record(cfg)
     assert record["reward_funcs"] == ["correctness_reward (config file)", "accuracy"]
     json.dumps(record)
+
+
+def test_the_trl_recipe_example_loads_in_trls_names():
+    """examples/trl_recipe.py: a TRL recipe, inline reward functions, LoRA."""
+    from conftest import ROOT
+    cfg = load_config(["--config", os.path.join(ROOT, "examples", "trl_recipe.py")])
+    assert cfg.lr_scheduler_type == "cosine" and cfg.warmup_ratio == 0.1
+    assert [f.__name__ for f in cfg.reward_funcs] == ["correctness_reward", "reward_len"]
+    assert cfg.lora_settings()["target_modules"] == "all-linear"
+    assert cfg.schedule().prompts_per_step == 1
