@@ -1,33 +1,21 @@
 """GRPO training, top to bottom as the algorithm.
 
-    python train.py                       # the embedded default, ~40 s on CPU
-    python train.py --config small.py --learning_rate=2e-6
+    python train.py                       # the embedded default, ~30 s on CPU
     torchrun --nproc_per_node 8 train.py --config small.py
 
-One round of GRPO (train_round):
-    prompts -> G completions each (rollout.py)
-    -> rewards (rewards.py) -> group advantages (grpo.py)
-    -> old log-probs, only when the update is off-policy (logprobs.py)
-    -> reference log-probs, only when beta > 0
-    -> micro-batched grpo_step with gradient accumulation (grpo.py)
-    -> clip -> AdamW step
+One round of GRPO (train_round): prompts -> G completions each (rollout.py)
+-> rewards (rewards.py) -> group advantages (grpo.py) -> old log-probs
+when the update is off-policy, reference log-probs when beta > 0
+(logprobs.py) -> micro-batched grpo_step with gradient accumulation -> clip
+-> AdamW step. The batch arithmetic is TRL's (schedules.Schedule, printed
+at the start of every run); `step` counts optimizer steps, as TRL's
+global_step does. With use_peft only LoRA adapters train (lora.py) and the
+reference model is the policy with its adapters off. What a run does
+around the algorithm (output folder, resume, Ctrl-C, metrics, trackers,
+printing) lives in nanogrpo/run.py and nanogrpo/report.py.
 
-Batch arithmetic (schedules.Schedule, printed at the start of every run):
-an optimizer step trains on prompts_per_step prompts x num_generations
-completions (all ranks together), in micro-batches of micro_batch_size
-completions. A round samples steps_per_generation steps' worth at once
-and replays them num_iterations times (TRL's mu); `step` counts optimizer
-steps, as TRL's global_step does.
-
-With use_peft only LoRA adapters train (lora.py) and the reference model
-is the policy with its adapters off. What a run does around the algorithm
-(output folder, resume, Ctrl-C, metrics files, trackers, printing,
---help) lives in nanogrpo/run.py.
-
-Left out on purpose (TRL has them): vLLM generation and its importance
-sampling correction, the entropy bonus. Known gap: with sync_ref_model
-the synced reference weights are not checkpointed, so a resumed run
-restarts from the initial reference model.
+Known gap: with sync_ref_model the synced reference weights are not
+checkpointed, so a resumed run restarts from the initial reference model.
 """
 
 import sys
@@ -38,13 +26,10 @@ import torch
 
 from nanogrpo import checkpoint, dist, lora, report, run
 from nanogrpo.config import ConfigError, TrainConfig
-from nanogrpo.data import (PromptSampler, check_prompts, columns_of,
-                           load_dataset)
+from nanogrpo.data import PromptSampler, check_prompts, columns_of, load_dataset
 from nanogrpo.grpo import LossConfig, group_advantages, grpo_step
-from nanogrpo.logprobs import (policy_logprobs, rows_without_gradient,
-                               token_logprobs)
-from nanogrpo.rewards import (check_reward_columns, resolve_reward_funcs,
-                              score_completions)
+from nanogrpo.logprobs import policy_logprobs, rows_without_gradient, token_logprobs
+from nanogrpo.rewards import check_reward_columns, resolve_reward_funcs, score_completions
 from nanogrpo.rollout import Rollout, rollout
 from nanogrpo.schedules import Schedule, lr_lambda, warmup_length
 from nanogrpo.tokenizer import Tokenizer
@@ -437,14 +422,6 @@ def train(cfg: TrainConfig, command=None) -> list[dict]:
 # Evaluation
 
 
-def eval_indices(num_rows: int, rank: int, world_size: int) -> list[int]:
-    """The eval rows one rank scores: a block of ceil(num_rows / world)
-    so every rank has the same count (all_gather needs equal shapes);
-    indices past the end wrap around and are cut off after the gather."""
-    n = -(-num_rows // world_size)
-    return [(rank * n + i) % num_rows for i in range(n)]
-
-
 @torch.no_grad()
 def evaluate(t: Trainer) -> dict:
     """One sample per eval prompt at the training temperature: mean
@@ -452,7 +429,7 @@ def evaluate(t: Trainer) -> dict:
     function gives >= 1. Each eval row counts once, on any world size."""
     info = t.info
     num_rows = len(t.eval_rows)
-    indices = eval_indices(num_rows, info.rank, info.world_size)
+    indices = dist.equal_shard(num_rows, info.rank, info.world_size)
     rows = [t.eval_rows[i] for i in indices]
     generator = torch.Generator(info.device)
     generator.manual_seed(round_seed(t.cfg, 0, info.rank, salt=17))

@@ -260,3 +260,11 @@ def full_state_dict(model, keep=None) -> dict:
     if rank() != 0:
         return {}
     return {k: v for k, v in state.items() if keep is None or keep(k)}
+
+
+def equal_shard(num_rows: int, rank: int, world_size: int) -> list[int]:
+    """The rows one rank takes: a block of ceil(num_rows / world) so every
+    rank has the same count (all_gather needs equal shapes); indices past
+    the end wrap around, to be cut off after the gather."""
+    n = -(-num_rows // world_size)
+    return [(rank * n + i) % num_rows for i in range(n)]

@@ -190,7 +190,7 @@ def test_a_stale_init_model_is_rebuilt_not_reused(tmp_path):
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 7, 8])
 def test_every_eval_row_counts_once_on_any_world_size(num_rows, world_size):
     """Regression: eval dropped len(rows) % world_size rows, and eval_size < world_size failed."""
-    shards = [train.eval_indices(num_rows, r, world_size) for r in range(world_size)]
+    shards = [train.dist.equal_shard(num_rows, r, world_size) for r in range(world_size)]
     assert len({len(s) for s in shards}) == 1  # equal shapes for all_gather
     gathered = [i for s in shards for i in s][:num_rows]  # what evaluate keeps after the gather
     assert gathered == list(range(num_rows))
