@@ -424,19 +424,21 @@ def train(cfg: TrainConfig, command=None) -> list[dict]:
 
 @torch.no_grad()
 def evaluate(t: Trainer) -> dict:
-    """One sample per eval prompt at the training temperature: mean
-    reward per function, and pass@1 = the share whose first reward
-    function gives >= 1. Each eval row counts once, on any world size."""
+    """num_generations_eval samples (None = 1) per eval prompt at the
+    training temperature: mean reward per function, and pass@1 = the share
+    whose first reward function gives >= 1. Each eval row counts once, on
+    any world size."""
     info = t.info
     num_rows = len(t.eval_rows)
     indices = dist.equal_shard(num_rows, info.rank, info.world_size)
     rows = [t.eval_rows[i] for i in indices]
     generator = torch.Generator(info.device)
     generator.manual_seed(round_seed(t.cfg, 0, info.rank, salt=17))
-    ro = rollout(t.model, t.tok, rows, t.cfg, 1, generator, t.autocast,
+    G = t.cfg.num_generations_eval or 1
+    ro = rollout(t.model, t.tok, rows, t.cfg, G, generator, t.autocast,
                  t.tools)
     rewards = reward_rollout(ro, t.reward_funcs).to(info.device)
-    rewards = dist.all_gather_rows(rewards, info)[:num_rows]  # [E, K]
+    rewards = dist.all_gather_rows(rewards, info)[:num_rows * G]  # [E*G, K]
     return report.eval_metrics(rewards, t.reward_funcs, t.reward_weights)
 
 

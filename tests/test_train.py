@@ -625,3 +625,26 @@ def test_a_warning_when_most_completions_hit_max_completion_length(tmp_path, cap
     line of its own (the tiny task's answers are 5 tokens: 2 cut them)."""
     train.train(tiny(tmp_path, "--max_steps=6", "--max_completion_length=2"))
     assert "most completions hit max_completion_length=2 for 5 rounds" in capsys.readouterr().out
+
+
+def test_num_generations_eval_and_max_prompt_length(tmp_path, capsys):
+    """num_generations_eval samples each eval prompt that many times;
+    max_prompt_length cuts prompts from the left and says how many."""
+    cfg = tiny(tmp_path, "--max_steps=1", "--eval_strategy=steps", "--eval_steps=1",
+               "--eval_size=6", "--num_generations_eval=3", "--max_prompt_length=3")
+    info = train.dist.setup("cpu")
+    _, cfg = train.run.start(cfg, info)  # builds the tiny init checkpoint
+    t = train.setup(cfg, info)
+    assert "warning: 10000 of 10000 prompts of default are longer than max_prompt_length=3" \
+        in capsys.readouterr().out
+    prompt_ids = t.tok.encode_prompt(t.eval_rows[0]["prompt"], max_length=3)
+    assert len(prompt_ids) == 3
+    assert prompt_ids == t.tok.encode_prompt(t.eval_rows[0]["prompt"])[-3:]
+    seen = []
+    score = train.reward_rollout
+    train.reward_rollout = lambda ro, funcs, *a: seen.append(len(ro.completions)) or score(ro, funcs)
+    try:
+        metrics = train.evaluate(t)
+    finally:
+        train.reward_rollout = score
+    assert seen == [18] and 0 <= metrics["eval/reward"] <= 1
