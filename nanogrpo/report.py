@@ -298,11 +298,7 @@ def check_rewards(run, total: torch.Tensor, frac_zero_std: float,
                   f"rewards up to {scored.abs().max():.2e} overflow float32 "
                   "statistics (the group std becomes inf, advantages 0): "
                   "rescale the reward functions")
-    if frac_zero_std == 1.0:
-        run.zero_spread_rounds += 1
-    else:
-        run.zero_spread_rounds = 0
-    if run.zero_spread_rounds >= patience:
+    if streak(run, "zero_spread", frac_zero_std == 1.0) >= patience:
         warn_once(run, "zero_spread",
                   f"every group's rewards were identical for {patience} "
                   "rounds in a row: advantages are 0 and nothing is "
@@ -310,15 +306,17 @@ def check_rewards(run, total: torch.Tensor, frac_zero_std: float,
                   "or num_generations larger")
 
 
+def streak(run, name: str, hit: bool) -> int:
+    """Rounds in a row that `hit` (0 once one does not)."""
+    run.streaks[name] = run.streaks.get(name, 0) + 1 if hit else 0
+    return run.streaks[name]
+
+
 def check_lengths(run, clipped_ratio: float, max_length: int, patience: int = 5):
     """Say so (once) when most completions hit max_completion_length for
     `patience` rounds in a row: the most common cause of a reward stuck
     at 0 (the answer never gets written)."""
-    if clipped_ratio > 0.5:
-        run.clipped_rounds += 1
-    else:
-        run.clipped_rounds = 0
-    if run.clipped_rounds >= patience:
+    if streak(run, "clipped", clipped_ratio > 0.5) >= patience:
         warn_once(run, "clipped",
                   f"most completions hit max_completion_length={max_length} "
                   f"for {patience} rounds in a row: they are cut before "

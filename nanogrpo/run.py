@@ -58,8 +58,8 @@ class Run:
     reporters: list = field(default_factory=list)  # fn(metrics, step)
     started: tuple = (0.0, 0)  # (time, step) at start: for the ETA
     warned: set = field(default_factory=set)  # warnings already given
-    zero_spread_rounds: int = 0  # rounds in a row without spread
-    clipped_rounds: int = 0  # rounds in a row where most hit max_completion_length
+    # rounds in a row a warning's condition held (report.streak)
+    streaks: dict = field(default_factory=dict)
     command: list = field(default_factory=list)  # for the resume hint
 
 
