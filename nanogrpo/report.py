@@ -172,12 +172,15 @@ def add_round_metrics(run, t, ro, local, rewards, records, timing):
     round_time = sum(timing.values()) + updates
     tokens = torch.tensor(float(ro.num_tokens()), device=info.device)
     tokens = dist.all_reduce_sum(tokens, info).item()
+    # TRL's num_tokens: prompt + completion tokens seen so far, all ranks
+    seen = run.history[-1].get("num_tokens", 0) if run.history else 0
     for m in records:
         m.update(gen)
         m.update(timing)
         m.update(user_metrics)
         m["step_time"] = round_time / len(records)
         m["tokens_per_sec"] = tokens / round_time
+        m["num_tokens"] = seen + tokens
 
 
 def generation_metrics(t, ro, rewards: torch.Tensor) -> dict:
@@ -200,6 +203,13 @@ def generation_metrics(t, ro, rewards: torch.Tensor) -> dict:
         "completions/max_length": lengths.max().item(),
         "completions/clipped_ratio": truncated.mean().item(),
     }
+    # TRL's: lengths of the completions that ended with a stop token (0 if none)
+    ended = lengths[truncated == 0]
+    if len(ended) == 0:
+        ended = torch.zeros(1)
+    m["completions/mean_terminated_length"] = ended.mean().item()
+    m["completions/min_terminated_length"] = ended.min().item()
+    m["completions/max_terminated_length"] = ended.max().item()
     if t.tools:
         m.update(tool_metrics(ro, info, num_rows=len(total)))
     for k, (name, _) in enumerate(t.reward_funcs):

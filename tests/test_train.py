@@ -39,8 +39,11 @@ def test_smoke_metrics_and_checkpoint(tmp_path, capsys):
     assert strip_timing(lines) == strip_timing(history)
     for key in ("step", "reward", "reward_std", "rewards/default_task/mean", "entropy", "clip_ratio/region_mean",
                 "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std", "loss",
-                "grad_norm", "learning_rate", "tokens_per_sec", "time/sample", "time/score", "time/logprobs", "time/update"):
+                "grad_norm", "learning_rate", "tokens_per_sec", "num_tokens",
+                "completions/mean_terminated_length", "completions/max_terminated_length",
+                "time/sample", "time/score", "time/logprobs", "time/update"):
         assert key in lines[0], key
+    assert lines[0]["num_tokens"] < lines[1]["num_tokens"] < lines[2]["num_tokens"]  # cumulative, as TRL
     assert "kl" not in lines[0]  # beta = 0: no reference model, no kl
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in lines)
     assert "eval/reward" in lines[1] and "eval/pass@1" in lines[2]
