@@ -448,3 +448,14 @@ def test_the_trl_recipe_example_loads_in_trls_names():
     assert [f.__name__ for f in cfg.reward_funcs] == ["correctness_reward", "reward_len"]
     assert cfg.lora_settings()["target_modules"] == "all-linear"
     assert cfg.schedule().prompts_per_step == 1
+
+
+def test_model_init_kwargs_dtype_and_disable_dropout():
+    """model_init_kwargs={"dtype": ...} is the weights' dtype (TRL's);
+    disable_dropout zeroes LoRA's dropout."""
+    assert TrainConfig().weight_dtype() == "float32"
+    assert TrainConfig(model_init_kwargs={"dtype": "bfloat16"}).weight_dtype() == "bfloat16"
+    assert TrainConfig(model_init_kwargs={"torch_dtype": "auto"}).weight_dtype() == "float32"
+    lora = TrainConfig(use_peft=True, disable_dropout=True).lora_settings()
+    assert lora["lora_dropout"] == 0.0
+    assert TrainConfig(use_peft=True).lora_settings()["lora_dropout"] == 0.05

@@ -188,3 +188,13 @@ def test_a_tool_prompt_is_measured_with_its_tool_schemas():
     check_prompts(rows, "x", tok, plain)  # fits without the schemas
     with pytest.raises(ValueError, match=f"row 0: the prompt is {with_tools} tokens, more than the {plain}"):
         check_prompts(rows, "x", tok, plain, tools=schemas)
+
+
+def test_shuffle_dataset_false_keeps_the_file_order():
+    """TRL's shuffle_dataset=False: every epoch visits the rows in file order."""
+    rows = [{"prompt": str(i)} for i in range(7)]
+    sampler = PromptSampler(rows, 3, seed=7, shuffle=False)
+    batches = [[r["prompt"] for r in sampler.next_batch()] for _ in range(3)]
+    assert batches == [["0", "1", "2"], ["3", "4", "5"], ["0", "1", "2"]]
+    shuffled = PromptSampler(rows, 3, seed=7)
+    assert [r["prompt"] for r in shuffled.next_batch()] != ["0", "1", "2"]
