@@ -4,18 +4,24 @@ trl/trainer/grpo_trainer.py, `_compute_loss` and `_generate_and_score_completion
 are cited where each variant is).
 
 Owns: `LossConfig` (TRL's GRPOConfig names and defaults), `group_advantages` (rewards ->
-advantages) and `grpo_step` (per-token log-probs -> one micro-batch's scalar loss + metrics).
+advantages), `grpo_step` (per-token log-probs -> one micro-batch's scalar loss + metrics), and
+what TRL computes around its loss: the entropy bonus and its adaptive coefficient, the
+off-policy sequence mask, and the importance-sampling correction between the sampler and the
+trainer.
 
 Does not own: computing log-probs (logprobs.py), talking to other processes (the caller gathers
-rewards before `group_advantages`, sums `num_items` over ranks, and averages gradients), the
-optimizer. Out of scope: vLLM's importance-sampling correction (TIS/MIS; we have no vLLM),
-DeepSeek-V3.2's off-policy sequence mask (OPSM), the entropy bonus and MoE auxiliary losses.
+rewards before `group_advantages`, sums `num_items` over ranks, averages gradients, and sums the
+adaptive entropy controller's window over ranks), the optimizer. Out of scope: MoE auxiliary
+losses.
 
 Reading guide, one small function per idea:
     importance_ratio (token or GSPO sequence level);
     clipped_surrogate (grpo, dr_grpo, dapo, bnpo, luspo);
     cispo_loss, sapo_loss, vespo_weight; high_entropy_mask (top_entropy_quantile); aggregate: the
-    normalizer, which is what really tells the loss types apart.
+    normalizer, which is what really tells the loss types apart;
+    off_policy_mask (OPSM); sampler_importance_weights (TRL's vllm_importance_sampling_*: here
+    the "vllm" engine is nanogrpo's own sampler); entropy_bonus, applied_entropy_coef and
+    next_entropy_coef (entropy_coef, use_adaptive_entropy).
 Masked positions may hold anything (NaN, inf): inputs are cleaned with torch.where up front, so
 neither the loss nor the gradient can see them (x * mask would turn 0 * NaN into NaN).
 """
@@ -32,6 +38,7 @@ PPO_CLIP_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "luspo")
 IS_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass
@@ -54,6 +61,21 @@ class LossConfig:
     vespo_lambda_neg: float = 2.0
     use_bias_correction_kl: bool = True  # multiply the KL term by the (differentiable) ratio
     top_entropy_quantile: float = 1.0  # 1.0 = off; rho < 1 keeps the top-rho entropy tokens
+    # entropy bonus: loss - coef * (masked mean entropy); 0 = off
+    entropy_coef: float = 0.0
+    # Skywork-OR1's control: coef moves by delta each step toward entropy_target
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2  # nats; the bonus applies only at or below it
+    # DeepSeek-V3.2's off-policy sequence mask: None = off
+    off_policy_mask_threshold: float | None = None
+    # weight each token by pi_trainer / pi_sampler (TRL's name: "vllm" = the sampler)
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"  # one of IS_MODES
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_clip_max: float | None = 3.0
 
     def __post_init__(self):
         def check(ok, name, allowed):
@@ -91,8 +113,44 @@ class LossConfig:
             "'token' with loss_type='vespo' (VESPO builds its own sequence weight "
             "from token ratios)",
         )
+        self._check_algorithm(check)
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+
+    def _check_algorithm(self, check):
+        """The rules of the entropy bonus, OPSM and the sampler correction."""
+        check(
+            self.entropy_coef_min <= self.entropy_coef_max,
+            "entropy_coef_min",
+            f"a float <= entropy_coef_max={self.entropy_coef_max}",
+        )
+        check(self.entropy_coef_delta >= 0, "entropy_coef_delta", "a float >= 0")
+        threshold = self.off_policy_mask_threshold
+        check(
+            threshold is None or threshold >= 0,
+            "off_policy_mask_threshold",
+            "None or a float >= 0 (e.g. 0.5)",
+        )
+        mode = self.vllm_importance_sampling_mode
+        check(mode in IS_MODES, "vllm_importance_sampling_mode", ", ".join(IS_MODES))
+        low = self.vllm_importance_sampling_clip_min
+        high = self.vllm_importance_sampling_clip_max
+        check(
+            low is None or high is None or low < high,
+            "vllm_importance_sampling_clip_min",
+            f"None or a float < vllm_importance_sampling_clip_max={high}",
+        )
+        truncating = self.vllm_importance_sampling_correction and mode.endswith("truncate")
+        check(
+            not truncating or low is not None or high is not None,
+            "vllm_importance_sampling_clip_max",
+            "a float (or set vllm_importance_sampling_clip_min) with a *_truncate mode",
+        )
+
+    def entropy_bonus_on(self) -> bool:
+        """Whether the loss carries the entropy bonus (TRL: fixed for the run; the adaptive
+        control keeps it on even while its coefficient sits at entropy_coef_min)."""
+        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
 
 
 # -----------------------------------------------------------------------------
@@ -238,16 +296,19 @@ def sapo_loss(ratio, A, tau_pos, tau_neg):
 
 
 @torch.no_grad()
-def vespo_weight(log_ratio, mask, A, k_pos, lam_pos, k_neg, lam_neg):
+def vespo_weight(log_ratio, mask, A, k_pos, lam_pos, k_neg, lam_neg, is_weights=None):
     """VESPO's gamma weight phi [N,1] (as TRL's vespo; VESPO paper, HF papers 2602.10693).
 
     w = prod_t rho_t (from the clamped SUM of token log-ratios), phi(w) = e^lam * w^k *
     e^(-lam*w), so phi(1) = 1; (k, lam) = (k_pos, lam_pos) if A >= 0 else (k_neg, lam_neg).
     Computed in log space, detached: the loss is L = -phi * A * logp, and phi only rescales each
-    sequence's gradient.
+    sequence's gradient. is_weights [N,C]: token-level sampler corrections, folded into w as
+    TRL does (each log clamped to [log 1e-8, 20], summed over all C positions).
     """
     lo = math.log(1e-8)
     s = torch.where(mask, log_ratio.clamp(-20, 20), 0).sum(-1, keepdim=True)  # [N,1]
+    if is_weights is not None:
+        s = s + is_weights.log().clamp(lo, 20).sum(-1, keepdim=True)
     log_w = s.clamp(lo, 20)
     k = torch.where(A >= 0, k_pos, k_neg)
     lam = torch.where(A >= 0, lam_pos, lam_neg).clamp(min=1e-4)
@@ -292,10 +353,100 @@ def aggregate(per_token_loss, mask, cfg, num_items, grad_accum, world_size, step
 
 
 # -----------------------------------------------------------------------------
+# Around the loss: which sequences count, how the sampler's tokens are reweighted
+
+
+def off_policy_mask(A, logps, sampling_logps, mask, threshold):
+    """DeepSeek-V3.2's off-policy sequence mask (OPSM, arXiv 2512.02556, eq. 9) [N,1] bool:
+    drop a sequence whose advantage is negative and whose mean per-token KL from the policy
+    that sampled it to the current one, mean_t (log pi_sampling - log pi_theta), exceeds
+    threshold. A [N,1]; logps, sampling_logps, mask [N,C]."""
+    kl = torch.where(mask, sampling_logps - logps.detach(), 0)  # [N,C]
+    mean_kl = kl.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return (A >= 0) | (mean_kl <= threshold)
+
+
+def sampler_importance_weights(old_logps, sampling_logps, mask, cfg):
+    """TRL's vllm_importance_sampling_ratio: how much more likely the trainer finds each sampled
+    token than the sampler did, w = pi_old / pi_sampler (pi_old: the trainer's log-probs with
+    the weights that sampled). Ratios of 1 mean the two engines agree; bf16, another kernel or
+    a compiled decode step move them. Modes (vllm_importance_sampling_mode):
+      token_*     one w per token, [N,C];
+      sequence_*  one w per sequence, exp(sum over its tokens of the log difference), [N,1];
+      *_truncate  w clamped to [clip_min, clip_max] (TIS);
+      *_mask      w set to 0 outside [clip_min, clip_max] (MIS); None = no bound.
+    Detached: a constant weight on each token's loss. Masked positions weigh 1."""
+    diff = torch.where(mask, old_logps.detach() - sampling_logps, 0)  # [N,C]
+    mode = cfg.vllm_importance_sampling_mode
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)  # [N,1]
+    w = torch.exp(diff)
+    low = cfg.vllm_importance_sampling_clip_min
+    high = cfg.vllm_importance_sampling_clip_max
+    if mode.endswith("truncate"):
+        return w.clamp(min=low, max=high)
+    outside = torch.zeros_like(w, dtype=torch.bool)
+    if low is not None:
+        outside = outside | (w < low)
+    if high is not None:
+        outside = outside | (w > high)
+    return w.masked_fill(outside, 0.0)
+
+
+@torch.no_grad()
+def importance_sampling_metrics(old_logps, sampling_logps, is_weights, mask):
+    """TRL's sampling/* metrics of one batch: |log pi_old - log pi_sampler| over its tokens
+    (mean, max) and the correction weights (min, mean, max; per sequence or per token)."""
+    delta = (old_logps - sampling_logps).abs()[mask].double()
+    w = is_weights.flatten() if is_weights.shape[1] == 1 else is_weights[mask]
+    w = w.double()
+    if delta.numel() == 0:
+        delta = torch.zeros(1, dtype=torch.float64)
+    if w.numel() == 0:
+        w = torch.zeros(1, dtype=torch.float64)
+    return {
+        "sampling/sampling_logp_difference/mean": float(delta.mean()),
+        "sampling/sampling_logp_difference/max": float(delta.max()),
+        "sampling/importance_sampling_ratio/min": float(w.min()),
+        "sampling/importance_sampling_ratio/mean": float(w.mean()),
+        "sampling/importance_sampling_ratio/max": float(w.max()),
+    }
+
+
+# -----------------------------------------------------------------------------
+# The entropy bonus (TRL's entropy_coef; Skywork-OR1's adaptive control, arXiv 2505.22312)
+
+
+def entropy_bonus(entropies, mask, grad_accum):
+    """The mean entropy [scalar] over the tokens mask [N,C] keeps, divided by grad_accum only:
+    the same meaning for every loss type. The loss subtracts coef times it."""
+    total = torch.where(mask, entropies, 0).sum()
+    return total / mask.sum().clamp(min=1) / grad_accum
+
+
+def applied_entropy_coef(cfg, coef, last_entropy):
+    """The coefficient this step's micro-batches apply: `coef` as it stood after the last step;
+    adaptive control applies it only while the last step's entropy was at or below
+    entropy_target (last_entropy = inf before the first step: no bonus yet)."""
+    if cfg.use_adaptive_entropy and last_entropy > cfg.entropy_target:
+        return 0.0
+    return coef
+
+
+def next_entropy_coef(cfg, coef, entropy):
+    """The adaptive coefficient after a step whose mean entropy (all ranks, all micro-batches,
+    the bonus's tokens) was `entropy`: one delta up when at or below entropy_target (to push it
+    back up), one down otherwise, kept in [entropy_coef_min, entropy_coef_max]."""
+    if entropy <= cfg.entropy_target:
+        return min(coef + cfg.entropy_coef_delta, cfg.entropy_coef_max)
+    return max(coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
+
+
+# -----------------------------------------------------------------------------
 # The step
 
 
-def _check_shapes(logps, old_logps, ref_logps, advantages, mask, entropies):
+def _check_shapes(logps, old_logps, ref_logps, advantages, mask, entropies, sampling_logps):
     if logps.dim() != 2:
         raise ValueError(f"logps must be [N,C]; got shape {tuple(logps.shape)}")
     N = logps.shape[0]
@@ -304,6 +455,7 @@ def _check_shapes(logps, old_logps, ref_logps, advantages, mask, entropies):
         ("old_logps", old_logps),
         ("ref_logps", ref_logps),
         ("entropies", entropies),
+        ("sampling_logps", sampling_logps),
     ):
         if x is not None and x.shape != logps.shape:
             raise ValueError(
@@ -328,6 +480,8 @@ def grpo_step(
     world_size=1,
     entropies=None,
     steps_per_generation=None,
+    sampling_logps=None,
+    entropy_coef=None,
 ):
     """One micro-batch's GRPO loss (a scalar to .backward()) and its metrics (plain floats).
 
@@ -340,16 +494,24 @@ def grpo_step(
         and vespo use it. None means "this micro-batch is the whole step": num_items = mask.sum(),
         right only when grad_accum == world_size == 1.
     grad_accum: micro-batches summed per optimizer step; world_size: ranks whose gradients are
-    averaged. Masked positions of every input may hold NaN/inf: they touch neither loss nor
-    gradient.
+    averaged. sampling_logps [N,C]: the sampler's log-prob of each token it drew (None: the
+    sampler is the old policy); it feeds the importance-sampling correction
+    (cfg.vllm_importance_sampling_correction) and OPSM. entropy_coef: the coefficient this step
+    applies (applied_entropy_coef); None = cfg.entropy_coef. With the entropy bonus on,
+    `entropies` must carry their gradient (logprobs' entropy_grad=True), and metrics hold
+    "_entropy_sum" and "_entropy_tokens": the bonus's window for the adaptive control, sums
+    for the caller rather than metrics. Masked positions of every input may hold NaN/inf: they
+    touch neither loss nor gradient.
     """
-    _check_shapes(logps, old_logps, ref_logps, advantages, mask, entropies)
+    _check_shapes(logps, old_logps, ref_logps, advantages, mask, entropies, sampling_logps)
     if cfg.beta != 0 and ref_logps is None:
         raise ValueError(
             f"ref_logps is None but cfg.beta={cfg.beta}; pass reference log-probs or set beta=0"
         )
     if cfg.top_entropy_quantile < 1 and entropies is None:
         raise ValueError(f"cfg.top_entropy_quantile={cfg.top_entropy_quantile} needs entropies")
+    if cfg.entropy_bonus_on() and entropies is None:
+        raise ValueError("the entropy bonus (entropy_coef, use_adaptive_entropy) needs entropies")
     steps_per_generation = grad_accum if steps_per_generation is None else steps_per_generation
     counts = dict(
         grad_accum=grad_accum, world_size=world_size, steps_per_generation=steps_per_generation
@@ -365,6 +527,11 @@ def grpo_step(
 
     log_ratio = logps - old  # [N,C]
     ratio = importance_ratio(log_ratio, m, cfg.importance_sampling_level)  # [N,C] or [N,1]
+    is_weights = None  # the sampler correction, [N,C] or [N,1]
+    if sampling_logps is not None:
+        sampling_logps = torch.where(m, sampling_logps, 0)
+        if cfg.vllm_importance_sampling_correction:
+            is_weights = sampler_importance_weights(old, sampling_logps, m, cfg)
     if cfg.loss_type in PPO_CLIP_TYPES:
         loss, ratio_1 = clipped_surrogate(ratio, A, cfg.epsilon, cfg.epsilon_high, cfg.delta)
     elif cfg.loss_type == "cispo":
@@ -380,27 +547,47 @@ def grpo_step(
             cfg.vespo_lambda_pos,
             cfg.vespo_k_neg,
             cfg.vespo_lambda_neg,
+            _token_level(is_weights, cfg),
         )
         loss = -phi * A * logps
     loss = loss.expand_as(logps)  # [N,C] (sequence-level losses are [N,1])
 
+    if cfg.off_policy_mask_threshold is not None:
+        sampled_by = old if sampling_logps is None else sampling_logps
+        keep = off_policy_mask(A, logps, sampled_by, m, cfg.off_policy_mask_threshold)
+        loss = torch.where(keep, loss, 0)
+    bonus_mask = m  # the tokens the entropy bonus acts on
     if entropies is not None:
-        entropies = torch.where(m, entropies.detach(), 0)
+        entropies_with_grad = torch.where(m, entropies, 0)
+        entropies = entropies_with_grad.detach()
     if cfg.top_entropy_quantile < 1:
-        loss = torch.where(high_entropy_mask(entropies, m, cfg.top_entropy_quantile), loss, 0)
+        bonus_mask = high_entropy_mask(entropies, m, cfg.top_entropy_quantile)
+        loss = torch.where(bonus_mask, loss, 0)
+    if is_weights is not None and cfg.loss_type != "vespo":
+        loss = loss * is_weights
     if cfg.beta != 0:
         kl = kl_divergence(logps, torch.where(m, ref_logps, 0), kind="k3")  # [N,C], >= 0
         if cfg.use_bias_correction_kl:
-            kl = (
-                kl * ratio
-            )  # k3's gradient is biased off-policy; the ratio corrects it (DeepSeek-V3.2)
+            # k3's gradient is biased off-policy; the ratio corrects it (DeepSeek-V3.2)
+            kl = kl * ratio
         loss = loss + cfg.beta * kl
 
     num_items = m.sum() if num_items is None else num_items
     total = aggregate(loss, m, cfg, num_items, grad_accum, world_size, steps_per_generation)
 
+    metrics = {}
+    if cfg.entropy_bonus_on():
+        coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
+        # TRL's policy_loss: the loss before the bonus and the grad_accum division
+        unscaled = grad_accum if cfg.loss_type in ("grpo", "sapo", "bnpo", "dr_grpo", "luspo") else 1
+        metrics["policy_loss"] = total.detach() * unscaled
+        total = total - coef * entropy_bonus(entropies_with_grad, bonus_mask, grad_accum)
+        metrics["_entropy_sum"] = torch.where(bonus_mask, entropies, 0).sum()
+        metrics["_entropy_tokens"] = bonus_mask.sum()
+    if is_weights is not None:
+        metrics.update(importance_sampling_metrics(old, sampling_logps, is_weights, m))
+
     with torch.no_grad():
-        metrics = {}
         if cfg.beta != 0:
             metrics["kl"] = _masked_mean(kl, m)
         if entropies is not None:
@@ -419,6 +606,17 @@ def grpo_step(
             metrics["vespo/phi_seq_mean"] = phi.mean()
         metrics = {k: float(v) for k, v in metrics.items()}
     return total, metrics
+
+
+def _token_level(is_weights, cfg):
+    """VESPO folds token-level corrections into its weight; TRL refuses sequence modes."""
+    if is_weights is not None and is_weights.shape[1] == 1:
+        raise ValueError(
+            f"loss_type='vespo' needs a token-level vllm_importance_sampling_mode, not "
+            f"{cfg.vllm_importance_sampling_mode!r}: use token_truncate or token_mask, or "
+            "vllm_importance_sampling_correction=False"
+        )
+    return is_weights
 
 
 def _masked_mean(x, m):

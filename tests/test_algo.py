@@ -1,0 +1,281 @@
+"""What TRL 1.16 computes around its loss, in grpo.py: the entropy bonus and its adaptive
+control, the off-policy sequence mask (OPSM) and the importance-sampling correction between the
+sampler and the trainer. Parity in float64 against vectors that
+tests/fixtures/make_algo_vectors.py writes from TRL's own code, then properties."""
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import fixture_path
+from nanogrpo.grpo import (
+    LossConfig,
+    applied_entropy_coef,
+    grpo_step,
+    next_entropy_coef,
+    off_policy_mask,
+    sampler_importance_weights,
+)
+
+F64 = torch.float64
+PROPS = settings(max_examples=25, deadline=None)
+
+with open(fixture_path("algo_vectors.json")) as f:
+    VECTORS = json.load(f)
+CASES = VECTORS["cases"]
+ADAPTIVE = VECTORS["adaptive"]
+
+
+def t64(rows):
+    return None if rows is None else torch.tensor(rows, dtype=F64)
+
+
+def run_case(cfg, inputs, call, entropy_coef=None):
+    """grpo_step on a fixture's inputs -> (loss, d/d logp, d/d entropies, metrics)."""
+    x = {k: t64(v) for k, v in inputs.items()}
+    logp = x["logp"].clone().requires_grad_(True)
+    ent = x["ent"].clone().requires_grad_(True)
+    call = dict(call)
+    loss, metrics = grpo_step(
+        logp,
+        x["old"],
+        x["ref"],
+        x["adv"],
+        x["mask"],
+        cfg,
+        entropies=ent,
+        steps_per_generation=call.pop("spg", None),
+        sampling_logps=x.get("sampling"),
+        entropy_coef=entropy_coef,
+        **call,
+    )
+    grad, grad_ent = torch.autograd.grad(loss, (logp, ent), allow_unused=True)
+    if grad_ent is None:
+        grad_ent = torch.zeros_like(ent)
+    return loss, grad, grad_ent, metrics
+
+
+def errors(case, loss, grad, grad_ent):
+    return (
+        abs(loss.item() - case["loss"]),
+        (grad - t64(case["grad"])).abs().max().item(),
+        (grad_ent - t64(case["grad_entropy"])).abs().max().item(),
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_matches_trl(case):
+    """Loss, gradients (log-probs and entropies) and every metric TRL logs."""
+    cfg = LossConfig(**case["cfg"])
+    loss, grad, grad_ent, metrics = run_case(cfg, case["inputs"], case["call"])
+    assert max(errors(case, loss, grad, grad_ent)) < 1e-9
+    expected = dict(case["metrics"])
+    # the trainer logs entropy_coef (the coefficient it holds), not grpo_step
+    assert expected.pop("entropy_coef", cfg.entropy_coef) == cfg.entropy_coef
+    ours = {k: v for k, v in metrics.items() if not k.startswith("_")}
+    assert set(ours) == set(expected)
+    for k, v in expected.items():  # TRL takes some metrics in float32
+        assert (math.isnan(v) and math.isnan(ours[k])) or abs(ours[k] - v) < 1e-6, k
+
+
+@pytest.mark.parametrize("run", ADAPTIVE, ids=[r["name"] for r in ADAPTIVE])
+def test_adaptive_entropy_matches_trl(run):
+    """Steps of micro-batches: the coefficient each applies, the window entropy summed over
+    micro-batches, and the coefficient after each step are TRL's."""
+    cfg = LossConfig(**run["cfg"])
+    GA = run["grad_accum"]
+    coef = cfg.entropy_coef
+    last = math.inf
+    window = [0.0, 0.0]
+    for k, micro in enumerate(run["micro_batches"]):
+        applied = applied_entropy_coef(cfg, coef, last)
+        loss, grad, grad_ent, metrics = run_case(cfg, micro["inputs"], {"grad_accum": GA}, applied)
+        assert max(errors(micro, loss, grad, grad_ent)) < 1e-9
+        window[0] += metrics["_entropy_sum"]
+        window[1] += metrics["_entropy_tokens"]
+        if k % GA == GA - 1:
+            last = window[0] / max(window[1], 1.0)
+            coef = next_entropy_coef(cfg, coef, last)
+            window = [0.0, 0.0]
+            assert coef == pytest.approx(micro["entropy_coef"], abs=1e-15)
+            assert last == pytest.approx(micro["last_world_entropy"], rel=1e-12)
+
+
+def test_parity_worst_errors(capsys):
+    """One line per group of vectors: the worst error against TRL (printed with -s)."""
+    worst = {}
+    for case in CASES:
+        cfg = LossConfig(**case["cfg"])
+        loss, grad, grad_ent, _ = run_case(cfg, case["inputs"], case["call"])
+        group = case["name"].split("/")[0]
+        seen = worst.get(group, (0, 0.0, 0.0, 0.0))
+        err = errors(case, loss, grad, grad_ent)
+        worst[group] = (seen[0] + 1, *(max(a, b) for a, b in zip(seen[1:], err)))
+    with capsys.disabled():
+        for group, (n, dl, dg, de) in sorted(worst.items()):
+            print(f"\n{group:8s} {n:3d} cases vs TRL: loss {dl:.1e}, d/dlogp {dg:.1e}, "
+                  f"d/dentropy {de:.1e}", end="")
+    assert max(max(v[1:]) for v in worst.values()) < 1e-9
+    assert sum(v[0] for v in worst.values()) == len(CASES)
+
+
+# -----------------------------------------------------------------------------
+# Validation
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(vllm_importance_sampling_mode="token"), "vllm_importance_sampling_mode"),
+    (dict(vllm_importance_sampling_clip_min=3.0), "vllm_importance_sampling_clip_min"),
+    (dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=None),
+     "vllm_importance_sampling_clip_max"),
+    (dict(off_policy_mask_threshold=-0.1), "off_policy_mask_threshold"),
+    (dict(entropy_coef_min=0.5, entropy_coef_max=0.1), "entropy_coef_min"),
+    (dict(entropy_coef_delta=-0.01), "entropy_coef_delta"),
+])
+def test_loss_config_rejects(kw, field):
+    with pytest.raises(ValueError, match=f"LossConfig.{field}=.*allowed"):
+        LossConfig(**kw)
+
+
+def test_truncate_without_bounds_is_fine_when_the_correction_is_off():
+    LossConfig(vllm_importance_sampling_mode="token_truncate",
+               vllm_importance_sampling_clip_max=None,
+               vllm_importance_sampling_correction=False)
+
+
+def test_vespo_refuses_a_sequence_level_correction():
+    cfg = LossConfig(loss_type="vespo")  # default mode: sequence_mask
+    x = torch.zeros(2, 3, dtype=F64)
+    with pytest.raises(ValueError, match="token_truncate or token_mask"):
+        grpo_step(x, None, None, torch.ones(2, dtype=F64), torch.ones(2, 3), cfg,
+                  sampling_logps=x)
+
+
+def test_entropy_bonus_needs_entropies():
+    with pytest.raises(ValueError, match="needs entropies"):
+        grpo_step(torch.zeros(2, 3), None, None, torch.ones(2), torch.ones(2, 3),
+                  LossConfig(entropy_coef=0.1))
+
+
+# -----------------------------------------------------------------------------
+# Properties
+
+
+def random_batch(seed, n, c, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    logp = -3 * torch.rand(n, c, generator=g, dtype=F64)
+    sampling = logp + scale * torch.randn(n, c, generator=g, dtype=F64)
+    lengths = torch.randint(0, c + 1, (n,), generator=g)
+    mask = torch.arange(c)[None] < lengths[:, None]
+    adv = torch.randn(n, generator=g, dtype=F64)
+    ent = 2 * torch.rand(n, c, generator=g, dtype=F64)
+    return logp, sampling, mask, adv, ent
+
+
+@PROPS
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 6), c=st.integers(1, 6),
+       mode=st.sampled_from(["token_truncate", "token_mask", "sequence_truncate",
+                             "sequence_mask"]))
+def test_agreeing_engines_change_nothing(seed, n, c, mode):
+    """Sampler log-probs equal to the trainer's: every weight is 1, so loss and gradient are
+    those without the correction, in every mode."""
+    logp, _, mask, adv, _ = random_batch(seed, n, c)
+    plain = LossConfig(vllm_importance_sampling_correction=False)
+    corrected = LossConfig(vllm_importance_sampling_mode=mode)
+    results = []
+    for cfg, sampling in ((plain, None), (corrected, logp.clone())):
+        x = logp.clone().requires_grad_(True)
+        loss, _ = grpo_step(x, None, None, adv, mask, cfg, sampling_logps=sampling)
+        results.append((loss, torch.autograd.grad(loss, x)[0]))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+@PROPS
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 6), c=st.integers(1, 6),
+       low=st.sampled_from([None, 0.5, 0.9]), high=st.sampled_from([None, 1.1, 3.0]))
+def test_importance_weights_respect_their_bounds(seed, n, c, low, high):
+    """truncate: every weight in [low, high]; mask: a weight is its ratio or 0, and 0 exactly
+    where the ratio leaves [low, high]; masked positions weigh 1 at token level."""
+    logp, sampling, mask, _, _ = random_batch(seed, n, c, scale=1.0)
+    for level in ("token", "sequence"):
+        for how in ("truncate", "mask"):
+            if how == "truncate" and low is None and high is None:
+                continue
+            cfg = LossConfig(vllm_importance_sampling_mode=f"{level}_{how}",
+                             vllm_importance_sampling_clip_min=low,
+                             vllm_importance_sampling_clip_max=high)
+            w = sampler_importance_weights(logp, sampling, mask, cfg)
+            diff = torch.where(mask, logp - sampling, 0)
+            if level == "sequence":
+                diff = diff.sum(-1, keepdim=True)
+            ratio = diff.exp()
+            lo = -math.inf if low is None else low
+            hi = math.inf if high is None else high
+            if how == "truncate":
+                assert ((w >= lo) & (w <= hi)).all()
+                assert torch.equal(w, ratio.clamp(min=low, max=high))
+            else:
+                outside = (ratio < lo) | (ratio > hi)
+                assert torch.equal(w, torch.where(outside, 0.0, ratio))
+            if level == "token":
+                assert (w[~mask] == 1).all() or (hi < 1 and how == "mask")
+
+
+@PROPS
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 8), c=st.integers(1, 6),
+       threshold=st.floats(0.0, 1.0))
+def test_opsm_keeps_every_non_negative_advantage(seed, n, c, threshold):
+    """A sequence with A >= 0 is always kept; one with A < 0 is dropped exactly when its mean
+    KL from the sampler exceeds the threshold; the sequences dropped get no gradient."""
+    logp, sampling, mask, adv, _ = random_batch(seed, n, c, scale=1.0)
+    keep = off_policy_mask(adv[:, None], logp, sampling, mask, threshold)[:, 0]
+    assert keep[adv >= 0].all()
+    kl = torch.where(mask, sampling - logp, 0).sum(-1) / mask.sum(-1).clamp(min=1)
+    assert torch.equal(keep[adv < 0], (kl <= threshold)[adv < 0])
+    cfg = LossConfig(off_policy_mask_threshold=threshold,
+                     vllm_importance_sampling_correction=False)
+    x = logp.clone().requires_grad_(True)
+    loss, _ = grpo_step(x, None, None, adv, mask, cfg, sampling_logps=sampling)
+    (grad,) = torch.autograd.grad(loss, x)
+    assert (grad[~keep] == 0).all()
+
+
+@PROPS
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 6), c=st.integers(1, 6),
+       coef=st.floats(-1.0, 1.0).filter(lambda v: v != 0), accum=st.integers(1, 4))
+def test_entropy_gradient_is_minus_coef_over_tokens(seed, n, c, coef, accum):
+    """d loss / d entropy = -coef / (active tokens x grad_accum) on every active token, 0
+    elsewhere, whatever the loss type; the policy gradient is unchanged by the bonus."""
+    logp, _, mask, adv, ent = random_batch(seed, n, c)
+    grads = []
+    for cfg in (LossConfig(), LossConfig(entropy_coef=coef)):
+        x = logp.clone().requires_grad_(True)
+        e = ent.clone().requires_grad_(True)
+        loss, _ = grpo_step(x, None, None, adv, mask, cfg, entropies=e, grad_accum=accum)
+        grads.append(torch.autograd.grad(loss, (x, e), allow_unused=True))
+    assert torch.equal(grads[0][0], grads[1][0])
+    tokens = max(int(mask.sum()), 1)
+    expected = torch.where(mask, torch.tensor(-coef / tokens / accum, dtype=F64), 0.0)
+    assert torch.allclose(grads[1][1], expected, rtol=1e-12, atol=1e-15)
+
+
+@PROPS
+@given(coef=st.floats(0.0, 1.0), entropy=st.floats(0.0, 5.0), steps=st.integers(1, 30))
+def test_adaptive_coefficient_stays_in_bounds(coef, entropy, steps):
+    """The coefficient moves one delta a step, toward the target's side, within its bounds."""
+    cfg = LossConfig(use_adaptive_entropy=True, entropy_coef_min=0.1, entropy_coef_max=0.4,
+                     entropy_coef_delta=0.05, entropy_target=1.0)
+    c = min(max(coef, 0.1), 0.4)
+    for _ in range(steps):
+        new = next_entropy_coef(cfg, c, entropy)
+        assert 0.1 <= new <= 0.4
+        assert abs(new - c) <= 0.05 + 1e-12
+        assert (new >= c) == (entropy <= 1.0) or new == c
+        c = new
+    assert applied_entropy_coef(cfg, c, entropy) == (c if entropy <= 1.0 else 0.0)
+    assert applied_entropy_coef(cfg, c, math.inf) == 0.0
