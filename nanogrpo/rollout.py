@@ -5,6 +5,8 @@ the rest of the round reads, by name) and `rollout(...)`, which encodes
 the prompts, samples with `sampler.generate`, continues completions that
 call tools (tools.py runs them, TRL's `tools=`), decodes, and joins
 prompt and completion into the [n, P+C] rows the log-prob pass scores.
+Also `select_groups` and `concat_rollouts`, for DAPO's dynamic sampling:
+keep the groups of a round whose rewards differ, join rounds into one.
 
 Does not know about: rewards, advantages or losses (train.py fills the
 `advantages`, `old_logps`, `ref_logps` and `num_items` fields),
@@ -29,6 +31,14 @@ Choices:
   results that would not fit is dropped: the row ends). Calling rows
   continue together, one `generate` per tool round, re-prefilling the
   conversation so far.
+- The sampler's own log-probs are kept: `sampling_logps` [n,C] is each
+  sampled token's log-prob under the distribution it was drawn from
+  (after temperature, top-k, top-p, min-p), what vLLM returns with
+  logprobs_mode="processed_logprobs"; TRL's importance-sampling
+  correction compares it with the trainer's. 0 on tool-result ids.
+- A rollout's rows can be picked by group and rollouts joined (before
+  the trainer fills in its fields): the joined rows are re-padded to the
+  longest prompt and completion, which changes no scored log-prob.
 """
 
 from dataclasses import dataclass
@@ -68,10 +78,15 @@ class Rollout:
     completions: list
     # [n] each row's ids up to its end (tool-result ids included)
     completion_token_ids: list[list[int]]
-    tool_calls: int = 0  # tool calls made in this round on this rank (failed ones included)
+    # tool calls made sampling these rows on this rank (failed ones included); select_groups
+    # keeps the whole round's count (dropped groups' calls were made too), concat_rollouts sums
+    tool_calls: int = 0
     tool_failures: int = 0  # of which failed: malformed, unknown tool, exception or timeout
-    # [n] long: assistant turns per completion (1 without tool calls)
+    # [n] long: assistant turns per completion (1 without tool calls); None without tools
     turns: torch.Tensor | None = None
+    # [n, C] fp32: the sampler's log-prob of each token it drew (after temperature and the
+    # filters); 0 where the model sampled nothing (padding, tool results)
+    sampling_logps: torch.Tensor | None = None
     # Filled in by the trainer before the update:
     advantages: torch.Tensor | None = None  # [n] fp32, one per completion
     # [n, C] under the policy that sampled (off-policy updates only)
@@ -127,10 +142,13 @@ def sampling_kwargs(cfg) -> dict:
     )
 
 
-def _continue_with_tools(model, tok, prompt_of, ids, texts, truncated, tools, cfg, generator):
-    """The tool rounds (TRL's `_tool_call_loop`) on rows of generated `ids` (lists, extended in
-    place). prompt_of[r]: row r's prompt ids. -> (per-row model-token masks, message lists,
-    truncated, calls, failures).
+def _continue_with_tools(
+    model, tok, prompt_of, ids, logps, texts, truncated, tools, cfg, generator
+):
+    """The tool rounds (TRL's `_tool_call_loop`) on rows of generated `ids` and their sampler
+    log-probs `logps` (lists of the same lengths, extended in place: 0.0 for tool-result ids).
+    prompt_of[r]: row r's prompt ids. -> (per-row model-token masks, message lists, truncated,
+    calls, failures).
     """
     M, limit = cfg.max_completion_length, model.config.max_position_embeddings
     parse = TOOL_CALL_PARSERS[cfg.tool_call_format]
@@ -158,6 +176,7 @@ def _continue_with_tools(model, tok, prompt_of, ids, texts, truncated, tools, cf
                 continue  # the results would not fit: dropped, the row ends as it is (TRL)
             messages[r] += replies
             ids[r] += suffix
+            logps[r] += [0.0] * len(suffix)  # not sampled
             masks[r] += [0] * len(suffix)
             going.append(r)
         if not going:
@@ -183,12 +202,13 @@ def _continue_with_tools(model, tok, prompt_of, ids, texts, truncated, tools, cf
         )
         new_ids, new_texts = tok.decode_completions(out.completion_ids, out.completion_mask)
         new_truncated = out.truncated.tolist()  # one device-to-host transfer
+        new_logps = out.logprobs.tolist()  # [len(going)][C'], and one more transfer
         for k, r in enumerate(going):
-            new = new_ids[k][
-                : M - len(ids[r])
-            ]  # the whole completion stays within max_completion_length
+            room = M - len(ids[r])  # the whole completion stays within max_completion_length
+            new = new_ids[k][:room]
             truncated[r] = new_truncated[k] or len(new) < len(new_ids[k])
             ids[r] += new
+            logps[r] += new_logps[k][: len(new)]
             masks[r] += [1] * len(new)
             calls[r] = []
             if new:
@@ -243,8 +263,10 @@ def rollout(
         truncated = out.truncated.tolist()
         if tools:
             prompt_of = [prompt_ids[r // num_generations] for r in range(len(token_ids))]
+            # each row's sampler log-probs, as long as its ids
+            logps = [x[: len(t)] for x, t in zip(out.logprobs.tolist(), token_ids)]
             masks, completions, truncated, calls, failures = _continue_with_tools(
-                model, tok, prompt_of, token_ids, texts, truncated, tools, cfg, generator
+                model, tok, prompt_of, token_ids, logps, texts, truncated, tools, cfg, generator
             )
     model.train(was_training)
     prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
@@ -256,6 +278,9 @@ def rollout(
         model_mask = torch.tensor(
             [m + [0] * (C - len(m)) for m in masks], device=dev, dtype=torch.bool
         )
+        sampling_logps = torch.tensor(
+            [x + [0.0] * (C - len(x)) for x in logps], device=dev, dtype=torch.float32
+        )  # [n,C]
         truncated = torch.tensor(truncated, device=dev)
         turns = torch.tensor(
             [sum(m["role"] == "assistant" for m in c) for c in completions], device=dev
@@ -267,6 +292,7 @@ def rollout(
             out.truncated,
             None,
         )
+        sampling_logps = out.logprobs  # [n,C], 0 off the completion
         completions = (
             texts
             if isinstance(rows[0]["prompt"], str)
@@ -294,4 +320,132 @@ def rollout(
         calls,
         failures,
         turns,
+        sampling_logps,
+    )
+
+
+# -----------------------------------------------------------------------------
+# Picking groups and joining rounds (DAPO's dynamic sampling)
+
+# filled in by the trainer: a rollout is picked from or joined before them
+TRAINER_FIELDS = ("advantages", "old_logps", "ref_logps", "num_items")
+
+
+def _check_unfilled(ro, caller):
+    """ValueError if the trainer has filled in any of ro's TRAINER_FIELDS."""
+    for name in TRAINER_FIELDS:
+        if getattr(ro, name) is not None:
+            raise ValueError(
+                f"{caller} takes a rollout before the trainer fills it in; its {name} is set"
+            )
+
+
+def select_groups(ro: Rollout, groups: list[int]) -> Rollout:
+    """The rollout of the prompts `groups` (indices into ro.rows, in the order given): group i is
+    rows i*G .. i*G+G-1, and every per-row field is cut to those rows. Widths stay as they are.
+    tool_calls and tool_failures stay the whole round's counts: the dropped groups' calls were
+    made too. ValueError if the trainer's fields are filled or an index is out of range.
+    """
+    _check_unfilled(ro, "select_groups")
+    G = ro.num_generations
+    for i in groups:
+        if not 0 <= i < len(ro.rows):
+            raise ValueError(f"group {i} is not in [0, {len(ro.rows)})")
+    picked = [i * G + j for i in groups for j in range(G)]  # the rows kept
+    index = torch.tensor(picked, dtype=torch.long, device=ro.input_ids.device)  # [m]
+
+    def rows_of(x):  # [n, ...] -> [m, ...]
+        return None if x is None else x[index]
+
+    return Rollout(
+        rows=[ro.rows[i] for i in groups],
+        num_generations=G,
+        prompt_ids=[ro.prompt_ids[i] for i in groups],
+        input_ids=rows_of(ro.input_ids),
+        attention_mask=rows_of(ro.attention_mask),
+        completion_mask=rows_of(ro.completion_mask),
+        completion_lengths=rows_of(ro.completion_lengths),
+        truncated=rows_of(ro.truncated),
+        prompts=[ro.prompts[r] for r in picked],
+        completions=[ro.completions[r] for r in picked],
+        completion_token_ids=[ro.completion_token_ids[r] for r in picked],
+        tool_calls=ro.tool_calls,
+        tool_failures=ro.tool_failures,
+        turns=rows_of(ro.turns),
+        sampling_logps=rows_of(ro.sampling_logps),
+    )
+
+
+def _fit(x, width, fill, left=False):
+    """x [n,W] -> [n,width]: padded with `fill` on the right (on the left if `left`), or cut
+    there, keeping the columns on the other side."""
+    n, W = x.shape
+    k = min(W, width)  # columns kept
+    out = x.new_full((n, width), fill)
+    if left:
+        out[:, width - k :] = x[:, W - k :]
+    else:
+        out[:, :k] = x[:, :k]
+    return out
+
+
+def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
+    """All the rows of `rollouts`, in order, as one Rollout. The rows are re-padded, as
+    join_prompt_completion pads them, to P = the longest prompt and C = the longest completion
+    of all (a wider rollout's extra columns are padding only, so they are cut): the prompt part
+    is left-padded (pad_id, attention 0), the completion part right-padded (pad_id, attention 1,
+    completion_mask and sampling_logps 0). tool_calls and tool_failures are summed; turns of a
+    rollout without them count 1 per row; sampling_logps is None unless every rollout has it.
+    ValueError if the list is empty, the rollouts differ in num_generations, or the trainer's
+    fields are filled.
+    """
+    if not rollouts:
+        raise ValueError("concat_rollouts needs at least one rollout")
+    G = rollouts[0].num_generations
+    for ro in rollouts:
+        _check_unfilled(ro, "concat_rollouts")
+        if ro.num_generations != G:
+            raise ValueError(
+                f"rollouts of num_generations {G} and {ro.num_generations} cannot be joined"
+            )
+    P = max(len(p) for ro in rollouts for p in ro.prompt_ids)
+    C = max(1, max(len(x) for ro in rollouts for x in ro.completion_token_ids))
+    input_ids = []
+    attention_mask = []
+    for ro in rollouts:
+        W = ro.completion_mask.shape[1]  # this rollout's completion width
+        ids = ro.input_ids
+        prompt = _fit(ids[:, :-W], P, pad_id, left=True)  # [n,P]
+        input_ids.append(torch.cat([prompt, _fit(ids[:, -W:], C, pad_id)], dim=1))  # [n,P+C]
+        mask = ro.attention_mask
+        prompt = _fit(mask[:, :-W], P, 0, left=True)  # [n,P]
+        attention_mask.append(torch.cat([prompt, _fit(mask[:, -W:], C, 1)], dim=1))  # [n,P+C]
+    with_logps = all(ro.sampling_logps is not None for ro in rollouts)
+    with_turns = any(ro.turns is not None for ro in rollouts)
+
+    def turns_of(ro):  # [n] long
+        if ro.turns is not None:
+            return ro.turns
+        return torch.ones_like(ro.completion_lengths)
+
+    return Rollout(
+        rows=[r for ro in rollouts for r in ro.rows],
+        num_generations=G,
+        prompt_ids=[p for ro in rollouts for p in ro.prompt_ids],
+        input_ids=torch.cat(input_ids),
+        attention_mask=torch.cat(attention_mask),
+        completion_mask=torch.cat([_fit(ro.completion_mask, C, 0) for ro in rollouts]),
+        completion_lengths=torch.cat([ro.completion_lengths for ro in rollouts]),
+        truncated=torch.cat([ro.truncated for ro in rollouts]),
+        prompts=[p for ro in rollouts for p in ro.prompts],
+        completions=[c for ro in rollouts for c in ro.completions],
+        completion_token_ids=[x for ro in rollouts for x in ro.completion_token_ids],
+        tool_calls=sum(ro.tool_calls for ro in rollouts),
+        tool_failures=sum(ro.tool_failures for ro in rollouts),
+        turns=torch.cat([turns_of(ro) for ro in rollouts]) if with_turns else None,
+        sampling_logps=(
+            torch.cat([_fit(ro.sampling_logps, C, 0.0) for ro in rollouts])
+            if with_logps
+            else None
+        ),
     )

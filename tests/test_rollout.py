@@ -185,3 +185,196 @@ def test_logprobs_and_update_run_on_a_tool_rollout(monkeypatch):
                         num_items=mask.sum())
     loss.backward()
     assert (logps.grad[mask == 0] == 0).all() and (logps.grad[mask == 1] != 0).all()
+
+
+# --- the sampler's log-probs reach the Rollout -------------------------------------------------
+
+
+def test_sampling_logps_are_the_generations_logprobs():
+    """Without tools, sampling_logps is generate's own `logprobs` for the same seeds."""
+    from nanogrpo.rollout import sampling_kwargs
+    from nanogrpo.sampler import generate
+    tok = chat_tokenizer()
+    model = Transformer(tiny_config(vocab_size=tok.vocab_size))
+    cfg = TrainConfig(max_completion_length=16, temperature=0.7, top_k=5, top_p=0.9)
+    rows = [{"prompt": "abc"}, {"prompt": "hello world"}]
+    ro = rollout(model, tok, rows, cfg, 3, torch.Generator().manual_seed(0))
+    out = generate(model, ro.prompt_ids, num_samples=3, stop_ids=tok.eos_token_ids,
+                   pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0),
+                   vocab_size=tok.vocab_size, **sampling_kwargs(cfg))
+    assert torch.equal(ro.input_ids[:, -out.completion_ids.shape[1]:], out.completion_ids)
+    assert ro.sampling_logps.dtype == torch.float32
+    assert torch.equal(ro.sampling_logps, out.logprobs)
+    assert (ro.sampling_logps[ro.completion_mask == 0] == 0).all()
+    assert (ro.sampling_logps[ro.completion_mask == 1] < 0).all()
+
+
+def sampled_after_tools(tok, temperature):
+    """A stand-in for sampler.generate: the first call writes the scripted first turns (so that rows
+    call tools) with the model's log-probs of them; the tool rounds' calls (they pass seeds) are the
+    real sampler's."""
+    from nanogrpo import sampler
+    from nanogrpo.logprobs import token_logprobs
+    from nanogrpo.rollout import join_prompt_completion
+    script = scripted_generate(tok, [])
+
+    def generate(model, prompt_ids, num_samples=1, seeds=None, **kw):
+        if seeds is not None:
+            return sampler.generate(model, prompt_ids, num_samples=num_samples, seeds=seeds, **kw)
+        out = script(model, prompt_ids, num_samples=num_samples, **kw)
+        pad = kw["pad_id"]
+        ids, attention = join_prompt_completion(prompt_ids, out.completion_ids, pad, num_samples)
+        mask = out.completion_mask
+        logps, _ = token_logprobs(model, ids, attention, mask, temperature=temperature)
+        return Generation(out.completion_ids, out.completion_mask, logps, out.truncated)
+    return generate
+
+
+def test_sampling_logps_through_tool_rounds(monkeypatch):
+    """With tools: model tokens carry their sampler log-prob (nonzero, finite), tool-result ids 0,
+    and each row's list stays aligned with its ids through the rounds and the cut to
+    max_completion_length: on fp32 CPU without filters every sampled token's log-prob is the
+    trainer's (the first turns are scripted, their log-probs the model's by construction; what is
+    tested is the later rounds, sampled for real after the tool results)."""
+    from nanogrpo.logprobs import token_logprobs
+    tok, T = chat_tokenizer(), 0.7
+    monkeypatch.setattr(rollout_module, "generate", sampled_after_tools(tok, T))
+    nope = "{'error': 'Tool nope not found.'}"
+    calls = [(0, ("mul", 0), "add", "42"), (3, ("bad", 1), "nope", nope)]
+    lengths = {r: len(enc(tok, FIRST[key])) + len(tool_suffix_ids(tok, [reply(name, res)]))
+               for r, key, name, res in calls}  # each calling row's first turn and results
+    M = max(lengths.values()) + 10  # both rows' results fit; the longer row has room for 10 tokens
+    cfg = TrainConfig(max_completion_length=M, tool_timeout=0.2, temperature=T, top_k=0, top_p=1.0)
+    model = Transformer(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096))
+    rows = [{"prompt": [{"role": "user", "content": q}]} for q in ("mul", "bad")]
+    tools = resolve_tools([add, boom, slow_add, sleepy])
+    ro = rollout(model, tok, rows, cfg, 2, torch.Generator().manual_seed(0), tools=tools)
+    mask = ro.completion_mask  # [n,C] the model's tokens (mask_truncated_completions is off)
+    assert ro.sampling_logps.shape == mask.shape and ro.sampling_logps.dtype == torch.float32
+    for r, n in lengths.items():  # a round of tool results, then the sampler's continuation
+        assert len(ro.completion_token_ids[r]) > n and mask[r, :n].min() == 0
+    cut = max(lengths, key=lengths.get)
+    assert len(ro.completion_token_ids[cut]) == M and ro.truncated[cut]  # cut at M
+    assert torch.isfinite(ro.sampling_logps).all()
+    assert (ro.sampling_logps[mask == 1] < 0).all() and (ro.sampling_logps[mask == 0] == 0).all()
+    trainer, _ = token_logprobs(model, ro.input_ids, ro.attention_mask, mask, temperature=T)
+    assert (trainer - ro.sampling_logps).abs().max() < 1e-4
+
+
+# --- picking groups and joining rollouts (dynamic sampling) ----------------------------------
+
+
+def tiny_rollout(prompts, max_completion_length, G=2, seed=0):
+    """A real rollout of plain-text `prompts` by a tiny random model (seeded: the same model for
+    every call), and that model."""
+    tok = chat_tokenizer()
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(vocab_size=tok.vocab_size))
+    cfg = TrainConfig(max_completion_length=max_completion_length, temperature=0.7)
+    rows = [{"prompt": p} for p in prompts]
+    return tok, model, rollout(model, tok, rows, cfg, G, torch.Generator().manual_seed(seed))
+
+
+def assert_same_rollout(a, b):
+    """Every field equal (tensors: same dtype, shape and values)."""
+    import dataclasses
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+def unpadded(ro, r):
+    """Row r of a rollout without its padding: (prompt ids, completion ids, completion_mask and
+    sampling_logps up to the row's end)."""
+    C = ro.completion_mask.shape[1]
+    n = len(ro.completion_token_ids[r])
+    prompt = ro.input_ids[r, :-C][ro.attention_mask[r, :-C] == 1].tolist()
+    completion = ro.input_ids[r, -C:][:n].tolist()
+    return prompt, completion, ro.completion_mask[r, :n], ro.sampling_logps[r, :n]
+
+
+def test_concat_rollouts_repads_and_scores_the_same():
+    from nanogrpo.logprobs import token_logprobs
+    from nanogrpo.rollout import concat_rollouts
+    tok, model, short = tiny_rollout(["ab", "hello"], 8)
+    _, _, long = tiny_rollout(["a much longer prompt, this one"], 20, seed=1)
+    assert short.input_ids.shape[1] - 8 < long.input_ids.shape[1] - 20  # widths differ: prompts
+    assert short.completion_mask.shape[1] == 8 and long.completion_mask.shape[1] == 20  # and C
+    both = concat_rollouts([short, long], tok.pad_token_id)
+    P, C = len(long.prompt_ids[0]), 20
+    assert both.input_ids.shape == (6, P + C) and both.completion_mask.shape == (6, C)
+    originals = [(short, r) for r in range(4)] + [(long, r) for r in range(2)]
+    for k, (ro, r) in enumerate(originals):
+        for x, y in zip(unpadded(both, k), unpadded(ro, r)):
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        n = len(ro.completion_token_ids[r])
+        assert (both.input_ids[k, P + n:] == tok.pad_token_id).all()
+        assert both.attention_mask[k, P:].all()  # every completion slot, as join_prompt_completion
+        assert not both.completion_mask[k, n:].any() and not both.sampling_logps[k, n:].any()
+        for name in ("prompts", "completions", "completion_token_ids"):
+            assert getattr(both, name)[k] == getattr(ro, name)[r]
+        assert both.completion_lengths[k] == ro.completion_lengths[r]
+        assert both.truncated[k] == ro.truncated[r]
+    assert both.rows == short.rows + long.rows
+    assert both.prompt_ids == short.prompt_ids + long.prompt_ids
+    assert both.num_tokens() == short.num_tokens() + long.num_tokens()
+    # padding changes nothing that is scored
+    joined, _ = token_logprobs(model, both.input_ids, both.attention_mask, both.completion_mask)
+    for rows, ro in ((slice(0, 4), short), (slice(4, 6), long)):
+        alone, _ = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask)
+        W = alone.shape[1]
+        assert torch.allclose(joined[rows, :W], alone, atol=1e-5, rtol=0)
+        assert not joined[rows, W:].any()
+
+
+def test_concat_of_one_rollout_is_that_rollout():
+    from nanogrpo.rollout import concat_rollouts
+    tok, _, ro = tiny_rollout(["ab", "hello"], 8)
+    assert_same_rollout(concat_rollouts([ro], tok.pad_token_id), ro)
+
+
+def test_select_groups_takes_the_groups_rows():
+    from nanogrpo.rollout import select_groups
+    _, _, ro = tiny_rollout(["ab", "hello", "xyz!"], 6, G=3)
+    one = select_groups(ro, [1])
+    rows = slice(3, 6)  # group 1: rows G .. 2G-1
+    tensors = ["input_ids", "attention_mask", "completion_mask", "completion_lengths"]
+    for name in tensors + ["truncated", "sampling_logps"]:
+        assert torch.equal(getattr(one, name), getattr(ro, name)[rows]), name
+    for name in ("prompts", "completions", "completion_token_ids"):
+        assert getattr(one, name) == getattr(ro, name)[rows], name
+    assert one.rows == [ro.rows[1]] and one.prompt_ids == [ro.prompt_ids[1]] and one.turns is None
+    assert one.num_generations == 3 and one.num_tokens() == len(ro.prompt_ids[1]) * 3 + int(
+        ro.completion_lengths[rows].sum())
+    # in the order given
+    assert select_groups(ro, [2, 0]).prompts == ro.prompts[6:] + ro.prompts[:3]
+
+
+def test_split_and_joined_tool_rollout_has_the_same_rows(monkeypatch):
+    """A tool rollout's groups picked apart and joined again: the same rows (turns included), the
+    same widths; the tool counts are each picked part's whole round, summed."""
+    from nanogrpo.rollout import concat_rollouts, select_groups
+    tok, ro, _ = run_script(monkeypatch)
+    again = concat_rollouts([select_groups(ro, [0]), select_groups(ro, [1])], tok.pad_token_id)
+    ro.tool_calls, ro.tool_failures = 2 * ro.tool_calls, 2 * ro.tool_failures
+    assert_same_rollout(again, ro)
+
+
+def test_select_and_concat_refuse():
+    from nanogrpo.rollout import concat_rollouts, select_groups
+    tok, _, ro = tiny_rollout(["ab", "hello"], 6)
+    _, _, three = tiny_rollout(["ab"], 6, G=3)
+    with pytest.raises(ValueError, match="num_generations"):
+        concat_rollouts([ro, three], tok.pad_token_id)
+    with pytest.raises(ValueError, match="at least one"):
+        concat_rollouts([], tok.pad_token_id)
+    with pytest.raises(ValueError, match="group 2"):
+        select_groups(ro, [2])
+    ro.advantages = torch.zeros(4)
+    with pytest.raises(ValueError, match="advantages is set"):
+        select_groups(ro, [0])
+    with pytest.raises(ValueError, match="advantages is set"):
+        concat_rollouts([ro], tok.pad_token_id)
