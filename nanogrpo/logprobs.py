@@ -22,11 +22,14 @@ holds them equal, values and gradients) with two speed tricks:
 
 Temperature divides the logits before the softmax, as TRL scores, and
 the entropy is the tempered distribution's, in nats. Positions with
-completion_mask == 0 come out as exactly 0 (no NaN).
+completion_mask == 0 come out as exactly 0 (no NaN). The entropy carries
+a gradient only when asked (entropy_grad=True: TRL's entropy bonus).
+With the model's cast_lm_head_to_fp32 the LM head runs in float32.
 """
 
 import torch
-import torch.nn.functional as F
+
+from nanogrpo.model import lm_head_linear
 
 KEEP_BYTES = 2**30  # probabilities kept for backward per call, by default
 
@@ -84,9 +87,10 @@ def token_logprobs_plain(
 # The fast path: the LM head in chunks, a shared prompt's forward once
 
 
-def _tempered_logits(h, weight, temperature):
-    """h [n,D] @ weight [V,D].T -> logits [n,V] / temperature, in fp32 (fp64 for an fp64 model)."""
-    logits = F.linear(h, weight)
+def _tempered_logits(h, weight, temperature, fp32=False):
+    """h [n,D] @ weight [V,D].T -> logits [n,V] / temperature, in fp32 (fp64 for an fp64 model);
+    fp32: the matmul too (cast_lm_head_to_fp32)."""
+    logits = lm_head_linear(h, weight, fp32)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return (
         logits if temperature == 1.0 else logits.div_(temperature)
@@ -94,21 +98,20 @@ def _tempered_logits(h, weight, temperature):
 
 
 class ChunkLogProbs(torch.autograd.Function):
-    """(h [n,D], weight [V,D], targets [n], temperature, keep) -> (logp [n], entropy [n]) of the
-    targets under softmax(h @ weight.T / temperature). Backward forms d logp / d logits = onehot
-    - softmax directly instead of replaying each op's backward. With keep, the forward saves the
-    [n,V] probabilities for it; without, it saves h and log Z only and recomputes them (one more
-    [n,D] x [D,V] matmul), so no vocabulary-sized tensor outlives the chunk. The entropy gets no
-    gradient: it is logged or masks tokens, never a loss."""
+    """(h [n,D], weight [V,D], targets [n], temperature, keep, entropy_grad, fp32) ->
+    (logp [n], entropy [n]) of the targets under p = softmax(z), z = h @ weight.T / temperature.
+    Backward forms the logits' gradient directly instead of replaying each op's backward:
+    d logp / dz = onehot - p, and, with entropy_grad, dH / dz = -p (log p + H). With keep, the
+    forward saves the [n,V] probabilities for it; without, it saves h and log Z only and
+    recomputes them (one more [n,D] x [D,V] matmul), so no vocabulary-sized tensor outlives the
+    chunk. Without entropy_grad the entropy gets no gradient (it is logged, or masks tokens)."""
 
     @staticmethod
-    @torch.amp.custom_fwd(
-        device_type="cuda"
-    )  # backward recomputes under the forward's autocast state
-    def forward(ctx, h, weight, targets, temperature, keep):
-        shifted = _tempered_logits(
-            h, weight, temperature
-        )  # [n,V], a fresh tensor: changed in place below
+    # backward recomputes under the forward's autocast state
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, h, weight, targets, temperature, keep, entropy_grad=False, fp32=False):
+        # [n,V], a fresh tensor: changed in place below
+        shifted = _tempered_logits(h, weight, temperature, fp32)
         top = shifted.amax(dim=-1, keepdim=True)  # [n,1]
         shifted = shifted.sub_(top)  # z - max z: every exp below is <= 1
         probs = shifted.exp()  # [n,V], unnormalized until the division
@@ -116,34 +119,40 @@ class ChunkLogProbs(torch.autograd.Function):
         probs.div_(lse)
         lse = lse.log_()  # log Z - max z
         logp = (shifted.gather(-1, targets[:, None]) - lse).squeeze(-1)
-        entropy = (lse - shifted.mul_(probs).sum(dim=-1, keepdim=True)).squeeze(
-            -1
-        )  # H = log Z - E_p[z]
-        ctx.save_for_backward(h, weight, targets, probs if keep else (top + lse).squeeze(-1))
-        ctx.temperature, ctx.keep = temperature, keep
-        ctx.mark_non_differentiable(entropy)
+        # H = log Z - E_p[z]
+        entropy = (lse - shifted.mul_(probs).sum(dim=-1, keepdim=True)).squeeze(-1)
+        saved = probs if keep else (top + lse).squeeze(-1)
+        ctx.save_for_backward(h, weight, targets, saved, entropy if entropy_grad else None)
+        ctx.temperature = temperature
+        ctx.keep = keep
+        ctx.fp32 = fp32
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, grad_logp, _):
-        h, weight, targets, saved = ctx.saved_tensors
-        if (
-            ctx.keep
-        # the saved probabilities [n,V]; a new tensor, so a retained graph can run backward
-        # again
-        ):
-            grad = saved.mul(-grad_logp[:, None])
+    def backward(ctx, grad_logp, grad_entropy):
+        h, weight, targets, saved, entropy = ctx.saved_tensors
+        if ctx.keep:  # the saved probabilities [n,V]
+            probs = saved
         else:  # recomputed from log Z [n]
-            grad = (
-                _tempered_logits(h, weight, ctx.temperature)
-                .sub_(saved[:, None])
-                .exp_()
-                .mul_(-grad_logp[:, None])
-            )
+            probs = _tempered_logits(h, weight, ctx.temperature, ctx.fp32)
+            probs = probs.sub_(saved[:, None]).exp_()
+        # a new tensor, so a retained graph can run backward again
+        grad = probs.mul(-grad_logp[:, None])  # [n,V]
+        if entropy is not None and grad_entropy is not None:
+            # dH/dz = -(p log p + p H); xlogy gives 0 where p = 0
+            minus_dH = torch.xlogy(probs, probs).add_(probs * entropy[:, None])
+            grad = grad.sub_(minus_dH.mul_(grad_entropy[:, None]))
         grad = grad.scatter_add_(1, targets[:, None], grad_logp[:, None])  # d/d logits [n,V]
         grad = (grad if ctx.temperature == 1.0 else grad.div_(ctx.temperature)).to(h.dtype)
-        return grad @ weight, grad.T @ h, None, None, None
+        if ctx.fp32:  # the matmuls ran in float32: their gradients too
+            with torch.autocast(device_type=h.device.type, enabled=False):
+                grad_h = (grad.float() @ weight.float()).to(h.dtype)
+                grad_w = (grad.float().T @ h.float()).to(weight.dtype)
+            return grad_h, grad_w, None, None, None, None, None
+        return grad @ weight, grad.T @ h, None, None, None, None, None
 
 
 def token_logprobs(
@@ -155,11 +164,13 @@ def token_logprobs(
     vocab_size=None,
     chunk_size=256,
     keep_bytes=KEEP_BYTES,
+    entropy_grad=False,
 ):
     """token_logprobs_plain's result (same arguments, same numbers) with
     peak memory of keep_bytes of kept probabilities (only with grad, none
     under the model's gradient_checkpointing) plus a few [chunk_size, V]
-    blocks, whatever N x C is. The entropy gets no gradient."""
+    blocks, whatever N x C is. The entropy gets a gradient only with
+    entropy_grad (the plain version's always has one)."""
     check_shapes(input_ids, attention_mask, completion_mask, temperature)
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
@@ -179,6 +190,8 @@ def token_logprobs(
             vocab_size=vocab_size,
             chunk_size=chunk_size,
             keep_bytes=keep_bytes,
+            entropy_grad=entropy_grad,
+            fp32=getattr(model, "cast_lm_head_to_fp32", False),
         )
 
     if checkpointed:  # the cached path would write its cache twice
@@ -192,7 +205,16 @@ def token_logprobs(
 
 
 def score_chunks(
-    h, lm_head, targets, completion_mask, temperature, vocab_size, chunk_size, keep_bytes
+    h,
+    lm_head,
+    targets,
+    completion_mask,
+    temperature,
+    vocab_size,
+    chunk_size,
+    keep_bytes,
+    entropy_grad=False,
+    fp32=False,
 ):
     """The scored tokens' log-probs and entropies, chunk by chunk.
     h: [N,C,D] hidden states; targets, completion_mask: [N,C]."""
@@ -208,7 +230,7 @@ def score_chunks(
     for i in range(0, len(targets), chunk_size):
         end = min(i + chunk_size, len(targets))
         logp, entropy = ChunkLogProbs.apply(
-            h[i:end], weight, targets[i:end], temperature, end <= keep_rows
+            h[i:end], weight, targets[i:end], temperature, end <= keep_rows, entropy_grad, fp32
         )
         logps.append(logp)
         entropies.append(entropy)
@@ -265,15 +287,16 @@ def shared_prompt_forward(model, input_ids, attention_mask, C, head):
 SKIP_MIN_FLOPS = {"cpu": 1e9, "cuda": 1e12}
 
 
-def rows_without_gradient(advantages, beta, model, length):
+def rows_without_gradient(advantages, beta, model, length, entropy_bonus=False):
     """[n] bool: rows that may be scored without gradient. With beta = 0
     every loss type's per-token loss is the advantage times something, so
     a row whose advantage is exactly 0 adds nothing to the gradient. Only
     when the backward saved is worth the extra forward call; one row
     always keeps its gradient (every parameter gets one; AdamW steps as
-    TRL's does). advantages: [n]; length: tokens per row."""
+    TRL's does). With entropy_bonus every row has a gradient (its
+    entropy's): none is free. advantages: [n]; length: tokens per row."""
     free = torch.zeros_like(advantages, dtype=torch.bool)
-    if beta != 0:
+    if beta != 0 or entropy_bonus:
         return free
     free = advantages == 0
     params = sum(p.numel() for p in model.parameters())

@@ -272,6 +272,17 @@ def attention_mask_for(key_valid, T, cache_start):
     return mask[:, None]
 
 
+def lm_head_linear(h, weight, fp32=False):
+    """h [...,D] @ weight [V,D].T -> logits [...,V]. fp32 (TRL's
+    cast_lm_head_to_fp32, the ScaleRL recipe): computed in float32 whatever
+    the autocast or the weights' dtype, so that bf16 rounding does not
+    reach the log-probs."""
+    if not fp32:
+        return F.linear(h, weight)
+    with torch.autocast(device_type=h.device.type, enabled=False):
+        return F.linear(h.float(), weight.float())
+
+
 class Transformer(nn.Module):
     """Decoder-only language model. `model(input_ids)` -> logits [B,T,V]."""
 
@@ -292,6 +303,8 @@ class Transformer(nn.Module):
         # fp32, kept out of state_dict and of .to(dtype); follows the input's device
         self.inv_freq = rope_inv_freq(cfg)
         self.gradient_checkpointing = False
+        # the LM head in float32 under autocast (lm_head_linear)
+        self.cast_lm_head_to_fp32 = False
         if self.embed_tokens.weight.device.type != "meta":
             self.apply(self._init_weights)
 
@@ -372,7 +385,11 @@ class Transformer(nn.Module):
         gathered while it runs)."""
         h = self._trunk(input_ids, attention_mask, positions, cache, cache_start)
         out = self.lm_head if self.config.num_labels is None else self.score
-        return out(h) if head is None else head(h, out)
+        if head is not None:
+            return head(h, out)
+        if self.config.num_labels is None:
+            return lm_head_linear(h, out.weight, self.cast_lm_head_to_fp32)
+        return out(h)
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         """A zeroed KV cache for `batch_size` rows of up to `max_len` tokens, in the model's

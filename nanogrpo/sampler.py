@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanogrpo.model import lm_head_linear
 from nanogrpo.rng import row_keys, uniforms
 
 
@@ -225,9 +226,13 @@ def check_prompts(model, prompt_ids, num_samples, max_new_tokens, vocab_size, se
 
 def lm_logits(model, h, vocab_size, chunk):
     """h [n,D] -> fp32 logits [n,vocab_size]: the real vocabulary's rows
-    of the LM head, in slices of `chunk` rows."""
+    of the LM head, in slices of `chunk` rows (in float32 with the
+    model's cast_lm_head_to_fp32)."""
     W = model.lm_head.weight[:vocab_size]  # [V,D]: padded rows never scored
-    parts = [F.linear(h, W[i : i + chunk]).float() for i in range(0, vocab_size, chunk)]
+    fp32 = getattr(model, "cast_lm_head_to_fp32", False)
+    parts = []
+    for i in range(0, vocab_size, chunk):
+        parts.append(lm_head_linear(h, W[i : i + chunk], fp32).float())
     return torch.cat(parts, dim=-1)
 
 

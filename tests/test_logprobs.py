@@ -216,3 +216,74 @@ def test_the_fast_path_equals_the_plain_definition(temperature, vocab_size):
     if vocab_size is None:
         for got, want in zip(plain, naive(MODEL, ids, att, cmask, temperature)):
             assert torch.allclose(got, want, atol=1e-12)
+
+
+# -----------------------------------------------------------------------------
+# The entropy's gradient (TRL's entropy bonus) and the float32 LM head
+
+
+def entropy_param_grads(model, logp, entropy, seed=3):
+    """Gradients of a random combination of logp and entropy, masked slots included."""
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(logp.shape, generator=g, dtype=logp.dtype)
+    w2 = torch.randn(entropy.shape, generator=g, dtype=entropy.dtype)
+    loss = (w1 * logp).sum() + (w2 * entropy).sum()
+    return torch.autograd.grad(loss, list(model.parameters()))
+
+
+@pytest.mark.parametrize("keep_bytes", [0, 4 * V * 8, 2**30])  # recompute, some kept, all kept
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_entropy_gradient_equals_the_plain_definition(keep_bytes, temperature, checkpointing):
+    """With entropy_grad, d(entropy)/d(parameters) is the plain version's (full autograd)."""
+    ids, att, cmask = batch(1)
+    MODEL.gradient_checkpointing = checkpointing
+    try:
+        logp, ent = token_logprobs(MODEL, ids, att, cmask, temperature=temperature, chunk_size=3,
+                                   keep_bytes=keep_bytes, entropy_grad=True)
+    finally:
+        MODEL.gradient_checkpointing = False
+    ref_logp, ref_ent = token_logprobs_plain(MODEL, ids, att, cmask, temperature=temperature)
+    assert ent.requires_grad
+    for g, g_ref in zip(entropy_param_grads(MODEL, logp, ent), entropy_param_grads(MODEL, ref_logp, ref_ent)):
+        assert torch.allclose(g, g_ref, atol=1e-12, rtol=1e-9)
+
+
+def test_the_entropy_has_no_gradient_unless_asked():
+    ids, att, cmask = batch(1)
+    logp, ent = token_logprobs(MODEL, ids, att, cmask, chunk_size=3)
+    assert logp.requires_grad and not ent.requires_grad
+
+
+def test_an_entropy_bonus_frees_no_row():
+    from nanogrpo.logprobs import rows_without_gradient
+    big = Transformer(tiny_config(vocab_size=V, hidden_size=64, intermediate_size=128))
+    adv = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    assert rows_without_gradient(adv, 0.0, big, 4000).tolist() == [True, False, True, True]
+    assert not rows_without_gradient(adv, 0.0, big, 4000, entropy_bonus=True).any()
+
+
+def test_cast_lm_head_to_fp32_under_bf16_autocast():
+    """The LM head in float32 (TRL's cast_lm_head_to_fp32): under bf16 autocast the log-probs are
+    those of float32 logits of the (bf16) hidden states, in the chunked, the plain and the
+    sampler's paths; without it they differ."""
+    from nanogrpo.sampler import lm_logits
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(vocab_size=V))
+    ids, att, cmask = batch(1)
+    T = 0.7
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = model.hidden_states(ids, attention_mask=att.bool())[:, P - 1:-1]  # [N,C,D] bf16
+        bf16_logp, _ = token_logprobs(model, ids, att, cmask, temperature=T)
+        model.cast_lm_head_to_fp32 = True
+        logp, _ = token_logprobs(model, ids, att, cmask, temperature=T)
+        plain, _ = token_logprobs_plain(model, ids, att, cmask, temperature=T)
+        sampled = lm_logits(model, h[:, 0], V, chunk=32)
+        model.cast_lm_head_to_fp32 = False
+    logits = h.float() @ model.lm_head.weight.float().T  # [N,C,V] in float32
+    ref = torch.log_softmax(logits / T, -1).gather(-1, ids[:, P:, None]).squeeze(-1)
+    ref = torch.where(cmask, ref, 0)
+    assert (logp - ref).abs().max() < 1e-6
+    assert (plain - ref).abs().max() < 1e-6
+    assert (sampled - logits[:, 0]).abs().max() < 1e-6
+    assert (bf16_logp - ref).abs().max() > 1e-4
