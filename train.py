@@ -18,6 +18,7 @@ Known gap: with sync_ref_model the synced reference weights are not
 checkpointed, so a resumed run restarts from the initial reference model.
 """
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,9 @@ import torch
 from nanogrpo import checkpoint, dist, lora, report, run
 from nanogrpo.config import ConfigError, TrainConfig
 from nanogrpo.data import PromptSampler, check_prompts, columns_of, load_dataset
-from nanogrpo.grpo import LossConfig, group_advantages, grpo_step
+from nanogrpo.dynamic_sampling import dynamic_sampling
+from nanogrpo.grpo import (LossConfig, applied_entropy_coef, group_advantages,
+                           grpo_step, next_entropy_coef)
 from nanogrpo.logprobs import policy_logprobs, rows_without_gradient, token_logprobs
 from nanogrpo.rewards import check_reward_columns, resolve_reward_funcs, score_completions
 from nanogrpo.rollout import Rollout, rollout
@@ -62,6 +65,10 @@ class Trainer:
     round: int = 0  # generation rounds done
     round_begin: dict | None = None  # prompt sampler state, inside a round
     round_start_step: int = 0  # the step the current round began at
+    # the entropy bonus's coefficient (moves with use_adaptive_entropy) and
+    # the last step's mean entropy (inf: none yet); both checkpointed
+    entropy_coef: float = 0.0
+    last_entropy: float = math.inf
     # what reward functions logged this round (TRL's log_metric, log_extra)
     user_metrics: dict = field(default_factory=dict)
     user_columns: dict = field(default_factory=dict)
@@ -70,10 +77,12 @@ class Trainer:
 def load_policy(path, cfg: TrainConfig, info, lora_settings=None):
     """fp32 master weights (bf16 compute under autocast), FSDP2-sharded
     on several ranks; with lora_settings, fresh LoRA adapters on it."""
-    return checkpoint.load_model(path, dtype=cfg.weight_dtype(),
-                                 device=info.device, info=info,
-                                 mixed_precision=cfg.use_bf16(info.device),
-                                 lora_settings=lora_settings)
+    model = checkpoint.load_model(path, dtype=cfg.weight_dtype(),
+                                  device=info.device, info=info,
+                                  mixed_precision=cfg.use_bf16(info.device),
+                                  lora_settings=lora_settings)
+    model.cast_lm_head_to_fp32 = cfg.cast_lm_head_to_fp32
+    return model
 
 
 def make_optimizer(model, cfg: TrainConfig, info):
@@ -134,6 +143,7 @@ def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
                               shuffle=cfg.shuffle_dataset),
         eval_rows=eval_rows,
         autocast=dist.autocast(info, cfg.use_bf16(info.device)),
+        entropy_coef=cfg.entropy_coef,
     )
 
 
@@ -274,40 +284,76 @@ def micro_batches(t: Trainer) -> list[torch.Tensor]:
 
 def optimizer_step(t: Trainer, ro: Rollout, micro_rows) -> dict:
     """One optimizer step over `micro_rows` (GA index tensors into the
-    round's rows). -> loss metrics, averaged over micro-batches."""
+    round's rows). -> loss metrics, averaged over micro-batches (a
+    sampling/*/min or /max metric: the smallest or largest)."""
     GA = len(micro_rows)
+    bonus = t.loss_cfg.entropy_bonus_on()
+    # every micro-batch of the step applies the coefficient of the last one
+    coef = applied_entropy_coef(t.loss_cfg, t.entropy_coef, t.last_entropy)
+    window = torch.zeros(2, dtype=torch.float64, device=t.info.device)
     sums = {}
     total_loss = 0.0
     for k, idx in enumerate(micro_rows):
         dist.gradient_sync(t.model, enabled=(k == GA - 1))
         # rows without advantage need no backward (logprobs.py)
         free = rows_without_gradient(ro.advantages[idx], t.loss_cfg.beta,
-                                     t.model, ro.input_ids.shape[1])
+                                     t.model, ro.input_ids.shape[1],
+                                     entropy_bonus=bonus)
         with t.autocast:
             logps, entropies = policy_logprobs(
                 t.model, ro.input_ids[idx], ro.attention_mask[idx],
                 ro.completion_mask[idx], free, t.info.world_size,
-                temperature=t.cfg.temperature, vocab_size=t.tok.vocab_size)
+                temperature=t.cfg.temperature, vocab_size=t.tok.vocab_size,
+                entropy_grad=bonus)
         old = None if ro.old_logps is None else ro.old_logps[idx]
         ref = None if ro.ref_logps is None else ro.ref_logps[idx]
+        sampled = ro.sampling_logps
+        sampled = None if sampled is None else sampled[idx]
         loss, metrics = grpo_step(
             logps.float(), old, ref, ro.advantages[idx],
             ro.completion_mask[idx], t.loss_cfg,
             num_items=ro.num_items, grad_accum=GA,
             world_size=t.info.world_size, entropies=entropies.float(),
-            steps_per_generation=t.sched.steps_per_generation)
+            steps_per_generation=t.sched.steps_per_generation,
+            sampling_logps=sampled, entropy_coef=coef)
         loss.backward()
         total_loss += loss.item()
+        if bonus:
+            window[0] += metrics.pop("_entropy_sum")
+            window[1] += metrics.pop("_entropy_tokens")
         for key, value in metrics.items():
             sums.setdefault(key, []).append(value)
     max_norm = t.cfg.max_grad_norm or 0.0
     grad_norm = dist.clip_grad_norm(t.model, max_norm)
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
-    out = {k: sum(v) / len(v) for k, v in sums.items()}
+    out = {k: reduce_metric(k, v) for k, v in sums.items()}
     out["loss"] = total_loss
     out["grad_norm"] = grad_norm
+    if t.loss_cfg.use_adaptive_entropy:
+        update_entropy_coef(t, window)
+    if bonus:
+        out["entropy_coef"] = t.entropy_coef
     return out
+
+
+def reduce_metric(key: str, values: list) -> float:
+    """A metric of several micro-batches: min of /min, max of /max, else
+    the mean."""
+    if key.endswith("/min"):
+        return min(values)
+    if key.endswith("/max"):
+        return max(values)
+    return sum(values) / len(values)
+
+
+def update_entropy_coef(t: Trainer, window: torch.Tensor):
+    """Adaptive entropy control after a step: window = [entropy sum, token
+    count] of this step's micro-batches, summed over ranks here."""
+    window = dist.all_reduce_sum(window, t.info)
+    t.last_entropy = (window[0] / window[1].clamp(min=1)).item()
+    t.entropy_coef = next_entropy_coef(t.loss_cfg, t.entropy_coef,
+                                       t.last_entropy)
 
 
 def round_updates(t: Trainer, ro: Rollout) -> list[dict]:
@@ -361,6 +407,18 @@ def train_round(t: Trainer, r: run.Run) -> list[dict]:
                  cfg.num_generations, generator, t.autocast, t.tools)
     t1 = time.time()
     local = reward_rollout(ro, t.reward_funcs, t)  # [n, K]
+    stats = {}
+    if cfg.dynamic_sampling:  # DAPO: only groups whose rewards differ
+
+        def draw():
+            more = rollout(t.model, t.tok, round_prompts(t), cfg,
+                           cfg.num_generations, generator, t.autocast,
+                           t.tools)
+            return more, reward_rollout(more, t.reward_funcs, t)
+
+        ro, local, stats = dynamic_sampling(
+            ro, local, draw, t.reward_weights, cfg.max_num_gen_batches,
+            t.tok.pad_token_id, info)
     rewards = dist.all_gather_rows(local.to(info.device), info).float()
     ro.advantages = advantages_of(t, rewards, ro.num_generations)
     ro.num_items = dist.all_reduce_sum(ro.completion_mask.sum(), info)
@@ -379,6 +437,8 @@ def train_round(t: Trainer, r: run.Run) -> list[dict]:
     timing = {"time/sample": t1 - t0, "time/score": t2 - t1,
               "time/logprobs": t3 - t2}
     report.add_round_metrics(r, t, ro, local, rewards, records, timing)
+    for m in records:
+        m.update(stats)
     return records
 
 

@@ -44,7 +44,7 @@ AT_LEAST_1 = """per_device_train_batch_size gradient_accumulation_steps num_iter
     max_completion_length logging_steps ref_model_sync_steps eval_size lora_r
     steps_per_generation generation_batch_size max_tool_calling_iterations
     save_total_limit soft_punish_cache eval_steps max_prompt_length
-    num_generations_eval num_completions_to_print""".split()
+    num_generations_eval num_completions_to_print max_num_gen_batches""".split()
 RANGES = [
     (lambda v: v >= 1, "must be at least 1", AT_LEAST_1),
     (lambda v: v >= 0, "must be >= 0 (0 = off)",
@@ -200,6 +200,44 @@ class TrainConfig:
     multi_objective_aggregation: str = "sum_then_normalize"
     # drop completions that hit max_completion_length from the loss
     mask_truncated_completions: bool = False
+
+    # --- entropy bonus (TRL's names)
+    # loss - coef x mean entropy of the trained tokens, for every loss_type;
+    # 0 = off; > 0 keeps the policy from collapsing (exploration)
+    entropy_coef: float = 0.0
+    # Skywork-OR1's control: entropy_coef moves one entropy_coef_delta per
+    # step, up while the entropy is at or below entropy_target (the bonus
+    # applies only then), down otherwise; saved with checkpoints
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0  # the adaptive coefficient's bounds
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    # nats; set it near the `entropy` metric of early training
+    entropy_target: float = 0.2
+
+    # --- off-policy corrections (TRL's names; its "vllm" is nanogrpo's sampler)
+    # DeepSeek-V3.2 OPSM: drop a negative-advantage completion whose mean
+    # per-token KL from the sampling policy exceeds this (e.g. 0.5); None = off
+    off_policy_mask_threshold: float | None = None
+    # weight each token's loss by pi_trainer / pi_sampler (the sampler's
+    # own log-probs): they differ in bf16 and with the compiled decode
+    # step; ~1 in fp32 on CPU
+    vllm_importance_sampling_correction: bool = True
+    # token_truncate | token_mask | sequence_truncate | sequence_mask
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    # truncate clamps the weight into [min, max]; mask zeroes it outside
+    vllm_importance_sampling_clip_min: float | None = None  # None = no bound
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    # the LM head in float32 under bf16, sampler and trainer (ScaleRL)
+    cast_lm_head_to_fp32: bool = False
+
+    # --- dynamic sampling (DAPO; verl's filter_groups, not in TRL)
+    # arXiv 2503.14476: drop groups whose rewards are all equal (no learning signal) and sample
+    # more prompts until the round has its number of groups
+    dynamic_sampling: bool = False
+    # generation batches drawn for one round at most (verl's name); then
+    # equal-reward groups fill what is missing, with a warning
+    max_num_gen_batches: int = 10
 
     # --- optimizer and learning-rate schedule (transformers' names)
     learning_rate: float = 1e-6  # peak learning rate
@@ -369,6 +407,13 @@ class TrainConfig:
         self._need(self.temperature > 0, "temperature",
                    "training samples, so it must be > 0 "
                    "(0 = greedy is for sample.py)")
+        token_level = self.vllm_importance_sampling_mode.startswith("token")
+        vespo_ok = (self.loss_type != "vespo" or token_level
+                    or not self.vllm_importance_sampling_correction)
+        self._need(vespo_ok, "vllm_importance_sampling_mode",
+                   "loss_type='vespo' folds token-level weights into its "
+                   "own: use token_truncate or token_mask, or "
+                   "vllm_importance_sampling_correction=False (as TRL)")
 
     def _validate_rewards(self):
         need = self._need

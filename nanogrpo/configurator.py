@@ -276,15 +276,14 @@ TRL_ONLY = set("""
     accelerator_config activation_checkpointing
     activation_checkpointing_kwargs auto_find_batch_size
     average_tokens_across_devices batch_eval_metrics bf16_full_eval
-    cache_implementation cast_lm_head_to_fp32 data_seed
+    cache_implementation data_seed
     dataloader_drop_last dataloader_in_order
     dataloader_multiprocessing_context dataloader_num_workers
     dataloader_persistent_workers dataloader_pin_memory
     dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers
     ddp_bucket_cap_mb ddp_find_unused_parameters ddp_static_graph
     ddp_timeout debug deepspeed disable_tqdm do_eval do_predict do_train
-    ds3_gather_for_generation enable_jit_checkpoint entropy_coef
-    entropy_coef_delta entropy_coef_max entropy_coef_min entropy_target
+    ds3_gather_for_generation enable_jit_checkpoint
     eval_accumulation_steps eval_delay eval_do_concat_batches
     eval_on_start eval_use_gather_object fp16 fp16_full_eval fsdp
     fsdp_config full_determinism generation_kwargs
@@ -296,7 +295,7 @@ TRL_ONLY = set("""
     log_completions_hub_repo log_level log_level_replica log_multimodal
     log_on_each_node log_unique_prompts logging_nan_inf_filter
     logging_strategy metric_for_best_model neftune_noise_alpha
-    off_policy_mask_threshold optim_args optim_target_modules
+    optim_args optim_target_modules
     pad_to_multiple_of parallelism_config per_device_eval_batch_size
     prediction_loss_only project remove_unused_columns
     restore_callback_states_from_checkpoint router_aux_loss_coef
@@ -305,7 +304,7 @@ TRL_ONLY = set("""
     torch_empty_cache_steps trackio_bucket_id trackio_space_id
     trackio_static_space_id train_sampling_strategy
     transformers_continuous_batching_config trust_remote_code
-    use_adaptive_entropy use_cache use_cpu use_liger_kernel
+    use_cache use_cpu use_liger_kernel
     use_transformers_continuous_batching use_transformers_paged use_vllm
 """.split())
 REFUSED = {
@@ -324,7 +323,9 @@ REFUSED = {
 def refusal(key: str) -> str | None:
     """Why a TRL setting is refused, or None for a name TRL does not have."""
     if key.startswith("vllm_"):
-        return "there is no vLLM in nanogrpo (its own sampler generates): remove it"
+        return ("there is no vLLM in nanogrpo (its own sampler generates; of "
+                "TRL's vllm_* settings, vllm_importance_sampling_* apply to "
+                "it): remove it")
     if key in REFUSED:
         return REFUSED[key]
     if key in TRL_ONLY:

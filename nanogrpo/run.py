@@ -8,10 +8,12 @@ reports (metrics, console, trackers, summary) is report.py's.
 
 Does not know about: the GRPO math. It reads a few named fields of
 train.py's `Trainer` (model, optimizer, scheduler, tok, prompts, step,
-round, round_begin) to save and restore them.
+round, round_begin, entropy_coef, last_entropy) to save and restore
+them.
 """
 
 import json
+import math
 import os
 import re
 import shlex
@@ -252,6 +254,11 @@ def restore(run: Run, t):
     t.round = state.get("round", t.step // t.sched.updates_per_round)
     t.scheduler.load_state_dict(state["scheduler"])
     t.prompts.load_state_dict(state["prompts"])
+    entropy = state.get("entropy_control")  # use_adaptive_entropy's state
+    if entropy:
+        t.entropy_coef = entropy["entropy_coef"]
+        last = entropy["last_entropy"]
+        t.last_entropy = math.inf if last is None else last
     run.history = state["history"]
     run.written = [n for n in state.get("checkpoints", [])
                    if os.path.isdir(os.path.join(cfg.output_dir, n))]
@@ -297,6 +304,10 @@ def save(run: Run, t):
         "round": t.round,
         "scheduler": t.scheduler.state_dict(),
         "prompts": t.prompts.state_dict(),
+        "entropy_control": {
+            "entropy_coef": t.entropy_coef,
+            "last_entropy": None if math.isinf(t.last_entropy) else t.last_entropy,
+        },
         "history": run.history,
         "checkpoints": run.written + [name],
     }

@@ -31,10 +31,11 @@ def join_group(rank, world_size, port):
     torch.set_num_threads(1)
 
 
-def one_step(rank, world_size, port, family, out_path, lora_settings=None):
+def one_step(rank, world_size, port, family, out_path, lora_settings=None, entropy=False):
     """Load the fixture (sharded when world_size > 1; with LoRA adapters
-    when lora_settings), take one optimizer step on this rank's share of a
-    fixed global batch, save the full weights from rank 0."""
+    when lora_settings; with entropy, the adaptive entropy bonus on), take
+    one optimizer step on this rank's share of a fixed global batch, save
+    the full weights from rank 0."""
     join_group(rank, world_size, port)
     import train
     from nanogrpo import dist
@@ -80,17 +81,22 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None):
         num_items=mask.sum())  # active tokens of the step on all ranks
     micro = [torch.arange(i, i + 2) for i in range(0, n, 2)]  # micro-batches of 2 rows
     cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, per_device_train_batch_size=2)
-    loss_cfg = LossConfig(loss_type="dapo", epsilon_high=0.28)
+    loss_cfg = LossConfig(loss_type="dapo", epsilon_high=0.28,
+                          use_adaptive_entropy=entropy, entropy_coef=0.05,
+                          entropy_target=100.0, entropy_coef_delta=0.01)
     from types import SimpleNamespace
     t = SimpleNamespace(  # the fields of train.Trainer an optimizer step reads
         model=model, optimizer=optimizer, cfg=cfg, loss_cfg=loss_cfg,
         info=info, autocast=nullcontext(),
         tok=SimpleNamespace(vocab_size=None),
-        sched=SimpleNamespace(steps_per_generation=len(micro)))
+        sched=SimpleNamespace(steps_per_generation=len(micro)),
+        entropy_coef=loss_cfg.entropy_coef,
+        last_entropy=0.0)  # at or below the target: the bonus applies
     metrics = train.optimizer_step(t, local, micro)
     state = dist.full_state_dict(model)
     if info.is_main:
-        torch.save({"state": state, "grad_norm": metrics["grad_norm"]}, out_path)
+        torch.save({"state": state, "grad_norm": metrics["grad_norm"],
+                    "entropy": t.last_entropy, "entropy_coef": t.entropy_coef}, out_path)
     dist.teardown()
     # Known, not ours to fix here: about 1 run in 10, a spawned gloo rank
     # aborts in C++ static destructors at interpreter exit ("terminate called
@@ -102,17 +108,22 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None):
 LORA = {"r": 4, "target_modules": "all-linear", "lora_dropout": 0.0}
 
 
-@pytest.mark.parametrize("family,lora", [
-    ("qwen2", None), ("llama3", None),  # tied and untied LM head
-    ("llama3", LORA)])
-def test_two_processes_match_one(tmp_path, family, lora):
+@pytest.mark.parametrize("family,lora,entropy", [
+    ("qwen2", None, False), ("llama3", None, False),  # tied and untied LM head
+    ("llama3", LORA, False),
+    ("qwen2", None, True)])  # the entropy's gradient and its all-process mean
+def test_two_processes_match_one(tmp_path, family, lora, entropy):
     results = {}
     for world in (1, 2):
         out = tmp_path / f"w{world}.pt"
-        mp.start_processes(one_step, args=(world, free_port(), family, str(out), lora),
+        mp.start_processes(one_step, args=(world, free_port(), family, str(out), lora, entropy),
                            nprocs=world, start_method="spawn", join=True)
         results[world] = torch.load(out)
     assert results[1]["grad_norm"] == pytest.approx(results[2]["grad_norm"], rel=1e-5)
+    assert results[1]["entropy"] == pytest.approx(results[2]["entropy"], rel=1e-6)
+    assert results[1]["entropy_coef"] == results[2]["entropy_coef"]
+    if entropy:  # below the target: one delta up
+        assert results[1]["entropy_coef"] == pytest.approx(0.06)
     one, two = results[1]["state"], results[2]["state"]
     assert one.keys() == two.keys()
     before = Transformer_state(family)

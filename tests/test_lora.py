@@ -130,7 +130,8 @@ def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
     from types import SimpleNamespace
     t = SimpleNamespace(model=model, optimizer=optimizer, cfg=cfg, loss_cfg=LossConfig(), info=dist.DistInfo(),
                         autocast=nullcontext(), tok=SimpleNamespace(vocab_size=None),
-                        sched=SimpleNamespace(steps_per_generation=2))
+                        sched=SimpleNamespace(steps_per_generation=2),
+                        entropy_coef=0.0, last_entropy=float("inf"))
     m = train.optimizer_step(t, ro, micro)
     after = model.state_dict()
     changed = {k for k in after if not torch.equal(after[k], before[k])}

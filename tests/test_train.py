@@ -64,9 +64,21 @@ def test_smoke_metrics_and_checkpoint(tmp_path, capsys):
     assert "--- sample 0" in capsys.readouterr().out
 
 
+def starts_with_a(completions, **kwargs):
+    """1 for a completion that starts with "a": most groups of the untrained tiny model get all 0."""
+    return [float(c.startswith("a")) for c in completions]
+
+
+ADAPTIVE = ["--use_adaptive_entropy=true", "--entropy_target=5.0", "--entropy_coef=0.01",
+            "--entropy_coef_delta=0.02"]
+DYNAMIC = ["--dynamic_sampling=true", f"--reward_funcs={__name__}:starts_with_a"]
+
+
 @pytest.mark.parametrize("split,args", [
     (3, ["--beta=0.04"]),  # on-policy, with a reference model: 3 + resume + 3
     (4, ["--num_iterations=2", "--loss_type=grpo"]),  # off-policy rounds of 2 steps: resume at a round boundary
+    (3, ADAPTIVE),  # the adaptive entropy coefficient is checkpointed
+    (3, DYNAMIC),  # so is the prompt order that dynamic sampling consumed
 ])
 def test_resume_is_exact(tmp_path, split, args):
     full = train.train(tiny(tmp_path / "a", "--max_steps=6", *args))
@@ -471,7 +483,8 @@ def trainer_for(model, optimizer, cfg, loss_cfg):
     from nanogrpo.dist import DistInfo
     return SimpleNamespace(model=model, optimizer=optimizer, cfg=cfg, loss_cfg=loss_cfg, info=DistInfo(),
                            autocast=torch.autocast("cpu", enabled=False), tok=SimpleNamespace(vocab_size=None),
-                           sched=SimpleNamespace(steps_per_generation=2))
+                           sched=SimpleNamespace(steps_per_generation=2),
+                           entropy_coef=loss_cfg.entropy_coef, last_entropy=math.inf)
 
 
 class RecordingAdamW(torch.optim.AdamW):
@@ -651,3 +664,54 @@ def test_num_generations_eval_and_max_prompt_length(tmp_path, capsys):
     finally:
         train.reward_rollout = score
     assert seen == [18] and 0 <= metrics["eval/reward"] <= 1
+
+
+def test_each_algorithm_option_runs_and_logs_trls_metrics(tmp_path):
+    """The entropy bonus (static, adaptive), OPSM and each importance-sampling mode: a run
+    finishes and logs what TRL logs for it."""
+    history = train.train(tiny(tmp_path / "static", "--entropy_coef=0.01"))
+    assert all(m["entropy_coef"] == 0.01 and math.isfinite(m["policy_loss"]) for m in history)
+    history = train.train(tiny(tmp_path / "adaptive", *ADAPTIVE, "--max_steps=4"))
+    # the first step applies no bonus (no entropy measured yet); each step moves it one delta
+    assert [round(m["entropy_coef"], 6) for m in history] == [0.03, 0.05, 0.07, 0.09]
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+        history = train.train(tiny(tmp_path / mode, f"--vllm_importance_sampling_mode={mode}",
+                                   "--off_policy_mask_threshold=0.5", "--max_steps=2"))
+        for m in history:
+            # fp32 on CPU: the sampler and the trainer agree to float rounding
+            assert m["sampling/sampling_logp_difference/max"] < 1e-4
+            assert 1 - 1e-3 < m["sampling/importance_sampling_ratio/min"] <= 1
+            assert 1 <= m["sampling/importance_sampling_ratio/max"] < 1 + 1e-3
+    history = train.train(tiny(tmp_path / "off", "--vllm_importance_sampling_correction=false",
+                               "--max_steps=1"))
+    assert not [k for k in history[0] if k.startswith("sampling/")]
+
+
+def test_dynamic_sampling_trains_only_groups_with_spread(tmp_path, monkeypatch):
+    """Every group that reaches the update has rewards that differ; more were drawn than kept."""
+    trained = []
+    step = train.optimizer_step
+
+    def spy(t, ro, micro_rows):
+        trained.append(ro)
+        return step(t, ro, micro_rows)
+
+    monkeypatch.setattr(train, "optimizer_step", spy)
+    history = train.train(tiny(tmp_path, *DYNAMIC, "--max_num_gen_batches=20"))
+    for ro in trained:
+        total = torch.tensor([float(c.startswith("a")) for c in ro.completions])
+        assert (total.view(-1, ro.num_generations).std(dim=1) > 0).all()
+        assert len(ro.rows) == 4  # the round's full number of groups
+    for m in history:
+        assert m["frac_reward_zero_std"] == 0
+        assert m["dynamic_sampling/groups_kept"] == 4
+        assert m["dynamic_sampling/groups_drawn"] > 4
+    assert sum(m["dynamic_sampling/gen_batches"] for m in history) > len(history)
+
+
+def test_dynamic_sampling_fills_the_round_at_its_bound(tmp_path, capsys):
+    history = train.train(tiny(tmp_path, "--dynamic_sampling=true", "--max_num_gen_batches=2",
+                               f"--reward_funcs={__name__}:constant", "--max_steps=1"))
+    assert history[0]["dynamic_sampling/groups_kept"] == 0
+    assert history[0]["dynamic_sampling/groups_drawn"] == 8
+    assert "dynamic_sampling found 0 groups with differing rewards" in capsys.readouterr().out
