@@ -408,6 +408,7 @@ def train_round(t: Trainer, r: run.Run) -> list[dict]:
     t1 = time.time()
     local = reward_rollout(ro, t.reward_funcs, t)  # [n, K]
     stats = {}
+    extra = 0.0  # seconds spent drawing more groups
     if cfg.dynamic_sampling:  # DAPO: only groups whose rewards differ
 
         def draw():
@@ -416,9 +417,14 @@ def train_round(t: Trainer, r: run.Run) -> list[dict]:
                            t.tools)
             return more, reward_rollout(more, t.reward_funcs, t)
 
+        start = time.time()
         ro, local, stats = dynamic_sampling(
             ro, local, draw, t.reward_weights, cfg.max_num_gen_batches,
             t.tok.pad_token_id, info)
+        extra = time.time() - start
+        report.check_dynamic_sampling(
+            r, stats["dynamic_sampling/groups_kept"],
+            len(ro.rows) * info.world_size, cfg.max_num_gen_batches)
     rewards = dist.all_gather_rows(local.to(info.device), info).float()
     ro.advantages = advantages_of(t, rewards, ro.num_generations)
     ro.num_items = dist.all_reduce_sum(ro.completion_mask.sum(), info)
@@ -434,8 +440,10 @@ def train_round(t: Trainer, r: run.Run) -> list[dict]:
     records = round_updates(t, ro)
     t.round_begin = None
     t.round += 1
-    timing = {"time/sample": t1 - t0, "time/score": t2 - t1,
+    timing = {"time/sample": t1 - t0, "time/score": t2 - t1 - extra,
               "time/logprobs": t3 - t2}
+    if cfg.dynamic_sampling:  # sampling and scoring the extra batches
+        timing["time/dynamic_sampling"] = extra
     report.add_round_metrics(r, t, ro, local, rewards, records, timing)
     for m in records:
         m.update(stats)

@@ -40,6 +40,11 @@ max_completion_length = 16
 # the remaining tail for the same reason. Eval samples with the same settings (train.py's evaluate).
 temperature = 0.7
 top_k = 50
+# The sampler's log-probs are those of the top-k distribution it drew from, so the
+# importance-sampling correction (on by default, as in TRL) would weigh each completion by the
+# probability mass top-k kept. Off here: TRL's side of bench/bench_smollm_trl.py generates with
+# transformers, which applies no correction, and both trainers must run the same algorithm.
+vllm_importance_sampling_correction = False
 
 loss_type = "dapo"
 beta = 0.0  # no reference model: half the memory and no extra forward per step

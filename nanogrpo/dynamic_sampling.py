@@ -16,7 +16,8 @@ Choices:
   lacks groups.
 - Groups beyond the round's number are dropped, as verl does.
 - At max_num_gen_batches, equal-reward groups of the last batch fill what
-  is missing (a warning says so); verl stops the run there instead.
+  is missing (report.check_dynamic_sampling says so once); verl stops the
+  run there instead.
 """
 
 import torch
@@ -60,11 +61,6 @@ def dynamic_sampling(ro, rewards, draw, weights, max_batches, pad_id, info):
     if have < need:  # the bound: equal-reward groups fill the round
         fill = (~spread).nonzero()[:, 0][:need - have].tolist()
         pieces[-1] = _groups(ro, rewards, keep + fill)
-    if kept < need * info.world_size:
-        dist.print0(f"warning: dynamic_sampling found {int(kept)} groups "
-                    "with differing rewards in max_num_gen_batches="
-                    f"{max_batches} batches; groups of equal rewards (no "
-                    "learning signal) fill the round")
     kept_rollouts = [p[0] for p in pieces if p[0].rows]
     ro = concat_rollouts(kept_rollouts, pad_id)
     rewards = torch.cat([p[1] for p in pieces])

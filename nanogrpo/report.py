@@ -334,6 +334,18 @@ def check_lengths(run, clipped_ratio: float, max_length: int, patience: int = 5)
                   "shorter answers")
 
 
+def check_dynamic_sampling(run, kept: float, wanted: int, max_batches: int):
+    """Say so (once) when dynamic sampling could not find the round's
+    groups with differing rewards within max_num_gen_batches batches."""
+    if kept < wanted:
+        warn_once(run, "dynamic_sampling",
+                  f"dynamic_sampling found {int(kept)} groups with differing "
+                  f"rewards of the {wanted} a round trains, in "
+                  f"max_num_gen_batches={max_batches} batches: groups of "
+                  "equal rewards (no learning signal) fill the round. Said "
+                  "once; dynamic_sampling/groups_kept counts them each round")
+
+
 # -----------------------------------------------------------------------------
 # The end of a run
 

@@ -16,7 +16,8 @@ from nanogrpo.checkpoint import load_model
 from nanogrpo.rewards import RewardError
 from nanogrpo.tokenizer import Tokenizer
 
-TIMING = ("step_time", "tokens_per_sec", "time/sample", "time/score", "time/logprobs", "time/update")
+TIMING = ("step_time", "tokens_per_sec", "time/sample", "time/score", "time/logprobs", "time/update",
+          "time/dynamic_sampling")
 INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"  # build tiny.py's random model elsewhere
 
 
@@ -79,6 +80,7 @@ DYNAMIC = ["--dynamic_sampling=true", f"--reward_funcs={__name__}:starts_with_a"
     (4, ["--num_iterations=2", "--loss_type=grpo"]),  # off-policy rounds of 2 steps: resume at a round boundary
     (3, ADAPTIVE),  # the adaptive entropy coefficient is checkpointed
     (3, DYNAMIC),  # so is the prompt order that dynamic sampling consumed
+    (4, [*DYNAMIC, "--num_iterations=2"]),  # rounds of 2 steps over the groups kept
 ])
 def test_resume_is_exact(tmp_path, split, args):
     full = train.train(tiny(tmp_path / "a", "--max_steps=6", *args))
@@ -711,7 +713,40 @@ def test_dynamic_sampling_trains_only_groups_with_spread(tmp_path, monkeypatch):
 
 def test_dynamic_sampling_fills_the_round_at_its_bound(tmp_path, capsys):
     history = train.train(tiny(tmp_path, "--dynamic_sampling=true", "--max_num_gen_batches=2",
-                               f"--reward_funcs={__name__}:constant", "--max_steps=1"))
-    assert history[0]["dynamic_sampling/groups_kept"] == 0
-    assert history[0]["dynamic_sampling/groups_drawn"] == 8
-    assert "dynamic_sampling found 0 groups with differing rewards" in capsys.readouterr().out
+                               f"--reward_funcs={__name__}:constant", "--max_steps=2"))
+    for m in history:
+        assert m["dynamic_sampling/groups_kept"] == 0
+        assert m["dynamic_sampling/groups_drawn"] == 8
+        assert m["time/dynamic_sampling"] > 0
+    out = capsys.readouterr().out
+    assert "dynamic_sampling found 0 groups with differing rewards of the 4 a round" in out
+    assert out.count("dynamic_sampling found") == 1  # said once
+
+
+@pytest.mark.parametrize("coef", [0.5, -0.5])
+def test_an_entropy_bonus_alone_moves_the_entropy_its_way(coef):
+    """Every advantage 0: the step's only gradient is the bonus's, -coef x d(mean entropy), so one
+    small SGD step raises the batch's entropy for coef > 0 and lowers it for coef < 0."""
+    from conftest import fixture_path
+    from nanogrpo.config import TrainConfig
+    from nanogrpo.grpo import LossConfig
+    ro = _rollout_batch([0.0] * 8)
+    ro.old_logps = None
+    model = load_model(fixture_path("qwen2"))
+    cfg = TrainConfig(temperature=0.9, max_grad_norm=0.0, per_device_train_batch_size=4)
+    loss_cfg = LossConfig(loss_type="dapo", entropy_coef=coef)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    micro = [torch.arange(0, 4), torch.arange(4, 8)]
+
+    def mean_entropy():
+        with torch.no_grad():
+            _, ent = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask,
+                                    temperature=0.9)
+        return (ent * ro.completion_mask).sum() / ro.completion_mask.sum()
+
+    before = mean_entropy()
+    metrics = train.optimizer_step(trainer_for(model, optimizer, cfg, loss_cfg), ro, micro)
+    after = mean_entropy()
+    assert metrics["entropy_coef"] == coef
+    assert metrics["grad_norm"] > 0
+    assert (after - before) * coef > 1e-4
