@@ -201,10 +201,12 @@ def Transformer_state(family):
     return load_model(fixture_path(family)).state_dict()
 
 
-def torchrun(*args, timeout=300):
+def torchrun(*args, timeout=300, pythonpath=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", "2", os.path.join(ROOT, "train.py"), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if pythonpath:  # where the ranks import a test's reward function from
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
     return subprocess.run(cmd, capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
@@ -238,3 +240,28 @@ def test_torchrun_tiny_train_save_resume(tmp_path):
                    pad_id=tok.pad_token_id,
                    generator=torch.Generator().manual_seed(0))
     assert out.completion_ids.shape[0] == 2
+
+
+def test_torchrun_dynamic_sampling_and_adaptive_entropy(tmp_path):
+    """Two ranks draw extra batches in step (one may have its groups while the other still looks)
+    and agree on the adaptive entropy coefficient."""
+    init = f"--init_model={read_config_file('tiny')['init_model']!r}"
+    # most groups of the untrained model score all 0: more batches are drawn
+    (tmp_path / "starts_with_a.py").write_text(
+        "def starts_with_a(completions, **kwargs):\n"
+        "    return [float(c.startswith('a')) for c in completions]\n")
+    done = torchrun("--config", "tiny.py", f"--model={tmp_path}/init", init,
+                    f"--output_dir={tmp_path}/run", "--gradient_accumulation_steps=2",
+                    "--num_generations=4", "--per_device_train_batch_size=4",
+                    "--max_completion_length=6", "--eval_strategy=no", "--max_steps=3",
+                    "--dynamic_sampling=true", "--reward_funcs=starts_with_a:starts_with_a",
+                    "--use_adaptive_entropy=true", "--entropy_target=5.0",
+                    pythonpath=str(tmp_path))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    for m in lines:
+        assert m["dynamic_sampling/groups_drawn"] >= m["dynamic_sampling/groups_kept"]
+    assert sum(m["dynamic_sampling/gen_batches"] for m in lines) > 3  # extra batches were drawn
+    # the first step applies no bonus; each moves the coefficient one delta (0.005) up
+    assert [round(m["entropy_coef"], 6) for m in lines] == [0.005, 0.01, 0.015]
