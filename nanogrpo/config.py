@@ -445,6 +445,14 @@ class TrainConfig:
         if self.eval_strategy != "no" and not self.eval_dataset:
             out.append(f"eval_strategy={self.eval_strategy!r} without an "
                        "eval_dataset: no evaluation")
+        filtered = self.top_k > 0 or self.top_p < 1 or bool(self.min_p)
+        if filtered and self.vllm_importance_sampling_correction:
+            out.append("the sampler's log-probs are those of the distribution "
+                       "top_k/top_p/min_p leave (as vLLM's processed_logprobs, "
+                       "which TRL uses), so vllm_importance_sampling_correction "
+                       "weighs each completion by the probability mass the "
+                       "filters kept; TRL without vLLM applies no correction: "
+                       "vllm_importance_sampling_correction=False matches it")
         return out
 
     # --- what other modules read --------------------------------------------

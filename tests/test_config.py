@@ -337,6 +337,16 @@ def test_eval_every_zero_with_an_eval_set_is_silent():
     assert cfg.warnings() == []
 
 
+@pytest.mark.parametrize("filters", [{"top_k": 50}, {"top_p": 0.9}, {"min_p": 0.05}])
+def test_sampling_filters_with_the_sampler_correction_warn(filters):
+    """With top-k/p or min-p the correction's weights carry the mass the filters kept: said once
+    at the start, and silent once the correction is off (configs/smollm.py)."""
+    (warning,) = TrainConfig(**filters).warnings()
+    assert "vllm_importance_sampling_correction=False matches it" in warning
+    assert TrainConfig(**filters, vllm_importance_sampling_correction=False).warnings() == []
+    assert load_config(["--config", "smollm.py"]).warnings() == []
+
+
 def test_every_unknown_key_is_reported_at_once(tmp_path):
     """Regression: a file or command line with several unknown keys needed
     one run per key."""
