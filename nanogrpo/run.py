@@ -291,6 +291,14 @@ def announce(t):
     line += f" | {t.info.world_size} process(es) on {t.info.device}"
     dist.print0(line)
     dist.print0(t.sched.table())
+    per_round = t.sched.updates_per_round
+    if t.cfg.max_steps % per_round:
+        # the round's samples are not checkpointed
+        dist.print0(f"warning: max_steps={t.cfg.max_steps} ends inside a "
+                    f"round of {per_round} optimizer steps: the last one is "
+                    "cut short, and a run resumed from its checkpoint starts "
+                    "a new round (not what an uninterrupted run would do); "
+                    f"use a multiple of {per_round} to resume exactly")
 
 
 def save(run: Run, t):

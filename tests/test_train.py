@@ -750,3 +750,12 @@ def test_an_entropy_bonus_alone_moves_the_entropy_its_way(coef):
     assert metrics["entropy_coef"] == coef
     assert metrics["grad_norm"] > 0
     assert (after - before) * coef > 1e-4
+
+
+def test_max_steps_inside_a_round_is_said(tmp_path, capsys):
+    """A round's samples are not checkpointed: max_steps that cuts a round short says that a run
+    resumed from it would not be exact (test_resume_is_exact splits at a round's end)."""
+    train.train(tiny(tmp_path / "a", "--num_iterations=2", "--max_steps=3"))
+    assert "max_steps=3 ends inside a round of 2 optimizer steps" in capsys.readouterr().out
+    train.train(tiny(tmp_path / "b", "--num_iterations=2", "--max_steps=4"))
+    assert "ends inside a round" not in capsys.readouterr().out
