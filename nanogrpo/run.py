@@ -88,30 +88,22 @@ def start(cfg: TrainConfig, info, command=None) -> tuple[Run, TrainConfig]:
 
 def check_out_dir(out_dir: str):
     """out_dir must be a directory this process can write. Checked by
-    writing there; folders made for the check are removed again."""
+    writing a file in it, or in the nearest folder above it that exists:
+    nothing is created, so ranks checking at once cannot race."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConfigError(f"output_dir={out_dir!r} is a file, not a directory: "
                           "choose another --output_dir")
-    made = []
     path = os.path.abspath(out_dir)
     while not os.path.exists(path):
-        made.append(path)
         path = os.path.dirname(path)
+    probe = os.path.join(path, f".write-test-{os.getpid()}")
     try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write-test-{os.getpid()}")
         with open(probe, "w"):
             pass
         os.remove(probe)
     except OSError as e:
         raise ConfigError(f"output_dir={out_dir!r} cannot be written "
                           f"({e.strerror}): choose another --output_dir") from None
-    finally:
-        for folder in made:  # deepest first; another rank may use it
-            try:
-                os.rmdir(folder)
-            except OSError:
-                pass
 
 
 def find_checkpoint(cfg: TrainConfig) -> str | None:
@@ -204,7 +196,8 @@ def ensure_tiny_checkpoint(cfg: TrainConfig, info):
     """For the embedded default: build a random model and a char-level
     tokenizer and save them in HF format at cfg.model, so the run loads
     them like any checkpoint. init.json records the recipe; a changed
-    recipe rebuilds it. A checkpoint not written here is left alone."""
+    recipe rebuilds it. A checkpoint not written here is left alone.
+    Rank 0 decides and writes; every rank waits for it."""
     if cfg.init_model is None:
         return
     recipe = {
@@ -212,17 +205,23 @@ def ensure_tiny_checkpoint(cfg: TrainConfig, info):
         "init_tokenizer_chars": cfg.init_tokenizer_chars,
         "seed": cfg.seed,
     }
-    marker = os.path.join(cfg.model, "init.json")
-    if os.path.exists(os.path.join(cfg.model, "config.json")):
-        if not os.path.exists(marker):
-            return
-        if checkpoint.read_json(marker) == recipe:
-            return
-        dist.print0(f"{cfg.model} was built from another init_model, "
-                    "init_tokenizer_chars or seed: rebuilding it")
-    if info.is_main:
+    if info.is_main and tiny_checkpoint_due(cfg.model, recipe):
         write_tiny_checkpoint(cfg.model, recipe)
     dist.barrier()
+
+
+def tiny_checkpoint_due(path: str, recipe: dict) -> bool:
+    """Whether `path` needs (re)building from `recipe`."""
+    marker = os.path.join(path, "init.json")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        return True
+    if not os.path.exists(marker):
+        return False  # not written here: left alone
+    if checkpoint.read_json(marker) == recipe:
+        return False
+    print(f"{path} was built from another init_model, "
+          "init_tokenizer_chars or seed: rebuilding it")
+    return True
 
 
 def write_tiny_checkpoint(path: str, recipe: dict):

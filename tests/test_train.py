@@ -759,3 +759,17 @@ def test_max_steps_inside_a_round_is_said(tmp_path, capsys):
     assert "max_steps=3 ends inside a round of 2 optimizer steps" in capsys.readouterr().out
     train.train(tiny(tmp_path / "b", "--num_iterations=2", "--max_steps=4"))
     assert "ends inside a round" not in capsys.readouterr().out
+
+
+def test_checking_an_out_dir_creates_nothing(tmp_path, monkeypatch):
+    """Regression: the check made out_dir's missing folders and removed them again, so under
+    torchrun one rank could remove a folder while another wrote its probe there ("cannot be
+    written (No such file or directory)" at random). Now no folder is made, at any moment."""
+
+    def no_folders(*args, **kwargs):
+        raise AssertionError("check_out_dir made a folder")
+
+    monkeypatch.setattr(os, "makedirs", no_folders)
+    monkeypatch.setattr(os, "mkdir", no_folders)
+    run.check_out_dir(str(tmp_path / "a" / "b" / "run"))
+    assert list(tmp_path.iterdir()) == []
