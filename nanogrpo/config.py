@@ -19,7 +19,7 @@ the disk or the environment.
 import dataclasses
 from dataclasses import dataclass, field
 
-from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, LossConfig
+from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, VESPO_NEEDS_TOKENS, LossConfig
 from nanogrpo.tools import TOOL_CALL_PARSERS
 from nanogrpo.sampler import check_sampling
 from nanogrpo.schedules import SCHEDULES, Schedule, batch_schedule, micro_batches_per_round
@@ -400,20 +400,16 @@ class TrainConfig:
                 min_p=self.min_p or 0.0,
                 repetition_penalty=self.repetition_penalty,
             )
-            LossConfig(**self.loss_config())
+            loss = LossConfig(**self.loss_config())
         except ValueError as e:
             message = str(e).removeprefix("LossConfig.")
             raise ConfigError(message) from None
         self._need(self.temperature > 0, "temperature",
                    "training samples, so it must be > 0 "
                    "(0 = greedy is for sample.py)")
-        token_level = self.vllm_importance_sampling_mode.startswith("token")
-        vespo_ok = (self.loss_type != "vespo" or token_level
-                    or not self.vllm_importance_sampling_correction)
-        self._need(vespo_ok, "vllm_importance_sampling_mode",
-                   "loss_type='vespo' folds token-level weights into its "
-                   "own: use token_truncate or token_mask, or "
-                   "vllm_importance_sampling_correction=False (as TRL)")
+        # the sampler always returns its log-probs: checked here, not per step
+        self._need(loss.correction_fits_the_loss(),
+                   "vllm_importance_sampling_mode", VESPO_NEEDS_TOKENS)
 
     def _validate_rewards(self):
         need = self._need

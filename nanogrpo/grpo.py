@@ -147,6 +147,13 @@ class LossConfig:
             "a float (or set vllm_importance_sampling_clip_min) with a *_truncate mode",
         )
 
+    def correction_fits_the_loss(self) -> bool:
+        """VESPO folds the sampler correction into its own weight, token by token: with
+        loss_type='vespo' TRL refuses a sequence-level vllm_importance_sampling_mode."""
+        token_level = self.vllm_importance_sampling_mode.startswith("token")
+        correcting = self.vllm_importance_sampling_correction
+        return self.loss_type != "vespo" or not correcting or token_level
+
     def entropy_bonus_on(self) -> bool:
         """Whether the loss carries the entropy bonus (TRL: fixed for the run; the adaptive
         control keeps it on even while its coefficient sits at entropy_coef_min)."""
@@ -608,13 +615,18 @@ def grpo_step(
     return total, metrics
 
 
+VESPO_NEEDS_TOKENS = (
+    "loss_type='vespo' folds token-level weights into its own: use token_truncate or "
+    "token_mask, or vllm_importance_sampling_correction=False (as TRL)"
+)
+
+
 def _token_level(is_weights, cfg):
-    """VESPO folds token-level corrections into its weight; TRL refuses sequence modes."""
-    if is_weights is not None and is_weights.shape[1] == 1:
+    """VESPO's token-level sampler corrections (cfg.correction_fits_the_loss)."""
+    if is_weights is not None and not cfg.correction_fits_the_loss():
         raise ValueError(
-            f"loss_type='vespo' needs a token-level vllm_importance_sampling_mode, not "
-            f"{cfg.vllm_importance_sampling_mode!r}: use token_truncate or token_mask, or "
-            "vllm_importance_sampling_correction=False"
+            f"vllm_importance_sampling_mode={cfg.vllm_importance_sampling_mode!r}: "
+            + VESPO_NEEDS_TOKENS
         )
     return is_weights
 

@@ -347,6 +347,16 @@ def test_sampling_filters_with_the_sampler_correction_warn(filters):
     assert load_config(["--config", "smollm.py"]).warnings() == []
 
 
+def test_vespo_needs_a_token_level_sampler_correction():
+    """The sampler always returns its log-probs, so the rule TRL applies per step is checked at
+    load: a sequence-level mode with loss_type='vespo' is one clear error."""
+    with pytest.raises(ConfigError, match="vllm_importance_sampling_mode='sequence_mask': "
+                                          "loss_type='vespo' folds token-level"):
+        TrainConfig(loss_type="vespo").validate()
+    TrainConfig(loss_type="vespo", vllm_importance_sampling_mode="token_mask").validate()
+    TrainConfig(loss_type="vespo", vllm_importance_sampling_correction=False).validate()
+
+
 def test_every_unknown_key_is_reported_at_once(tmp_path):
     """Regression: a file or command line with several unknown keys needed
     one run per key."""
