@@ -10,188 +10,39 @@ when the update is off-policy, reference log-probs when beta > 0
 -> AdamW step. The batch arithmetic is TRL's (schedules.Schedule, printed
 at the start of every run); `step` counts optimizer steps, as TRL's
 global_step does. With use_peft only LoRA adapters train (lora.py) and the
-reference model is the policy with its adapters off. What a run does
-around the algorithm (output folder, resume, Ctrl-C, metrics, trackers,
-printing) lives in nanogrpo/run.py and nanogrpo/report.py.
+reference model is the policy with its adapters off. What the rounds
+start from (model, tokenizer, optimizer, rewards, prompts) is built by
+nanogrpo/trainer.py; what a run does around the algorithm (output folder,
+resume, Ctrl-C, metrics, trackers, printing) lives in nanogrpo/run.py and
+nanogrpo/report.py.
 
 Known gap: with sync_ref_model the synced reference weights are not
 checkpointed, so a resumed run restarts from the initial reference model.
 """
 
-import math
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from nanogrpo import checkpoint, dist, lora, report, run
-from nanogrpo.config import ConfigError, TrainConfig
-from nanogrpo.data import PromptSampler, check_prompts, columns_of, load_dataset
+from nanogrpo import dist, lora, report, run
+from nanogrpo.config import TrainConfig
+from nanogrpo.data import columns_of
 from nanogrpo.dynamic_sampling import dynamic_sampling
-from nanogrpo.grpo import (LossConfig, applied_entropy_coef, group_advantages,
-                           grpo_step, next_entropy_coef)
+from nanogrpo.grpo import applied_entropy_coef, group_advantages, grpo_step, next_entropy_coef
 from nanogrpo.logprobs import policy_logprobs, rows_without_gradient, token_logprobs
-from nanogrpo.rewards import check_reward_columns, resolve_reward_funcs, score_completions
+from nanogrpo.rewards import score_completions
 from nanogrpo.rollout import Rollout, rollout
-from nanogrpo.schedules import Schedule, lr_lambda, warmup_length
-from nanogrpo.tokenizer import Tokenizer
-from nanogrpo.tools import resolve_tools, tool_schema
+from nanogrpo.trainer import Trainer, setup
 
 # -----------------------------------------------------------------------------
-# Setup: model, tokenizer, optimizer, rewards, data
-
-
-@dataclass
-class Trainer:
-    """What the algorithm holds between rounds."""
-
-    cfg: TrainConfig
-    info: dist.DistInfo
-    sched: Schedule  # every derived batch count
-    tok: Tokenizer
-    model: torch.nn.Module  # the policy (FSDP2-sharded on several ranks)
-    ref: torch.nn.Module | None  # reference model: beta > 0 without LoRA
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    loss_cfg: LossConfig
-    reward_funcs: list  # [(name, fn)]
-    reward_weights: torch.Tensor  # [K]
-    tools: dict  # {name: function} the policy may call
-    prompts: PromptSampler  # all ranks' prompts, resumable
-    eval_rows: list | None
-    autocast: object  # bf16 autocast on CUDA, else a no-op
-    step: int = 0  # optimizer steps done
-    round: int = 0  # generation rounds done
-    round_begin: dict | None = None  # prompt sampler state, inside a round
-    round_start_step: int = 0  # the step the current round began at
-    # the entropy bonus's coefficient (moves with use_adaptive_entropy) and
-    # the last step's mean entropy (inf: none yet); both checkpointed
-    entropy_coef: float = 0.0
-    last_entropy: float = math.inf
-    # what reward functions logged this round (TRL's log_metric, log_extra)
-    user_metrics: dict = field(default_factory=dict)
-    user_columns: dict = field(default_factory=dict)
-
-
-def load_policy(path, cfg: TrainConfig, info, lora_settings=None):
-    """fp32 master weights (bf16 compute under autocast), FSDP2-sharded
-    on several ranks; with lora_settings, fresh LoRA adapters on it."""
-    model = checkpoint.load_model(path, dtype=cfg.weight_dtype(),
-                                  device=info.device, info=info,
-                                  mixed_precision=cfg.use_bf16(info.device),
-                                  lora_settings=lora_settings)
-    model.cast_lm_head_to_fp32 = cfg.cast_lm_head_to_fp32
-    return model
-
-
-def make_optimizer(model, cfg: TrainConfig, info):
-    """AdamW (transformers' optim names) and its learning-rate schedule,
-    step for step transformers' get_scheduler (schedules.py)."""
-    # fused: one kernel for the whole step; FSDP2's sharded parameters
-    # keep the default implementation
-    fused = cfg.optim == "adamw_torch_fused" and info.world_size == 1
-    optimizer = torch.optim.AdamW(lora.trainable_parameters(model),
-                                  lr=cfg.learning_rate,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay,
-                                  eps=cfg.adam_epsilon,
-                                  fused=fused)
-    warmup = warmup_length(cfg.max_steps, cfg.warmup_steps, cfg.warmup_ratio)
-    multiplier = lr_lambda(cfg.lr_scheduler_type, warmup, cfg.max_steps,
-                           cfg.learning_rate, cfg.lr_scheduler_kwargs)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
-    return optimizer, scheduler
+# Setup (nanogrpo/trainer.py): model, tokenizer, optimizer, rewards, data
 
 
 def round_seed(cfg: TrainConfig, rnd: int, rank: int, salt=0) -> int:
     """A seed per round and rank: sampling is reproducible, and resume
     needs no RNG state."""
     return (cfg.seed * 1_000_003 + rnd * 7919 + rank * 104_729 + salt) % 2**63
-
-
-def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
-    """Model (+ reference), tokenizer, optimizer, rewards, data."""
-    torch.manual_seed(cfg.seed + info.rank)
-    tok = Tokenizer.from_pretrained(cfg.model)
-    model = load_policy(resume_from or cfg.model, cfg, info,
-                        cfg.lora_settings())
-    model.gradient_checkpointing = cfg.gradient_checkpointing
-    check_context(cfg, model)
-    peft = hasattr(model, "lora_config")  # use_peft, or an adapter dir
-    cfg.check_lora(peft)
-    ref = None
-    if cfg.beta > 0 and not peft:  # with LoRA: the adapters switched off
-        ref = load_policy(cfg.model, cfg, info)
-        ref.eval().requires_grad_(False)
-    reward_funcs = build_reward_funcs(cfg, info)
-    weights = cfg.reward_weights or [1.0] * len(reward_funcs)
-    tools = resolve_tools(cfg.tools)
-    rows, eval_rows = load_data(cfg, tok, model, reward_funcs, tools)
-    sched = cfg.schedule(info.world_size)
-    # max_steps=-1: num_train_epochs passes over the prompts, as TRL counts
-    cfg.max_steps = cfg.total_steps(len(rows), info.world_size)
-    optimizer, scheduler = make_optimizer(model, cfg, info)
-    return Trainer(
-        cfg=cfg, info=info, sched=sched, tok=tok, model=model, ref=ref,
-        optimizer=optimizer, scheduler=scheduler,
-        loss_cfg=LossConfig(**cfg.loss_config()),
-        reward_funcs=reward_funcs,
-        reward_weights=torch.tensor(weights, device=info.device),
-        tools=tools,
-        prompts=PromptSampler(rows, sched.prompts_per_round, seed=cfg.seed,
-                              shuffle=cfg.shuffle_dataset),
-        eval_rows=eval_rows,
-        autocast=dist.autocast(info, cfg.use_bf16(info.device)),
-        entropy_coef=cfg.entropy_coef,
-    )
-
-
-def check_context(cfg: TrainConfig, model):
-    context = model.config.max_position_embeddings
-    if cfg.max_completion_length >= context:
-        raise ConfigError(
-            f"max_completion_length={cfg.max_completion_length}: the "
-            f"model's context is {context} positions and the prompt needs "
-            "some; lower it")
-
-
-def build_reward_funcs(cfg: TrainConfig, info) -> list:
-    dtype = torch.bfloat16 if cfg.use_bf16(info.device) else torch.float32
-    return resolve_reward_funcs(
-        cfg.reward_funcs,
-        max_completion_length=cfg.max_completion_length,
-        soft_punish_cache=cfg.soft_punish_cache,
-        batch_size=cfg.per_device_train_batch_size,
-        reward_processing_classes=cfg.reward_processing_classes,
-        device=info.device, dtype=dtype)
-
-
-def load_data(cfg: TrainConfig, tok, model, reward_funcs, tools):
-    """Training and eval rows, checked before step 1: each prompt fits
-    the context (with the tools' schemas) and carries every column the
-    reward functions read."""
-    rows = load_dataset(cfg.dataset, split=cfg.dataset_split, seed=cfg.seed)
-    eval_rows = None
-    if cfg.eval_every():
-        eval_rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split,
-                                 seed=cfg.seed)[: cfg.eval_size]
-    for warning in cfg.warnings():
-        dist.print0(f"warning: {warning}")
-    room = model.config.max_position_embeddings - cfg.max_completion_length
-    schemas = [tool_schema(fn) for fn in tools.values()] or None
-    encode = dict(max_length=cfg.max_prompt_length,
-                  **(cfg.chat_template_kwargs or {}))
-    for source, checked in ((cfg.dataset, rows),
-                            (cfg.eval_dataset, eval_rows or [])):
-        cut = check_prompts(checked, source, tok, room, tools=schemas,
-                            **encode)
-        if cut:
-            dist.print0(f"warning: {cut} of {len(checked)} prompts of "
-                        f"{source} are longer than max_prompt_length="
-                        f"{cfg.max_prompt_length} tokens: cut from the left")
-        check_reward_columns(reward_funcs, checked, source)
-    return rows, eval_rows
 
 
 # -----------------------------------------------------------------------------
@@ -327,7 +178,7 @@ def optimizer_step(t: Trainer, ro: Rollout, micro_rows) -> dict:
     grad_norm = dist.clip_grad_norm(t.model, max_norm)
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
-    out = {k: reduce_metric(k, v) for k, v in sums.items()}
+    out = {k: report.across_micro_batches(k, v) for k, v in sums.items()}
     out["loss"] = total_loss
     out["grad_norm"] = grad_norm
     if t.loss_cfg.use_adaptive_entropy:
@@ -335,16 +186,6 @@ def optimizer_step(t: Trainer, ro: Rollout, micro_rows) -> dict:
     if bonus:
         out["entropy_coef"] = t.entropy_coef
     return out
-
-
-def reduce_metric(key: str, values: list) -> float:
-    """A metric of several micro-batches: min of /min, max of /max, else
-    the mean."""
-    if key.endswith("/min"):
-        return min(values)
-    if key.endswith("/max"):
-        return max(values)
-    return sum(values) / len(values)
 
 
 def update_entropy_coef(t: Trainer, window: torch.Tensor):
@@ -408,23 +249,11 @@ def train_round(t: Trainer, r: run.Run) -> list[dict]:
     t1 = time.time()
     local = reward_rollout(ro, t.reward_funcs, t)  # [n, K]
     stats = {}
-    extra = 0.0  # seconds spent drawing more groups
+    extra = 0.0  # seconds spent sampling and scoring more groups
     if cfg.dynamic_sampling:  # DAPO: only groups whose rewards differ
-
-        def draw():
-            more = rollout(t.model, t.tok, round_prompts(t), cfg,
-                           cfg.num_generations, generator, t.autocast,
-                           t.tools)
-            return more, reward_rollout(more, t.reward_funcs, t)
-
         start = time.time()
-        ro, local, stats = dynamic_sampling(
-            ro, local, draw, t.reward_weights, cfg.max_num_gen_batches,
-            t.tok.pad_token_id, info)
+        ro, local, stats = groups_with_signal(t, r, ro, local, generator)
         extra = time.time() - start
-        report.check_dynamic_sampling(
-            r, stats["dynamic_sampling/groups_kept"],
-            len(ro.rows) * info.world_size, cfg.max_num_gen_batches)
     rewards = dist.all_gather_rows(local.to(info.device), info).float()
     ro.advantages = advantages_of(t, rewards, ro.num_generations)
     ro.num_items = dist.all_reduce_sum(ro.completion_mask.sum(), info)
@@ -448,6 +277,26 @@ def train_round(t: Trainer, r: run.Run) -> list[dict]:
     for m in records:
         m.update(stats)
     return records
+
+
+def groups_with_signal(t: Trainer, r: run.Run, ro: Rollout, local, generator):
+    """DAPO's dynamic sampling (dynamic_sampling.py): the round's groups
+    whose rewards differ, more prompts sampled and scored until there
+    are enough. local: [n, K] rewards. -> (Rollout, rewards, metrics)."""
+    cfg = t.cfg
+
+    def draw():
+        more = rollout(t.model, t.tok, round_prompts(t), cfg,
+                       cfg.num_generations, generator, t.autocast, t.tools)
+        return more, reward_rollout(more, t.reward_funcs, t)
+
+    ro, local, stats = dynamic_sampling(
+        ro, local, draw, t.reward_weights, cfg.max_num_gen_batches,
+        t.tok.pad_token_id, t.info)
+    wanted = len(ro.rows) * t.info.world_size
+    report.check_dynamic_sampling(r, stats["dynamic_sampling/groups_kept"],
+                                  wanted, cfg.max_num_gen_batches)
+    return ro, local, stats
 
 
 def crossed(every: int, before: int, after: int) -> bool:

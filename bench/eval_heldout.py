@@ -47,7 +47,7 @@ def main(argv=None):
     weights = torch.tensor(cfg.reward_weights or [1.0] * len(funcs))
     t = SimpleNamespace(cfg=cfg, info=info, tok=tok, model=model, eval_rows=rows, reward_funcs=funcs,
                         reward_weights=weights, tools=tools, autocast=dist.autocast(info, cfg.use_bf16(info.device)))
-    m = train.evaluate(t)  # reads these fields of train.Trainer
+    m = train.evaluate(t)  # reads these fields of nanogrpo.trainer.Trainer
     p, n = m["eval/pass@1"], len(rows)
     m.update({"model": cfg.model, "eval_size": n, "eval/pass@1_se": math.sqrt(p * (1 - p) / n),
               "seconds": round(time.time() - t0, 1), "load_avg_1min": os.getloadavg()[0]})

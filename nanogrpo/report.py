@@ -183,6 +183,16 @@ def add_round_metrics(run, t, ro, local, rewards, records, timing):
         m["num_tokens"] = seen + tokens
 
 
+def across_micro_batches(key: str, values: list) -> float:
+    """One step's value of a metric from its micro-batches' values: the
+    smallest of a /min, the largest of a /max, else the mean."""
+    if key.endswith("/min"):
+        return min(values)
+    if key.endswith("/max"):
+        return max(values)
+    return sum(values) / len(values)
+
+
 def generation_metrics(t, ro, rewards: torch.Tensor) -> dict:
     """TRL's reward and completion-length metrics over the whole round
     on all ranks. rewards: [N, K]."""

@@ -7,9 +7,9 @@ on Ctrl-C, after an error), the embedded default's tiny checkpoint, and
 reports (metrics, console, trackers, summary) is report.py's.
 
 Does not know about: the GRPO math. It reads a few named fields of
-train.py's `Trainer` (model, optimizer, scheduler, tok, prompts, step,
-round, round_begin, entropy_coef, last_entropy) to save and restore
-them.
+nanogrpo.trainer's `Trainer` (model, optimizer, scheduler, tok, prompts,
+step, round, round_begin, entropy_coef, last_entropy) to save and
+restore them.
 """
 
 import json
@@ -46,8 +46,8 @@ RUN_FILES = r"metrics\.jsonl|checkpoint(-\d+)?(\.tmp)?"
 
 @dataclass
 class Run:
-    """A run's bookkeeping between rounds (train.py's Trainer holds the
-    algorithm's state)."""
+    """A run's bookkeeping between rounds (nanogrpo.trainer's Trainer
+    holds the algorithm's state)."""
 
     cfg: TrainConfig
     info: dist.DistInfo

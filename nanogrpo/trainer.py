@@ -1,0 +1,170 @@
+"""What train.py's algorithm holds between rounds (`Trainer`) and how a
+run builds it (`setup`): the policy (and a reference model), tokenizer,
+optimizer and learning-rate schedule, reward functions, tools and the
+prompts, each checked before step 1.
+
+Owns: `Trainer`, `setup`, and the loaders it calls (`load_policy`,
+`make_optimizer`, `build_reward_funcs`, `load_data`).
+
+Does not know about: what a round does with them (train.py), resume
+(run.restore fills in the fields a checkpoint holds).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from nanogrpo import checkpoint, dist, lora
+from nanogrpo.config import ConfigError, TrainConfig
+from nanogrpo.data import PromptSampler, check_prompts, load_dataset
+from nanogrpo.grpo import LossConfig
+from nanogrpo.rewards import check_reward_columns, resolve_reward_funcs
+from nanogrpo.schedules import Schedule, lr_lambda, warmup_length
+from nanogrpo.tokenizer import Tokenizer
+from nanogrpo.tools import resolve_tools, tool_schema
+
+@dataclass
+class Trainer:
+    """What the algorithm holds between rounds."""
+
+    cfg: TrainConfig
+    info: dist.DistInfo
+    sched: Schedule  # every derived batch count
+    tok: Tokenizer
+    model: torch.nn.Module  # the policy (FSDP2-sharded on several ranks)
+    ref: torch.nn.Module | None  # reference model: beta > 0 without LoRA
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    loss_cfg: LossConfig
+    reward_funcs: list  # [(name, fn)]
+    reward_weights: torch.Tensor  # [K]
+    tools: dict  # {name: function} the policy may call
+    prompts: PromptSampler  # all ranks' prompts, resumable
+    eval_rows: list | None
+    autocast: object  # bf16 autocast on CUDA, else a no-op
+    step: int = 0  # optimizer steps done
+    round: int = 0  # generation rounds done
+    round_begin: dict | None = None  # prompt sampler state, inside a round
+    round_start_step: int = 0  # the step the current round began at
+    # the entropy bonus's coefficient (moves with use_adaptive_entropy) and
+    # the last step's mean entropy (inf: none yet); both checkpointed
+    entropy_coef: float = 0.0
+    last_entropy: float = math.inf
+    # what reward functions logged this round (TRL's log_metric, log_extra)
+    user_metrics: dict = field(default_factory=dict)
+    user_columns: dict = field(default_factory=dict)
+
+
+def load_policy(path, cfg: TrainConfig, info, lora_settings=None):
+    """fp32 master weights (bf16 compute under autocast), FSDP2-sharded
+    on several ranks; with lora_settings, fresh LoRA adapters on it."""
+    model = checkpoint.load_model(path, dtype=cfg.weight_dtype(),
+                                  device=info.device, info=info,
+                                  mixed_precision=cfg.use_bf16(info.device),
+                                  lora_settings=lora_settings)
+    model.cast_lm_head_to_fp32 = cfg.cast_lm_head_to_fp32
+    return model
+
+
+def make_optimizer(model, cfg: TrainConfig, info):
+    """AdamW (transformers' optim names) and its learning-rate schedule,
+    step for step transformers' get_scheduler (schedules.py)."""
+    # fused: one kernel for the whole step; FSDP2's sharded parameters
+    # keep the default implementation
+    fused = cfg.optim == "adamw_torch_fused" and info.world_size == 1
+    optimizer = torch.optim.AdamW(lora.trainable_parameters(model),
+                                  lr=cfg.learning_rate,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay,
+                                  eps=cfg.adam_epsilon,
+                                  fused=fused)
+    warmup = warmup_length(cfg.max_steps, cfg.warmup_steps, cfg.warmup_ratio)
+    multiplier = lr_lambda(cfg.lr_scheduler_type, warmup, cfg.max_steps,
+                           cfg.learning_rate, cfg.lr_scheduler_kwargs)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+    return optimizer, scheduler
+
+
+def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
+    """Model (+ reference), tokenizer, optimizer, rewards, data."""
+    torch.manual_seed(cfg.seed + info.rank)
+    tok = Tokenizer.from_pretrained(cfg.model)
+    model = load_policy(resume_from or cfg.model, cfg, info,
+                        cfg.lora_settings())
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    check_context(cfg, model)
+    peft = hasattr(model, "lora_config")  # use_peft, or an adapter dir
+    cfg.check_lora(peft)
+    ref = None
+    if cfg.beta > 0 and not peft:  # with LoRA: the adapters switched off
+        ref = load_policy(cfg.model, cfg, info)
+        ref.eval().requires_grad_(False)
+    reward_funcs = build_reward_funcs(cfg, info)
+    weights = cfg.reward_weights or [1.0] * len(reward_funcs)
+    tools = resolve_tools(cfg.tools)
+    rows, eval_rows = load_data(cfg, tok, model, reward_funcs, tools)
+    sched = cfg.schedule(info.world_size)
+    # max_steps=-1: num_train_epochs passes over the prompts, as TRL counts
+    cfg.max_steps = cfg.total_steps(len(rows), info.world_size)
+    optimizer, scheduler = make_optimizer(model, cfg, info)
+    return Trainer(
+        cfg=cfg, info=info, sched=sched, tok=tok, model=model, ref=ref,
+        optimizer=optimizer, scheduler=scheduler,
+        loss_cfg=LossConfig(**cfg.loss_config()),
+        reward_funcs=reward_funcs,
+        reward_weights=torch.tensor(weights, device=info.device),
+        tools=tools,
+        prompts=PromptSampler(rows, sched.prompts_per_round, seed=cfg.seed,
+                              shuffle=cfg.shuffle_dataset),
+        eval_rows=eval_rows,
+        autocast=dist.autocast(info, cfg.use_bf16(info.device)),
+        entropy_coef=cfg.entropy_coef,
+    )
+
+
+def check_context(cfg: TrainConfig, model):
+    context = model.config.max_position_embeddings
+    if cfg.max_completion_length >= context:
+        raise ConfigError(
+            f"max_completion_length={cfg.max_completion_length}: the "
+            f"model's context is {context} positions and the prompt needs "
+            "some; lower it")
+
+
+def build_reward_funcs(cfg: TrainConfig, info) -> list:
+    dtype = torch.bfloat16 if cfg.use_bf16(info.device) else torch.float32
+    return resolve_reward_funcs(
+        cfg.reward_funcs,
+        max_completion_length=cfg.max_completion_length,
+        soft_punish_cache=cfg.soft_punish_cache,
+        batch_size=cfg.per_device_train_batch_size,
+        reward_processing_classes=cfg.reward_processing_classes,
+        device=info.device, dtype=dtype)
+
+
+def load_data(cfg: TrainConfig, tok, model, reward_funcs, tools):
+    """Training and eval rows, checked before step 1: each prompt fits
+    the context (with the tools' schemas) and carries every column the
+    reward functions read."""
+    rows = load_dataset(cfg.dataset, split=cfg.dataset_split, seed=cfg.seed)
+    eval_rows = None
+    if cfg.eval_every():
+        eval_rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split,
+                                 seed=cfg.seed)[: cfg.eval_size]
+    for warning in cfg.warnings():
+        dist.print0(f"warning: {warning}")
+    room = model.config.max_position_embeddings - cfg.max_completion_length
+    schemas = [tool_schema(fn) for fn in tools.values()] or None
+    encode = dict(max_length=cfg.max_prompt_length,
+                  **(cfg.chat_template_kwargs or {}))
+    for source, checked in ((cfg.dataset, rows),
+                            (cfg.eval_dataset, eval_rows or [])):
+        cut = check_prompts(checked, source, tok, room, tools=schemas,
+                            **encode)
+        if cut:
+            dist.print0(f"warning: {cut} of {len(checked)} prompts of "
+                        f"{source} are longer than max_prompt_length="
+                        f"{cfg.max_prompt_length} tokens: cut from the left")
+        check_reward_columns(reward_funcs, checked, source)
+    return rows, eval_rows
