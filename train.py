@@ -156,17 +156,14 @@ def optimizer_step(t: Trainer, ro: Rollout, micro_rows) -> dict:
                 ro.completion_mask[idx], free, t.info.world_size,
                 temperature=t.cfg.temperature, vocab_size=t.tok.vocab_size,
                 entropy_grad=bonus)
-        old = None if ro.old_logps is None else ro.old_logps[idx]
-        ref = None if ro.ref_logps is None else ro.ref_logps[idx]
-        sampled = ro.sampling_logps
-        sampled = None if sampled is None else sampled[idx]
         loss, metrics = grpo_step(
-            logps.float(), old, ref, ro.advantages[idx],
-            ro.completion_mask[idx], t.loss_cfg,
+            logps.float(), rows(ro.old_logps, idx), rows(ro.ref_logps, idx),
+            ro.advantages[idx], ro.completion_mask[idx], t.loss_cfg,
             num_items=ro.num_items, grad_accum=GA,
             world_size=t.info.world_size, entropies=entropies.float(),
             steps_per_generation=t.sched.steps_per_generation,
-            sampling_logps=sampled, entropy_coef=coef)
+            sampling_logps=rows(ro.sampling_logps, idx), entropy_coef=coef,
+            trainer_logps=rows(ro.trainer_logps, idx))
         loss.backward()
         total_loss += loss.item()
         if bonus:
@@ -186,6 +183,11 @@ def optimizer_step(t: Trainer, ro: Rollout, micro_rows) -> dict:
     if bonus:
         out["entropy_coef"] = t.entropy_coef
     return out
+
+
+def rows(x: torch.Tensor | None, idx: torch.Tensor):
+    """x's rows idx (a micro-batch), or None."""
+    return None if x is None else x[idx]
 
 
 def update_entropy_coef(t: Trainer, window: torch.Tensor):
@@ -260,6 +262,10 @@ def train_round(t: Trainer, r: run.Run) -> list[dict]:
     t2 = time.time()
     if t.sched.off_policy:  # the policy moves within the round
         ro.old_logps = frozen_logprobs(t.model, ro, t)
+    elif cfg.vllm_importance_sampling_correction and lora.has_dropout(t.model):
+        # the update's forward drops adapter inputs, the sampler's did not:
+        # the correction compares the sampler with the policy it ran
+        ro.trainer_logps = frozen_logprobs(t.model, ro, t)
     if t.ref is not None:
         ro.ref_logps = frozen_logprobs(t.ref, ro, t)
     elif cfg.beta > 0:  # with LoRA: the policy with its adapters off

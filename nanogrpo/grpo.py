@@ -453,7 +453,9 @@ def next_entropy_coef(cfg, coef, entropy):
 # The step
 
 
-def _check_shapes(logps, old_logps, ref_logps, advantages, mask, entropies, sampling_logps):
+def _check_shapes(
+    logps, old_logps, ref_logps, advantages, mask, entropies, sampling_logps, trainer_logps
+):
     if logps.dim() != 2:
         raise ValueError(f"logps must be [N,C]; got shape {tuple(logps.shape)}")
     N = logps.shape[0]
@@ -463,6 +465,7 @@ def _check_shapes(logps, old_logps, ref_logps, advantages, mask, entropies, samp
         ("ref_logps", ref_logps),
         ("entropies", entropies),
         ("sampling_logps", sampling_logps),
+        ("trainer_logps", trainer_logps),
     ):
         if x is not None and x.shape != logps.shape:
             raise ValueError(
@@ -489,6 +492,7 @@ def grpo_step(
     steps_per_generation=None,
     sampling_logps=None,
     entropy_coef=None,
+    trainer_logps=None,
 ):
     """One micro-batch's GRPO loss (a scalar to .backward()) and its metrics (plain floats).
 
@@ -503,14 +507,18 @@ def grpo_step(
     grad_accum: micro-batches summed per optimizer step; world_size: ranks whose gradients are
     averaged. sampling_logps [N,C]: the sampler's log-prob of each token it drew (None: the
     sampler is the old policy); it feeds the importance-sampling correction
-    (cfg.vllm_importance_sampling_correction) and OPSM. entropy_coef: the coefficient this step
+    (cfg.vllm_importance_sampling_correction) and OPSM. trainer_logps [N,C]: the trainer's
+    side of that correction, its log-probs with the weights that sampled, when neither
+    old_logps nor `logps` (with dropout) can stand for them; None = old. entropy_coef: the coefficient this step
     applies (applied_entropy_coef); None = cfg.entropy_coef. With the entropy bonus on,
     `entropies` must carry their gradient (logprobs' entropy_grad=True), and metrics hold
     "_entropy_sum" and "_entropy_tokens": the bonus's window for the adaptive control, sums
     for the caller rather than metrics. Masked positions of every input may hold NaN/inf: they
     touch neither loss nor gradient.
     """
-    _check_shapes(logps, old_logps, ref_logps, advantages, mask, entropies, sampling_logps)
+    _check_shapes(
+        logps, old_logps, ref_logps, advantages, mask, entropies, sampling_logps, trainer_logps
+    )
     if cfg.beta != 0 and ref_logps is None:
         raise ValueError(
             f"ref_logps is None but cfg.beta={cfg.beta}; pass reference log-probs or set beta=0"
@@ -537,8 +545,10 @@ def grpo_step(
     is_weights = None  # the sampler correction, [N,C] or [N,1]
     if sampling_logps is not None:
         sampling_logps = torch.where(m, sampling_logps, 0)
+        # the trainer's log-probs with the weights that sampled
+        behavior = old if trainer_logps is None else torch.where(m, trainer_logps, 0)
         if cfg.vllm_importance_sampling_correction:
-            is_weights = sampler_importance_weights(old, sampling_logps, m, cfg)
+            is_weights = sampler_importance_weights(behavior, sampling_logps, m, cfg)
     if cfg.loss_type in PPO_CLIP_TYPES:
         loss, ratio_1 = clipped_surrogate(ratio, A, cfg.epsilon, cfg.epsilon_high, cfg.delta)
     elif cfg.loss_type == "cispo":
@@ -592,7 +602,7 @@ def grpo_step(
         metrics["_entropy_sum"] = torch.where(bonus_mask, entropies, 0).sum()
         metrics["_entropy_tokens"] = bonus_mask.sum()
     if is_weights is not None:
-        metrics.update(importance_sampling_metrics(old, sampling_logps, is_weights, m))
+        metrics.update(importance_sampling_metrics(behavior, sampling_logps, is_weights, m))
 
     with torch.no_grad():
         if cfg.beta != 0:

@@ -228,6 +228,11 @@ def is_adapter_key(name: str, modules_to_save=()) -> bool:
     return name.split(".")[0] in (modules_to_save or ())
 
 
+def has_dropout(model) -> bool:
+    """Whether a forward in train mode drops adapter inputs (lora_dropout > 0)."""
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+
+
 def trainable_parameters(model) -> list[nn.Parameter]:
     """The parameters the optimizer holds (all of them without adapters)."""
     return [p for p in model.parameters() if p.requires_grad]

@@ -92,6 +92,8 @@ class Rollout:
     # [n, C] under the policy that sampled (off-policy updates only)
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None  # [n, C] under the reference model (beta > 0 only)
+    # [n, C] the policy's without dropout, for the sampler correction (on-policy LoRA dropout)
+    trainer_logps: torch.Tensor | None = None
     # scalar: trained tokens of the whole round's step on all ranks
     num_items: torch.Tensor | None = None
 
@@ -328,7 +330,7 @@ def rollout(
 # Picking groups and joining rounds (DAPO's dynamic sampling)
 
 # filled in by the trainer: a rollout is picked from or joined before them
-TRAINER_FIELDS = ("advantages", "old_logps", "ref_logps", "num_items")
+TRAINER_FIELDS = ("advantages", "old_logps", "ref_logps", "trainer_logps", "num_items")
 
 
 def _check_unfilled(ro, caller):

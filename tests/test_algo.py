@@ -197,6 +197,28 @@ def test_agreeing_engines_change_nothing(seed, n, c, mode):
 
 @PROPS
 @given(seed=st.integers(0, 10**6), n=st.integers(1, 6), c=st.integers(1, 6),
+       mode=st.sampled_from(["token_truncate", "token_mask", "sequence_truncate",
+                             "sequence_mask"]))
+def test_trainer_logps_stand_for_the_trainer_in_the_correction(seed, n, c, mode):
+    """With trainer_logps equal to the sampler's, the weights are 1 whatever the update's own
+    log-probs (noisy with dropout): loss and gradient are those without the correction."""
+    logp, sampling, mask, adv, _ = random_batch(seed, n, c)
+    plain = LossConfig(vllm_importance_sampling_correction=False)
+    corrected = LossConfig(vllm_importance_sampling_mode=mode)
+    results = []
+    for cfg, trainer in ((plain, None), (corrected, sampling)):
+        x = logp.clone().requires_grad_(True)
+        loss, metrics = grpo_step(x, None, None, adv, mask, cfg, sampling_logps=sampling,
+                                  trainer_logps=trainer)
+        results.append((loss, torch.autograd.grad(loss, x)[0]))
+    if mask.any():  # (no token: the metrics report 0)
+        assert metrics["sampling/importance_sampling_ratio/min"] == 1.0
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+@PROPS
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 6), c=st.integers(1, 6),
        low=st.sampled_from([None, 0.5, 0.9]), high=st.sampled_from([None, 1.1, 3.0]))
 def test_importance_weights_respect_their_bounds(seed, n, c, low, high):
     """truncate: every weight in [low, high]; mask: a weight is its ratio or 0, and 0 exactly

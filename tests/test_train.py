@@ -773,3 +773,16 @@ def test_checking_an_out_dir_creates_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "mkdir", no_folders)
     run.check_out_dir(str(tmp_path / "a" / "b" / "run"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_lora_dropout_does_not_reach_the_sampler_correction(tmp_path):
+    """The update's forward drops adapter inputs, the sampler's does not: the correction compares
+    the sampler with the policy it ran (an eval-mode forward), so in fp32 its weights stay 1 to
+    float rounding instead of weighing completions by dropout noise."""
+    history = train.train(tiny(tmp_path, "--use_peft=true", "--lora_dropout=0.3",
+                               "--lora_modules_to_save=embed_tokens,lm_head",
+                               "--learning_rate=1e-2", "--max_steps=4"))
+    for m in history:
+        assert m["sampling/sampling_logp_difference/max"] < 1e-3
+        assert 1 - 1e-3 < m["sampling/importance_sampling_ratio/min"] <= 1
+        assert 1 <= m["sampling/importance_sampling_ratio/max"] < 1 + 1e-3
