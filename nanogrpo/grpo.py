@@ -496,25 +496,29 @@ def grpo_step(
 ):
     """One micro-batch's GRPO loss (a scalar to .backward()) and its metrics (plain floats).
 
-    logps [N,C]: current policy log-probs (with grad). old_logps [N,C] or None (on-policy: old =
-    logps.detach(), so the ratio is exactly 1 and the gradient intact). ref_logps [N,C], or None
-    when cfg.beta == 0. advantages [N]. mask [N,C]: 1 = completion token that counts. entropies
-    [N,C]: needed for cfg.top_entropy_quantile < 1, else only logged. num_items: active tokens
-    (sum of mask) over the whole generation batch on all ranks, which with
-        steps_per_generation == grad_accum (the default) is the optimizer step's; only dapo, cispo
-        and vespo use it. None means "this micro-batch is the whole step": num_items = mask.sum(),
-        right only when grad_accum == world_size == 1.
-    grad_accum: micro-batches summed per optimizer step; world_size: ranks whose gradients are
-    averaged. sampling_logps [N,C]: the sampler's log-prob of each token it drew (None: the
-    sampler is the old policy); it feeds the importance-sampling correction
-    (cfg.vllm_importance_sampling_correction) and OPSM. trainer_logps [N,C]: the trainer's
-    side of that correction, its log-probs with the weights that sampled, when neither
-    old_logps nor `logps` (with dropout) can stand for them; None = old. entropy_coef: the coefficient this step
-    applies (applied_entropy_coef); None = cfg.entropy_coef. With the entropy bonus on,
-    `entropies` must carry their gradient (logprobs' entropy_grad=True), and metrics hold
-    "_entropy_sum" and "_entropy_tokens": the bonus's window for the adaptive control, sums
-    for the caller rather than metrics. Masked positions of every input may hold NaN/inf: they
-    touch neither loss nor gradient.
+    logps [N,C]: current policy log-probs (with grad).
+    old_logps [N,C] or None: on-policy, old = logps.detach(), so the ratio is exactly 1 and
+        the gradient intact.
+    ref_logps [N,C], or None when cfg.beta == 0.
+    advantages [N]; mask [N,C]: 1 = a completion token that counts.
+    entropies [N,C]: needed for cfg.top_entropy_quantile < 1 and the entropy bonus, else only
+        logged. With the bonus on they must carry their gradient (logprobs' entropy_grad).
+    num_items: active tokens (sum of mask) over the whole generation batch on all ranks, which
+        with steps_per_generation == grad_accum (the default) is the optimizer step's; only
+        dapo, cispo and vespo use it. None: "this micro-batch is the whole step", num_items =
+        mask.sum(), right only when grad_accum == world_size == 1.
+    grad_accum: micro-batches summed per optimizer step; world_size: ranks whose gradients
+        are averaged.
+    sampling_logps [N,C]: the sampler's log-prob of each token it drew (None: the sampler is
+        the old policy); it feeds the importance-sampling correction
+        (cfg.vllm_importance_sampling_correction) and OPSM.
+    trainer_logps [N,C]: the trainer's side of that correction, its log-probs with the weights
+        that sampled, where neither old_logps nor `logps` (with dropout) can stand for them;
+        None = old.
+    entropy_coef: the coefficient this step applies (applied_entropy_coef); None =
+        cfg.entropy_coef. With the bonus on, metrics hold "_entropy_sum" and
+        "_entropy_tokens": the adaptive control's window, sums for the caller.
+    Masked positions of every input may hold NaN/inf: they touch neither loss nor gradient.
     """
     _check_shapes(
         logps, old_logps, ref_logps, advantages, mask, entropies, sampling_logps, trainer_logps
@@ -596,7 +600,8 @@ def grpo_step(
     if cfg.entropy_bonus_on():
         coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
         # TRL's policy_loss: the loss before the bonus and the grad_accum division
-        unscaled = grad_accum if cfg.loss_type in ("grpo", "sapo", "bnpo", "dr_grpo", "luspo") else 1
+        per_micro_batch = cfg.loss_type in ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
+        unscaled = grad_accum if per_micro_batch else 1
         metrics["policy_loss"] = total.detach() * unscaled
         total = total - coef * entropy_bonus(entropies_with_grad, bonus_mask, grad_accum)
         metrics["_entropy_sum"] = torch.where(bonus_mask, entropies, 0).sum()
