@@ -3,14 +3,17 @@
     python train.py                       # the embedded default, ~30 s on CPU
     torchrun --nproc_per_node 8 train.py --config small.py
 
-One round of GRPO (train_round): prompts -> G completions each (rollout.py)
--> rewards (rewards.py) -> group advantages (grpo.py) -> old log-probs
-when the update is off-policy, reference log-probs when beta > 0
-(logprobs.py) -> micro-batched grpo_step with gradient accumulation -> clip
--> AdamW step. The batch arithmetic is TRL's (schedules.Schedule, printed
-at the start of every run); `step` counts optimizer steps, as TRL's
-global_step does. With use_peft only LoRA adapters train (lora.py) and the
-reference model is the policy with its adapters off. What the rounds
+One round of GRPO (sample_round): prompts -> G completions each
+(rollout.py; a group may span ranks, as in TRL) -> rewards (rewards.py)
+-> group advantages over all ranks (grpo.py) -> old log-probs when the
+update is off-policy, reference log-probs when beta > 0 (logprobs.py).
+Then (train_cycle) each optimizer step takes the next
+gradient_accumulation_steps micro-batches of the rounds -> micro-batched
+grpo_step -> clip -> AdamW step. The batch arithmetic is TRL's
+(schedules.Schedule, printed at the start of every run); `step` counts
+optimizer steps, as TRL's global_step does. With use_peft only LoRA
+adapters train (lora.py) and the reference model is the policy with its
+adapters off. What the rounds
 start from (model, tokenizer, optimizer, rewards, prompts) is built by
 nanogrpo/trainer.py; what a run does around the algorithm (output folder,
 resume, Ctrl-C, metrics, trackers, printing) lives in nanogrpo/run.py and
@@ -31,7 +34,7 @@ from nanogrpo.data import columns_of
 from nanogrpo.dynamic_sampling import dynamic_sampling
 from nanogrpo.grpo import applied_entropy_coef, group_advantages, grpo_step, next_entropy_coef
 from nanogrpo.logprobs import policy_logprobs, rows_without_gradient, token_logprobs
-from nanogrpo.rewards import score_completions
+from nanogrpo.rewards import score_completions, trainer_state_of
 from nanogrpo.rollout import Rollout, rollout
 from nanogrpo.trainer import Trainer, setup
 
@@ -49,13 +52,18 @@ def round_seed(cfg: TrainConfig, rnd: int, rank: int, salt=0) -> int:
 # One round: prompts -> completions -> rewards -> advantages
 
 
-def round_prompts(t: Trainer) -> list[dict]:
-    """This rank's share of the round's prompts (a prompt's G samples
-    stay on one rank)."""
+def round_prompts(t: Trainer) -> tuple[list[dict], int]:
+    """This rank's share of the next round, as TRL's RepeatSampler hands
+    it out: the round's prompts each repeated G times, each rank a
+    consecutive slice. -> (rows, copies of each): whole groups when the
+    slice holds them, else each completion its own row (a group spans
+    ranks; its advantages still come from all G rewards)."""
     rows = t.prompts.next_batch()
-    per_rank = len(rows) // t.info.world_size
-    first = t.info.rank * per_rank
-    return rows[first:first + per_rank]
+    share = t.sched.rank_share(t.info.rank)  # [(prompt, copies)]
+    counts = {c for _, c in share}
+    if len(counts) == 1:  # G copies of each prompt, or part of one group
+        return [rows[i] for i, _ in share], counts.pop()
+    return [rows[i] for i, c in share for _ in range(c)], 1
 
 
 def reward_rollout(ro: Rollout, reward_funcs, t=None) -> torch.Tensor:
@@ -73,12 +81,15 @@ def reward_rollout(ro: Rollout, reward_funcs, t=None) -> torch.Tensor:
 def reward_extras(t: Trainer) -> dict:
     """The keyword arguments TRL 1.16 adds for reward functions: the
     trainer's progress, and two ways to log from inside a function."""
-    state = {"global_step": t.step, "max_steps": t.cfg.max_steps,
-             "epoch": t.prompts.epoch}
+    def log_metric(name, value):  # TRL logs the mean of a name's values
+        t.user_metrics.setdefault(name, []).append(float(value))
+
     return {
-        "trainer_state": state,
-        "log_metric": t.user_metrics.__setitem__,  # log_metric(name, value)
-        "log_extra": t.user_columns.__setitem__,  # log_extra(column, values)
+        "trainer_state": trainer_state_of(t),  # transformers' TrainerState
+        "log_metric": log_metric,
+        # log_extra(column, values): TRL appends, but its table keeps one
+        # batch of rows: a second call's values are the ones shown, as here
+        "log_extra": t.user_columns.__setitem__,
     }
 
 
@@ -122,29 +133,32 @@ def frozen_logprobs(model, ro: Rollout, t: Trainer) -> torch.Tensor:
 # The update: micro-batched grpo_step with gradient accumulation
 
 
-def micro_batches(t: Trainer) -> list[torch.Tensor]:
-    """The round's rows shuffled (seeded by the round), cut into
-    micro-batches of row indices."""
+def micro_batches(t: Trainer, ro: Rollout, rnd: int) -> list[tuple]:
+    """What round `rnd` feeds the optimizer steps, in order: its rows
+    shuffled (seeded by the round), cut into steps_per_generation
+    micro-batches, replayed num_iterations times.
+    -> [(ro, row indices)]."""
     n = t.sched.completions_per_round_per_rank
     size = t.cfg.per_device_train_batch_size
-    seed = round_seed(t.cfg, t.round, t.info.rank, salt=1)
+    seed = round_seed(t.cfg, rnd, t.info.rank, salt=1)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     perm = perm.to(t.info.device)
-    return [perm[i:i + size] for i in range(0, n, size)]
+    micro = [perm[i:i + size] for i in range(0, n, size)]
+    return [(ro, micro[k]) for k in t.sched.replay_order()]
 
 
-def optimizer_step(t: Trainer, ro: Rollout, micro_rows) -> dict:
-    """One optimizer step over `micro_rows` (GA index tensors into the
-    round's rows). -> loss metrics, averaged over micro-batches (a
-    sampling/*/min or /max metric: the smallest or largest)."""
-    GA = len(micro_rows)
+def optimizer_step(t: Trainer, micro) -> dict:
+    """One optimizer step over `micro`, GA (Rollout, row indices) pairs
+    (from one round or several). -> loss metrics over the step's
+    micro-batches (report.across_micro_batches)."""
+    GA = len(micro)
     bonus = t.loss_cfg.entropy_bonus_on()
     # every micro-batch of the step applies the coefficient of the last one
     coef = applied_entropy_coef(t.loss_cfg, t.entropy_coef, t.last_entropy)
     window = torch.zeros(2, dtype=torch.float64, device=t.info.device)
-    sums = {}
+    values = {}  # metric -> [(value, weight)] of each micro-batch
     total_loss = 0.0
-    for k, idx in enumerate(micro_rows):
+    for k, (ro, idx) in enumerate(micro):
         dist.gradient_sync(t.model, enabled=(k == GA - 1))
         # rows without advantage need no backward (logprobs.py)
         free = rows_without_gradient(ro.advantages[idx], t.loss_cfg.beta,
@@ -169,13 +183,14 @@ def optimizer_step(t: Trainer, ro: Rollout, micro_rows) -> dict:
         if bonus:
             window[0] += metrics.pop("_entropy_sum")
             window[1] += metrics.pop("_entropy_tokens")
+        weights = report.micro_batch_weights(ro.completion_mask[idx], t.loss_cfg)
         for key, value in metrics.items():
-            sums.setdefault(key, []).append(value)
+            values.setdefault(key, []).append((value, weights.get(key, 1.0)))
     max_norm = t.cfg.max_grad_norm or 0.0
     grad_norm = dist.clip_grad_norm(t.model, max_norm)
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
-    out = {k: report.across_micro_batches(k, v) for k, v in sums.items()}
+    out = report.across_micro_batches(values, t.info)
     out["loss"] = total_loss
     out["grad_norm"] = grad_norm
     if t.loss_cfg.use_adaptive_entropy:
@@ -199,28 +214,23 @@ def update_entropy_coef(t: Trainer, window: torch.Tensor):
                                        t.last_entropy)
 
 
-def round_updates(t: Trainer, ro: Rollout) -> list[dict]:
-    """The round's optimizer steps: its micro-batches replayed
-    num_iterations times (Schedule.replay_order). -> a record per step."""
+def update(t: Trainer, micro) -> dict:
+    """One optimizer step, the scheduler's step and TR-DPO's reference
+    sync. -> the step's record."""
     cfg = t.cfg
-    GA = t.sched.micro_batches_per_step
-    micro = micro_batches(t)
-    records = []
-    for j in t.sched.replay_order()[: cfg.max_steps - t.step]:
-        t0 = time.time()
-        lr_used = t.scheduler.get_last_lr()[0]
-        m = optimizer_step(t, ro, micro[j:j + GA])
-        t.scheduler.step()
-        t.step += 1
-        due = t.step % cfg.ref_model_sync_steps == 0
-        if t.ref is not None and cfg.sync_ref_model and due:
-            sync_ref_model(t.ref, t.model, cfg.ref_model_mixup_alpha)
-        m["step"] = t.step
-        # the rate this step used (the scheduler has moved on)
-        m["learning_rate"] = lr_used
-        m["time/update"] = time.time() - t0
-        records.append(m)
-    return records
+    t0 = time.time()
+    lr_used = t.scheduler.get_last_lr()[0]
+    m = optimizer_step(t, micro)
+    t.scheduler.step()
+    t.step += 1
+    due = t.step % cfg.ref_model_sync_steps == 0
+    if t.ref is not None and cfg.sync_ref_model and due:
+        sync_ref_model(t.ref, t.model, cfg.ref_model_mixup_alpha)
+    m["step"] = t.step
+    # the rate this step used (the scheduler has moved on)
+    m["learning_rate"] = lr_used
+    m["time/update"] = time.time() - t0
+    return m
 
 
 @torch.no_grad()
@@ -234,20 +244,19 @@ def sync_ref_model(ref, policy, alpha: float):
 # The loop
 
 
-def train_round(t: Trainer, r: run.Run) -> list[dict]:
-    """One generation round: sample, reward, advantages, old/ref
-    log-probs, the round's optimizer steps. -> a record per step."""
+def sample_round(t: Trainer, r: run.Run, rnd: int) -> tuple[Rollout, dict]:
+    """Generation round `rnd`: sample, reward, advantages over all ranks,
+    old/ref log-probs. -> (the Rollout, what the report needs of it)."""
     cfg = t.cfg
     info = t.info
-    t.round_begin = t.prompts.state_dict()  # for a save on Ctrl-C
-    t.round_start_step = t.step
     t0 = time.time()
     generator = torch.Generator(info.device)
-    generator.manual_seed(round_seed(cfg, t.round, info.rank))
+    generator.manual_seed(round_seed(cfg, rnd, info.rank))
     # LoRA dropout's masks: seeded per round, so resume is exact
-    torch.manual_seed(round_seed(cfg, t.round, info.rank, salt=2))
-    ro = rollout(t.model, t.tok, round_prompts(t), cfg,
-                 cfg.num_generations, generator, t.autocast, t.tools)
+    torch.manual_seed(round_seed(cfg, rnd, info.rank, salt=2))
+    rows, copies = round_prompts(t)
+    ro = rollout(t.model, t.tok, rows, cfg, copies, generator, t.autocast,
+                 t.tools)
     t1 = time.time()
     local = reward_rollout(ro, t.reward_funcs, t)  # [n, K]
     stats = {}
@@ -257,10 +266,10 @@ def train_round(t: Trainer, r: run.Run) -> list[dict]:
         ro, local, stats = groups_with_signal(t, r, ro, local, generator)
         extra = time.time() - start
     rewards = dist.all_gather_rows(local.to(info.device), info).float()
-    ro.advantages = advantages_of(t, rewards, ro.num_generations)
+    ro.advantages = advantages_of(t, rewards, cfg.num_generations)
     ro.num_items = dist.all_reduce_sum(ro.completion_mask.sum(), info)
     t2 = time.time()
-    if t.sched.off_policy:  # the policy moves within the round
+    if t.sched.off_policy:  # the policy moves before some update
         ro.old_logps = frozen_logprobs(t.model, ro, t)
     elif cfg.vllm_importance_sampling_correction and lora.has_dropout(t.model):
         # the update's forward drops adapter inputs, the sampler's did not:
@@ -272,16 +281,39 @@ def train_round(t: Trainer, r: run.Run) -> list[dict]:
         with lora.disable_adapters(t.model):
             ro.ref_logps = frozen_logprobs(t.model, ro, t)
     t3 = time.time()
-    records = round_updates(t, ro)
-    t.round_begin = None
-    t.round += 1
     timing = {"time/sample": t1 - t0, "time/score": t2 - t1 - extra,
               "time/logprobs": t3 - t2}
     if cfg.dynamic_sampling:  # sampling and scoring the extra batches
         timing["time/dynamic_sampling"] = extra
-    report.add_round_metrics(r, t, ro, local, rewards, records, timing)
+    return ro, {"ro": ro, "local": local, "rewards": rewards,
+                "timing": timing, "stats": stats}
+
+
+def train_cycle(t: Trainer, r: run.Run) -> list[dict]:
+    """Rounds and optimizer steps in TRL's order until they end together
+    (Schedule's cycle; for most shapes one round and its steps): a step
+    takes the next gradient_accumulation_steps micro-batches, sampling a
+    new round whenever none is left. -> a record per step."""
+    t.round_begin = t.prompts.state_dict()  # for a save on Ctrl-C
+    t.round_start_step = t.step
+    GA = t.sched.gradient_accumulation_steps
+    queue = []  # (Rollout, row indices) not trained on yet
+    rounds = []  # what the report needs of each round sampled
+    records = []
+    for _ in range(min(t.sched.steps_per_cycle, t.cfg.max_steps - t.step)):
+        while len(queue) < GA:
+            rnd = t.round + len(rounds)
+            ro, sampled = sample_round(t, r, rnd)
+            rounds.append(sampled)
+            queue += micro_batches(t, ro, rnd)
+        records.append(update(t, queue[:GA]))
+        del queue[:GA]
+    t.round += len(rounds)
+    t.round_begin = None
+    report.add_round_metrics(r, t, rounds, records)
     for m in records:
-        m.update(stats)
+        for sampled in rounds:
+            m.update(sampled["stats"])
     return records
 
 
@@ -292,8 +324,9 @@ def groups_with_signal(t: Trainer, r: run.Run, ro: Rollout, local, generator):
     cfg = t.cfg
 
     def draw():
-        more = rollout(t.model, t.tok, round_prompts(t), cfg,
-                       cfg.num_generations, generator, t.autocast, t.tools)
+        rows, copies = round_prompts(t)
+        more = rollout(t.model, t.tok, rows, cfg, copies, generator,
+                       t.autocast, t.tools)
         return more, reward_rollout(more, t.reward_funcs, t)
 
     ro, local, stats = dynamic_sampling(
@@ -326,7 +359,7 @@ def train(cfg: TrainConfig, command=None) -> list[dict]:
     with run.saving_on_stop(r, t):
         while t.step < cfg.max_steps:
             first_step = t.step
-            r.pending = train_round(t, r)
+            r.pending = train_cycle(t, r)
             eval_due = crossed(cfg.eval_every(), first_step, t.step)
             last = t.step == cfg.max_steps
             if t.eval_rows and (eval_due or last):

@@ -4,8 +4,9 @@
 #
 # Each optimizer step: 64 prompts x 8 completions = 512 completions, 64 per GPU in micro-batches of
 # 16 (gradient accumulation 4). FSDP2 shards the model; bf16 compute with fp32 master weights.
-# On fewer GPUs it still runs (prompts_per_step must stay divisible by the GPU count): each GPU then
-# accumulates more micro-batches for the same global batch.
+# On any other number of GPUs it runs as is, with 64 completions (8 prompts) a step per GPU; a
+# group may span GPUs, as in TRL. For the same 512 completions a step on fewer GPUs, raise
+# gradient_accumulation_steps to 32 / GPUs (8 on 4 GPUs, 32 on one).
 
 model = "Qwen/Qwen2.5-0.5B-Instruct"
 device = "cuda"

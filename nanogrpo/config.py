@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, VESPO_NEEDS_TOKENS, LossConfig
 from nanogrpo.tools import TOOL_CALL_PARSERS
 from nanogrpo.sampler import check_sampling
-from nanogrpo.schedules import SCHEDULES, Schedule, batch_schedule, micro_batches_per_round
+from nanogrpo.schedules import SCHEDULES, Schedule, batch_schedule
 from nanogrpo.schedules import total_steps
 
 
@@ -64,237 +64,256 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_OUTPUT_DIR = "trainer_output"  # transformers' output_dir=None
 
 
+def setting(default=None, help: str = "", *, factory=None, group: str | None = None):
+    """A TrainConfig field with its help text in metadata["help"], where
+    transformers' HfArgumentParser (and so TRL) keeps it too. `group`
+    titles the group this field opens; `factory` makes a mutable default."""
+    metadata = {"help": help}
+    if group:
+        metadata["group"] = group
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class TrainConfig:
-    """All settings of a run; see the comment on each field. Names,
-    meanings and defaults are TRL's GRPOConfig's (with transformers'
-    TrainingArguments) wherever TRL has the setting."""
+    """All settings of a run. Each field's help says what it means, and
+    the first field of a group names the group (train.py --help prints
+    them). Names, meanings and defaults are TRL's GRPOConfig's (with
+    transformers' TrainingArguments) wherever TRL has the setting."""
 
-    # --- model
-    # checkpoint dir or hub id (the config file decides what the tiny default is)
-    model: str = "tiny"
-    # ModelConfig fields: create a random model at `model` if it does not exist
-    init_model: dict | None = None
-    # with init_model: the characters of its char-level tokenizer
-    init_tokenizer_chars: str = "abcdefgh="
-    # {"dtype": "bfloat16"} loads the weights in that dtype (TRL's); None = float32
-    model_init_kwargs: dict | None = None
-    # compute in bfloat16 (autocast, or FSDP2 mixed precision; fp32 weights).
-    # None: on CUDA yes, on CPU no (TRL's None means yes; bf16 is slow on CPU)
-    bf16: bool | None = None
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    seed: int = 42  # seeds init, prompt order and sampling
-    # recompute activations in backward to save memory
-    gradient_checkpointing: bool = True
-    # set every dropout probability (LoRA's) to 0
-    disable_dropout: bool = False
+    model: str | None = setting(
+        None, "checkpoint dir or hub id (TRL's model_name_or_path); none by default: "
+        "a config file or --model names it", group="model")
+    init_model: dict | None = setting(
+        None, "ModelConfig fields: create a random model at `model` if it does not exist")
+    init_tokenizer_chars: str = setting(
+        "abcdefgh=", "with init_model: the characters of its char-level tokenizer")
+    model_init_kwargs: dict | None = setting(
+        None, '{"dtype": "bfloat16"} loads the weights in that dtype (TRL\'s); '
+        "None = float32")
+    bf16: bool | None = setting(
+        None, "compute in bfloat16 (autocast, or FSDP2 mixed precision; fp32 weights). "
+        "None: on CUDA yes, on CPU no (TRL's None means yes; bf16 is slow on CPU)")
+    device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    seed: int = setting(42, "seeds init, prompt order and sampling")
+    gradient_checkpointing: bool = setting(
+        True, "recompute activations in backward to save memory")
+    disable_dropout: bool = setting(
+        False, "set every dropout probability (LoRA's) to 0")
 
-    # --- LoRA (TRL's ModelConfig names)
-    # train LoRA adapters (nanogrpo/lora.py) instead of every weight; base frozen
-    use_peft: bool = False
-    lora_r: int = 16  # adapter rank
-    lora_alpha: int = 32  # adapter scaling = lora_alpha / lora_r
-    lora_dropout: float = 0.05  # dropout on each adapter's input
-    # None = q_proj, v_proj (PEFT's default); "all-linear"
-    lora_target_modules: list[str] | str | None = None
-    # trained in full and saved with the adapter: embed_tokens, lm_head
-    lora_modules_to_save: list[str] | None = None
-    # rank-stabilized scaling lora_alpha / sqrt(lora_r)
-    use_rslora: bool = False
-    # at the end, also write the adapter merged into a full HF checkpoint
-    # (output_dir/merged)
-    merge_adapter: bool = False
+    use_peft: bool = setting(
+        False, "train LoRA adapters (nanogrpo/lora.py) instead of every weight; base frozen",
+        group="LoRA (TRL's ModelConfig names)")
+    lora_r: int = setting(16, "adapter rank")
+    lora_alpha: int = setting(32, "adapter scaling = lora_alpha / lora_r")
+    lora_dropout: float = setting(0.05, "dropout on each adapter's input")
+    lora_target_modules: list[str] | str | None = setting(
+        None, 'None = q_proj, v_proj (PEFT\'s default); "all-linear"')
+    lora_modules_to_save: list[str] | None = setting(
+        None, "trained in full and saved with the adapter: embed_tokens, lm_head")
+    use_rslora: bool = setting(
+        False, "rank-stabilized scaling lora_alpha / sqrt(lora_r)")
+    merge_adapter: bool = setting(
+        False, "at the end, also write the adapter merged into a full HF checkpoint "
+        "(output_dir/merged)")
 
-    # --- data
-    # see data.load_dataset: file, hf://datasets/..., gsm8k, default, countdown
-    dataset: str = "default"
-    # split for gsm8k / procedural tasks (None = "train")
-    dataset_split: str | None = None
-    # same forms as dataset; None = no evaluation
-    eval_dataset: str | None = None
-    eval_split: str | None = "test"  # split of eval_dataset
-    eval_size: int = 256  # evaluate on the first this-many eval prompts
-    shuffle_dataset: bool = True  # a new prompt order every epoch
-    # prompt tokens kept, cut from the left with a warning; None = all
-    max_prompt_length: int | None = None
-    # extra variables of the chat template, e.g. {"enable_thinking": False}
-    chat_template_kwargs: dict | None = None
+    dataset: str = setting(
+        "default", "see data.load_dataset: file, hf://datasets/..., gsm8k, default, "
+        "countdown", group="data")
+    dataset_split: str | None = setting(
+        None, 'split for gsm8k / procedural tasks (None = "train")')
+    eval_dataset: str | None = setting(
+        None, "same forms as dataset; None = no evaluation")
+    eval_split: str | None = setting("test", "split of eval_dataset")
+    eval_size: int = setting(256, "evaluate on the first this-many eval prompts")
+    shuffle_dataset: bool = setting(True, "a new prompt order every epoch")
+    max_prompt_length: int | None = setting(
+        None, "prompt tokens kept, cut from the left with a warning; None = all")
+    chat_template_kwargs: dict | None = setting(
+        None, 'extra variables of the chat template, e.g. {"enable_thinking": False}')
 
-    # --- rewards
-    # built-in names, module:function, a reward model, or functions defined
-    # in the config file itself
-    reward_funcs: list = field(default_factory=lambda: ["default_task"])
-    # one per reward function; None = all 1.0
-    reward_weights: list[float] | None = None
-    # per reward model: its tokenizer; None = its own
-    reward_processing_classes: list[str | None] | None = None
-    # soft_overlong reward's window (None = max_completion_length // 4)
-    soft_punish_cache: int | None = None
+    reward_funcs: list = setting(
+        help="built-in names, module:function, a reward model, or functions defined "
+        "in the config file itself", factory=lambda: ["default_task"], group="rewards")
+    reward_weights: list[float] | None = setting(
+        None, "one per reward function; None = all 1.0")
+    reward_processing_classes: list[str | None] | None = setting(
+        None, "per reward model: its tokenizer; None = its own")
+    soft_punish_cache: int | None = setting(
+        None, "soft_overlong reward's window (None = max_completion_length // 4)")
 
-    # --- batch (TRL's arithmetic: an optimizer step trains on
-    # per_device_train_batch_size x gradient_accumulation_steps x processes
-    # completions, a multiple of num_generations)
-    num_generations: int = 8  # completions per prompt (G), at least 2
-    # completions per forward/backward on one process
-    per_device_train_batch_size: int = 8
-    # forward/backwards summed per optimizer step
-    gradient_accumulation_steps: int = 1
-    # micro-batches per process sampled at once; None = gradient_accumulation_steps
-    steps_per_generation: int | None = None
-    # completions sampled at once, all processes; None = from steps_per_generation
-    generation_batch_size: int | None = None
-    # optimizer passes over each generated batch (mu)
-    num_iterations: int = 1
-    # completions per prompt in evaluation; None = 1 (nanogrpo scores one)
-    num_generations_eval: int | None = None
+    num_generations: int = setting(
+        8, "completions per prompt (G), at least 2", group="batch (TRL's arithmetic)")
+    per_device_train_batch_size: int = setting(
+        8, "completions per forward/backward on one process; an optimizer step trains on "
+        "per_device_train_batch_size x gradient_accumulation_steps x processes "
+        "completions, a multiple of num_generations")
+    gradient_accumulation_steps: int = setting(
+        1, "forward/backwards summed per optimizer step")
+    steps_per_generation: int | None = setting(
+        None, "micro-batches per process sampled at once; None = gradient_accumulation_steps")
+    generation_batch_size: int | None = setting(
+        None, "completions sampled at once, all processes; None = from steps_per_generation")
+    num_iterations: int = setting(
+        1, "optimizer passes over each generated batch (mu)")
+    num_generations_eval: int | None = setting(
+        None, "completions per prompt in evaluation; None = 1 (nanogrpo scores one)")
 
-    # --- generation
-    # new tokens per completion, also dr_grpo's constant
-    max_completion_length: int = 512
-    # > 0: training samples (0 = greedy is for sample.py)
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # nucleus sampling, in (0, 1]
-    min_p: float | None = None  # None = off
-    repetition_penalty: float = 1.0  # 1 = off
-    # compile the decode step (sampler.generate(torch_compile=)):
-    # CUDA graphs on GPU
-    torch_compile: bool = False
+    max_completion_length: int = setting(
+        512, "new tokens per completion, also dr_grpo's constant", group="generation")
+    temperature: float = setting(
+        1.0, "> 0: training samples (0 = greedy is for sample.py)")
+    top_k: int = setting(0, "0 = off")
+    top_p: float = setting(1.0, "nucleus sampling, in (0, 1]")
+    min_p: float | None = setting(None, "None = off")
+    repetition_penalty: float = setting(1.0, "1 = off")
+    torch_compile: bool = setting(
+        False, "compile the decode step (sampler.generate(torch_compile=)): CUDA graphs "
+        "on GPU")
 
-    # --- tools (TRL's names): functions the policy may call mid-completion;
-    # see tools.py
-    # "module:function", "path/to/file.py:function", or a function of the config file
-    tools: list = field(default_factory=list)
-    # tool rounds per completion; None = until no row calls one
-    max_tool_calling_iterations: int | None = None
-    # seconds an async tool may run before its result is {"error": ...}
-    tool_timeout: float = 30.0
-    # how calls are written in the text: a key of tools.TOOL_CALL_PARSERS
-    tool_call_format: str = "hermes"
+    tools: list = setting(
+        help="functions the policy may call mid-completion (see tools.py): "
+        '"module:function", "path/to/file.py:function", or a function of the config file',
+        factory=list, group="tools (TRL's names)")
+    max_tool_calling_iterations: int | None = setting(
+        None, "tool rounds per completion; None = until no row calls one")
+    tool_timeout: float = setting(
+        30.0, 'seconds an async tool may run before its result is {"error": ...}')
+    tool_call_format: str = setting(
+        "hermes", "how calls are written in the text: a key of tools.TOOL_CALL_PARSERS")
 
-    # --- loss (TRL GRPOConfig names and defaults)
-    # grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo
-    loss_type: str = "dapo"
-    beta: float = 0.0  # KL coefficient; 0 = no reference model
-    epsilon: float = 0.2  # lower clip range
-    # upper clip range (None = epsilon); cispo's weight cap
-    epsilon_high: float | None = None
-    # INTELLECT-2 upper bound on the ratio, None = off
-    delta: float | None = None
-    importance_sampling_level: str = "token"  # token | sequence (GSPO)
-    # sapo gate temperatures, positive and non-positive advantages
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    # vespo power and decay, positive and negative advantages
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    # multiply the KL term by the importance ratio
-    use_bias_correction_kl: bool = True
-    # keep the top-rho tokens by entropy in the loss, 1 = all
-    top_entropy_quantile: float = 1.0
-    # group | batch | none: what the advantage is divided by
-    scale_rewards: str = "group"
-    # or normalize_then_sum (GDPO)
-    multi_objective_aggregation: str = "sum_then_normalize"
-    # drop completions that hit max_completion_length from the loss
-    mask_truncated_completions: bool = False
+    loss_type: str = setting(
+        "dapo", "grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo",
+        group="loss (TRL GRPOConfig names and defaults)")
+    beta: float = setting(0.0, "KL coefficient; 0 = no reference model")
+    epsilon: float = setting(0.2, "lower clip range")
+    epsilon_high: float | None = setting(
+        None, "upper clip range (None = epsilon); cispo's weight cap")
+    delta: float | None = setting(
+        None, "INTELLECT-2 upper bound on the ratio, None = off")
+    importance_sampling_level: str = setting("token", "token | sequence (GSPO)")
+    sapo_temperature_pos: float = setting(
+        1.0, "sapo gate temperature for positive advantages")
+    sapo_temperature_neg: float = setting(
+        1.05, "sapo gate temperature for non-positive advantages")
+    vespo_k_pos: float = setting(2.0, "vespo power, positive advantages")
+    vespo_lambda_pos: float = setting(3.0, "vespo decay, positive advantages")
+    vespo_k_neg: float = setting(3.0, "vespo power, negative advantages")
+    vespo_lambda_neg: float = setting(2.0, "vespo decay, negative advantages")
+    use_bias_correction_kl: bool = setting(
+        True, "multiply the KL term by the importance ratio")
+    top_entropy_quantile: float = setting(
+        1.0, "keep the top-rho tokens by entropy in the loss, 1 = all")
+    scale_rewards: str = setting(
+        "group", "group | batch | none: what the advantage is divided by")
+    multi_objective_aggregation: str = setting(
+        "sum_then_normalize", "or normalize_then_sum (GDPO)")
+    mask_truncated_completions: bool = setting(
+        False, "drop completions that hit max_completion_length from the loss")
 
-    # --- entropy bonus (TRL's names)
-    # loss - coef x mean entropy of the trained tokens, for every loss_type;
-    # 0 = off; > 0 keeps the policy from collapsing (exploration)
-    entropy_coef: float = 0.0
-    # Skywork-OR1's control: entropy_coef moves one entropy_coef_delta per
-    # step, up while the entropy is at or below entropy_target (the bonus
-    # applies only then), down otherwise; saved with checkpoints
-    use_adaptive_entropy: bool = False
-    entropy_coef_min: float = 0.0  # the adaptive coefficient's bounds
-    entropy_coef_max: float = 1.0
-    entropy_coef_delta: float = 0.005
-    # nats; set it near the `entropy` metric of early training
-    entropy_target: float = 0.2
+    entropy_coef: float = setting(
+        0.0, "loss - coef x mean entropy of the trained tokens, for every loss_type; "
+        "0 = off; > 0 keeps the policy from collapsing (exploration)",
+        group="entropy bonus (TRL's names)")
+    use_adaptive_entropy: bool = setting(
+        False, "Skywork-OR1's control: entropy_coef moves one entropy_coef_delta per "
+        "step, up while the entropy is at or below entropy_target (the bonus applies "
+        "only then), down otherwise; saved with checkpoints")
+    entropy_coef_min: float = setting(0.0, "the adaptive coefficient's lower bound")
+    entropy_coef_max: float = setting(1.0, "the adaptive coefficient's upper bound")
+    entropy_coef_delta: float = setting(
+        0.005, "the adaptive coefficient's move per step")
+    entropy_target: float = setting(
+        0.2, "nats; set it near the `entropy` metric of early training")
 
-    # --- off-policy corrections (TRL's names; its "vllm" is nanogrpo's sampler)
-    # DeepSeek-V3.2 OPSM: drop a negative-advantage completion whose mean
-    # per-token KL from the sampling policy exceeds this (e.g. 0.5); None = off
-    off_policy_mask_threshold: float | None = None
-    # weight each token's loss by pi_trainer / pi_sampler (the sampler's
-    # own log-probs): they differ in bf16 and with the compiled decode
-    # step; ~1 in fp32 on CPU
-    vllm_importance_sampling_correction: bool = True
-    # token_truncate | token_mask | sequence_truncate | sequence_mask
-    vllm_importance_sampling_mode: str = "sequence_mask"
-    # truncate clamps the weight into [min, max]; mask zeroes it outside
-    vllm_importance_sampling_clip_min: float | None = None  # None = no bound
-    vllm_importance_sampling_clip_max: float | None = 3.0
-    # the LM head in float32 under bf16, sampler and trainer (ScaleRL)
-    cast_lm_head_to_fp32: bool = False
+    off_policy_mask_threshold: float | None = setting(
+        None, "DeepSeek-V3.2 OPSM: drop a negative-advantage completion whose mean "
+        "per-token KL from the sampling policy exceeds this (e.g. 0.5); None = off",
+        group="off-policy corrections (TRL's names; its \"vllm\" is nanogrpo's sampler)")
+    vllm_importance_sampling_correction: bool = setting(
+        True, "weight each token's loss by pi_trainer / pi_sampler (the sampler's own "
+        "log-probs): they differ in bf16 and with the compiled decode step; ~1 in fp32 "
+        "on CPU")
+    vllm_importance_sampling_mode: str = setting(
+        "sequence_mask", "token_truncate | token_mask | sequence_truncate | sequence_mask: "
+        "truncate clamps the weight into [clip_min, clip_max]; mask zeroes it outside")
+    vllm_importance_sampling_clip_min: float | None = setting(
+        None, "the weight's lower bound; None = no bound")
+    vllm_importance_sampling_clip_max: float | None = setting(
+        3.0, "the weight's upper bound; None = no bound")
+    cast_lm_head_to_fp32: bool = setting(
+        False, "the LM head in float32 under bf16, sampler and trainer (ScaleRL)")
 
-    # --- dynamic sampling (DAPO; verl's filter_groups, not in TRL)
-    # arXiv 2503.14476: drop groups whose rewards are all equal (no learning signal) and sample
-    # more prompts until the round has its number of groups
-    dynamic_sampling: bool = False
-    # generation batches drawn for one round at most (verl's name); then
-    # equal-reward groups fill what is missing, with a warning
-    max_num_gen_batches: int = 10
+    dynamic_sampling: bool = setting(
+        False, "arXiv 2503.14476: drop groups whose rewards are all equal (no learning "
+        "signal) and sample more prompts until the round has its number of groups",
+        group="dynamic sampling (DAPO; verl's filter_groups, not in TRL)")
+    max_num_gen_batches: int = setting(
+        10, "generation batches drawn for one round at most (verl's name); then "
+        "equal-reward groups fill what is missing, with a warning")
 
-    # --- optimizer and learning-rate schedule (transformers' names)
-    learning_rate: float = 1e-6  # peak learning rate
-    optim: str = "adamw_torch_fused"  # or adamw_torch (fused where the device has it)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    weight_decay: float = 0.0  # decoupled weight decay
-    # linear | cosine | constant | constant_with_warmup | cosine_with_min_lr
-    lr_scheduler_type: str = "linear"
-    # cosine_with_min_lr: {"min_lr": x} or {"min_lr_rate": x}; cosine: {"num_cycles": x}
-    lr_scheduler_kwargs: dict | None = None
-    # warmup steps (the first at lr 0); below 1, a fraction of max_steps
-    warmup_steps: float = 0
-    # warmup as a fraction of max_steps, rounded up (when warmup_steps is 0)
-    warmup_ratio: float = 0.0
-    # gradient clipping; None = off
-    max_grad_norm: float | None = 1.0
+    learning_rate: float = setting(
+        1e-6, "peak learning rate",
+        group="optimizer and learning-rate schedule (transformers' names)")
+    optim: str = setting(
+        "adamw_torch_fused", "or adamw_torch (fused where the device has it)")
+    adam_beta1: float = setting(0.9, "AdamW's first-moment decay")
+    adam_beta2: float = setting(0.999, "AdamW's second-moment decay")
+    adam_epsilon: float = setting(1e-8, "AdamW's denominator epsilon")
+    weight_decay: float = setting(0.0, "decoupled weight decay")
+    lr_scheduler_type: str = setting(
+        "linear", "linear | cosine | constant | constant_with_warmup | cosine_with_min_lr")
+    lr_scheduler_kwargs: dict | None = setting(
+        None, 'cosine_with_min_lr: {"min_lr": x} or {"min_lr_rate": x}; cosine: '
+        '{"num_cycles": x}')
+    warmup_steps: float = setting(
+        0, "warmup steps (the first at lr 0); below 1, a fraction of max_steps")
+    warmup_ratio: float = setting(
+        0.0, "warmup as a fraction of max_steps, rounded up (when warmup_steps is 0)")
+    max_grad_norm: float | None = setting(1.0, "gradient clipping; None = off")
 
-    # --- reference model (beta > 0)
-    # TR-DPO: pull the reference model toward the policy
-    sync_ref_model: bool = False
-    # ref = alpha * policy + (1 - alpha) * ref
-    ref_model_mixup_alpha: float = 0.6
-    ref_model_sync_steps: int = 512  # optimizer steps between syncs
+    sync_ref_model: bool = setting(
+        False, "TR-DPO: pull the reference model toward the policy",
+        group="reference model (beta > 0)")
+    ref_model_mixup_alpha: float = setting(
+        0.6, "ref = alpha * policy + (1 - alpha) * ref")
+    ref_model_sync_steps: int = setting(512, "optimizer steps between syncs")
 
-    # --- run
-    # optimizer steps; -1 = num_train_epochs passes over the dataset
-    max_steps: int = -1
-    # passes over the prompts, as TRL counts them (when max_steps is -1)
-    num_train_epochs: float = 3.0
-    logging_steps: int = 10  # steps between console lines and tracker logs
-    logging_first_step: bool = False  # also log step 1
-    eval_strategy: str = "no"  # no | steps
-    eval_steps: int | None = None  # with eval_strategy="steps"; None = logging_steps
-    # steps between checkpoints, 0 = only at the end; also on Ctrl-C
-    save_steps: int = 500
-    # keep the newest this-many checkpoints this run wrote; None = all
-    save_total_limit: int | None = None
-    # print a sample of completions at each log step
-    log_completions: bool = False
-    # prompts whose first completion log_completions prints; None = 2
-    num_completions_to_print: int | None = None
-    # checkpoints, train_config.json and logs; None = "trainer_output"
-    output_dir: str | None = None
-    run_name: str | None = None  # the trackers' run name; None = output_dir
-    # None/False; True = the latest checkpoint in output_dir if there is
-    # one; or a checkpoint path. The text true/false (any case; 1/0,
-    # yes/no) is the bool.
-    resume_from_checkpoint: bool | str | None = None
-    # start over in an output_dir holding a run (deletes its checkpoints, logs)
-    overwrite_output_dir: bool = False
-    # none | tensorboard | wandb | trackio, or several comma-separated
-    report_to: str = "none"
-    # upload each checkpoint to the hub repo hub_model_id (huggingface-hub)
-    push_to_hub: bool = False
-    hub_model_id: str | None = None  # None = the output_dir's name
+    max_steps: int = setting(
+        -1, "optimizer steps; -1 = num_train_epochs passes over the dataset", group="run")
+    num_train_epochs: float = setting(
+        3.0, "passes over the prompts, as TRL counts them (when max_steps is -1)")
+    logging_steps: int = setting(
+        10, "steps between console lines and tracker logs")
+    logging_first_step: bool = setting(False, "also log step 1")
+    eval_strategy: str = setting("no", "no | steps")
+    eval_steps: int | None = setting(
+        None, 'with eval_strategy="steps"; None = logging_steps')
+    save_steps: int = setting(
+        500, "steps between checkpoints, 0 = only at the end; also on Ctrl-C")
+    save_total_limit: int | None = setting(
+        None, "keep the newest this-many checkpoints this run wrote; None = all")
+    log_completions: bool = setting(
+        False, "print a sample of completions at each log step")
+    num_completions_to_print: int | None = setting(
+        None, "prompts whose first completion log_completions prints; None = 2")
+    output_dir: str | None = setting(
+        None, 'checkpoints, train_config.json and logs; None = "trainer_output"')
+    run_name: str | None = setting(
+        None, "the trackers' run name; None = output_dir")
+    resume_from_checkpoint: bool | str | None = setting(
+        None, "None/False; True = the latest checkpoint in output_dir if there is one; "
+        "or a checkpoint path. The text true/false (any case; 1/0, yes/no) is the bool.")
+    overwrite_output_dir: bool = setting(
+        False, "start over in an output_dir holding a run (deletes its checkpoints, logs)")
+    report_to: str | list[str] = setting(
+        "none", "none | tensorboard | wandb | trackio, or several: comma-separated "
+        'or a list (["wandb"])')
+    push_to_hub: bool = setting(
+        False, "upload each checkpoint to the hub repo hub_model_id (huggingface-hub)")
+    hub_model_id: str | None = setting(None, "None = the output_dir's name")
 
     def __post_init__(self):
         # resume_from_checkpoint="False" in a config file is text: it
@@ -305,6 +324,9 @@ class TrainConfig:
             self.resume_from_checkpoint = resume.lower() in TRUE_WORDS
         if self.output_dir is None:
             self.output_dir = DEFAULT_OUTPUT_DIR
+        # TRL takes report_to as a list too: one comma-separated string here
+        if isinstance(self.report_to, (list, tuple)):
+            self.report_to = ",".join(self.report_to) or "none"
 
     # --- batch arithmetic (TRL's; schedules.py) ----------------------------
 
@@ -366,28 +388,32 @@ class TrainConfig:
         return self
 
     def _validate_batch(self, world_size: int):
+        """TRL's GRPOConfig rules for the batch, with TRL's reasons."""
         need = self._need
         G = self.num_generations
         need(G >= 2, "num_generations", "GRPO needs at least 2 completions per prompt")
         both = self.steps_per_generation and self.generation_batch_size
         need(not both, "generation_batch_size",
              "set it or steps_per_generation, not both (as in TRL)")
-        per_round = self.per_device_train_batch_size * world_size
+        global_batch = self.per_device_train_batch_size * world_size
         gbs = self.generation_batch_size
-        need(gbs is None or gbs % per_round == 0, "generation_batch_size",
-             f"must be a multiple of per_device_train_batch_size x processes "
-             f"= {per_round}")
-        spg = micro_batches_per_round(self, world_size)
-        GA = self.gradient_accumulation_steps
-        need(spg % GA == 0, "steps_per_generation",
-             f"counts micro-batches per generation, as in TRL: it must be a "
-             f"multiple of gradient_accumulation_steps={GA}")
-        sampled = self.per_device_train_batch_size * spg
-        need(sampled % G == 0, "per_device_train_batch_size",
-             f"x steps_per_generation ({sampled} completions sampled per "
-             f"process) must be a multiple of num_generations={G}: each "
-             "process holds whole groups (TRL asks this of all processes "
-             "together)")
+        need(gbs is None or gbs % global_batch == 0, "generation_batch_size",
+             f"must be divisible by the global batch size "
+             f"(per_device_train_batch_size x processes = {global_batch}; TRL's rule)")
+        sched = batch_schedule(self, world_size)
+        if sched.generation_batch_size % G:
+            raise ConfigError(
+                f"generation_batch_size ({sched.generation_batch_size} = "
+                f"per_device_train_batch_size x {world_size} process(es) x "
+                f"steps_per_generation {sched.steps_per_generation}) must be "
+                f"divisible by num_generations ({G}): a generation round "
+                "holds whole groups (TRL's rule)")
+        need(not self.dynamic_sampling or sched.whole_groups_per_rank,
+             "dynamic_sampling",
+             f"needs each process to hold whole groups: "
+             f"per_device_train_batch_size x steps_per_generation "
+             f"({sched.completions_per_round_per_rank}) must be a multiple of "
+             f"num_generations={G}")
         need(self.max_steps > 0 or self.max_steps == -1, "max_steps",
              "must be > 0, or -1 for num_train_epochs")
 

@@ -1,9 +1,12 @@
-"""Reading a run's settings: a Python config file, then `--key=value` overrides.
+"""Reading a run's settings: a config file, then `--key=value` overrides.
 
-Owns: `load_config(argv)`, `read_config_file`, which file a `--config` name
-means (`config_path`), converting text to each field's type (`convert`),
-the error that names every unknown key at once (`check_known`), and
-`train.py --help` (`help_text`, read from TrainConfig's field comments).
+Owns: `load_config(argv)`, which values run without `--config`
+(`default_config`), `read_config_file` (Python, or YAML as TRL's CLI reads
+it), which file a `--config` name means (`config_path`), converting text to
+each field's type (`convert`), TRL's names that TrainConfig spells otherwise
+or lacks (`ALIASES`, `TRANSLATED`, `NO_EFFECT`, `REFUSED`), the error that
+names every unknown key at once (`check_known`), and `train.py --help`
+(`help_text`, from each field's metadata["help"]).
 
 Does not know about: what the settings mean or the rules between them
 (config.py's TrainConfig.validate).
@@ -18,15 +21,23 @@ Choices:
 - A built-in name (`--config tiny.py`) means configs/tiny.py; a path with a
   directory (`./tiny.py`) means that file, and a note says when a local file
   of a built-in's name is not the one that runs.
+- Without `--config`, the values that run follow one rule, said in a note:
+  no model named either -> the embedded default configs/tiny.py (so
+  `python train.py` trains offline); a model named -> TrainConfig's
+  defaults, which are TRL's. `--help` prints the values that would run.
+- A TRL user's names work: ScriptArguments' and ModelConfig's spellings
+  (`model_name_or_path`, `dataset_name`, `dtype`, ...) are translated, a
+  TrainingArguments setting that changes nothing here is accepted with a
+  note, and one nanogrpo cannot honour is refused with the reason, unless
+  its value is off (False, None, empty: it asks for nothing).
 """
 
 import ast
 import difflib
-import inspect
 import math
 import os
-import re
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import fields
@@ -39,11 +50,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS_DIR = os.path.join(ROOT, "configs")
 
 
-def note(message: str):
-    """A line on stderr, from rank 0 only (torchrun's RANK: the process
-    group does not exist yet while the config loads)."""
+def note(message: str, file=None):
+    """A line on stderr (or `file`), from rank 0 only (torchrun's RANK: the
+    process group does not exist yet while the config loads)."""
     if os.environ.get("RANK", "0") == "0":
-        print(f"note: {message}", file=sys.stderr)
+        print(f"note: {message}", file=file or sys.stderr)
 
 
 def _unknown_key(key: str, where: str) -> str:
@@ -55,12 +66,31 @@ def _unknown_key(key: str, where: str) -> str:
     return f"{key!r} {where}{hint}"
 
 
-def check_known(keys: list[tuple[str, str]]):
-    """One ConfigError naming every unknown key of (key, where) pairs, each
-    with its closest field, so nine typos need one run, not nine."""
-    bad = [k for k, _ in keys if k not in FIELD_TYPES]
-    unknown = [_unknown_key(k, where) for k, where in keys
-               if k not in FIELD_TYPES]
+def is_read(key: str, value, from_text: bool) -> bool:
+    """Whether load_config reads `key` = `value`: a TrainConfig field, a TRL
+    name it translates or accepts, or a refused TRL setting whose value is
+    off (it asks for nothing)."""
+    if key in FIELD_TYPES or key in ALIASES or key in TRANSLATED:
+        return True
+    if key in NO_EFFECT or key.startswith("vllm_"):
+        return True
+    return refusal(key) is not None and is_off(value, from_text)
+
+
+def is_off(value, from_text: bool) -> bool:
+    """False, None or empty (or their text): a setting that asks for nothing."""
+    if from_text and isinstance(value, str):
+        return value.strip().lower() in FALSE_WORDS + ("none", "null", "", "[]", "{}")
+    return value is None or value is False or value in ("", [], {}, ())
+
+
+def check_known(entries: list[tuple[str, object, str, bool]]):
+    """One ConfigError naming every unknown key of (key, value, where,
+    from_text) entries, each with its closest field, so nine typos need one
+    run, not nine."""
+    bad = [k for k, v, _, text in entries if not is_read(k, v, text)]
+    unknown = [_unknown_key(k, where) for k, v, where, text in entries
+               if not is_read(k, v, text)]
     if len(unknown) == 1:
         kind = "unsupported" if refusal(bad[0]) else "unknown"
         raise ConfigError(f"{kind} config key {unknown[0]}")
@@ -151,9 +181,12 @@ def convert(key: str, value, tp=None, from_text: bool = False):
     raise ConfigError(f"{key}={value!r}: expected {getattr(tp, '__name__', tp)}")
 
 
+YAML = (".yaml", ".yml")
+
+
 def config_path(name: str) -> str:
-    """The file a --config value names. A config is a Python (.py) file;
-    any other name is refused.
+    """The file a --config value names. A config is a Python (.py) file,
+    or a YAML one as TRL's CLI reads; any other name is refused.
 
     - A name with a '/' (`./tiny.py`, `runs/a.py`) is that file.
     - A bare name (`tiny`, `tiny.py`) is the built-in configs/<name>.py
@@ -164,9 +197,10 @@ def config_path(name: str) -> str:
     """
     ext = os.path.splitext(name)[1]
     is_path = "/" in name or os.sep in name
-    if ext != ".py" and (ext or is_path):
-        raise ConfigError(f"config {name!r} is not a .py file: a config is "
-                          "Python assigning settings (see configs/tiny.py)")
+    if ext not in (".py",) + YAML and (ext or is_path):
+        raise ConfigError(f"config {name!r} is not a .py or .yaml file: a config "
+                          "is Python assigning settings (see configs/tiny.py), "
+                          "or a YAML mapping of them as `trl grpo --config` reads")
     file = name if ext else name + ".py"
     if not is_path:
         builtin = os.path.join(CONFIGS_DIR, file)
@@ -183,16 +217,62 @@ def config_path(name: str) -> str:
 
 
 def read_config_file(name: str) -> dict:
-    """Names a config file assigns (skipping _private names, modules,
-    functions and classes). A config file is Python and is executed as code,
-    like a reward-function file: run only your own."""
+    """Names a config file assigns. A Python file is executed as code, like
+    a reward-function file: run only your own. Skipped: _private names, and
+    modules, functions and classes under a name that is no setting (a
+    helper, or a reward function that reward_funcs lists); under a setting's
+    name, TRL's included (`rollout_func = f`), they are read, so checked."""
     path = config_path(name)
+    if path.endswith(YAML):
+        return read_yaml(path)
     namespace: dict = {}
     with open(path) as f:
         exec(compile(f.read(), path, "exec"), namespace)
-    skipped = (types.ModuleType, types.FunctionType, type)
     return {k: v for k, v in namespace.items()
-            if not k.startswith("_") and not isinstance(v, skipped)}
+            if not k.startswith("_") and (is_setting_name(k) or not is_code(v))}
+
+
+def is_code(value) -> bool:
+    """A module, function or class: what a config file defines to use."""
+    return isinstance(value, types.ModuleType) or callable(value)
+
+
+def is_setting_name(key: str) -> bool:
+    """A TrainConfig field, or a TRL name (read, translated or refused)."""
+    return is_read(key, True, False) or refusal(key) is not None
+
+
+def read_yaml(path: str) -> dict:
+    """A config as `trl grpo --config recipe.yaml` reads it: a flat YAML
+    mapping of names to values; its `env` mapping sets environment
+    variables, as TRL's TrlParser does. PyYAML is imported only here (a
+    dependency of huggingface-hub, not of nanogrpo)."""
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError(f"config {path}: reading YAML needs PyYAML (pip install "
+                          "pyyaml), or write the config in Python") from None
+    with open(path) as f:
+        try:
+            read = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config {path}: not valid YAML ({e})") from None
+    if read is None:
+        read = {}
+    if not isinstance(read, dict):
+        raise ConfigError(f"config {path}: expected a mapping of setting names "
+                          f"to values, got a {type(read).__name__}")
+    env = read.pop("env", None) or {}
+    if not isinstance(env, dict):
+        raise ConfigError(f"config {path}: env must be a mapping of environment "
+                          "variables to values")
+    for key, value in env.items():
+        os.environ[str(key)] = str(value)
+    # YAML 1.1 reads an unquoted `no` as False: a strategy's "no"
+    for key in ("eval_strategy", "save_strategy", "logging_strategy"):
+        if read.get(key) is False:
+            read[key] = "no"
+    return {str(k): v for k, v in read.items()}
 
 
 def parse_args(argv: list[str]) -> list[tuple[str, str]]:
@@ -210,7 +290,7 @@ def parse_args(argv: list[str]) -> list[tuple[str, str]]:
             if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 i += 1
                 value = argv[i]
-            elif FIELD_TYPES.get(key) is bool:
+            elif is_flag(key):
                 value = "true"
             else:
                 raise ConfigError(f"--{key} needs a value")
@@ -219,9 +299,33 @@ def parse_args(argv: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+def is_flag(key: str) -> bool:
+    """Whether a bare `--key` means true: a bool field (`--bf16` too), or a
+    TRL name (`--use_cpu`); not --config, nor an alias of a text field."""
+    if key in FIELD_TYPES:
+        tp = FIELD_TYPES[key]
+        return tp is bool or set(typing.get_args(tp)) == {bool, type(None)}
+    return key != "config" and key not in ALIASES
+
+
 def load_config(argv: list[str] | None = None) -> TrainConfig:
     """`[--config FILE] [--key=value | --key value | --bool_key] ...` -> a
-    validated TrainConfig.
+    validated TrainConfig (read_settings says which values run)."""
+    settings, basis = read_settings(argv)
+    if settings.get("model") is None:
+        raise ConfigError("no model: set model = ... (a checkpoint directory or "
+                          "hub id) in your config file, or pass --model")
+    # the batch rules count processes: torchrun's WORLD_SIZE (train.py validates again once the
+    # process group exists)
+    cfg = TrainConfig(**settings).validate(int(os.environ.get("WORLD_SIZE", "1")))
+    if basis:  # the run's first line, on stdout with the rest of the run
+        note(basis, file=sys.stdout)
+    return cfg
+
+
+def read_settings(argv: list[str] | None = None) -> tuple[dict, str | None]:
+    """The settings `argv` asks for, unvalidated -> (settings, the sentence
+    saying which values run when there is no --config, else None).
 
     Command-line values override the file's. Two file settings do not follow
     a command-line change they were not written for, unless the command line
@@ -230,23 +334,68 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     `eval_dataset` and `eval_strategy` (an eval set of another task)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pairs = parse_args(argv)
-    files = [value for key, value in pairs if key == "config"]
-    file_settings = [(name, read_config_file(name)) for name in files]
     # the last of repeated keys wins
-    command_line = {key: value for key, value in pairs if key != "config"}
-    where = [(k, f"in config file {name}")
-             for name, read in file_settings for k in read]
-    where += [(k, "on the command line") for k in command_line]
-    check_known(where)
+    typed = {key: value for key, value in pairs if key != "config"}
+    files = [value for key, value in pairs if key == "config"]
+    files, basis = default_config(files, typed)
+    file_settings = [(name, read_config_file(name)) for name in files]
+    entries = [(k, v, f"in config file {name}", is_yaml(name))
+               for name, read in file_settings for k, v in read.items()]
+    entries += [(k, v, "on the command line", True) for k, v in typed.items()]
+    check_known(entries)
     from_file = {}
-    for _, read in file_settings:
-        for key, value in read.items():
-            from_file[key] = convert(key, value)
-    settings = dict(from_file)
-    for key, value in command_line.items():
-        settings[key] = convert(key, value, from_text=True)
+    for name, read in file_settings:
+        from_file.update(settings_of(read, from_text=is_yaml(name)))
+    command_line = settings_of(typed, from_text=True)
+    settings = from_file | command_line
     _drop_followers(settings, from_file, command_line)
-    return TrainConfig(**settings).validate()
+    return settings, basis
+
+
+def default_config(files: list[str], command_line: dict) -> tuple[list, str | None]:
+    """Which values run without --config: with no model named either, the
+    embedded default configs/tiny.py (`python train.py` trains offline);
+    with a model, TrainConfig's defaults (TRL's) and nothing of tiny.py.
+    -> (the config files to read, the sentence saying so; None with --config)."""
+    if files:
+        return files, None
+    if not {"model", "model_name_or_path"} & set(command_line):
+        return ["tiny"], ("no --config and no --model: the embedded default "
+                          "configs/tiny.py runs, your settings on top (name a "
+                          "model for TrainConfig's defaults, TRL's)")
+    return [], ("no --config: TrainConfig's defaults (TRL's) with your "
+                "settings; nothing of configs/tiny.py")
+
+
+def is_yaml(name: str) -> bool:
+    return name.endswith(YAML)
+
+
+def settings_of(read: dict, from_text: bool) -> dict:
+    """One place's names (a config file's, or the command line's) as
+    TrainConfig fields, each converted to its type: TRL's aliases to their
+    field (both names with two values is an error), TRANSLATED names to
+    what they mean (winning over the field they set: save_strategy="no"
+    over save_steps), a name that changes nothing to a note."""
+    settings = {}
+    translated = {}
+    for key, value in read.items():
+        if key in FIELD_TYPES or key in ALIASES:
+            name = ALIASES.get(key, key)
+            converted = convert(name, value, from_text=from_text)
+            if name in settings and settings[name] != converted:
+                raise ConfigError(f"{name} is set twice in one place, to "
+                                  f"{settings[name]!r} and (as {key}) to "
+                                  f"{converted!r}: keep one")
+            settings[name] = converted
+        elif key in TRANSLATED:
+            translated |= TRANSLATED[key](key, value, from_text)
+        elif key in NO_EFFECT:
+            note(f"{key} changes nothing here: {NO_EFFECT[key]}")
+        elif key.startswith("vllm_"):
+            note(f"{key} changes nothing here: there is no vLLM (use_vllm is "
+                 "off; nanogrpo's own sampler generates)")
+    return settings | translated
 
 
 def _drop_followers(settings: dict, from_file: dict, command_line: dict):
@@ -267,8 +416,134 @@ def _drop_followers(settings: dict, from_file: dict, command_line: dict):
              "pass --eval_dataset=... to evaluate")
 
 # -----------------------------------------------------------------------------
-# TRL's names that nanogrpo does not have: refused with why, never a
-# "did you mean" (a close spelling may mean something else)
+# TRL's other names: its scripts' ScriptArguments and ModelConfig, and the
+# TrainingArguments TrainConfig lacks. Each is translated, accepted with a
+# note (it changes nothing here), or refused with why, never given a "did
+# you mean" (a close spelling may mean something else).
+
+# TRL's names for TrainConfig's fields
+ALIASES = {
+    "model_name_or_path": "model",  # ModelConfig
+    "dataset_name": "dataset",  # ScriptArguments
+    "dataset_train_split": "dataset_split",
+    "dataset_test_split": "eval_split",
+}
+
+
+def _dtype(key, value, from_text) -> dict:
+    """ModelConfig's dtype (torch_dtype before): the weights' dtype, which
+    TrainConfig reads from model_init_kwargs as TRL's trainer does."""
+    dtype = convert(key, value, str | None, from_text)
+    return {} if dtype is None else {"model_init_kwargs": {"dtype": dtype}}
+
+
+def _save_strategy(key, value, from_text) -> dict:
+    """TrainingArguments' save_strategy: "steps" is what save_steps does;
+    "no" saves no checkpoint on the way (the last step is saved all the same)."""
+    strategy = convert(key, value, str, from_text)
+    if strategy == "steps":
+        return {}
+    if strategy == "no":
+        note("save_strategy='no': save_steps=0, no checkpoint on the way; "
+             "the last step is saved all the same")
+        return {"save_steps": 0}
+    raise ConfigError(f"{key}={strategy!r}: checkpoints come every save_steps "
+                      "optimizer steps: use save_strategy='steps' or 'no'")
+
+
+def _logging_strategy(key, value, from_text) -> dict:
+    """Console lines and metrics come every logging_steps, whatever it says."""
+    strategy = convert(key, value, str, from_text)
+    if strategy != "steps":
+        note(f"{key}={strategy!r} changes nothing here: a line and a metrics "
+             "record come every logging_steps")
+    return {}
+
+
+def _use_cpu(key, value, from_text) -> dict:
+    return {"device": "cpu"} if convert(key, value, bool, from_text) else {}
+
+
+def _model_revision(key, value, from_text) -> dict:
+    revision = convert(key, value, str | None, from_text)
+    if revision in (None, "main"):
+        return {}
+    raise ConfigError(f"{key}={revision!r}: a hub id loads its main revision; "
+                      "download that revision (huggingface-cli download --revision) "
+                      "and pass its directory as model")
+
+
+def _dataset_config(key, value, from_text) -> dict:
+    """datasets' configuration name: nanogrpo reads files, which are one
+    configuration's already (gsm8k's are those of "main")."""
+    name = convert(key, value, str | None, from_text)
+    if name is None:
+        return {}
+    if name in ("main", "default"):
+        note(f"{key}={name!r} changes nothing here: the dataset's file is "
+             "that configuration's (gsm8k reads main's)")
+        return {}
+    raise ConfigError(f"{key}={name!r}: nanogrpo reads one file, not a datasets "
+                      "configuration: set dataset to the configuration's file, "
+                      "hf://datasets/<owner>/<name>/<file>")
+
+
+def _lora_task_type(key, value, from_text) -> dict:
+    task = convert(key, value, str, from_text)
+    if task == "CAUSAL_LM":
+        return {}
+    raise ConfigError(f"{key}={task!r}: nanogrpo trains causal LMs (CAUSAL_LM)")
+
+
+# TRL's names whose meaning depends on their value: name -> fn(key, value,
+# from_text) -> the TrainConfig settings it means
+TRANSLATED = {
+    "dtype": _dtype,  # ModelConfig
+    "torch_dtype": _dtype,
+    "model_revision": _model_revision,
+    "lora_task_type": _lora_task_type,
+    "dataset_config": _dataset_config,  # ScriptArguments
+    "save_strategy": _save_strategy,  # TrainingArguments
+    "logging_strategy": _logging_strategy,
+    "use_cpu": _use_cpu,
+}
+NO_DATALOADER = "prompts come from nanogrpo's own prompt sampler, not a DataLoader"
+NO_DDP = "several processes train with FSDP2, not DistributedDataParallel"
+ONE_PRINTER = "rank 0 prints nanogrpo's own lines"
+# TRL's names that change nothing here, whatever their value: accepted, with a note
+NO_EFFECT = {
+    "remove_unused_columns": "every dataset column reaches the reward functions",
+    "dataloader_num_workers": NO_DATALOADER,
+    "dataloader_pin_memory": NO_DATALOADER,
+    "dataloader_persistent_workers": NO_DATALOADER,
+    "dataloader_prefetch_factor": NO_DATALOADER,
+    "log_level": ONE_PRINTER,
+    "log_level_replica": ONE_PRINTER,
+    "log_on_each_node": ONE_PRINTER,
+    "disable_tqdm": "there is no progress bar: a line every logging_steps",
+    "skip_memory_metrics": "no memory metrics are logged",
+    "bf16_full_eval": "evaluation computes as training does (the bf16 setting)",
+    "per_device_eval_batch_size": "evaluation runs in per_device_train_batch_size batches",
+    "ddp_find_unused_parameters": NO_DDP,
+    "ddp_bucket_cap_mb": NO_DDP,
+    "ddp_broadcast_buffers": NO_DDP,
+    "ddp_static_graph": NO_DDP,
+    "ddp_timeout": NO_DDP,
+    "ddp_backend": "the backend is nccl on CUDA, gloo on CPU (dist.py)",
+    "ignore_bias_buffers": NO_DDP,
+    "local_rank": "torchrun's LOCAL_RANK environment variable places each process",
+    "do_train": "train.py trains",
+    "do_eval": "evaluation follows eval_strategy and eval_dataset",
+    "do_predict": "train.py does not predict",
+    "torch_empty_cache_steps": "it frees cached memory only",
+    "gradient_checkpointing_kwargs": "checkpointing is non-reentrant, TRL's default",
+    "gradient_checkpointing_use_reentrant": "checkpointing is non-reentrant, TRL's default",
+    "use_liger_kernel": "the LM head's log-probs are already chunked (logprobs.py)",
+    "attn_implementation": "nanogrpo's model attends with torch's scaled_dot_product_attention",
+    "trust_remote_code": "nanogrpo's own model code loads the weights; no remote code runs",
+    "dataset_streaming": "the dataset is read whole",
+    "bnb_4bit_quant_type": "there is no 4-bit loading (load_in_4bit)",
+}
 
 # trl 1.16 GRPOConfig's fields (with TrainingArguments') that TrainConfig
 # lacks; tests/test_config.py keeps this list equal to the fixture's
@@ -307,25 +582,43 @@ TRL_ONLY = set("""
     use_cache use_cpu use_liger_kernel
     use_transformers_continuous_batching use_transformers_paged use_vllm
 """.split())
+FSDP2 = "several processes train with FSDP2 under torchrun: remove it"
+NO_BITSANDBYTES = ("needs bitsandbytes, which nanogrpo does not use: train LoRA "
+                   'adapters on bf16 weights (model_init_kwargs={"dtype": "bfloat16"})')
+# Refused, unless off (False, None, empty): each would change the result
 REFUSED = {
     "use_vllm": "generation runs in nanogrpo's own KV-cached sampler: remove it",
     "fp16": "fp16 training is not supported: use bf16=True, or leave both out",
-    "deepspeed": "several processes train with FSDP2 under torchrun: remove it",
-    "fsdp": "several processes train with FSDP2 under torchrun: remove it",
-    "fsdp_config": "several processes train with FSDP2 under torchrun: remove it",
-    "use_liger_kernel": "the LM head's log-probs are already chunked (logprobs.py): remove it",
-    "save_strategy": "checkpoints come every save_steps (0 = only at the end): remove it",
-    "logging_strategy": "lines come every logging_steps: remove it",
-    "per_device_eval_batch_size": "evaluation runs in per_device_train_batch_size batches",
+    "fp16_full_eval": "fp16 is not supported: evaluation computes as training does",
+    "deepspeed": FSDP2,
+    "fsdp": FSDP2,
+    "fsdp_config": FSDP2,
+    # ModelConfig
+    "load_in_8bit": NO_BITSANDBYTES,
+    "load_in_4bit": NO_BITSANDBYTES,
+    "use_bnb_nested_quant": NO_BITSANDBYTES,
+    "use_dora": "LoRA adapters are plain LoRA (lora.py), not DoRA",
+    "lora_target_parameters": "LoRA adapts modules (lora_target_modules), not parameters",
+    # TRL's dataset mixtures (DatasetMixtureConfig)
+    "datasets": "one dataset per run: set dataset",
+    # GRPOTrainer's arguments, which a TRL script passes beside its config
+    "rollout_func": "generation is nanogrpo's own sampler (rollout.py): it cannot "
+                    "be replaced",
+    "environment_factory": "there are no environments: tools are functions "
+                           "(tools = [...])",
+    "callbacks": "there are no trainer callbacks: a reward function may log "
+                 "(log_metric, log_extra)",
+    "optimizers": "the optimizer is AdamW (optim, learning_rate, "
+                  "lr_scheduler_type)",
+    "peft_config": "LoRA is set by ModelConfig's names: use_peft=True, lora_r, "
+                   "lora_alpha, lora_dropout, lora_target_modules",
+    "processing_class": "the tokenizer is the model directory's",
+    "train_dataset": "set dataset: a file, hf://datasets/..., or a built-in name",
 }
 
 
 def refusal(key: str) -> str | None:
     """Why a TRL setting is refused, or None for a name TRL does not have."""
-    if key.startswith("vllm_"):
-        return ("there is no vLLM in nanogrpo (its own sampler generates; of "
-                "TRL's vllm_* settings, vllm_importance_sampling_* apply to "
-                "it): remove it")
     if key in REFUSED:
         return REFUSED[key]
     if key in TRL_ONLY:
@@ -337,53 +630,47 @@ def refusal(key: str) -> str | None:
 # train.py --help
 
 
-def help_text() -> str:
-    """Every setting with its default and comment, grouped as in
-    TrainConfig's source: a '# --- title' line starts a group; a field's
-    comment is on the '#' lines just above it and after it on its line."""
+def help_text(argv: list[str] | None = None) -> str:
+    """Every setting once, with the value that would run and its help,
+    under its group's title (TrainConfig's field metadata). With --config,
+    the file's values; without, those of load_config's rule."""
+    settings, basis = read_settings(argv or [])
+    values = TrainConfig(**settings)
+    files = [v for k, v in parse_args(argv or []) if k == "config"]
+    if files:
+        basis = (f"--config {', '.join(files)}: the file's values over "
+                 "TrainConfig's defaults (TRL's), your settings on top")
     lines = [
         "usage: train.py [--config FILE] [--key=value ...]",
-        "  FILE: a config of configs/ by name, or a .py path of your own.",
-        "Command-line values override the file's. Keys and TrainConfig's "
-        "defaults (a config file sets its own):",
+        "  FILE: a config of configs/ by name, or a path: a .py of your own, or a",
+        "  .yaml as `trl grpo --config` reads. Command-line values override the file's.",
     ]
-    defaults = TrainConfig()
-    comments, groups = field_comments()
+    lines += textwrap.wrap(f"Values shown: {basis}.", width=96,
+                           subsequent_indent="    ")
     for f in fields(TrainConfig):
-        if f.name in groups:
-            lines.append(f"\n  {groups[f.name]}:")
-        default = repr(getattr(defaults, f.name))
-        lines.append(f"  --{f.name}={default}")
-        for comment in comments.get(f.name, []):
-            lines.append(f"      {comment}")
+        if "group" in f.metadata:
+            lines += ["", f"  {f.metadata['group']}:"]
+        lines.append(f"  --{f.name}={shown(getattr(values, f.name))}")
+        lines += textwrap.wrap(f.metadata["help"], width=96,
+                               initial_indent=" " * 6, subsequent_indent=" " * 6)
+    lines += ["", "  TRL's other names:"] + textwrap.wrap(
+        trl_names_text(), width=96, initial_indent=" " * 6,
+        subsequent_indent=" " * 6)
     return "\n".join(lines)
 
 
-def field_comments() -> tuple[dict, dict]:
-    """({field: [comment lines]}, {first field of a group: its title})
-    read from TrainConfig's source, up to its first method."""
-    names = {f.name for f in fields(TrainConfig)}
-    comments = {}
-    groups = {}
-    title = None
-    above = []
-    for raw in inspect.getsource(TrainConfig).splitlines()[1:]:
-        line = raw.strip()
-        if line.startswith(("def ", "@")):
-            break
-        match = re.match(r"(\w+)\s*:", line)
-        if line.startswith("# ---"):
-            title = line.strip("#- ")
-            above = []
-        elif line.startswith("#"):
-            above.append(line.lstrip("#").strip())
-        elif match and match.group(1) in names:
-            name = match.group(1)
-            comments[name] = above + line.split("  # ", 1)[1:]
-            if title:
-                groups[name] = title
-            title = None
-            above = []
-        else:
-            above = []
-    return comments, groups
+def shown(value) -> str:
+    """A value as --help shows it: a config file's function by its name."""
+    if isinstance(value, list):
+        return "[" + ", ".join(shown(v) for v in value) + "]"
+    if callable(value):
+        return getattr(value, "__name__", repr(value))
+    return repr(value)
+
+
+def trl_names_text() -> str:
+    aliases = ", ".join(f"{k} for {v}" for k, v in ALIASES.items())
+    return (f"{aliases}; {', '.join(TRANSLATED)}: read by their value. Settings "
+            "that change nothing here (remove_unused_columns, dataloader_*, ddp_*, "
+            "log_level, ...) are accepted with a note; one nanogrpo cannot honour "
+            "is refused with why, unless its value is off (False, None, empty).")

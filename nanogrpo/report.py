@@ -154,23 +154,34 @@ def nothing_to_do(t):
 # Metrics: TRL's names and definitions
 
 
-def add_round_metrics(run, t, ro, local, rewards, records, timing):
-    """Put the round's reward, completion and timing metrics into each of
-    its step records. local: [n, K] this rank's rewards; rewards:
-    [N, K] all ranks'. Also checks the rewards and keeps a few samples."""
+def add_round_metrics(run, t, rounds: list[dict], records):
+    """Put the reward, completion and timing metrics of the rounds a
+    cycle sampled (train.sample_round's records: ro, local [n, K] this
+    rank's rewards, rewards [N, K] all ranks', timing) into each of its
+    step records: one round's own values, the mean of several rounds'.
+    Also checks the rewards and keeps a few samples."""
     info = t.info
-    gen = generation_metrics(t, ro, rewards)
-    total = total_reward(rewards, t.reward_weights)
-    check_rewards(run, total, gen["frac_reward_zero_std"])
+    gens = [generation_metrics(t, s["ro"], s["rewards"]) for s in rounds]
+    gen = {k: sum(g[k] for g in gens) / len(gens) for k in gens[0]}
+    timing = {}
+    for s in rounds:
+        for k, v in s["timing"].items():
+            timing[k] = timing.get(k, 0.0) + v
+    last = rounds[-1]
+    total = total_reward(last["rewards"], t.reward_weights)
+    check_rewards(run, total, gens[-1]["frac_reward_zero_std"])
     check_lengths(run, gen["completions/clipped_ratio"], t.cfg.max_completion_length)
     shown = t.cfg.num_completions_to_print or 2
-    run.samples = shown_samples(ro, local, t.reward_weights, shown, t.user_columns)
-    user_metrics = t.user_metrics  # what reward functions logged (log_metric)
+    run.samples = shown_samples(last["ro"], last["local"], t.reward_weights, shown,
+                                t.user_columns)
+    # what reward functions logged (log_metric): each name's mean, as TRL
+    user_metrics = {k: sum(v) / len(v) for k, v in t.user_metrics.items()}
     t.user_metrics = {}
     t.user_columns = {}
     updates = sum(m["time/update"] for m in records)
-    round_time = sum(timing.values()) + updates
-    tokens = torch.tensor(float(ro.num_tokens()), device=info.device)
+    cycle_time = sum(timing.values()) + updates
+    tokens = torch.tensor(float(sum(s["ro"].num_tokens() for s in rounds)),
+                          device=info.device)
     tokens = dist.all_reduce_sum(tokens, info).item()
     # TRL's num_tokens: prompt + completion tokens seen so far, all ranks
     seen = run.history[-1].get("num_tokens", 0) if run.history else 0
@@ -178,19 +189,54 @@ def add_round_metrics(run, t, ro, local, rewards, records, timing):
         m.update(gen)
         m.update(timing)
         m.update(user_metrics)
-        m["step_time"] = round_time / len(records)
-        m["tokens_per_sec"] = tokens / round_time
+        m["step_time"] = cycle_time / len(records)
+        m["tokens_per_sec"] = tokens / cycle_time
         m["num_tokens"] = seen + tokens
 
 
-def across_micro_batches(key: str, values: list) -> float:
-    """One step's value of a metric from its micro-batches' values: the
-    smallest of a /min, the largest of a /max, else the mean."""
-    if key.endswith("/min"):
-        return min(values)
-    if key.endswith("/max"):
-        return max(values)
-    return sum(values) / len(values)
+def micro_batch_weights(mask: torch.Tensor, loss_cfg) -> dict:
+    """How much a micro-batch's value of each sampling/* metric weighs in
+    its step's: its tokens (the sampler's log-prob difference; the
+    correction's weights per token) or its rows (weights per sequence).
+    mask: [n, C]."""
+    tokens = float(mask.sum())
+    per_row = loss_cfg.vllm_importance_sampling_mode.startswith("sequence")
+    return {
+        "sampling/sampling_logp_difference/mean": tokens,
+        "sampling/importance_sampling_ratio/mean": len(mask) if per_row else tokens,
+    }
+
+
+def across_micro_batches(values: dict, info) -> dict:
+    """One step's metrics from its micro-batches' values, {key: [(value,
+    weight)]}: the smallest of a /min, the largest of a /max, else the
+    weighted mean. The sampling/* metrics are then taken over all ranks
+    as TRL takes them (the mean of the ranks' means, the min and max of
+    theirs); the others are this rank's."""
+    out = {}
+    for key, pairs in values.items():
+        if key.endswith("/min"):
+            out[key] = min(float(v) for v, _ in pairs)
+        elif key.endswith("/max"):
+            out[key] = max(float(v) for v, _ in pairs)
+        else:
+            weight = sum(w for _, w in pairs)
+            total = sum(float(v) * w for v, w in pairs)
+            out[key] = total / weight if weight else 0.0
+    sampling = sorted(k for k in out if k.startswith("sampling/"))
+    if sampling and info.world_size > 1:
+        local = torch.tensor([float(out[k]) for k in sampling], dtype=torch.float64,
+                             device=info.device)
+        ranks = dist.all_gather_rows(local[None], info)  # [ranks, keys]
+        for j, key in enumerate(sampling):
+            column = ranks[:, j]
+            if key.endswith("/min"):
+                out[key] = column.min().item()
+            elif key.endswith("/max"):
+                out[key] = column.max().item()
+            else:
+                out[key] = column.mean().item()
+    return out
 
 
 def generation_metrics(t, ro, rewards: torch.Tensor) -> dict:
@@ -199,7 +245,7 @@ def generation_metrics(t, ro, rewards: torch.Tensor) -> dict:
     info = t.info
     total = total_reward(rewards, t.reward_weights)  # [N], NaN = unscored
     scored = total[~torch.isnan(total)]
-    groups = total.view(-1, ro.num_generations)  # [N/G, G]
+    groups = total.view(-1, t.cfg.num_generations)  # [N/G, G]
     group_std = nanstd(groups, dim=1)  # NaN where < 2 scored
     zero_std = torch.isclose(group_std, torch.zeros_like(group_std))
     lengths = dist.all_gather_rows(ro.completion_lengths.float(), info)

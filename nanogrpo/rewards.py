@@ -2,8 +2,9 @@
 
 Owns: the built-in rewards (`accuracy`, `format`, `soft_overlong`, `countdown`, `default_task`),
 resolving config entries (`resolve_reward_funcs`: a reward model's entry goes to
-reward_model.py), calling every function on a batch of completions (`score_completions`), and
-checking that the dataset has the columns they read (`check_reward_columns`).
+reward_model.py), calling every function on a batch of completions (`score_completions`),
+checking that the dataset has the columns they read (`check_reward_columns`), and the
+`TrainerState` they receive as `trainer_state`.
 
 Does not know about: the policy, advantages (grpo.py), where dataset columns come from
 (data.py), reward models' internals (reward_model.py), or other processes.
@@ -30,6 +31,7 @@ import math
 import numbers
 import os
 import re
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 import torch
@@ -421,3 +423,57 @@ def await_all(pending: dict, funcs: list) -> dict:
             ) from out
         results[k] = out
     return results
+
+
+# -----------------------------------------------------------------------------
+# trainer_state: the run's progress, as TRL passes it to reward functions
+
+
+@dataclass
+class TrainerState:
+    """transformers' TrainerState, field for field: TRL 1.16 passes its trainer's `state` to reward
+    functions as `trainer_state`, read by attribute (`trainer_state.global_step`). Fields nanogrpo
+    has nothing for keep transformers' defaults."""
+
+    epoch: float | None = None  # passes over the prompts done, fractional
+    global_step: int = 0  # optimizer steps done
+    max_steps: int = 0
+    logging_steps: int = 500
+    eval_steps: int = 500
+    save_steps: int = 500
+    train_batch_size: int | None = None  # per process, as transformers counts it
+    num_train_epochs: int = 0  # epochs max_steps reaches into, rounded up
+    num_input_tokens_seen: int = 0
+    total_flos: float = 0
+    log_history: list = field(default_factory=list)
+    best_metric: float | None = None
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+    is_hyper_param_search: bool = False
+    trial_name: str | None = None
+    trial_params: dict | None = None
+    stateful_callbacks: dict = field(default_factory=dict)
+
+
+def trainer_state_of(t) -> TrainerState:
+    """The TrainerState of train.py's Trainer `t` as it scores a round. log_history stays empty:
+    the run's logged metrics live in run.Run, which the trainer does not hold."""
+    cfg = t.cfg
+    one_epoch = replace(cfg, max_steps=-1, num_train_epochs=1.0)
+    steps_per_epoch = one_epoch.total_steps(len(t.prompts.rows), t.info.world_size)
+    return TrainerState(
+        # transformers counts epochs in optimizer steps: 1.5 = halfway
+        # through the second pass over the prompts
+        epoch=t.step / steps_per_epoch,
+        global_step=t.step,
+        max_steps=cfg.max_steps,
+        logging_steps=cfg.logging_steps,
+        eval_steps=cfg.eval_steps or cfg.logging_steps,
+        save_steps=cfg.save_steps,
+        train_batch_size=cfg.per_device_train_batch_size,
+        num_train_epochs=math.ceil(cfg.max_steps / steps_per_epoch),
+        is_local_process_zero=t.info.local_rank == 0,
+        is_world_process_zero=t.info.rank == 0,
+    )

@@ -250,7 +250,8 @@ def restore(run: Run, t):
     state = trainer_state.load_trainer_state(run.resume_from, t.model,
                                           t.optimizer, run.info)
     t.step = state["step"]
-    t.round = state.get("round", t.step // t.sched.updates_per_round)
+    cycles = t.step // t.sched.steps_per_cycle  # a checkpoint without it
+    t.round = state.get("round", cycles * t.sched.rounds_per_cycle)
     t.scheduler.load_state_dict(state["scheduler"])
     t.prompts.load_state_dict(state["prompts"])
     entropy = state.get("entropy_control")  # use_adaptive_entropy's state
@@ -290,14 +291,14 @@ def announce(t):
     line += f" | {t.info.world_size} process(es) on {t.info.device}"
     dist.print0(line)
     dist.print0(t.sched.table())
-    per_round = t.sched.updates_per_round
-    if t.cfg.max_steps % per_round:
+    per_cycle = t.sched.steps_per_cycle
+    if t.cfg.max_steps % per_cycle:
         # the round's samples are not checkpointed
         dist.print0(f"warning: max_steps={t.cfg.max_steps} ends inside a "
-                    f"round of {per_round} optimizer steps: the last one is "
+                    f"cycle of {per_cycle} optimizer steps: the last one is "
                     "cut short, and a run resumed from its checkpoint starts "
                     "a new round (not what an uninterrupted run would do); "
-                    f"use a multiple of {per_round} to resume exactly")
+                    f"use a multiple of {per_cycle} to resume exactly")
 
 
 def save(run: Run, t):
@@ -424,18 +425,16 @@ def unsaveable(run: Run, t) -> str | None:
 def main(argv: list[str], train) -> int:
     """`python train.py [--config FILE] [--key=value ...]`: user errors
     are one line (the traceback with --debug or NANOGRPO_DEBUG=1);
-    Ctrl-C saves and exits with 130."""
+    Ctrl-C saves and exits with 130. Which values run without --config is
+    load_config's rule; `--help` prints them."""
     debug = "--debug" in argv or os.environ.get("NANOGRPO_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
     command = ["train.py"] + argv
-    if "--help" in argv or "-h" in argv:
-        print(help_text())
-        return 0
-    has_config = any(a == "--config" or a.startswith("--config=")
-                     for a in argv)
-    if not has_config:
-        argv = ["--config", "tiny"] + argv  # the embedded default
+    asks_help = "--help" in argv or "-h" in argv
     try:
+        if asks_help:
+            print(help_text([a for a in argv if a not in ("--help", "-h")]))
+            return 0
         train(load_config(argv), command)
     except KeyboardInterrupt:
         return 130

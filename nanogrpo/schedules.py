@@ -108,11 +108,6 @@ def lr_lambda(kind: str, warmup_steps: int, max_steps: int,
 # The batch schedule
 
 
-def completions_per_rank(cfg) -> int:
-    """Completions each process trains on in one optimizer step."""
-    return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-
-
 def micro_batches_per_round(cfg, world_size: int = 1) -> int:
     """TRL's steps_per_generation: micro-batches each process samples
     at once, from generation_batch_size when that is given."""
@@ -124,95 +119,129 @@ def micro_batches_per_round(cfg, world_size: int = 1) -> int:
 
 def batch_schedule(cfg, world_size: int = 1) -> "Schedule":
     """Every count derived from the batch settings on `world_size`
-    processes (call validate first)."""
-    per_rank = completions_per_rank(cfg)
-    micro_per_step = cfg.gradient_accumulation_steps
+    processes, as TRL's GRPOConfig derives them (call validate first).
+
+    A generation round is TRL's generation batch: generation_batch_size
+    completions = whole groups of G over all processes together, laid
+    out as TRL's RepeatSampler lays them (a prompt's G copies
+    consecutive, each process a consecutive slice), so a group may span
+    processes. Each process cuts its slice into steps_per_generation
+    micro-batches and trains on them num_iterations times; an optimizer
+    step takes the next gradient_accumulation_steps of those
+    micro-batches, from one round or from several."""
+    micro = cfg.per_device_train_batch_size
+    GA = cfg.gradient_accumulation_steps
     spg = micro_batches_per_round(cfg, world_size)
-    steps = spg // micro_per_step  # optimizer steps one round feeds
-    updates = steps * cfg.num_iterations
-    prompts_per_step = per_rank * world_size // cfg.num_generations
+    mu = cfg.num_iterations
+    per_round = micro * world_size * spg  # TRL's generation_batch_size
+    fed = spg * mu  # micro-batches one round feeds, its replays included
+    cycle = math.lcm(GA, fed)
     return Schedule(
         world_size=world_size,
         num_generations=cfg.num_generations,
-        prompts_per_step=prompts_per_step,
-        completions_per_step_per_rank=per_rank,
-        micro_batch_size=cfg.per_device_train_batch_size,
-        micro_batches_per_step=micro_per_step,
+        micro_batch_size=micro,
+        gradient_accumulation_steps=GA,
         steps_per_generation=spg,
-        optimizer_steps_per_generation=steps,
-        num_iterations=cfg.num_iterations,
-        prompts_per_round=prompts_per_step * steps,
-        completions_per_round_per_rank=per_rank * steps,
-        updates_per_round=updates,
-        off_policy=updates > 1,
+        num_iterations=mu,
+        generation_batch_size=per_round,
+        prompts_per_round=per_round // cfg.num_generations,
+        completions_per_round_per_rank=micro * spg,
+        completions_per_step=micro * GA * world_size,
+        rounds_per_cycle=cycle // fed,
+        steps_per_cycle=cycle // GA,
+        # TRL's rule: unless every step ends where a round's replays end,
+        # some update trains on samples of an older policy
+        off_policy=GA % fed != 0,
     )
 
 
 def total_steps(cfg, num_prompts: int, world_size: int = 1) -> int:
     """max_steps, or TRL's count for num_train_epochs passes over
-    `num_prompts`: each round of whole generation batches feeds
-    num_iterations x its optimizer steps."""
+    `num_prompts`: an epoch is its whole generation rounds (TRL's
+    RepeatSampler drops the last incomplete one), each feeding
+    steps_per_generation x num_iterations micro-batches."""
     if cfg.max_steps > 0:
         return cfg.max_steps
     sched = batch_schedule(cfg, world_size)
     rounds = num_prompts // sched.prompts_per_round
-    per_epoch = max(rounds * sched.updates_per_round, 1)
+    fed = sched.steps_per_generation * sched.num_iterations
+    per_epoch = max(rounds * fed // sched.gradient_accumulation_steps, 1)
     return math.ceil(cfg.num_train_epochs * per_epoch)
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """What one optimizer step and one generation round are, on every rank:
-    the counts the loop, grpo_step's scaling, the replay order and the logs
-    all read. TRL's names where TRL has them."""
+    """What one optimizer step and one generation round are, on every
+    rank: the counts the loop, grpo_step's scaling, the replay order and
+    the logs all read. TRL's names where TRL has them."""
 
     world_size: int
     num_generations: int  # G completions per prompt
-    prompts_per_step: int  # prompts per optimizer step, all ranks together
-    completions_per_step_per_rank: int
-    micro_batch_size: int  # completions per forward/backward
-    micro_batches_per_step: int  # gradient accumulation steps, on each rank
-    # TRL's: micro-batches per generation round, on each rank
-    steps_per_generation: int
-    # optimizer steps one round's samples feed, in one pass
-    optimizer_steps_per_generation: int
+    micro_batch_size: int  # completions per forward/backward on a rank
+    gradient_accumulation_steps: int  # micro-batches per optimizer step
+    steps_per_generation: int  # micro-batches per round, on each rank
     num_iterations: int  # passes over each round's samples (TRL's mu)
-    # prompts sampled per generation round, all ranks together
-    prompts_per_round: int
+    generation_batch_size: int  # completions per round, all ranks
+    prompts_per_round: int  # generation_batch_size / G
     completions_per_round_per_rank: int
-    # optimizer steps per round: optimizer_steps_per_generation x num_iterations
-    updates_per_round: int
+    completions_per_step: int  # trained by one optimizer step, all ranks
+    # the smallest whole number of rounds that feeds a whole number of
+    # optimizer steps: 1 round for most shapes; saves fall between cycles
+    rounds_per_cycle: int
+    steps_per_cycle: int
     # the policy changes between sampling and some update: old log-probs
     # are needed
     off_policy: bool
 
+    @property
+    def whole_groups_per_rank(self) -> bool:
+        """Each process holds whole groups: no group spans processes."""
+        return self.completions_per_round_per_rank % self.num_generations == 0
+
+    def rank_share(self, rank: int) -> list[tuple[int, int]]:
+        """This rank's completions of a round, as TRL hands them out:
+        [(prompt index in the round, copies)] for the consecutive slice
+        [rank x n, (rank + 1) x n) of the round's prompt-major list of
+        generation_batch_size completions."""
+        n = self.completions_per_round_per_rank
+        G = self.num_generations
+        share = []
+        for j in range(rank * n, (rank + 1) * n):
+            if share and share[-1][0] == j // G:
+                share[-1] = (j // G, share[-1][1] + 1)
+            else:
+                share.append((j // G, 1))
+        return share
+
     def replay_order(self) -> list[int]:
-        """The first micro-batch of each optimizer step of a round, in
-        order: the round's micro-batches in step-sized slices, the whole
-        sequence repeated num_iterations times."""
-        step = self.micro_batches_per_step
-        one_pass = list(range(0, self.steps_per_generation, step))
-        return one_pass * self.num_iterations
+        """The micro-batches one round feeds, in order: its
+        steps_per_generation micro-batches, num_iterations times."""
+        return list(range(self.steps_per_generation)) * self.num_iterations
 
     def table(self) -> str:
         """A short table for the start of a run: what one step and one
         round are."""
         micro = f"of {self.micro_batch_size} completions"
         old_logps = "yes" if self.off_policy else "no: ratio is exactly 1"
+        G = self.num_generations
         rows = [
             ("ranks", self.world_size),
-            ("prompts x completions per optimizer step (all ranks)",
-             f"{self.prompts_per_step} x {self.num_generations}"),
-            ("completions per step per rank",
-             self.completions_per_step_per_rank),
-            (f"micro-batches per step per rank ({micro})",
-             self.micro_batches_per_step),
-            ("micro-batches per generation round per rank "
-             "(steps_per_generation)", self.steps_per_generation),
-            ("prompts sampled per round (all ranks)", self.prompts_per_round),
+            ("prompts x completions per generation round (all ranks)",
+             f"{self.prompts_per_round} x {G} = {self.generation_batch_size}"),
+            ("completions per rank per round",
+             self.completions_per_round_per_rank),
+            (f"micro-batches per round per rank ({micro}; "
+             "steps_per_generation)", self.steps_per_generation),
             ("passes over each round (num_iterations)", self.num_iterations),
-            ("optimizer steps per round", self.updates_per_round),
+            ("micro-batches per optimizer step (gradient_accumulation_steps)",
+             self.gradient_accumulation_steps),
+            ("completions per optimizer step (all ranks)",
+             self.completions_per_step),
+            ("rounds -> optimizer steps (a cycle; saves fall between)",
+             f"{self.rounds_per_cycle} -> {self.steps_per_cycle}"),
             ("old log-probs (off-policy)", old_logps),
         ]
+        if not self.whole_groups_per_rank:
+            rows.insert(1, ("groups span processes", "yes, as in TRL"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -45,8 +45,8 @@ class Trainer:
     autocast: object  # bf16 autocast on CUDA, else a no-op
     step: int = 0  # optimizer steps done
     round: int = 0  # generation rounds done
-    round_begin: dict | None = None  # prompt sampler state, inside a round
-    round_start_step: int = 0  # the step the current round began at
+    round_begin: dict | None = None  # prompt sampler state, inside a cycle
+    round_start_step: int = 0  # the step the current cycle began at
     # the entropy bonus's coefficient (moves with use_adaptive_entropy) and
     # the last step's mean entropy (inf: none yet); both checkpointed
     entropy_coef: float = 0.0

@@ -16,6 +16,7 @@ from nanogrpo.configurator import convert, load_config
 CONFIG_FILE = """
 import math
 _helper = 3
+model = "my/model"
 learning_rate = 1e-5 * _helper
 reward_funcs = ("accuracy", "format")
 reward_weights = [1, 0.5]
@@ -51,7 +52,7 @@ def test_file_then_overrides(tmp_path):
 
 
 def test_bare_names_are_found_in_configs_dirs(tmp_path, monkeypatch):
-    (tmp_path / "mine.py").write_text("max_steps = 7\n")
+    (tmp_path / "mine.py").write_text("model = 'm'\nmax_steps = 7\n")
     monkeypatch.setattr(configurator, "CONFIGS_DIR", str(tmp_path))
     assert load_config(["--config=mine"]).max_steps == 7
     assert load_config(["--config=mine.py"]).max_steps == 7
@@ -66,14 +67,14 @@ def test_a_stray_config_in_the_current_directory_never_replaces_a_builtin(
     built-in default."""
     marker = tmp_path / "ran"
     (tmp_path / "tiny.py").write_text(
-        f"open({str(marker)!r}, 'w').write('pwned')\nmax_steps = 3\n")
+        f"open({str(marker)!r}, 'w').write('pwned')\nmodel = 'm'\nmax_steps = 3\n")
     monkeypatch.chdir(tmp_path)
     for name in ("tiny", "tiny.py"):
         # the built-in configs/tiny.py
         assert load_config(["--config", name]).max_steps == 400
     assert not marker.exists()
     # a .py of your own (no built-in of that name)
-    (tmp_path / "mine.py").write_text("max_steps = 9\n")
+    (tmp_path / "mine.py").write_text("model = 'm'\nmax_steps = 9\n")
     assert load_config(["--config", "mine.py"]).max_steps == 9
     # an explicit path is yours
     assert load_config(["--config", "./tiny.py"]).max_steps == 3
@@ -154,50 +155,6 @@ def test_every_range_rule_names_real_fields_and_rejects_just_outside():
                 save_total_limit=None).validate()
 
 
-def test_batch_arithmetic_and_world_size():
-    """TRL's arithmetic: a step trains on per_device x accumulation x
-    processes completions; steps_per_generation micro-batches are sampled
-    at once (generation_batch_size, all processes, is the other spelling)."""
-    cfg = TrainConfig(per_device_train_batch_size=16, num_generations=8,
-                      gradient_accumulation_steps=8, steps_per_generation=16).validate()
-    s = cfg.schedule()
-    assert s.completions_per_step_per_rank == 128
-    assert s.prompts_per_step == 16
-    assert s.micro_batches_per_step == 8
-    assert s.steps_per_generation == 16
-    assert s.optimizer_steps_per_generation == 2
-    assert s.prompts_per_round == 32
-    assert s.completions_per_round_per_rank == 256
-    s4 = cfg.validate(world_size=4).schedule(4)
-    assert s4.prompts_per_step == 64
-    assert s4.micro_batches_per_step == 8
-    assert s4.optimizer_steps_per_generation == 2
-    same = TrainConfig(per_device_train_batch_size=16, num_generations=8,
-                       gradient_accumulation_steps=8, generation_batch_size=1024)
-    assert same.validate(world_size=4).schedule(4) == s4
-    default = TrainConfig().validate().schedule()
-    assert default.steps_per_generation == default.micro_batches_per_step == 1
-    with pytest.raises(ConfigError, match="steps_per_generation.*multiple of "
-                       "gradient_accumulation_steps=8"):
-        TrainConfig(per_device_train_batch_size=16, gradient_accumulation_steps=8,
-                    steps_per_generation=12).validate()
-    with pytest.raises(ConfigError, match="generation_batch_size.*multiple of"):
-        TrainConfig(per_device_train_batch_size=16, generation_batch_size=40).validate()
-    with pytest.raises(ConfigError, match="per_device_train_batch_size.*whole groups"):
-        TrainConfig(per_device_train_batch_size=4, num_generations=8).validate()
-
-
-def test_num_train_epochs_counts_steps_as_trl():
-    """max_steps=-1: ceil(epochs x the optimizer steps one pass over the
-    prompts feeds); max_steps > 0 wins."""
-    cfg = TrainConfig(per_device_train_batch_size=8, num_generations=8,
-                      gradient_accumulation_steps=2, num_train_epochs=1.5).validate()
-    # 2 prompts a step; 100 prompts = 50 rounds of 1 step
-    assert cfg.total_steps(100) == 75
-    assert TrainConfig(num_iterations=2, num_train_epochs=1).total_steps(10) == 20
-    assert TrainConfig(max_steps=7).total_steps(100) == 7
-
-
 def test_defaults_follow_trl_and_loss_config():
     cfg = TrainConfig().validate()
     assert cfg.loss_type == "dapo"
@@ -250,23 +207,6 @@ def test_to_dict_round_trips():
     assert TrainConfig(bf16=True).use_bf16("cpu")
 
 
-def test_replay_order_and_the_schedule_table():
-    """Each round: step-sized slices of the round's micro-batches, all of
-    them, num_iterations times."""
-    s = TrainConfig(per_device_train_batch_size=4, num_generations=4,
-                    gradient_accumulation_steps=4, steps_per_generation=12,
-                    num_iterations=2).validate().schedule()
-    assert s.micro_batches_per_step == 4
-    assert s.replay_order() == [0, 4, 8, 0, 4, 8]
-    assert s.updates_per_round == 6 and s.off_policy
-    on_policy = TrainConfig().validate().schedule()
-    assert on_policy.replay_order() == [0] and not on_policy.off_policy
-    table = s.table()
-    assert "4 x 4" in table
-    assert "steps_per_generation)  12" in table
-    assert "optimizer steps per round" in table
-
-
 def test_non_finite_numbers_are_rejected():
     """Regression: --epsilon=inf was accepted."""
     for arg in ("--epsilon=inf", "--learning_rate=nan", "--beta=-inf"):
@@ -315,7 +255,7 @@ def test_resume_text_in_a_config_file_is_a_bool(tmp_path, text, resume):
     """Regression: resume = "False" in a config file was a checkpoint path
     named False, which train.py read as "resume"."""
     path = tmp_path / "c.py"
-    path.write_text(f"resume_from_checkpoint = {text!r}\n")
+    path.write_text(f"model = 'm'\nresume_from_checkpoint = {text!r}\n")
     key = "resume_from_checkpoint"
     assert getattr(load_config(["--config", str(path)]), key) == resume
     assert getattr(load_config([f"--{key}={text}"]), key) == resume
@@ -384,7 +324,7 @@ def test_a_config_must_be_a_python_file(tmp_path, monkeypatch):
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "cfg").write_text("max_steps = 3\n")
     for name in ("data.jsonl", "./data.jsonl", "runs/cfg"):
-        refused = rf"^config '{re.escape(name)}' is not a \.py file"
+        refused = rf"^config '{re.escape(name)}' is not a \.py or \.yaml file"
         with pytest.raises(ConfigError, match=refused):
             load_config(["--config", name])
 
@@ -396,7 +336,7 @@ def test_which_file_a_config_name_means(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert load_config(["--config", "tiny"]).max_steps == 400
     assert capsys.readouterr().err == ""  # nothing to say: no ./tiny.py
-    (tmp_path / "tiny.py").write_text("max_steps = 3\n")
+    (tmp_path / "tiny.py").write_text("model = 'm'\nmax_steps = 3\n")
     builtin = f"{configurator.CONFIGS_DIR}/tiny.py"
     for name in ("tiny", "tiny.py"):
         assert load_config(["--config", name]).max_steps == 400
@@ -407,7 +347,7 @@ def test_which_file_a_config_name_means(tmp_path, monkeypatch, capsys):
     assert load_config(["--config", str(tmp_path / "tiny.py")]).max_steps == 3
     assert capsys.readouterr().err == ""
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "small.py").write_text("max_steps = 5\n")
+    (tmp_path / "sub" / "small.py").write_text("model = 'm'\nmax_steps = 5\n")
     assert load_config(["--config", "sub/small.py"]).max_steps == 5
 
 
@@ -420,10 +360,9 @@ def test_trl_names_nanogrpo_lacks_are_refused_with_the_reason():
     assert configurator.TRL_ONLY == lacking
     cases = {
         "use_vllm": "nanogrpo's own KV-cached sampler: remove it",
-        "vllm_mode": "there is no vLLM",
         "fp16": "use bf16=True",
-        "save_strategy": "every save_steps",
-        "ddp_timeout": "a TRL/transformers setting nanogrpo does not have",
+        "deepspeed": "FSDP2 under torchrun",
+        "eval_on_start": "a TRL/transformers setting nanogrpo does not have",
     }
     for key, why in cases.items():
         with pytest.raises(ConfigError) as e:
@@ -447,7 +386,8 @@ def test_a_config_file_may_define_reward_functions_and_tools(tmp_path):
         '    """Add two integers.\n\n    Args:\n        a: one\n        b: two\n    """\n'
         "    return a + b\n"
         'reward_funcs = [correctness_reward, "accuracy"]\n'
-        "tools = [add]\n")
+        "tools = [add]\n"
+        "model = 'm'\n")
     cfg = load_config(["--config", str(path)])
     assert cfg.reward_funcs[0].__name__ == "correctness_reward"
     assert cfg.reward_funcs[1] == "accuracy"
@@ -467,7 +407,7 @@ def test_the_trl_recipe_example_loads_in_trls_names():
     assert cfg.lr_scheduler_type == "cosine" and cfg.warmup_ratio == 0.1
     assert [f.__name__ for f in cfg.reward_funcs] == ["correctness_reward", "reward_len"]
     assert cfg.lora_settings()["target_modules"] == "all-linear"
-    assert cfg.schedule().prompts_per_step == 1
+    assert cfg.schedule().prompts_per_round == 1
 
 
 def test_model_init_kwargs_dtype_and_disable_dropout():
@@ -479,3 +419,175 @@ def test_model_init_kwargs_dtype_and_disable_dropout():
     lora = TrainConfig(use_peft=True, disable_dropout=True).lora_settings()
     assert lora["lora_dropout"] == 0.0
     assert TrainConfig(use_peft=True).lora_settings()["lora_dropout"] == 0.05
+
+
+# -----------------------------------------------------------------------------
+# Which values run without --config; --help; TRL's other names; code in a config
+
+
+def test_without_config_one_rule_says_which_values_run(tmp_path, capsys):
+    """Regression: a command line without --config sat on configs/tiny.py,
+    so `--model X --dataset d` trained with tiny.py's lr 1e-3, 8 tokens and
+    out/tiny; a user's config without `model` stopped at "no such directory:
+    'tiny'". Now: no config and no model -> tiny.py; a model -> TRL's defaults."""
+    default = load_config(["--max_steps=3"])
+    assert (default.model, default.learning_rate, default.max_steps) == ("out/tiny-init", 1e-3, 3)
+    assert "note: no --config and no --model: the embedded default configs/tiny.py runs" in (
+        capsys.readouterr().out)
+    for name in ("--model", "--model_name_or_path"):
+        mine = load_config([name, "my/model", "--dataset", "countdown"])
+        assert mine.model == "my/model" and mine.dataset == "countdown"
+        trl = TrainConfig()
+        for key in ("learning_rate", "max_completion_length", "output_dir", "init_model",
+                    "eval_dataset", "device", "seed"):
+            assert getattr(mine, key) == getattr(trl, key), key
+        assert "note: no --config: TrainConfig's defaults (TRL's) with your settings" in (
+            capsys.readouterr().out)
+    assert TrainConfig().model is None  # TRL's model_name_or_path: no default
+    path = tmp_path / "mine.py"
+    path.write_text("learning_rate = 1e-5\n")
+    with pytest.raises(ConfigError, match=r"^no model: set model = \.\.\. .* in your config "
+                                          r"file, or pass --model"):
+        load_config(["--config", str(path)])
+    assert load_config(["--config", str(path), "--model", "m"]).learning_rate == 1e-5
+    assert "note:" not in capsys.readouterr().out  # --config: the user said which
+
+
+def test_help_shows_the_values_that_would_run(capsys):
+    """Regression: --help listed TrainConfig's defaults (lr 1e-6) while a
+    bare run trained with tiny.py's (1e-3); --help --config X ignored X."""
+    from nanogrpo.run import main
+    assert "--learning_rate=0.001" in configurator.help_text([])
+    assert "the embedded default configs/tiny.py" in configurator.help_text([])
+    trl = configurator.help_text(["--model", "m"])
+    assert "--learning_rate=1e-06" in trl and "--max_completion_length=512" in trl
+    assert main(["--config", "smollm.py", "--help", "--max_steps=7"], train=None) == 0
+    out = capsys.readouterr().out
+    assert "--model='HuggingFaceTB/SmolLM2-135M-Instruct'" in out
+    assert "--max_steps=7" in out and "Values shown: --config smollm.py:" in out
+
+
+def test_help_prints_every_field_once_with_its_help_under_group_titles():
+    """Regression: --help parsed config.py's comments, so a title spread
+    over two comment lines was cut ("batch (TRL's arithmetic: an optimizer
+    step trains on:") and "see tools.py" was glued to --tools. Now each
+    field's metadata holds its help and the first of a group its title."""
+    assert not hasattr(configurator, "field_comments")
+    lines = configurator.help_text(["--model", "m"]).splitlines()
+    fields = dataclasses.fields(TrainConfig)
+    keys = [line.split("=")[0] for line in lines if line.startswith("  --")]
+    assert keys == [f"  --{f.name}" for f in fields]  # every setting once, in order
+    for f in fields:
+        assert f.metadata["help"], f.name
+        at = [n for n, line in enumerate(lines) if line.startswith(f"  --{f.name}=")][0]
+        text = []
+        for line in lines[at + 1:]:
+            if not line.startswith("      "):
+                break
+            text.append(line.strip())
+        assert " ".join(text) == f.metadata["help"], f.name  # its help, nothing glued
+        if "group" in f.metadata:  # a title on its own line, after a blank one
+            assert lines[at - 2:at] == ["", f"  {f.metadata['group']}:"], f.name
+    titles = [f.metadata["group"] for f in fields if "group" in f.metadata]
+    assert "batch (TRL's arithmetic)" in titles and "tools (TRL's names)" in titles
+
+
+def test_trl_script_names_and_a_yaml_config_as_trls_cli_reads(tmp_path, capsys, monkeypatch):
+    """A TRL user's recipe.yaml (ScriptArguments, ModelConfig, GRPOConfig
+    names; `trl grpo --config recipe.yaml`) runs: aliases, dtype, report_to
+    as a list, save_strategy, and TrainingArguments that change nothing
+    here accepted with a note."""
+    monkeypatch.delenv("NANOGRPO_YAML_ENV", raising=False)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "model_name_or_path: my/model\n"
+        "dtype: bfloat16\n"
+        "lora_task_type: CAUSAL_LM\n"
+        "dataset_name: gsm8k\n"
+        "dataset_config: main\n"
+        "dataset_train_split: train\n"
+        "learning_rate: 1e-6\n"  # YAML reads 1e-6 as text
+        "per_device_train_batch_size: 16\n"
+        "report_to: [wandb]\n"
+        "save_strategy: no\n"  # YAML reads an unquoted no as False
+        "logging_strategy: steps\n"
+        "remove_unused_columns: false\n"
+        "dataloader_num_workers: 4\n"
+        "use_vllm: false\n"
+        "vllm_mode: colocate\n"
+        "gradient_checkpointing_kwargs: {use_reentrant: false}\n"
+        "env:\n  NANOGRPO_YAML_ENV: on\n")
+    cfg = load_config(["--config", str(recipe)])
+    assert (cfg.model, cfg.dataset, cfg.dataset_split) == ("my/model", "gsm8k", "train")
+    assert cfg.weight_dtype() == "bfloat16" and cfg.learning_rate == 1e-6
+    assert cfg.report_to == "wandb" and cfg.reporters() == ["wandb"]
+    assert cfg.save_steps == 0 and cfg.per_device_train_batch_size == 16
+    assert os.environ["NANOGRPO_YAML_ENV"] == "True"  # str(YAML's on), as TRL sets it
+    err = capsys.readouterr().err
+    for key in ("remove_unused_columns", "dataloader_num_workers", "vllm_mode",
+                "gradient_checkpointing_kwargs", "dataset_config"):
+        assert f"note: {key}" in err and "changes nothing here" in err, key
+    assert "save_strategy='no': save_steps=0" in err
+    # the command line's TRL names win over the file's
+    cfg = load_config(["--config", str(recipe), "--torch_dtype", "float16", "--use_cpu",
+                       "--report_to", "none", "--dataset_test_split=eval",
+                       "--save_strategy=steps", "--save_steps=50"])
+    assert cfg.weight_dtype() == "float16" and cfg.device == "cpu"
+    assert cfg.reporters() == [] and cfg.eval_split == "eval" and cfg.save_steps == 50
+    assert TrainConfig(report_to=["wandb", "tensorboard"]).reporters() == ["wandb", "tensorboard"]
+    assert load_config(["--load_in_4bit=false", "--use_dora", "False"]).model == "out/tiny-init"
+    assert load_config(["--bf16"]).bf16 is True  # a bare flag, as TRL's parser takes it
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--save_strategy=epoch", "save_strategy='epoch': checkpoints come every save_steps"),
+    ("--load_in_4bit=true", "'load_in_4bit' on the command line: needs bitsandbytes"),
+    ("--use_dora", "not DoRA"),
+    ("--dataset_config=socratic", "dataset_config='socratic': nanogrpo reads one file"),
+    ("--model_revision=v2", "model_revision='v2': a hub id loads its main revision"),
+    ("--lora_task_type=SEQ_CLS", "nanogrpo trains causal LMs"),
+    ("--fp16=true", "use bf16=True"),
+])
+def test_trl_values_that_would_change_the_result_are_refused(arg, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(["--model", "m", arg])
+
+
+def test_two_names_for_one_setting_in_one_place_must_agree(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("model = 'a'\nmodel_name_or_path = 'b'\n")
+    with pytest.raises(ConfigError, match="model is set twice in one place"):
+        load_config(["--config", str(path)])
+    path.write_text("model = 'a'\nmodel_name_or_path = 'a'\n")
+    assert load_config(["--config", str(path)]).model == "a"
+
+
+@pytest.mark.parametrize("code, key, why", [
+    ("class MyEnv:\n    pass\nenvironment_factory = MyEnv\n", "environment_factory",
+     "there are no environments"),
+    ("def f(prompts, trainer):\n    pass\nrollout_func = f\n", "rollout_func",
+     "generation is nanogrpo's own sampler"),
+    ("import json as fsdp\n", "fsdp", "FSDP2 under torchrun"),
+    ("def ds():\n    pass\ndeepspeed = ds\n", "deepspeed", "FSDP2 under torchrun"),
+])
+def test_code_under_a_trl_name_is_refused_not_dropped(tmp_path, code, key, why):
+    """Regression: read_config_file skipped every module, function and
+    class, so `environment_factory = MyEnv` or `rollout_func = f` vanished
+    without a word."""
+    path = tmp_path / "c.py"
+    path.write_text("model = 'm'\n" + code)
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config", str(path)])
+    assert str(e.value).startswith(f"unsupported config key '{key}'") and why in str(e.value)
+
+
+def test_helpers_of_a_config_file_stay_allowed(tmp_path):
+    """Functions, classes and imports under names that are no setting are
+    the file's own (a reward function that reward_funcs lists, a helper)."""
+    path = tmp_path / "c.py"
+    path.write_text(
+        "import math\nfrom math import sqrt\nclass Helper:\n    pass\n"
+        "def my_reward(completions, **kwargs):\n    return [sqrt(4.0) for _ in completions]\n"
+        "model = 'm'\nreward_funcs = [my_reward]\n")
+    cfg = load_config(["--config", str(path)])
+    assert cfg.reward_funcs[0](["a"]) == [2.0]

@@ -2,6 +2,7 @@
 bf16 is one rule; torchrun end to end."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -92,7 +93,7 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
         sched=SimpleNamespace(steps_per_generation=len(micro)),
         entropy_coef=loss_cfg.entropy_coef,
         last_entropy=0.0)  # at or below the target: the bonus applies
-    metrics = train.optimizer_step(t, local, micro)
+    metrics = train.optimizer_step(t, [(local, idx) for idx in micro])
     state = dist.full_state_dict(model)
     if info.is_main:
         torch.save({"state": state, "grad_norm": metrics["grad_norm"],
@@ -196,14 +197,84 @@ def test_bf16_is_one_rule_and_fsdp_returns_no_views(tmp_path):
             assert not [w for w in caught if "view tensor" in w], caught
 
 
+def spanning_step(rank, world_size, port, out_path):
+    """One optimizer step of a fixed global batch of 24 completions in groups of 8, each rank
+    holding a consecutive slice of 24 / world_size (on 2 or 8 ranks a group spans ranks): this
+    rank's rewards gathered, advantages over whole groups (train.advantages_of), this rank's
+    rows trained. Saves rank 0's view of the result."""
+    join_group(rank, world_size, port)
+    import train
+    from types import SimpleNamespace
+    from nanogrpo import dist
+    from nanogrpo.checkpoint import load_model
+    from nanogrpo.config import TrainConfig
+    from nanogrpo.grpo import LossConfig
+    from nanogrpo.rollout import Rollout
+    info = dist.setup("cpu")
+    model = load_model(fixture_path("qwen2"), info=info)
+    # SGD: the update is the gradient itself (Adam's first step would blow up the rounding noise
+    # of gradients that are 0 in exact arithmetic, such as the key bias's)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    N, G, P, C = 24, 8, 5, 6
+    ids = torch.randint(0, 300, (N, P + C), generator=g)
+    ids[:, :P] = ids[::G, :P].repeat_interleave(G, dim=0)  # a group shares its prompt
+    mask = (torch.arange(C)[None] < torch.randint(1, C + 1, (N,), generator=g)[:, None]).float()
+    rewards = torch.rand(N, 1, generator=g)
+    n = N // world_size
+    mine = slice(rank * n, (rank + 1) * n)
+    cfg = TrainConfig(per_device_train_batch_size=n, num_generations=G, max_grad_norm=1.0,
+                      temperature=0.9).validate(world_size)
+    t = SimpleNamespace(  # the fields of train.Trainer that advantages and a step read
+        model=model, optimizer=optimizer, cfg=cfg, loss_cfg=LossConfig(loss_type="dapo"),
+        info=info, autocast=nullcontext(), tok=SimpleNamespace(vocab_size=None),
+        sched=cfg.schedule(world_size), reward_weights=torch.ones(1),
+        entropy_coef=0.0, last_entropy=float("inf"))
+    gathered = dist.all_gather_rows(rewards[mine], info)
+    advantages = train.advantages_of(t, gathered, G)
+    ro = Rollout(rows=[], num_generations=1, prompt_ids=[], input_ids=ids[mine],
+                 attention_mask=torch.ones_like(ids[mine]), completion_mask=mask[mine],
+                 completion_lengths=mask[mine].sum(1).long(),
+                 truncated=torch.zeros(n, dtype=torch.bool), prompts=[], completions=[],
+                 completion_token_ids=[], advantages=advantages,
+                 num_items=dist.all_reduce_sum(mask[mine].sum(), info))
+    metrics = train.optimizer_step(t, [(ro, torch.arange(n))])
+    all_advantages = dist.all_gather_rows(advantages, info)
+    state = dist.full_state_dict(model)
+    if info.is_main:
+        torch.save({"state": state, "grad_norm": metrics["grad_norm"],
+                    "advantages": all_advantages}, out_path)
+    dist.teardown()
+    os._exit(0)  # see one_step
+
+
+def test_groups_that_span_processes_train_as_one_process(tmp_path):
+    """2 and 8 ranks, each with a slice that cuts groups (12 and 3 rows of groups of 8), give the
+    advantages and the update of 1 process on the same global batch."""
+    results = {}
+    for world in (1, 2, 8):
+        out = tmp_path / f"w{world}.pt"
+        mp.start_processes(spanning_step, args=(world, free_port(), str(out)),
+                           nprocs=world, start_method="spawn", join=True)
+        results[world] = torch.load(out)
+    one = results[1]
+    assert one["advantages"].abs().sum() > 0
+    for world in (2, 8):
+        other = results[world]
+        assert torch.allclose(one["advantages"], other["advantages"], atol=1e-6)
+        assert one["grad_norm"] == pytest.approx(other["grad_norm"], rel=1e-5)
+        for k in one["state"]:
+            assert torch.allclose(one["state"][k], other["state"][k], atol=1e-5, rtol=1e-5), k
+
+
 def Transformer_state(family):
     from nanogrpo.checkpoint import load_model
     return load_model(fixture_path(family)).state_dict()
 
 
-def torchrun(*args, timeout=300, pythonpath=None):
+def torchrun(*args, timeout=300, pythonpath=None, nproc=2):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", "2", os.path.join(ROOT, "train.py"), *args]
+           "--nproc_per_node", str(nproc), os.path.join(ROOT, "train.py"), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if pythonpath:  # where the ranks import a test's reward function from
         env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
@@ -265,3 +336,27 @@ def test_torchrun_dynamic_sampling_and_adaptive_entropy(tmp_path):
     assert sum(m["dynamic_sampling/gen_batches"] for m in lines) > 3  # extra batches were drawn
     # the first step applies no bonus; each moves the coefficient one delta (0.005) up
     assert [round(m["entropy_coef"], 6) for m in lines] == [0.005, 0.01, 0.015]
+
+
+@pytest.mark.parametrize("nproc,shape,prompts", [
+    (2, ["--per_device_train_batch_size=4", "--gradient_accumulation_steps=1",
+         "--num_generations=8"], 1),  # a group over both ranks
+    (2, ["--per_device_train_batch_size=6", "--gradient_accumulation_steps=2",
+         "--num_generations=8"], 3),  # rank 0: a group and a half
+    (8, ["--per_device_train_batch_size=4", "--gradient_accumulation_steps=2",
+         "--num_generations=16"], 4),  # the seeds' recipe shape on 8 GPUs
+])
+def test_torchrun_trains_shapes_whose_groups_span_processes(tmp_path, nproc, shape, prompts):
+    """TRL-valid shapes nanogrpo refused (each process had to hold whole groups) train with TRL's
+    prompts per round."""
+    init = f"--init_model={read_config_file('tiny')['init_model']!r}"
+    done = torchrun("--config", "tiny.py", f"--model={tmp_path}/init", init,
+                    f"--output_dir={tmp_path}/run", *shape, "--max_completion_length=6",
+                    "--eval_strategy=no", "--max_steps=2", nproc=nproc, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert f"{nproc} process(es)" in done.stdout
+    assert "groups span processes" in done.stdout
+    assert f"{prompts} x " in done.stdout  # prompts x G per round
+    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [m["step"] for m in lines] == [1, 2]
+    assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in lines)

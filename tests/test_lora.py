@@ -132,7 +132,7 @@ def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
                         autocast=nullcontext(), tok=SimpleNamespace(vocab_size=None),
                         sched=SimpleNamespace(steps_per_generation=2),
                         entropy_coef=0.0, last_entropy=float("inf"))
-    m = train.optimizer_step(t, ro, micro)
+    m = train.optimizer_step(t, [(ro, idx) for idx in micro])
     after = model.state_dict()
     changed = {k for k in after if not torch.equal(after[k], before[k])}
     adapters = {k for k in after if ".lora_" in k}

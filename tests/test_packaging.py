@@ -49,7 +49,8 @@ def test_every_runtime_import_is_declared():
     declared = install_requires()
     modules = third_party_imports() | NEEDED_BY_DEPENDENCIES
     # Imported inside a function, only when the setting that needs them is used.
-    optional = {"matplotlib", "wandb", "tensorboard", "trackio", "pyarrow", "peft"}
+    # yaml: only for a .yaml config (PyYAML comes with huggingface-hub).
+    optional = {"matplotlib", "wandb", "tensorboard", "trackio", "pyarrow", "peft", "yaml"}
     missing = [m for m in sorted(modules - optional) if DIST_OF_MODULE.get(m, m) not in declared]
     assert not missing, f"imported at run time but not in setup.cfg install_requires: {missing}"
 

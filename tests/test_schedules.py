@@ -39,3 +39,174 @@ def test_bad_schedules_are_named():
         schedules.lr_lambda("cosine_with_min_lr", 0, 10, 1.0)
     with pytest.raises(ValueError, match=r"\['num_cycles'\] do not apply to lr_scheduler_type='linear'"):
         schedules.lr_lambda("linear", 0, 10, 1.0, {"num_cycles": 2})
+
+
+# -----------------------------------------------------------------------------
+# The batch schedule: TRL's shapes, groups that span processes
+
+from types import SimpleNamespace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import train
+from nanogrpo.config import ConfigError, TrainConfig
+from nanogrpo.data import PromptSampler
+from nanogrpo.dist import DistInfo
+
+SHAPES = json.load(open(os.path.join(os.path.dirname(__file__), "fixtures", "trl", "batch_shapes.json")))["cases"]
+BATCH_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+              "generation_batch_size", "num_generations")
+TRL_REASONS = {  # the words of each of TRL's refusals that nanogrpo's must contain
+    "divisible by the global batch size": "divisible by the global batch size",
+    "divisible by num_generations": "divisible by num_generations",
+    "can not be both configured": "not both",
+}
+
+
+@pytest.mark.parametrize("case", SHAPES, ids=lambda c: "P{processes}-b{per_device_train_batch_size}-"
+                         "ga{gradient_accumulation_steps}-spg{steps_per_generation}-"
+                         "gbs{generation_batch_size}-G{num_generations}".format(**c))
+def test_every_batch_shape_runs_or_is_refused_as_trl_does(case):
+    """tests/fixtures/trl/batch_shapes.json: GRPOConfig's own derivation (or refusal) of 400
+    shapes on 1, 2, 3 and 8 processes. A shape TRL accepts gets TRL's counts; one it refuses is
+    refused with TRL's reason."""
+    P = case["processes"]
+    cfg = TrainConfig(**{k: case[k] for k in BATCH_KEYS})
+    if "error" in case["trl"]:
+        reason = next(ours for theirs, ours in TRL_REASONS.items() if theirs in case["trl"]["error"])
+        with pytest.raises(ConfigError, match=reason):
+            cfg.validate(P)
+        return
+    s = cfg.validate(P).schedule(P)
+    assert s.generation_batch_size == case["trl"]["generation_batch_size"]
+    assert s.steps_per_generation == case["trl"]["steps_per_generation"]
+    assert s.prompts_per_round * s.num_generations == s.generation_batch_size
+    assert s.completions_per_round_per_rank * P == s.generation_batch_size
+
+
+def test_the_issues_shapes_and_the_seeds_recipe_on_8_processes():
+    """The seeds' recipe (4 per device, accumulation 2, G 16) on 8 processes: 64 completions a
+    round = 4 prompts, each group over two processes."""
+    s = TrainConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                    num_generations=16).validate(8).schedule(8)
+    assert (s.prompts_per_round, s.completions_per_round_per_rank) == (4, 8)
+    assert not s.whole_groups_per_rank
+    assert [s.rank_share(r) for r in (0, 1, 2, 7)] == [[(0, 8)], [(0, 8)], [(1, 8)], [(3, 8)]]
+    # 2 processes x 6, accumulation 2, G 8: 3 prompts, rank 0 holds a group and a half
+    s = TrainConfig(per_device_train_batch_size=6, gradient_accumulation_steps=2,
+                    num_generations=8).validate(2).schedule(2)
+    assert s.prompts_per_round == 3
+    assert s.rank_share(0) == [(0, 8), (1, 4)] and s.rank_share(1) == [(1, 4), (2, 8)]
+    # 1 x 4, accumulation 1, steps_per_generation 2, G 8: a round of 1 prompt feeds 2 steps; with
+    # max_steps=-1 an epoch of 10 prompts is 20 steps (it divided by zero)
+    cfg = TrainConfig(per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                      steps_per_generation=2, num_generations=8, max_steps=-1,
+                      num_train_epochs=1).validate()
+    assert cfg.schedule().prompts_per_round == 1 and cfg.total_steps(10) == 20
+    table = TrainConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                        num_generations=16).validate(8).schedule(8).table()
+    assert "4 x 16 = 64" in table and "groups span processes" in table
+
+
+def test_dynamic_sampling_needs_whole_groups_on_each_process():
+    with pytest.raises(ConfigError, match="dynamic_sampling.*whole groups"):
+        TrainConfig(per_device_train_batch_size=4, num_generations=8,
+                    dynamic_sampling=True).validate(2)
+    TrainConfig(per_device_train_batch_size=8, num_generations=8, dynamic_sampling=True).validate(2)
+
+
+def test_num_train_epochs_counts_steps_as_trl():
+    """max_steps=-1: ceil(epochs x the optimizer steps one pass over the prompts feeds, TRL's
+    len(dataloader) // accumulation); max_steps > 0 wins."""
+    cfg = TrainConfig(per_device_train_batch_size=8, num_generations=8,
+                      gradient_accumulation_steps=2, num_train_epochs=1.5).validate()
+    assert cfg.total_steps(100) == 75  # 2 prompts a round, a round a step
+    assert TrainConfig(num_iterations=2, num_train_epochs=1).total_steps(10) == 20
+    assert TrainConfig(max_steps=7).total_steps(100) == 7
+    # a step over 3 rounds of 1 prompt: 10 prompts feed 3 whole steps
+    spans = TrainConfig(per_device_train_batch_size=4, gradient_accumulation_steps=6,
+                        steps_per_generation=2, num_generations=8, num_train_epochs=1).validate()
+    assert spans.total_steps(10) == 3
+
+
+def simulate_cycle(cfg, world_size, rank):
+    """train.train_cycle on one rank with sampling and the update replaced by records of what
+    they were given: the real round_prompts, micro_batches and step loop.
+    -> (the (row, copies) rollouts sampled, the micro-batches of each step as (round, row))."""
+    sched = cfg.schedule(world_size)
+    rows = [{"prompt": f"p{i}"} for i in range(10 * sched.prompts_per_round)]
+    t = SimpleNamespace(cfg=cfg, sched=sched, step=0, round=0, round_begin=None, round_start_step=0,
+                        info=DistInfo(rank=rank, local_rank=rank, world_size=world_size, device="cpu"),
+                        prompts=PromptSampler(rows, sched.prompts_per_round, shuffle=False))
+    sampled, steps = [], []
+
+    def sample_round(t, r, rnd):
+        rows, copies = train.round_prompts(t)
+        sampled.append((rnd, [(row["prompt"], copies) for row in rows]))
+        return SimpleNamespace(round=rnd), {"stats": {}}
+
+    def update(t, micro):
+        steps.append([(ro.round, int(i)) for ro, idx in micro for i in idx])
+        assert all(len(idx) == cfg.per_device_train_batch_size for _, idx in micro)
+        t.step += 1
+        return {}
+
+    patched = dict(sample_round=train.sample_round, update=train.update)
+    add = train.report.add_round_metrics
+    try:
+        train.sample_round, train.update = sample_round, update
+        train.report.add_round_metrics = lambda *a: None
+        train.train_cycle(t, None)
+    finally:
+        train.sample_round, train.update = patched["sample_round"], patched["update"]
+        train.report.add_round_metrics = add
+    return sched, t, sampled, steps
+
+
+@settings(max_examples=60, deadline=None)
+@given(world_size=st.sampled_from([1, 2, 3, 8]), per_device=st.integers(1, 12),
+       GA=st.integers(1, 4), spg_factor=st.integers(1, 4), mu=st.integers(1, 3),
+       G=st.sampled_from([2, 3, 4, 8, 16]))
+def test_completions_sampled_are_completions_trained_and_trls_count(world_size, per_device, GA,
+                                                                    spg_factor, mu, G):
+    """Over random shapes TRL accepts, simulated on every rank: the ranks' shares of a round are
+    TRL's prompt-major list of generation_batch_size completions cut in consecutive slices; each
+    pass trains every sampled completion once; a cycle's steps take whole micro-batches."""
+    spg = spg_factor
+    if (per_device * world_size * spg) % G:
+        return  # TRL refuses it (test_every_batch_shape_runs_or_is_refused_as_trl_does)
+    cfg = TrainConfig(per_device_train_batch_size=per_device, gradient_accumulation_steps=GA,
+                      steps_per_generation=spg, num_generations=G, num_iterations=mu,
+                      max_steps=10**6).validate(world_size)
+    everyone = []
+    for rank in range(world_size):
+        sched, t, sampled, steps = simulate_cycle(cfg, world_size, rank)
+        assert len(sampled) == sched.rounds_per_cycle == t.round
+        assert len(steps) == sched.steps_per_cycle == t.step
+        n = sched.completions_per_round_per_rank
+        for rnd, share in sampled:
+            assert sum(copies for _, copies in share) == n  # sampled on this rank
+            trained = [i for step in steps for r, i in step if r == rnd]
+            assert sorted(trained) == sorted(list(range(n)) * mu)  # each row mu times
+        everyone.append([prompt for _, share in sampled[:1] for prompt, c in share for _ in range(c)])
+    # the ranks' slices, in rank order, are the round's prompts each repeated G times
+    round_list = [p for rank in everyone for p in rank]
+    prompts = [f"p{i}" for i in range(sched.prompts_per_round)]
+    assert round_list == [p for p in prompts for _ in range(G)]
+    assert len(round_list) == sched.generation_batch_size
+
+
+def test_small_config_runs_on_any_number_of_gpus_as_its_comment_says():
+    """configs/small.py: 64 completions a step per GPU on any count; 32 / GPUs accumulation
+    steps give its 512."""
+    from nanogrpo.configurator import read_config_file
+    from nanogrpo.config import TrainConfig
+    settings = {k: v for k, v in read_config_file("small").items() if k in BATCH_KEYS}
+    for gpus in range(1, 9):
+        s = TrainConfig(**settings).validate(gpus).schedule(gpus)
+        assert s.completions_per_step == 64 * gpus and s.prompts_per_round == 8 * gpus
+    for gpus in (1, 2, 4, 8):
+        same = dict(settings, gradient_accumulation_steps=32 // gpus)
+        s = TrainConfig(**same).validate(gpus).schedule(gpus)
+        assert s.completions_per_step == 512 and s.prompts_per_round == 64

@@ -81,6 +81,9 @@ DYNAMIC = ["--dynamic_sampling=true", f"--reward_funcs={__name__}:starts_with_a"
     (3, ADAPTIVE),  # the adaptive entropy coefficient is checkpointed
     (3, DYNAMIC),  # so is the prompt order that dynamic sampling consumed
     (4, [*DYNAMIC, "--num_iterations=2"]),  # rounds of 2 steps over the groups kept
+    # a step over parts of two rounds (accumulation 3, rounds of 2 micro-batches): cycles of 3
+    # rounds and 2 steps, resumed where a cycle ends
+    (2, ["--gradient_accumulation_steps=3", "--steps_per_generation=2", "--num_generations=8"]),
 ])
 def test_resume_is_exact(tmp_path, split, args):
     full = train.train(tiny(tmp_path / "a", "--max_steps=6", *args))
@@ -442,7 +445,7 @@ def test_command_line_help_errors_and_the_reward_curve_hint(tmp_path, monkeypatc
     import sys
     from conftest import ROOT
     done = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0 and "--learning_rate=1e-06" in done.stdout and "optimizer and learning-rate schedule (transformers' names):" in done.stdout
+    assert done.returncode == 0 and "--learning_rate=0.001" in done.stdout and "optimizer and learning-rate schedule (transformers' names):" in done.stdout
     from dataclasses import fields
     from nanogrpo.config import TrainConfig
     keys = [line.split("=")[0].strip() for line in done.stdout.splitlines() if line.startswith("  --")]
@@ -529,7 +532,7 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
                                                   temperature=0.9)[0]
             if skip:
                 t = trainer_for(model, optimizer, cfg, loss_cfg)
-                history.append(train.optimizer_step(t, ro, micro))
+                history.append(train.optimizer_step(t, [(ro, idx) for idx in micro]))
             else:
                 sums = {}
                 for idx in micro:  # the plain loop: every row with its gradient
@@ -588,8 +591,9 @@ def test_a_reward_file_with_a_syntax_error_is_one_line(tmp_path):
     from conftest import ROOT
     bad = tmp_path / "myreward.py"
     bad.write_text("def reward(completions, **kw):\n    return [1.0 for c in completions\n")
-    done = subprocess.run([sys.executable, "train.py", f"--reward_funcs={bad}:reward", f"--output_dir={tmp_path}/o",
-                           f"--model={tmp_path}/init", INIT], capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run([sys.executable, "train.py", "--config", "tiny.py", f"--reward_funcs={bad}:reward",
+                           f"--output_dir={tmp_path}/o", f"--model={tmp_path}/init", INIT],
+                          capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.startswith(f"train.py: error: reward function '{bad}:reward': {bad}, line 2:")
 
@@ -601,7 +605,7 @@ def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra(tmp_pa
     seen = []
 
     def staged(completions, target, trainer_state, log_metric, log_extra, **kwargs):
-        seen.append((trainer_state["global_step"], trainer_state["max_steps"]))
+        seen.append((trainer_state.global_step, trainer_state.max_steps))
         log_metric("my/first_letter_right", 0.5)
         log_extra("guess", [c[:1] for c in completions])
         return [float(c[:1] == t[:1]) for c, t in zip(completions, target)]
@@ -612,6 +616,60 @@ def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra(tmp_pa
     assert seen == [(0, 2), (1, 2)]
     assert [m["my/first_letter_right"] for m in history] == [0.5, 0.5]
     assert "[guess: " in capsys.readouterr().out
+
+
+def test_trainer_state_is_read_by_attribute_as_transformers_trainer_state(tmp_path):
+    """TRL passes transformers' TrainerState, not a dict: a reward written
+    for TRL reads trainer_state.global_step and sees it advance."""
+    seen = []
+
+    def warmup(completions, trainer_state, **kwargs):
+        s = trainer_state
+        seen.append((s.global_step, s.max_steps, s.epoch, s.num_train_epochs, s.logging_steps,
+                     s.is_world_process_zero, s.log_history, s.best_metric))
+        return [1.0 if trainer_state.global_step < 1 else 0.0 for _ in completions]
+
+    cfg = tiny(tmp_path, "--max_steps=2", "--logging_steps=1")
+    cfg.reward_funcs = [warmup, "default_task"]
+    train.train(cfg)
+    assert [s[:2] for s in seen] == [(0, 2), (1, 2)]
+    epochs = [s[2] for s in seen]
+    assert epochs[0] == 0.0 and 0.0 < epochs[1] < 1.0 and isinstance(epochs[1], float)
+    assert all(s[3:] == (1, 1, True, [], None) for s in seen)
+
+
+def test_trainer_state_counts_epochs_in_optimizer_steps_as_transformers():
+    """8 prompts, 4 per round, a round per step: 2 steps an epoch, so step 3
+    is halfway through the second epoch, and 5 steps reach into a third."""
+    from types import SimpleNamespace
+    from nanogrpo.dist import DistInfo
+    from nanogrpo.rewards import trainer_state_of
+    cfg = tiny("unused", "--max_steps=5", "--logging_steps=4", "--eval_steps=6", "--save_steps=7")
+    cfg.validate(1)
+    t = SimpleNamespace(cfg=cfg, step=3, prompts=SimpleNamespace(rows=[{}] * 8), info=DistInfo())
+    state = trainer_state_of(t)
+    assert (state.epoch, state.num_train_epochs) == (1.5, 3)
+    assert (state.global_step, state.max_steps) == (3, 5)
+    assert (state.logging_steps, state.eval_steps, state.save_steps) == (4, 6, 7)
+    assert state.train_batch_size == 8 and state.log_history == [] and state.trial_name is None
+
+
+def test_log_metric_twice_in_a_round_logs_the_mean_and_log_extra_the_last(tmp_path, capsys):
+    """TRL appends each log_metric value and logs their mean; log_extra's
+    table keeps one batch of rows: the last call's column."""
+    def twice(completions, log_metric, log_extra, **kwargs):
+        log_metric("my/metric", 1.0)
+        log_metric("my/metric", 3.0)
+        log_extra("guess", ["first"] * len(completions))
+        log_extra("guess", ["second"] * len(completions))
+        return [0.0 for _ in completions]
+
+    cfg = tiny(tmp_path, "--max_steps=1", "--log_completions=true", "--logging_steps=1")
+    cfg.reward_funcs = [twice, "default_task"]
+    history = train.train(cfg)
+    assert history[0]["my/metric"] == 2.0
+    out = capsys.readouterr().out
+    assert "[guess: second]" in out and "[guess: first]" not in out
 
 
 def test_push_to_hub_uploads_each_checkpoint_without_its_optimizer(tmp_path, monkeypatch):
@@ -694,9 +752,9 @@ def test_dynamic_sampling_trains_only_groups_with_spread(tmp_path, monkeypatch):
     trained = []
     step = train.optimizer_step
 
-    def spy(t, ro, micro_rows):
-        trained.append(ro)
-        return step(t, ro, micro_rows)
+    def spy(t, micro):
+        trained.extend(ro for ro, _ in micro)
+        return step(t, micro)
 
     monkeypatch.setattr(train, "optimizer_step", spy)
     history = train.train(tiny(tmp_path, *DYNAMIC, "--max_num_gen_batches=20"))
@@ -745,20 +803,22 @@ def test_an_entropy_bonus_alone_moves_the_entropy_its_way(coef):
         return (ent * ro.completion_mask).sum() / ro.completion_mask.sum()
 
     before = mean_entropy()
-    metrics = train.optimizer_step(trainer_for(model, optimizer, cfg, loss_cfg), ro, micro)
+    metrics = train.optimizer_step(trainer_for(model, optimizer, cfg, loss_cfg),
+                                   [(ro, idx) for idx in micro])
     after = mean_entropy()
     assert metrics["entropy_coef"] == coef
     assert metrics["grad_norm"] > 0
     assert (after - before) * coef > 1e-4
 
 
-def test_max_steps_inside_a_round_is_said(tmp_path, capsys):
-    """A round's samples are not checkpointed: max_steps that cuts a round short says that a run
-    resumed from it would not be exact (test_resume_is_exact splits at a round's end)."""
+def test_max_steps_inside_a_cycle_is_said(tmp_path, capsys):
+    """A round's samples are not checkpointed: max_steps that cuts a cycle of rounds and steps
+    short says that a run resumed from it would not be exact (test_resume_is_exact splits at a
+    cycle's end)."""
     train.train(tiny(tmp_path / "a", "--num_iterations=2", "--max_steps=3"))
-    assert "max_steps=3 ends inside a round of 2 optimizer steps" in capsys.readouterr().out
+    assert "max_steps=3 ends inside a cycle of 2 optimizer steps" in capsys.readouterr().out
     train.train(tiny(tmp_path / "b", "--num_iterations=2", "--max_steps=4"))
-    assert "ends inside a round" not in capsys.readouterr().out
+    assert "ends inside a cycle" not in capsys.readouterr().out
 
 
 def test_checking_an_out_dir_creates_nothing(tmp_path, monkeypatch):
@@ -786,3 +846,32 @@ def test_lora_dropout_does_not_reach_the_sampler_correction(tmp_path):
         assert m["sampling/sampling_logp_difference/max"] < 1e-3
         assert 1 - 1e-3 < m["sampling/importance_sampling_ratio/min"] <= 1
         assert 1 <= m["sampling/importance_sampling_ratio/max"] < 1 + 1e-3
+
+
+@pytest.mark.parametrize("mode", ["sequence_mask", "token_truncate"])
+def test_sampling_metrics_are_over_the_whole_step_as_trl(mode):
+    """TRL takes sampling/* over the step's tokens: one token that differs by 1 in one micro-batch
+    and three that agree in another give a mean difference of 1/4 (a mean of micro-batch means
+    gave 1/2); the correction's mean weight is over the step's sequences or tokens likewise."""
+    from conftest import fixture_path
+    from nanogrpo.config import TrainConfig
+    from nanogrpo.grpo import LossConfig
+    ro = _rollout_batch([1.0, -1.0])
+    ro.completion_mask = torch.zeros_like(ro.completion_mask)
+    ro.completion_mask[0, :1] = 1  # micro-batch 1: one token
+    ro.completion_mask[1, :3] = 1  # micro-batch 2: three tokens
+    ro.num_items = ro.completion_mask.sum()
+    ro.sampling_logps = ro.old_logps.clone()
+    ro.sampling_logps[0, 0] -= 1.0  # the trainer finds that token e times likelier
+    model = load_model(fixture_path("qwen2"))
+    cfg = TrainConfig(temperature=0.9, per_device_train_batch_size=1)
+    loss_cfg = LossConfig(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=3.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    t = trainer_for(model, optimizer, cfg, loss_cfg)
+    m = train.optimizer_step(t, [(ro, torch.tensor([0])), (ro, torch.tensor([1]))])
+    assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(0.25, rel=1e-6)
+    assert m["sampling/sampling_logp_difference/max"] == pytest.approx(1.0, rel=1e-6)
+    e = math.exp(1.0)
+    expected = (e + 1) / 2 if mode == "sequence_mask" else (e + 3) / 4  # per sequence / per token
+    assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(expected, rel=1e-6)
+    assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(e, rel=1e-6)
