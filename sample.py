@@ -1,25 +1,58 @@
 """Sample completions from any HF checkpoint (hub id or directory), a PEFT LoRA adapter directory
-(base + adapter), or a nanogrpo output dir.
+(base + adapter), or a train.py output_dir (its newest checkpoint).
 
-    python sample.py --model out/tiny/checkpoint --prompt "bhad=" --num_samples 4
+    python sample.py --model out/tiny --prompt "bhad=" --num_samples 4
     python sample.py --model Qwen/Qwen2.5-0.5B-Instruct --chat "What is 12*7?" --temperature 0.7 \\
         --reward accuracy --column answer=84
 
 `--prompt` is sent as plain text; `--chat` as one user message through the chat template. With
 `--reward`, each completion is scored by that reward function (built-in name or module:function);
 `--column key=value` supplies the dataset columns the function reads (e.g. answer, target).
+Errors are one line, as train.py's (the traceback with --debug or NANOGRPO_DEBUG=1).
 """
 
 import argparse
+import os
+import re
+import sys
 
 import torch
 
 from nanogrpo.checkpoint import load_model
 from nanogrpo.grpo import total_reward
-from nanogrpo.rewards import resolve_reward_funcs, score_completions
+from nanogrpo.report import open_sampling_progress
+from nanogrpo.rewards import RewardError, resolve_reward_funcs, score_completions
 from nanogrpo.fast_sampling import sample_next_token_fast
 from nanogrpo.sampler import generate
 from nanogrpo.tokenizer import Tokenizer
+
+
+def newest_checkpoint(path: str) -> str:
+    """A train.py output_dir -> the checkpoint it holds: the `checkpoint` link (train.py moves it
+    to each checkpoint once complete), else the highest checkpoint-<step>. Any other path (a
+    checkpoint dir, an adapter dir, a hub id) as given."""
+    model_files = ("config.json", "adapter_config.json")
+    if not os.path.isdir(path) or any(os.path.exists(os.path.join(path, f)) for f in model_files):
+        return path
+    latest = os.path.join(path, "checkpoint")
+    if os.path.isdir(latest):
+        return latest
+    steps = [re.fullmatch(r"checkpoint-(\d+)", name) for name in os.listdir(path)]
+    steps = [int(m.group(1)) for m in steps if m]
+    if not steps:
+        raise FileNotFoundError(
+            f"{path} is neither a checkpoint (no config.json or adapter_config.json) nor a "
+            "train.py output_dir (no checkpoint or checkpoint-<step> in it)"
+        )
+    return os.path.join(path, f"checkpoint-{max(steps)}")
+
+
+def column(text: str) -> tuple[str, str]:
+    """--column's 'key=value' -> (key, value)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected key=value, e.g. target=bhad")
+    return key, value
 
 
 def main(argv=None):
@@ -28,7 +61,7 @@ def main(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--model", required=True, help="hub id, checkpoint dir, or a train.py out_dir/checkpoint"
+        "--model", required=True, help="hub id, checkpoint dir, or a train.py output_dir"
     )
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="plain-text prompt")
@@ -48,14 +81,20 @@ def main(argv=None):
         "--reward", action="append", default=[], help="reward function to score with (repeatable)"
     )
     p.add_argument(
-        "--column", action="append", default=[], help="key=value dataset column for the reward"
+        "--column",
+        action="append",
+        default=[],
+        type=column,
+        help="key=value dataset column for the reward",
     )
     args = p.parse_args(argv)
 
-    model = load_model(
-        args.model, dtype=args.dtype, device=args.device
-    ).eval()  # a LoRA adapter: base + adapter
-    tok = Tokenizer.from_pretrained(args.model)  # an adapter without a tokenizer: its base model's
+    funcs = resolve_reward_funcs(args.reward) if args.reward else []  # a bad name fails fast
+    path = newest_checkpoint(args.model)
+    if path != args.model:
+        print(f"model: {path}")
+    model = load_model(path, dtype=args.dtype, device=args.device).eval()  # an adapter: base + it
+    tok = Tokenizer.from_pretrained(path)  # an adapter without a tokenizer: its base model's
     if args.chat is not None:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         prompt = messages + [{"role": "user", "content": args.chat}]
@@ -64,12 +103,13 @@ def main(argv=None):
     prompt_ids = tok.encode_prompt(prompt)
     room = model.config.max_position_embeddings - len(prompt_ids)  # the context caps generation
     if room < 1:
-        raise SystemExit(
+        raise ValueError(
             f"the prompt ({len(prompt_ids)} tokens) fills the model's whole context "
             f"({model.config.max_position_embeddings} positions)"
         )
     max_new_tokens = min(args.max_new_tokens, room)
     generator = torch.Generator(args.device).manual_seed(args.seed)
+    progress = open_sampling_progress()  # a status line on a terminal, else None
     with torch.no_grad():
         out = generate(
             model,
@@ -86,12 +126,14 @@ def main(argv=None):
             generator=generator,
             vocab_size=tok.vocab_size,
             sample_token=sample_next_token_fast,
+            progress=progress,
         )
+    if progress is not None:
+        progress.clear()
     ids, texts = tok.decode_completions(out.completion_ids, out.completion_mask)
     rewards = None
-    if args.reward:
-        columns = dict(kv.split("=", 1) for kv in args.column)
-        funcs = resolve_reward_funcs(args.reward)
+    if funcs:
+        columns = dict(args.column)
         completions = (
             texts
             if isinstance(prompt, str)
@@ -119,14 +161,21 @@ def main(argv=None):
         print(f"--- sample {i} ({len(ids[i])} tokens{tail}{score})\n{t}")
 
 
-if __name__ == "__main__":
-    import os
-    import sys
-
-    debug = "--debug" in sys.argv or os.environ.get("NANOGRPO_DEBUG") == "1"
+def cli(argv: list[str]) -> int:
+    """`python sample.py ...`: user errors are one line (the traceback with --debug or
+    NANOGRPO_DEBUG=1), a failing reward function included; Ctrl-C exits with 130."""
+    debug = "--debug" in argv or os.environ.get("NANOGRPO_DEBUG") == "1"
     try:
-        main([a for a in sys.argv[1:] if a != "--debug"])
-    except (ValueError, OSError) as e:  # a user error: one line (the traceback with --debug)
+        main([a for a in argv if a != "--debug"])
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError, RewardError) as e:
         if debug:
             raise
-        sys.exit(f"sample.py: error: {e}\n(the traceback: add --debug)")
+        print(f"sample.py: error: {e}\n(the traceback: add --debug)", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -73,14 +73,22 @@ def reward_rollout(ro: Rollout, reward_funcs, t=None) -> torch.Tensor:
     G = ro.num_generations
     columns = {k: [v for v in values for _ in range(G)]
                for k, values in columns_of(ro.rows).items()}
-    extras = None if t is None else reward_extras(t)
+    extras = None
+    if t is not None:
+        t.user_columns = {}  # log_extra's columns: of this call's completions
+        extras = reward_extras(t)
     return score_completions(reward_funcs, ro.prompts, ro.completions,
                              ro.completion_token_ids, columns, extras)
 
 
 def reward_extras(t: Trainer) -> dict:
     """The keyword arguments TRL 1.16 adds for reward functions: the
-    trainer's progress, and two ways to log from inside a function."""
+    trainer's progress, and two ways to log from inside a function.
+    log_metric's values pile up over every call until the cycle's record
+    takes their mean; with dynamic sampling that is every draw's call, the
+    dropped groups' included: TRL logs what reward functions report each
+    time they are called. log_extra's columns are per completion: of this
+    call's, then (groups_with_signal) of the kept ones."""
     def log_metric(name, value):  # TRL logs the mean of a name's values
         t.user_metrics.setdefault(name, []).append(float(value))
 
@@ -320,18 +328,20 @@ def train_cycle(t: Trainer, r: run.Run) -> list[dict]:
 def groups_with_signal(t: Trainer, r: run.Run, ro: Rollout, local, generator):
     """DAPO's dynamic sampling (dynamic_sampling.py): the round's groups
     whose rewards differ, more prompts sampled and scored until there
-    are enough. local: [n, K] rewards. -> (Rollout, rewards, metrics)."""
+    are enough. local: [n, K] rewards. -> (Rollout, rewards, metrics).
+    t.user_columns (log_extra) then holds the kept completions' values."""
     cfg = t.cfg
 
     def draw():
         rows, copies = round_prompts(t)
         more = rollout(t.model, t.tok, rows, cfg, copies, generator,
                        t.autocast, t.tools)
-        return more, reward_rollout(more, t.reward_funcs, t)
+        rewards = reward_rollout(more, t.reward_funcs, t)
+        return more, rewards, t.user_columns  # what this call logged
 
-    ro, local, stats = dynamic_sampling(
-        ro, local, draw, t.reward_weights, cfg.max_num_gen_batches,
-        t.tok.pad_token_id, t.info)
+    ro, local, t.user_columns, stats = dynamic_sampling(
+        ro, local, t.user_columns, draw, t.reward_weights,
+        cfg.max_num_gen_batches, t.tok.pad_token_id, t.info)
     wanted = len(ro.rows) * t.info.world_size
     report.check_dynamic_sampling(r, stats["dynamic_sampling/groups_kept"],
                                   wanted, cfg.max_num_gen_batches)
@@ -345,7 +355,7 @@ def crossed(every: int, before: int, after: int) -> bool:
 
 def train(cfg: TrainConfig, command=None) -> list[dict]:
     """Run GRPO as configured. -> per-step metrics (also metrics.jsonl)."""
-    info = dist.setup(cfg.device)
+    info = dist.setup(cfg.device, cfg.ddp_timeout)
     cfg.validate(info.world_size)
     r, cfg = run.start(cfg, info, command)
     t = setup(cfg, info, r.resume_from)
@@ -358,6 +368,7 @@ def train(cfg: TrainConfig, command=None) -> list[dict]:
     run.open_logs(r, t)
     with run.saving_on_stop(r, t):
         while t.step < cfg.max_steps:
+            run.stop_if_signalled(r, t)  # Ctrl-C, SIGTERM: save, then end
             first_step = t.step
             r.pending = train_cycle(t, r)
             eval_due = crossed(cfg.eval_every(), first_step, t.step)

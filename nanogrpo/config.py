@@ -50,7 +50,8 @@ RANGES = [
     (lambda v: v >= 0, "must be >= 0 (0 = off)",
      ["learning_rate", "weight_decay", "warmup_steps", "save_steps"]),
     (lambda v: v > 0, "must be > 0",
-     ["lora_alpha", "max_grad_norm", "tool_timeout", "num_train_epochs"]),
+     ["lora_alpha", "max_grad_norm", "tool_timeout", "num_train_epochs",
+      "ddp_timeout"]),
     (lambda v: 0 <= v < 1, "must be in [0, 1)",
      ["adam_beta1", "adam_beta2", "warmup_ratio", "lora_dropout"]),
     (lambda v: 0 <= v <= 1, "must be in [0, 1]", ["ref_model_mixup_alpha"]),
@@ -314,6 +315,9 @@ class TrainConfig:
     push_to_hub: bool = setting(
         False, "upload each checkpoint to the hub repo hub_model_id (huggingface-hub)")
     hub_model_id: str | None = setting(None, "None = the output_dir's name")
+    ddp_timeout: int = setting(
+        1800, "seconds a collective waits for the other processes before the run "
+        "ends with an error naming the rank (a hung or dead process)")
 
     def __post_init__(self):
         # resume_from_checkpoint="False" in a config file is text: it

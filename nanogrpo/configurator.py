@@ -528,7 +528,6 @@ NO_EFFECT = {
     "ddp_bucket_cap_mb": NO_DDP,
     "ddp_broadcast_buffers": NO_DDP,
     "ddp_static_graph": NO_DDP,
-    "ddp_timeout": NO_DDP,
     "ddp_backend": "the backend is nccl on CUDA, gloo on CPU (dist.py)",
     "ignore_bias_buffers": NO_DDP,
     "local_rank": "torchrun's LOCAL_RANK environment variable places each process",
@@ -557,7 +556,7 @@ TRL_ONLY = set("""
     dataloader_persistent_workers dataloader_pin_memory
     dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers
     ddp_bucket_cap_mb ddp_find_unused_parameters ddp_static_graph
-    ddp_timeout debug deepspeed disable_tqdm do_eval do_predict do_train
+    debug deepspeed disable_tqdm do_eval do_predict do_train
     ds3_gather_for_generation enable_jit_checkpoint
     eval_accumulation_steps eval_delay eval_do_concat_batches
     eval_on_start eval_use_gather_object fp16 fp16_full_eval fsdp

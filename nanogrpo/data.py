@@ -164,34 +164,56 @@ PROCEDURAL = {
 
 def read_rows(path: str) -> list[dict]:
     """Rows of a local .jsonl (one object per line), .json (a list of objects, or a dict of
-    equal-length columns) or .parquet (needs pyarrow) file."""
+    equal-length columns) or .parquet (needs pyarrow) file. Text must be UTF-8; a byte that is
+    not, or JSON that does not parse, is an error naming the file and the line."""
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
         except ImportError as e:
             raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
         return pq.read_table(path).to_pylist()
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-            rows = []
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}, line {line_no}: not valid JSON ({e})") from e
-            return rows
-        if path.endswith(".json"):
-            data = json.load(f)
-            if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
-                n = {len(v) for v in data.values()}
-                if len(n) != 1:
-                    raise ValueError(f"{path}: columns have different lengths {sorted(n)}")
-                return [dict(zip(data, values)) for values in zip(*data.values())]
-            if not isinstance(data, list):
-                raise ValueError(f"{path}: expected a list of rows or a dict of columns")
-            return data
+    if path.endswith(".jsonl"):
+        rows = []
+        for line_no, line in enumerate(read_text(path).split("\n"), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(
+                        f"{path}, line {line_no}: not valid JSON ({e.msg}, column {e.colno})"
+                    ) from None
+        return rows
+    if path.endswith(".json"):
+        try:
+            data = json.loads(read_text(path))
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path}, line {e.lineno}: not valid JSON ({e.msg}, column {e.colno})"
+            ) from None
+        if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+            n = {len(v) for v in data.values()}
+            if len(n) != 1:
+                raise ValueError(f"{path}: columns have different lengths {sorted(n)}")
+            return [dict(zip(data, values)) for values in zip(*data.values())]
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a list of rows or a dict of columns")
+        return data
     raise ValueError(f"{path}: unknown file type; use .jsonl, .json or .parquet")
+
+
+def read_text(path: str) -> str:
+    """A file's text, decoded as UTF-8; a byte that is not UTF-8 is an error naming the file and
+    the line it is on."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_no = raw[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path}, line {line_no}: byte 0x{raw[e.start]:02x} is not UTF-8 ({e.reason}); "
+            "save the file as UTF-8"
+        ) from None
 
 
 def download_hub_file(spec: str) -> str:
@@ -400,7 +422,9 @@ class PromptSampler:
         """Continue from a `state_dict()`; the dataset must have the same number of rows."""
         if state["num_rows"] != len(self.rows):
             raise ValueError(
-                f"sampler state is for {state['num_rows']} rows, this dataset has {len(self.rows)}"
+                f"the dataset has {len(self.rows)} rows, the checkpoint's run had "
+                f"{state['num_rows']}: resume with the same dataset, or start a new run "
+                "in another --output_dir"
             )
         self.epoch = state["epoch"]
         self.position = state["position"]

@@ -4,7 +4,8 @@ Owns: process-group setup from torchrun's environment (nccl on CUDA, gloo on
 CPU), sharding the model with PyTorch's own FSDP2 (`fully_shard` on each
 block, then the root), filling a sharded model from rank 0's full state dict
 and gathering one back, gathering parameters once for a whole sampling phase,
-and the collectives the trainer needs.
+the collectives the trainer needs, and what a failed collective means (a rank
+that stopped answering or is gone: collective_failure, tell_peers).
 
 With one process (no torchrun) every function here degrades to a plain no-op
 or identity: the trainer calls the same functions either way, and the model is
@@ -18,8 +19,10 @@ nothing of the package.
 """
 
 import os
+import re
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -43,22 +46,31 @@ class DistInfo:
         return self.world_size > 1
 
 
-def setup(device: str = "auto") -> DistInfo:
+def setup(device: str = "auto", timeout: float = 1800) -> DistInfo:
     """Read torchrun's RANK/WORLD_SIZE/LOCAL_RANK (absent: one process) and
     pick the device (each rank its LOCAL_RANK's GPU); initialise the process
     group (nccl on CUDA, gloo on CPU) when there is more than one process.
-    `cuda:N` names one GPU, so it is for one process only."""
+    `cuda:N` names one GPU, so it is for one process only. timeout: the
+    seconds a collective waits for the other ranks before it fails
+    (transformers' ddp_timeout): a hung or dead rank ends the run."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = _pick_device(device, world_size, local_rank)
     if world_size > 1 and not dist.is_initialized():
+        if timeout <= 0:
+            raise ValueError(f"ddp_timeout={timeout}: must be > 0 seconds")
         cuda = dev.type == "cuda"
+        # gloo raises in the waiting rank when a collective times out; for
+        # NCCL, torch's watchdog ends the process (mode 3, torch's default,
+        # made explicit: 0 would leave the rank waiting forever)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         dist.init_process_group(
             backend="nccl" if cuda else "gloo",
             rank=rank,
             world_size=world_size,
             device_id=dev if cuda else None,
+            timeout=timedelta(seconds=timeout),
         )
     return DistInfo(rank, world_size, local_rank, dev)
 
@@ -135,6 +147,72 @@ def barrier():
     """Wait for every rank."""
     if dist.is_initialized():
         dist.barrier()
+
+
+def max_over_ranks(value: int, info: DistInfo) -> int:
+    """The largest of every rank's value (one small all-reduce)."""
+    if not info.sharded:
+        return value
+    x = torch.tensor([value], device=info.device)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return int(x.item())
+
+
+# -----------------------------------------------------------------------------
+# When another rank fails
+
+FAILED_KEY = "nanogrpo/failed"  # in torchrun's store: a rank's last words
+
+
+def collective_failure(e: BaseException, info: DistInfo,
+                       timeout: float) -> str | None:
+    """What a failed collective says about the other ranks, in words
+    ("rank 1 stopped answering (ddp_timeout=10 s)"), or None when e is no
+    collective's failure. gloo raises a RuntimeError naming its own source
+    file; NCCL and the store raise torch.distributed's DistError."""
+    text = str(e)
+    if not (isinstance(e, dist.DistError) or "/gloo/" in text):
+        return None
+    other = "another rank"
+    if info.world_size == 2:
+        other = f"rank {1 - info.rank}"
+    if re.search("timed out|timeout", text, re.IGNORECASE):
+        return f"{other} stopped answering (ddp_timeout={timeout:g} s)"
+    return f"{other} is gone (it failed or was killed)"
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of a torch.distributed error, without the
+    [source file:line] gloo puts first."""
+    text = re.sub(r"^\[[^\]]*\] *", "", text.strip())
+    return re.split(r"(?<=\.) |\n", text)[0]
+
+
+def _store():
+    """The process group's key-value store (torchrun's agent holds it)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def tell_peers(line: str):
+    """Leave this rank's failure in the store, where the other ranks look
+    when torchrun stops them (peer_failed). Best effort: the store may
+    have gone with the run."""
+    if not dist.is_initialized():
+        return
+    try:
+        _store().set(FAILED_KEY, line)
+    except Exception:  # nothing more to tell anyone
+        pass
+
+
+def peer_failed() -> bool:
+    """Whether another rank told of its failure (tell_peers)."""
+    if not dist.is_initialized():
+        return False
+    try:
+        return _store().check([FAILED_KEY])
+    except Exception:  # an unreachable store tells nothing
+        return False
 
 
 # -----------------------------------------------------------------------------

@@ -18,6 +18,10 @@ Choices:
 - At max_num_gen_batches, equal-reward groups of the last batch fill what
   is missing (report.check_dynamic_sampling says so once); verl stops the
   run there instead.
+- What is logged per completion follows the kept rows: the columns reward
+  functions logged (log_extra) and, in the Rollout, the tool counts. The
+  round's metrics are then TRL's definitions over the batch that trains
+  (TRL has no dynamic sampling).
 """
 
 import torch
@@ -35,23 +39,26 @@ def groups_with_spread(rewards, weights, G):
     return std > 1e-8
 
 
-def dynamic_sampling(ro, rewards, draw, weights, max_batches, pad_id, info):
-    """Keep the groups of `ro` (rewards [n, K]) whose rewards differ, and
-    call draw() -> (Rollout, rewards) for more until each rank has as many
-    as `ro` has, at most max_batches batches in all.
-    -> (the round's Rollout, its rewards [n, K], metrics)."""
+def dynamic_sampling(ro, rewards, columns, draw, weights, max_batches, pad_id, info):
+    """Keep the groups of `ro` (rewards [n, K]; columns {name: [n] values},
+    what reward functions logged per row) whose rewards differ, and call
+    draw() -> (Rollout, rewards, columns) for more until each rank has as
+    many as `ro` has, at most max_batches batches in all.
+    -> (the round's Rollout, its rewards [n, K], its columns, metrics):
+    the kept rows of each; a column a batch did not log is None on its
+    rows."""
     G = ro.num_generations
     need = len(ro.rows)  # groups per rank
-    pieces = []  # (Rollout, rewards) of the kept groups, batch by batch
+    pieces = []  # (Rollout, rewards, columns) of the kept groups, batch by batch
     have = 0
     drawn = 0
     for batch in range(max_batches):
         if batch > 0:
-            ro, rewards = draw()
+            ro, rewards, columns = draw()
         spread = groups_with_spread(rewards, weights, G)  # [need]
         drawn += need
         keep = spread.nonzero()[:, 0][:need - have].tolist()
-        pieces.append(_groups(ro, rewards, keep))
+        pieces.append(_groups(ro, rewards, columns, keep))
         have += len(keep)
         missing = torch.tensor(float(need - have), device=info.device)
         if dist.all_reduce_sum(missing, info).item() == 0:
@@ -60,20 +67,25 @@ def dynamic_sampling(ro, rewards, draw, weights, max_batches, pad_id, info):
     kept, drawn = dist.all_reduce_sum(counts, info).tolist()
     if have < need:  # the bound: equal-reward groups fill the round
         fill = (~spread).nonzero()[:, 0][:need - have].tolist()
-        pieces[-1] = _groups(ro, rewards, keep + fill)
+        pieces[-1] = _groups(ro, rewards, columns, keep + fill)
     kept_rollouts = [p[0] for p in pieces if p[0].rows]
     ro = concat_rollouts(kept_rollouts, pad_id)
     rewards = torch.cat([p[1] for p in pieces])
+    names = dict.fromkeys(name for _, _, logged in pieces for name in logged)  # as first logged
+    columns = {name: [v for piece, _, logged in pieces
+                      for v in logged.get(name, [None] * len(piece.prompts))]
+               for name in names}
     metrics = {
         "dynamic_sampling/groups_drawn": drawn,
         "dynamic_sampling/groups_kept": kept,
         "dynamic_sampling/gen_batches": batch + 1,
     }
-    return ro, rewards, metrics
+    return ro, rewards, columns, metrics
 
 
-def _groups(ro, rewards, groups):
-    """(Rollout, rewards [m, K]) of the listed groups only."""
+def _groups(ro, rewards, columns, groups):
+    """(Rollout, rewards [m, K], columns) of the listed groups only."""
     G = ro.num_generations
     rows = [g * G + j for g in groups for j in range(G)]
-    return select_groups(ro, groups), rewards[rows]
+    columns = {name: [values[r] for r in rows] for name, values in columns.items()}
+    return select_groups(ro, groups), rewards[rows], columns

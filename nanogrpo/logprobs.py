@@ -104,12 +104,16 @@ class ChunkLogProbs(torch.autograd.Function):
     d logp / dz = onehot - p, and, with entropy_grad, dH / dz = -p (log p + H). With keep, the
     forward saves the [n,V] probabilities for it; without, it saves h and log Z only and
     recomputes them (one more [n,D] x [D,V] matmul), so no vocabulary-sized tensor outlives the
-    chunk. Without entropy_grad the entropy gets no gradient (it is logged, or masks tokens)."""
+    chunk. Without entropy_grad the entropy gets no gradient (it is logged, or masks tokens).
+    Backward runs under the forward's autocast state on the tensors' device (torch.amp.custom_bwd's
+    rule, which that decorator applies to one fixed device type only): under a bf16 autocast, on
+    CPU too, its recompute and matmuls round as autograd's backward of the same ops does."""
 
     @staticmethod
-    # backward recomputes under the forward's autocast state
-    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, h, weight, targets, temperature, keep, entropy_grad=False, fp32=False):
+        device = h.device.type
+        ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
+                            dtype=torch.get_autocast_dtype(device))  # for backward
         # [n,V], a fresh tensor: changed in place below
         shifted = _tempered_logits(h, weight, temperature, fp32)
         top = shifted.amax(dim=-1, keepdim=True)  # [n,1]
@@ -131,8 +135,12 @@ class ChunkLogProbs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_logp, grad_entropy):
+        with torch.autocast(**ctx.autocast):  # as the forward ran
+            return ChunkLogProbs.backward_body(ctx, grad_logp, grad_entropy)
+
+    @staticmethod
+    def backward_body(ctx, grad_logp, grad_entropy):
         h, weight, targets, saved, entropy = ctx.saved_tensors
         if ctx.keep:  # the saved probabilities [n,V]
             probs = saved
@@ -293,11 +301,14 @@ def rows_without_gradient(advantages, beta, model, length, entropy_bonus=False):
     a row whose advantage is exactly 0 adds nothing to the gradient. Only
     when the backward saved is worth the extra forward call; one row
     always keeps its gradient (every parameter gets one; AdamW steps as
-    TRL's does). With entropy_bonus every row has a gradient (its
-    entropy's): none is free. advantages: [n]; length: tokens per row."""
-    free = torch.zeros_like(advantages, dtype=torch.bool)
+    TRL's does). advantages: [n]; length: tokens per row.
+    None when the configuration frees no row on any rank: beta != 0 (the
+    KL term has a gradient everywhere) or entropy_bonus (so has every
+    row's entropy). It depends on no data, so every rank gets None
+    together, and policy_logprobs then needs no no_grad call to keep the
+    ranks' collectives in step."""
     if beta != 0 or entropy_bonus:
-        return free
+        return None
     free = advantages == 0
     params = sum(p.numel() for p in model.parameters())
     saved = 4 * params * int(free.sum()) * length
@@ -316,7 +327,9 @@ def policy_logprobs(
     no_grad: no backward, no stored activations. Their log-probs and
     entropies still count in the loss and the metrics. With several ranks
     the no_grad call always runs (on a throwaway row if need be), so every
-    rank makes the same FSDP collectives. kwargs: token_logprobs'."""
+    rank makes the same FSDP collectives, unless no_grad_rows is None
+    (rows_without_gradient's answer when no rank may skip rows): one call
+    with gradient, on every rank alike. kwargs: token_logprobs'."""
 
     def score(rows):
         return token_logprobs(
@@ -324,7 +337,7 @@ def policy_logprobs(
         )
 
     free = no_grad_rows
-    if not free.any() and world_size == 1:
+    if free is None or (world_size == 1 and not free.any()):
         return score(slice(None))
     with torch.no_grad():
         rows = free if free.any() else torch.arange(1, device=free.device)

@@ -3,7 +3,8 @@
 Owns: each round's metrics under TRL's names and definitions (reward,
 reward_std, rewards/<name>/mean, completions/..., tools/...), the eval
 metrics, metrics.jsonl, report_to's trackers, the console line of each
-step, warnings about rewards that cannot teach, and the end-of-run
+step, the status line on a terminal (`Progress`: sampling, tokens/s,
+ETA), warnings about rewards that cannot teach, and the end-of-run
 summary with its reward curve.
 
 Does not know about: the GRPO math, checkpoints, or how a run starts.
@@ -13,12 +14,14 @@ import json
 import math
 import os
 import shlex
+import shutil
+import sys
 import time
 from dataclasses import asdict
 
 import torch
 
-from nanogrpo import dist
+from nanogrpo import dist, sampler
 from nanogrpo.config import ConfigError, TrainConfig
 from nanogrpo.grpo import nanstd
 from nanogrpo.grpo import total_reward
@@ -47,6 +50,10 @@ def log(run):
         first = m["step"] == 1 and run.cfg.logging_first_step
         if m["step"] % run.cfg.logging_steps == 0 or last or first:
             print_step(m, run)
+        elif run.progress is not None:
+            run.progress.draw_step(m, run)
+        if last:
+            close_progress(run)
 
 
 def without_nan(m: dict) -> dict:
@@ -67,6 +74,8 @@ def print_step(m: dict, run):
             return "n/a"
         return format(m[key], spec)
 
+    if run.progress is not None:
+        run.progress.clear()
     parts = [
         f"step {m['step']:4d}/{run.cfg.max_steps}",
         f"reward {num('reward', '.3f')} ± {num('reward_std', '.3f')}",
@@ -92,6 +101,98 @@ def print_step(m: dict, run):
 def print_samples(samples):
     for prompt, completion, reward in samples:
         print(f"    {prompt!r} -> {completion!r} (reward {reward:.2f})")
+
+
+# -----------------------------------------------------------------------------
+# Progress on a terminal: one status line, redrawn in place
+
+PROGRESS_INTERVAL = 1.0  # seconds between two redraws of the status line
+
+
+class Progress:
+    """A status line on a terminal, so that long work is never silent:
+    while sampling, the decode position and tokens/s (the object is
+    generate's `progress` callback); after a step that prints no line,
+    the step, tokens/s and ETA. Redrawn in place (a carriage return) at
+    most every PROGRESS_INTERVAL seconds; `where()` -> the text it
+    starts with ("step 3/200 | eta 1.2 min | ")."""
+
+    def __init__(self, where=lambda: ""):
+        self.where = where
+        self.shown = False  # a status line is on the screen
+        self.drawn_at = 0.0  # when it was last drawn
+        self.started = 0.0  # when this generate call began decoding
+        self.tokens = 0  # the tokens it has sampled since
+
+    def __call__(self, done: int, total: int, rows: int):
+        """After each decode step: `done` of `total` positions sampled,
+        `rows` rows decoding (each sampled a token)."""
+        now = time.time()
+        if done == 1:  # a new generate call: its rate counts from here
+            self.started = now
+            self.tokens = 0
+            return
+        self.tokens += rows
+        # the rate is drawn once there is an interval to measure it over
+        if min(now - self.drawn_at, now - self.started) >= PROGRESS_INTERVAL:
+            rate = self.tokens / (now - self.started)
+            self.draw(f"{self.where()}sampling {done}/{total} tokens, {rate:.0f} tok/s")
+
+    def draw_step(self, m: dict, run):
+        """After a step whose line is not printed (logging_steps)."""
+        if time.time() - self.drawn_at >= PROGRESS_INTERVAL:
+            self.draw(f"step {m['step']}/{run.cfg.max_steps} | "
+                      f"eta {eta_minutes(run, m['step']):.1f} min | "
+                      f"{m['tokens_per_sec']:.0f} tok/s | {m['step_time']:.2f} s/step")
+
+    def draw(self, text: str):
+        """Replace the status line with `text`, cut to the terminal's
+        width (a line that wraps cannot be redrawn)."""
+        width = shutil.get_terminal_size().columns - 1
+        # back to column 0 after it: a print from elsewhere writes over it
+        sys.stdout.write("\r" + text[:width] + "\033[K\r")
+        sys.stdout.flush()
+        self.shown = True
+        self.drawn_at = time.time()
+
+    def clear(self):
+        """Erase the status line, before a line that stays."""
+        if self.shown:
+            sys.stdout.write("\r\033[K")
+            sys.stdout.flush()
+            self.shown = False
+
+
+def open_progress(run, t) -> Progress | None:
+    """The run's status line when rank 0 writes to a terminal, else None
+    (a log file gets the step lines only); it becomes the sampler's
+    decode-step callback (sampler.on_decode_step) until the run's last
+    step is logged (a run stopped by an error leaves it there until the
+    next run opens its logs)."""
+    progress = None
+    if run.info.is_main and sys.stdout.isatty():
+        def where():
+            step = min(t.step + 1, run.cfg.max_steps)
+            text = f"step {step}/{run.cfg.max_steps} | "
+            if t.step > run.started[1]:  # a step to measure the ETA by
+                text += f"eta {eta_minutes(run, t.step):.1f} min | "
+            return text
+        progress = Progress(where)
+    sampler.on_decode_step = progress
+    return progress
+
+
+def close_progress(run):
+    """Erase the status line and stop the sampler's calls to it."""
+    if run.progress is not None:
+        run.progress.clear()
+    run.progress = None
+    sampler.on_decode_step = None
+
+
+def open_sampling_progress() -> Progress | None:
+    """sample.py's status line: a Progress when stdout is a terminal."""
+    return Progress() if sys.stdout.isatty() else None
 
 
 def tracker_names(m: dict) -> dict:
@@ -240,8 +341,10 @@ def across_micro_batches(values: dict, info) -> dict:
 
 
 def generation_metrics(t, ro, rewards: torch.Tensor) -> dict:
-    """TRL's reward and completion-length metrics over the whole round
-    on all ranks. rewards: [N, K]."""
+    """TRL's reward, completion-length and tool metrics over the round's
+    completions that train, on all ranks (with dynamic sampling, those of
+    the groups kept; TRL has none, so its metrics are of the batch that
+    trains). rewards: [N, K]."""
     info = t.info
     total = total_reward(rewards, t.reward_weights)  # [N], NaN = unscored
     scored = total[~torch.isnan(total)]
@@ -267,7 +370,7 @@ def generation_metrics(t, ro, rewards: torch.Tensor) -> dict:
     m["completions/min_terminated_length"] = ended.min().item()
     m["completions/max_terminated_length"] = ended.max().item()
     if t.tools:
-        m.update(tool_metrics(ro, info, num_rows=len(total)))
+        m.update(tool_metrics(ro, info))
     for k, (name, _) in enumerate(t.reward_funcs):
         column = rewards[:, k][~torch.isnan(rewards[:, k])]
         mean = column.mean().item() if len(column) else math.nan
@@ -277,16 +380,16 @@ def generation_metrics(t, ro, rewards: torch.Tensor) -> dict:
     return m
 
 
-def tool_metrics(ro, info, num_rows: int) -> dict:
-    """TRL's tool metrics: calls per completion, the failed share of the
-    calls, assistant turns per completion."""
-    counts = torch.tensor([float(ro.tool_calls), float(ro.tool_failures)],
-                          device=info.device)
-    calls, failures = dist.all_reduce_sum(counts, info).tolist()
-    turns = dist.all_gather_rows(ro.turns.float(), info)
+def tool_metrics(ro, info) -> dict:
+    """TRL's tool metrics over ro's completions on all ranks: tool calls
+    per completion, the failed share of those calls, assistant turns per
+    completion."""
+    per_row = torch.stack([ro.tool_calls, ro.tool_failures, ro.turns], dim=1)  # [n, 3]
+    calls, failures, turns = dist.all_gather_rows(per_row.float(), info).unbind(1)  # [N] each
+    made = calls.sum().item()
     return {
-        "tools/call_frequency": calls / num_rows,
-        "tools/failure_frequency": failures / calls if calls else 0.0,
+        "tools/call_frequency": calls.mean().item(),
+        "tools/failure_frequency": failures.sum().item() / made if made else 0.0,
         "tools/mean_turns": turns.mean().item(),
     }
 

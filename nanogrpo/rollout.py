@@ -78,10 +78,10 @@ class Rollout:
     completions: list
     # [n] each row's ids up to its end (tool-result ids included)
     completion_token_ids: list[list[int]]
-    # tool calls made sampling these rows on this rank (failed ones included); select_groups
-    # keeps the whole round's count (dropped groups' calls were made too), concat_rollouts sums
-    tool_calls: int = 0
-    tool_failures: int = 0  # of which failed: malformed, unknown tool, exception or timeout
+    # [n] long: tool calls each completion made (failed ones included); None without tools
+    tool_calls: torch.Tensor | None = None
+    # [n] long: of which failed (malformed, unknown tool, exception or timeout); None without tools
+    tool_failures: torch.Tensor | None = None
     # [n] long: assistant turns per completion (1 without tool calls); None without tools
     turns: torch.Tensor | None = None
     # [n, C] fp32: the sampler's log-prob of each token it drew (after temperature and the
@@ -150,14 +150,15 @@ def _continue_with_tools(
     """The tool rounds (TRL's `_tool_call_loop`) on rows of generated `ids` and their sampler
     log-probs `logps` (lists of the same lengths, extended in place: 0.0 for tool-result ids).
     prompt_of[r]: row r's prompt ids. -> (per-row model-token masks, message lists, truncated,
-    calls, failures).
+    tool calls, failed tool calls).
     """
     M, limit = cfg.max_completion_length, model.config.max_position_embeddings
     parse = TOOL_CALL_PARSERS[cfg.tool_call_format]
     parsed = [parse(t) for t in texts]
     messages, calls = [[assistant_message(*p)] for p in parsed], [p[1] for p in parsed]
     masks = [[1] * len(x) for x in ids]
-    num_calls = num_failed = rounds = 0
+    num_calls, num_failed = [0] * len(ids), [0] * len(ids)  # per row
+    rounds = 0
     active = [r for r in range(len(ids)) if calls[r]]
     while active and (
         cfg.max_tool_calling_iterations is None or rounds < cfg.max_tool_calling_iterations
@@ -165,8 +166,8 @@ def _continue_with_tools(
         results = run_tools([calls[r] for r in active], tools, cfg.tool_timeout)
         going = []
         for r, row_results in zip(active, results):
-            num_calls += len(row_results)
-            num_failed += sum(failed for _, _, failed in row_results)
+            num_calls[r] += len(row_results)
+            num_failed[r] += sum(failed for _, _, failed in row_results)
             replies = [
                 {"role": "tool", "name": name, "content": str(res)} for name, res, _ in row_results
             ]
@@ -287,6 +288,7 @@ def rollout(
         turns = torch.tensor(
             [sum(m["role"] == "assistant" for m in c) for c in completions], device=dev
         )
+        calls, failures = torch.tensor(calls, device=dev), torch.tensor(failures, device=dev)
     else:
         completion_ids, model_mask, truncated, turns = (
             out.completion_ids,
@@ -300,7 +302,7 @@ def rollout(
             if isinstance(rows[0]["prompt"], str)
             else [[{"role": "assistant", "content": t}] for t in texts]
         )
-        calls = failures = 0
+        calls = failures = None
     mask = model_mask.float() * (
         (~truncated).float()[:, None] if cfg.mask_truncated_completions else 1.0
     )
@@ -344,9 +346,9 @@ def _check_unfilled(ro, caller):
 
 def select_groups(ro: Rollout, groups: list[int]) -> Rollout:
     """The rollout of the prompts `groups` (indices into ro.rows, in the order given): group i is
-    rows i*G .. i*G+G-1, and every per-row field is cut to those rows. Widths stay as they are.
-    tool_calls and tool_failures stay the whole round's counts: the dropped groups' calls were
-    made too. ValueError if the trainer's fields are filled or an index is out of range.
+    rows i*G .. i*G+G-1, and every per-row field is cut to those rows (the tool counts too: the
+    calls of the completions kept). Widths stay as they are. ValueError if the trainer's fields
+    are filled or an index is out of range.
     """
     _check_unfilled(ro, "select_groups")
     G = ro.num_generations
@@ -371,8 +373,8 @@ def select_groups(ro: Rollout, groups: list[int]) -> Rollout:
         prompts=[ro.prompts[r] for r in picked],
         completions=[ro.completions[r] for r in picked],
         completion_token_ids=[ro.completion_token_ids[r] for r in picked],
-        tool_calls=ro.tool_calls,
-        tool_failures=ro.tool_failures,
+        tool_calls=rows_of(ro.tool_calls),
+        tool_failures=rows_of(ro.tool_failures),
         turns=rows_of(ro.turns),
         sampling_logps=rows_of(ro.sampling_logps),
     )
@@ -396,8 +398,9 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
     join_prompt_completion pads them, to P = the longest prompt and C = the longest completion
     of all (a wider rollout's extra columns are padding only, so they are cut): the prompt part
     is left-padded (pad_id, attention 0), the completion part right-padded (pad_id, attention 1,
-    completion_mask and sampling_logps 0). tool_calls and tool_failures are summed; turns of a
-    rollout without them count 1 per row; sampling_logps is None unless every rollout has it.
+    completion_mask and sampling_logps 0). A rollout without tools counts 0 tool calls and
+    failures and 1 turn per row (None if no rollout has them); sampling_logps is None unless
+    every rollout has it.
     ValueError if the list is empty, the rollouts differ in num_generations, or the trainer's
     fields are filled.
     """
@@ -423,12 +426,15 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         prompt = _fit(mask[:, :-W], P, 0, left=True)  # [n,P]
         attention_mask.append(torch.cat([prompt, _fit(mask[:, -W:], C, 1)], dim=1))  # [n,P+C]
     with_logps = all(ro.sampling_logps is not None for ro in rollouts)
-    with_turns = any(ro.turns is not None for ro in rollouts)
 
-    def turns_of(ro):  # [n] long
-        if ro.turns is not None:
-            return ro.turns
-        return torch.ones_like(ro.completion_lengths)
+    def per_row(name, fill):  # [n] long of each rollout, `fill` where it has none
+        values = [getattr(ro, name) for ro in rollouts]
+        if all(x is None for x in values):
+            return None
+        return torch.cat([
+            torch.full_like(ro.completion_lengths, fill) if x is None else x
+            for ro, x in zip(rollouts, values)
+        ])
 
     return Rollout(
         rows=[r for ro in rollouts for r in ro.rows],
@@ -442,9 +448,9 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         prompts=[p for ro in rollouts for p in ro.prompts],
         completions=[c for ro in rollouts for c in ro.completions],
         completion_token_ids=[x for ro in rollouts for x in ro.completion_token_ids],
-        tool_calls=sum(ro.tool_calls for ro in rollouts),
-        tool_failures=sum(ro.tool_failures for ro in rollouts),
-        turns=torch.cat([turns_of(ro) for ro in rollouts]) if with_turns else None,
+        tool_calls=per_row("tool_calls", 0),
+        tool_failures=per_row("tool_failures", 0),
+        turns=per_row("turns", 1),
         sampling_logps=(
             torch.cat([_fit(ro.sampling_logps, C, 0.0) for ro in rollouts])
             if with_logps

@@ -1,8 +1,10 @@
 """What a training run does around the algorithm: the bookkeeping train.py calls.
 
-Owns: the output folder (a fresh run never replaces another), which
-checkpoint a run resumes from and what it restores, saving (on schedule,
-on Ctrl-C, after an error), the embedded default's tiny checkpoint, and
+Owns: the output folder (one run at a time holds it; a fresh run never
+replaces another), which checkpoint a run resumes from and what it
+restores, what is checked before step 1 so that the first save cannot
+fail (a writable folder, the hub), saving (on schedule,
+on Ctrl-C or SIGTERM, after an error), the embedded default's tiny checkpoint, and
 `main`: one-line errors (`--help` is configurator.py's). What a run
 reports (metrics, console, trackers, summary) is report.py's.
 
@@ -12,14 +14,19 @@ step, round, round_begin, entropy_coef, last_entropy) to save and
 restore them.
 """
 
+import fcntl
 import json
 import math
 import os
 import re
 import shlex
 import shutil
+import signal
+import socket
 import sys
+import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 
@@ -40,8 +47,22 @@ RESTORED_ON_RESUME = {
     "adam_epsilon": "the optimizer's state",
     "weight_decay": "the optimizer's state",
 }
+# A resumed LoRA run loads the checkpoint's adapters (their
+# adapter_config.json): their dropout is restored as above, and what
+# shapes them cannot change.
+ADAPTER_RESTORED = {
+    "lora_dropout": "the checkpoint's adapter",
+    "disable_dropout": "the checkpoint's adapter",
+}
+ADAPTER_SHAPE = ["use_peft", "lora_r", "lora_alpha", "lora_target_modules",
+                 "lora_modules_to_save", "use_rslora"]
 # Files train.py writes into out_dir: a fresh run refuses to replace them.
 RUN_FILES = r"metrics\.jsonl|checkpoint(-\d+)?(\.tmp)?"
+# What a save killed before its rename leaves (trainer_state.save_checkpoint)
+UNFINISHED_SAVE = r"checkpoint(-\d+)?\.tmp"
+# out_dir's lock file: the run holding it wrote who it is there
+LOCK_FILE = "run.lock"
+HUB_TIMEOUT = 30  # seconds the hub has to answer before step 1
 
 
 @dataclass
@@ -63,6 +84,7 @@ class Run:
     # rounds in a row a warning's condition held (report.streak)
     streaks: dict = field(default_factory=dict)
     command: list = field(default_factory=list)  # for the resume hint
+    progress: object = None  # report.Progress: the status line on a terminal
 
 
 # -----------------------------------------------------------------------------
@@ -70,11 +92,15 @@ class Run:
 
 
 def start(cfg: TrainConfig, info, command=None) -> tuple[Run, TrainConfig]:
-    """Decide fresh or resumed, check out_dir, build the embedded
-    default's checkpoint. -> (the run, the config the run will use:
-    on resume, the optimizer settings come from the checkpoint)."""
+    """Check out_dir and take its lock, check the hub, decide fresh or
+    resumed, build the embedded default's checkpoint. -> (the run, the
+    config the run will use: on resume, the optimizer settings come from
+    the checkpoint)."""
     check_out_dir(cfg.output_dir)
     run = Run(cfg=cfg, info=info, command=command or ["train.py"])
+    claim_out_dir(run)
+    if cfg.resume_from_checkpoint:
+        remove_unfinished_saves(cfg, info)
     run.resume_from = find_checkpoint(cfg)
     if run.resume_from:
         saved_path = os.path.join(run.resume_from, "train_config.json")
@@ -106,50 +132,173 @@ def check_out_dir(out_dir: str):
                           f"({e.strerror}): choose another --output_dir") from None
 
 
+def claim_out_dir(run: Run):
+    """Rank 0 takes out_dir's lock and checks the hub; every rank raises
+    its verdict, the same one-line error."""
+    problem = None
+    if run.info.is_main:
+        problem = lock_out_dir(run) or hub_problem(run.cfg)
+    problem = dist.broadcast_object(problem)
+    if problem:
+        raise ConfigError(problem)
+
+
+# out_dir's lock file (its real path) -> the open file that holds this
+# process's lock on it. The lock goes when its Run is collected; a run that
+# ended in an exception may live on in the traceback, and the next run of
+# this process into the same out_dir takes its lock over (train() calls
+# never nest).
+_held_locks = {}
+
+
+def lock_out_dir(run: Run) -> str | None:
+    """Lock out_dir for the life of `run` (rank 0 alone): a second run into
+    it is refused while this one lives. An flock on out_dir/run.lock,
+    which the OS releases when the process ends, even by kill -9: no
+    stale lock outlives a crash. -> why the lock cannot be had, or None."""
+    out_dir = run.cfg.output_dir
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.realpath(os.path.join(out_dir, LOCK_FILE))
+    earlier = _held_locks.pop(path, None)
+    if earlier is not None:
+        earlier.close()
+    f = open(path, "a+")  # not "w": that would erase the holder's line
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "its pid is not written yet"
+        f.close()
+        return (f"output_dir={out_dir!r} is in use by another run ({holder}): "
+                "wait for it to end, or choose another --output_dir")
+    f.truncate(0)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {started}: "
+            f"{shlex.join(run.command)}\n")
+    f.flush()
+    _held_locks[path] = f
+    weakref.finalize(run, f.close)
+    return None
+
+
+def remove_unfinished_saves(cfg: TrainConfig, info):
+    """What a save killed before its rename left in out_dir
+    (checkpoint-<step>.tmp), removed with a note. Safe only because this
+    run holds out_dir's lock: no other run is saving there."""
+    if info.is_main and os.path.isdir(cfg.output_dir):
+        for name in sorted(os.listdir(cfg.output_dir)):
+            if re.fullmatch(UNFINISHED_SAVE, name):
+                path = os.path.join(cfg.output_dir, name)
+                remove(path)
+                dist.print0(f"note: removed {path}, a save that did not finish")
+    dist.barrier()
+
+
 def find_checkpoint(cfg: TrainConfig) -> str | None:
     """The checkpoint to resume from: `resume` may be a path (it must
-    hold a trainer state) or true (out_dir/checkpoint, when there is
-    one); None starts fresh."""
+    hold all a resume reads) or true: the newest checkpoint-<step> of
+    out_dir that does, as TRL's get_last_checkpoint (each passed over is
+    named); None starts fresh."""
     resume = cfg.resume_from_checkpoint  # False, True or a path (TrainConfig normalises text)
     if not resume:
         return None
     if isinstance(resume, str):
-        if not os.path.exists(os.path.join(resume, "trainer")):
+        problem = trainer_state.missing(resume)
+        if problem:
             raise FileNotFoundError(
-                f"resume_from_checkpoint={resume!r}: no trainer state at {resume}/trainer; "
-                "point it at an out_dir/checkpoint written by train.py, "
-                "or use --resume_from_checkpoint=true")
+                f"resume_from_checkpoint={resume!r} holds no trainer state "
+                f"({problem}): point it at an out_dir/checkpoint-<step> "
+                "written by train.py, or use --resume_from_checkpoint=true")
         return resume
-    latest = os.path.join(cfg.output_dir, "checkpoint")
-    if os.path.exists(os.path.join(latest, "trainer")):
-        return latest
-    dist.print0(f"resume_from_checkpoint=true: no checkpoint in {cfg.output_dir} yet, "
+    out_dir = cfg.output_dir
+    passed = []  # checkpoints that cannot be resumed
+    for name in step_dirs(out_dir):
+        path = os.path.join(out_dir, name)
+        problem = trainer_state.missing(path)
+        if problem is None:
+            note_link(out_dir, path)
+            return path
+        dist.print0(f"note: {path} cannot be resumed ({problem}): passed over")
+        passed.append(name)
+    if passed and not cfg.overwrite_output_dir:
+        raise ConfigError(
+            f"resume_from_checkpoint=true: no checkpoint in {out_dir} can be "
+            f"resumed ({', '.join(passed)} lack files): start over with "
+            "--overwrite_output_dir=true (deletes them), or choose another "
+            "--output_dir")
+    dist.print0(f"resume_from_checkpoint=true: no checkpoint in {out_dir} yet, "
                 "so this run starts fresh")
     return None
 
 
+def step_dirs(out_dir: str) -> list[str]:
+    """out_dir's checkpoint-<step> folders, the highest step first."""
+    if not os.path.isdir(out_dir):
+        return []
+    steps = []
+    for name in os.listdir(out_dir):
+        match = re.fullmatch(r"checkpoint-(\d+)", name)
+        if match and os.path.isdir(os.path.join(out_dir, name)):
+            steps.append(int(match[1]))
+    return [f"checkpoint-{s}" for s in sorted(steps, reverse=True)]
+
+
+def note_link(out_dir: str, chosen: str):
+    """A note when out_dir/checkpoint (the newest save's link) does not
+    lead to `chosen`: it dangles, or names a checkpoint passed over."""
+    link = os.path.join(out_dir, "checkpoint")
+    if not os.path.islink(link):
+        return
+    if os.path.realpath(link) == os.path.realpath(chosen):
+        return
+    gone = "" if os.path.exists(link) else ", which is gone"
+    dist.print0(f"note: {link} points at {os.readlink(link)}{gone}: "
+                f"resuming from {chosen}, the newest that can be resumed")
+
+
 def restored_config(saved: dict, cfg: TrainConfig) -> TrainConfig:
-    """The config of a resumed run: what it will really use. Names every
-    setting that differs from the checkpoint's run; the optimizer's
-    settings are the checkpoint's; another model is an error."""
+    """The config of a resumed run: what it will really use, so that
+    train_config.json records the truth. Names every setting that differs
+    from the checkpoint's run; the optimizer's settings (and a LoRA run's
+    dropout) are the checkpoint's; another model, or other adapters,
+    are errors."""
     if saved.get("model") not in (None, cfg.model):
         raise ConfigError(
             f"this checkpoint was trained from model={saved['model']!r}, "
             f"not {cfg.model!r}: resume without --model, or start a new "
             "run in another --output_dir")
-    now = config_record(cfg)
+    now = json.loads(json.dumps(config_record(cfg)))  # tuples as lists, as saved
     restored = {}
     skip = ("resume_from_checkpoint", "max_steps")
     changed = [k for k in now if k in saved and saved[k] != now[k]]
+    keep = dict(RESTORED_ON_RESUME)
+    if saved.get("use_peft") or cfg.use_peft:
+        check_adapter_shape(saved, now, changed)
+        keep.update(ADAPTER_RESTORED)
     for key in sorted(k for k in changed if k not in skip):
         note = f"note: {key} was {saved[key]!r} in the checkpoint's run"
-        if key in RESTORED_ON_RESUME:
+        if key in keep:
             restored[key] = saved[key]
-            why = RESTORED_ON_RESUME[key]
-            dist.print0(f"{note}; {now[key]!r} is ignored ({why} wins)")
+            dist.print0(f"{note}; {now[key]!r} is ignored ({keep[key]} wins)")
         else:
             dist.print0(f"{note}, now {now[key]!r}")
     return replace(cfg, **restored)
+
+
+def check_adapter_shape(saved: dict, now: dict, changed: list):
+    """A resumed LoRA run continues the checkpoint's adapters (and a full
+    run its full weights): a setting that would change which parameters
+    train is refused, by name."""
+    refused = [k for k in ADAPTER_SHAPE if k in changed]
+    if not refused:
+        return
+    given = ", ".join(f"{k}={now[k]!r}" for k in refused)
+    had = ", ".join(f"{k}={saved[k]!r}" for k in refused)
+    flags = " ".join(f"--{k}" for k in refused)
+    raise ConfigError(
+        f"{given}, but the checkpoint's run trained with {had}, and a resumed "
+        f"run continues what it trained: drop {flags} to resume it, or start "
+        "a new run in another --output_dir")
 
 
 def config_record(cfg: TrainConfig) -> dict:
@@ -166,19 +315,27 @@ def config_record(cfg: TrainConfig) -> dict:
 def clear_out_dir(cfg: TrainConfig, info):
     """A fresh run never silently replaces another: an out_dir holding
     what train.py writes is an error, unless overwrite_output_dir asks
-    to delete those files (only those)."""
-    if not os.path.isdir(cfg.output_dir):
-        return
-    names = sorted(n for n in os.listdir(cfg.output_dir)
-                   if re.fullmatch(RUN_FILES, n))
+    to delete those files (only those), or resume_from_checkpoint=true
+    found nothing saved to continue."""
+    names = []  # rank 0 looks and decides: another rank could look after it deleted
+    if info.is_main and os.path.isdir(cfg.output_dir):
+        names = sorted(n for n in os.listdir(cfg.output_dir)
+                       if re.fullmatch(RUN_FILES, n))
+    names = dist.broadcast_object(names)
     if not names:
         return
-    if not cfg.overwrite_output_dir:
+    # resume_from_checkpoint=true found none: what is here was never saved
+    # (find_checkpoint refuses checkpoints it passed over)
+    unsaved = cfg.resume_from_checkpoint is True
+    if not cfg.overwrite_output_dir and not unsaved:
         raise ConfigError(
             f"output_dir={cfg.output_dir!r} holds a run ({', '.join(names[:4])}): "
             "continue it with --resume_from_checkpoint=true, start over with "
             "--overwrite_output_dir=true (deletes them), or choose "
             "another --output_dir")
+    if unsaved and not cfg.overwrite_output_dir:
+        dist.print0(f"note: replacing {', '.join(names)}: nothing there "
+                    "can be resumed")
     if info.is_main:
         for name in names:
             remove(os.path.join(cfg.output_dir, name))
@@ -259,6 +416,12 @@ def restore(run: Run, t):
         t.entropy_coef = entropy["entropy_coef"]
         last = entropy["last_entropy"]
         t.last_entropy = math.inf if last is None else last
+    saved_by = state.get("world_size", run.info.world_size)
+    if saved_by != run.info.world_size:
+        dist.print0(f"note: {run.resume_from} was saved by {saved_by} "
+                    f"process(es), this run has {run.info.world_size}: the "
+                    "optimizer state is the same, each step's batch is not "
+                    "(per_device_train_batch_size stays, as in TRL)")
     run.history = state["history"]
     run.written = [n for n in state.get("checkpoints", [])
                    if os.path.isdir(os.path.join(cfg.output_dir, n))]
@@ -277,6 +440,7 @@ def open_logs(run: Run, t):
                 f.write(json.dumps(m) + "\n")
     run.reporters = report.open_reporters(run.cfg, run.info)
     run.started = (time.time(), t.step)
+    run.progress = report.open_progress(run, t)  # None unless stdout is a terminal
     announce(t)
 
 
@@ -318,6 +482,7 @@ def save(run: Run, t):
         },
         "history": run.history,
         "checkpoints": run.written + [name],
+        "world_size": run.info.world_size,
     }
     trainer_state.save_checkpoint(cfg.output_dir, t.step, t.model, t.optimizer,
                                t.tok, state, config_record(cfg), run.info)
@@ -335,15 +500,51 @@ def hub_repo(cfg: TrainConfig) -> str:
     return cfg.hub_model_id or os.path.basename(os.path.abspath(cfg.output_dir))
 
 
+def hub_problem(cfg: TrainConfig) -> str | None:
+    """With push_to_hub, the first upload comes at the first save, maybe
+    hours in: what would fail it is tried before step 1 (a token, the hub
+    answering, the repo created or there). -> why it fails, or None."""
+    if not cfg.push_to_hub:
+        return None
+    from huggingface_hub import HfApi, get_token
+
+    fix = "or set --push_to_hub=false"
+    if not get_token():
+        return ("push_to_hub=true but no Hugging Face token is set: log in "
+                f"with `hf auth login` or set HF_TOKEN, {fix}")
+    repo = hub_repo(cfg)
+    outcome = []  # the exception create_repo raised, or None
+    # huggingface-hub's requests have no timeout: a thread bounds the wait
+    def create():
+        try:
+            HfApi().create_repo(repo, exist_ok=True)
+            outcome.append(None)
+        except Exception as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=create, daemon=True)
+    thread.start()
+    thread.join(HUB_TIMEOUT)
+    if not outcome:
+        return (f"push_to_hub=true: the hub did not answer in {HUB_TIMEOUT} s "
+                f"(creating the repo {repo!r}): check the network, {fix}")
+    error = outcome[0]
+    if error is None:
+        return None
+    why = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return (f"push_to_hub=true: the hub repo {repo!r} cannot be created "
+            f"({why}): check the network and the token (`hf auth login`, "
+            f"HF_TOKEN), {fix}")
+
+
 def push_to_hub(cfg: TrainConfig, folder: str, step: int):
     """Upload a checkpoint's model files (not the optimizer) to the hub
-    repo, through huggingface-hub's upload API (token: HF_TOKEN or
-    `hf auth login`)."""
+    repo (hub_problem created it before step 1), through huggingface-hub's
+    upload API (token: HF_TOKEN or `hf auth login`)."""
     from huggingface_hub import HfApi
 
     api = HfApi()
     repo = hub_repo(cfg)
-    api.create_repo(repo, exist_ok=True)
     api.upload_folder(repo_id=repo, folder_path=folder,
                       commit_message=f"nanogrpo: step {step}",
                       ignore_patterns=["trainer/*"])
@@ -364,18 +565,34 @@ def save_merged(run: Run, t):
 
 @contextmanager
 def saving_on_stop(run: Run, t):
-    """Ctrl-C or an error inside: save what was trained, then re-raise."""
+    """Inside: Ctrl-C (SIGINT) or SIGTERM asks for a stop where the cycle
+    ends (on_stop_signal, stop_if_signalled; in the last cycle the run
+    ends as usual); a second Ctrl-C stops at once (save_on_stop keeps
+    what is exact). An error saves the last
+    completed step, then is re-raised. With several processes an error
+    saves nothing (the others may be inside a collective): rank_error
+    names it with this rank and step, for main's one line."""
+    previous = catch_stop_signals(run, t)
     try:
         yield
     except KeyboardInterrupt:
+        if run.info.sharded:
+            dist.tell_peers(f"rank {run.info.rank}: interrupted")
         save_on_stop(run, t, "interrupted")
         raise
-    except Exception:
+    except Exception as e:
+        if run.info.sharded:
+            failure = rank_error(run, t, e)
+            if failure:
+                raise failure from e
+            raise
         try:
             save_on_stop(run, t, "stopped by an error")
         except Exception as e:  # the error may be the disk itself
             dist.print0(f"could not save after the error: {e}")
         raise
+    finally:
+        restore_signals(previous)
 
 
 def saved(run: Run, step: int) -> bool:
@@ -383,10 +600,10 @@ def saved(run: Run, step: int) -> bool:
 
 
 def save_on_stop(run: Run, t, why: str):
-    """Ctrl-C or an error: keep what was trained (the last completed
-    step) and say how to continue. Stopped inside a round before its
-    first optimizer step, the checkpoint records the prompt sampler
-    where the round began, so the resumed run redoes that round."""
+    """A second Ctrl-C or an error: keep what was trained (the last
+    completed step) and say how to continue. Stopped inside a round
+    before its first optimizer step, the checkpoint records the prompt
+    sampler where the round began, so the resumed run redoes that round."""
     cfg = run.cfg
     where = f"{why} at step {t.step}/{cfg.max_steps}"
     latest = os.path.join(cfg.output_dir, "checkpoint")
@@ -400,11 +617,8 @@ def save_on_stop(run: Run, t, why: str):
         if t.round_begin is not None:
             t.prompts.load_state_dict(t.round_begin)
         save(run, t)
-    args = [a for a in run.command
-            if not a.startswith(("--resume", "--overwrite_output_dir"))]
-    again = shlex.join(args + ["--resume_from_checkpoint=true"])
     dist.print0(f"\n{where}: saved {cfg.output_dir}/checkpoint-{t.step}. "
-                f"Continue with:\n  python {again}")
+                f"Continue with:\n  {resume_command(run)}")
 
 
 def unsaveable(run: Run, t) -> str | None:
@@ -418,15 +632,178 @@ def unsaveable(run: Run, t) -> str | None:
     return None
 
 
+def resume_command(run: Run) -> str:
+    """The command that continues this run from its latest checkpoint."""
+    args = [a for a in run.command
+            if not a.startswith(("--resume", "--overwrite_output_dir"))]
+    launcher = "python"
+    if run.info.sharded:
+        per_node = os.environ.get("LOCAL_WORLD_SIZE", run.info.world_size)
+        launcher = f"torchrun --nproc_per_node {per_node}"
+    return f"{launcher} {shlex.join(args + ['--resume_from_checkpoint=true'])}"
+
+
+def current_step(t) -> int:
+    """The step a stop or a failure came at: the one being trained inside
+    a cycle, else the last one completed."""
+    return t.step if t.round_begin is None else t.step + 1
+
+
+def rank_error(run: Run, t, e: Exception) -> Exception | None:
+    """An error on one of several ranks, told to the others (they look
+    when torchrun stops them: on_stop_signal). -> RankFailure, one line,
+    when a collective failed (another rank hung or died); else None, and
+    e carries this rank and step as a note (main's line, a traceback)."""
+    where = f"rank {run.info.rank}"
+    what = dist.collective_failure(e, run.info, run.cfg.ddp_timeout)
+    if what is None:
+        e.add_note(f"{where}, at step {current_step(t)}")
+        dist.tell_peers(f"{where}: {type(e).__name__}: {e}")
+        return None
+    line = (f"{where}: at step {current_step(t)}, {what}: "
+            f"{dist.first_sentence(str(e))}")
+    dist.tell_peers(line)
+    return RankFailure(line)
+
+
+# -----------------------------------------------------------------------------
+# Stopping on a signal: every rank where the same cycle ends
+
+STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+# the stop signal this process received inside saving_on_stop; 0 = none
+signalled = {"signum": 0}
+
+
+class Stopped(BaseException):
+    """The run stopped on a signal, its last step saved: main exits with
+    128 + signum (130 for Ctrl-C, 143 for SIGTERM), as a shell reports a
+    signal. Not an Exception: no `except Exception` takes it for an error."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class RankFailure(Exception):
+    """A collective failed: another rank stopped answering or is gone.
+    The message is the line main prints."""
+
+
+def catch_stop_signals(run: Run, t) -> dict:
+    """Route SIGINT and SIGTERM to on_stop_signal. -> the handlers
+    replaced, for restore_signals. Where no handler can be installed (not
+    the main thread) nothing changes; an ignored signal (a background
+    job's SIGINT) stays ignored."""
+    signalled["signum"] = 0
+    previous = {}
+
+    def handler(signum, frame):
+        on_stop_signal(run, t, signum, frame)
+
+    for signum in STOP_SIGNALS:
+        old = signal.getsignal(signum)
+        if old == signal.SIG_IGN:
+            continue
+        try:
+            signal.signal(signum, handler)
+        except ValueError:  # only the main thread may install handlers
+            break
+        previous[signum] = signal.SIG_DFL if old is None else old
+    return previous
+
+
+def restore_signals(previous: dict):
+    for signum, old in previous.items():
+        signal.signal(signum, old)
+
+
+def on_stop_signal(run: Run, t, signum: int, frame):
+    """A stop signal only sets a flag (a signal arriving mid-step corrupts
+    nothing): the loop stops where the cycle ends (stop_if_signalled). A
+    second Ctrl-C stops at once; a repeated SIGTERM changes nothing (SLURM
+    signals every process, and torchrun passes it on too). SIGTERM after
+    another rank failed is torchrun stopping this one: it ends at once."""
+    if signum == signal.SIGTERM and run.info.sharded and dist.peer_failed():
+        end_now(run, t, frame)
+    if signalled["signum"]:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        return
+    signalled["signum"] = signum
+    if run.info.is_main:
+        say(stopping_line(run, t, signum))
+
+
+def stopping_line(run: Run, t, signum: int) -> str:
+    """What a stop signal's arrival prints: the step the run will stop
+    after (checkpoints are exact where a cycle ends)."""
+    name = STOP_SIGNALS[signum]
+    if t.round_begin is None and t.step == 0:
+        return f"\n{name}: stopping before the first step"
+    end = t.step
+    if t.round_begin is not None:  # inside a cycle
+        cycle_end = t.round_start_step + t.sched.steps_per_cycle
+        end = min(cycle_end, run.cfg.max_steps)
+    line = f"\n{name}: stopping after step {end}: saving it then"
+    if run.info.sharded:
+        return line + (" (a signalled torchrun kills its processes after "
+                       "--shutdown-timeout seconds: 30 unless set)")
+    return line + "; Ctrl-C again stops at once"
+
+
+def say(line: str):
+    """Print from a signal handler: one write, which cannot collide with a
+    print the signal interrupted (print would raise a reentrant call)."""
+    try:
+        os.write(sys.stdout.fileno(), (line + "\n").encode())
+    except (OSError, ValueError):  # a stdout without a file (captured)
+        print(line, flush=True)
+
+
+def end_now(run: Run, t, frame):
+    """torchrun stopping this rank after another failed: say where this
+    rank was (a hung reward function shows here) and exit at once: the
+    others are gone, so there is nothing to save or to wait for."""
+    where = ""
+    if frame is not None:
+        code = frame.f_code
+        where = (f"; it was in {code.co_name} "
+                 f"({os.path.basename(code.co_filename)}:{frame.f_lineno})")
+    say(f"train.py: rank {run.info.rank}: ended at step {current_step(t)} "
+        f"after another rank failed{where}")
+    os._exit(128 + signal.SIGTERM)  # not sys.exit: it could wait on threads
+
+
+def stop_if_signalled(run: Run, t):
+    """Where a cycle ends (a checkpoint is exact there): if a stop signal
+    reached any rank, every rank saves the last step together and the run
+    ends (Stopped). One small all-reduce a cycle."""
+    signum = dist.max_over_ranks(signalled["signum"], run.info)
+    if not signum:
+        return
+    cfg = run.cfg
+    where = f"{STOP_SIGNALS[signum]}: stopped at step {t.step}/{cfg.max_steps}"
+    if t.step == 0:
+        dist.print0(f"{where}: nothing to save (no optimizer step was taken yet)")
+    else:
+        if not saved(run, t.step):
+            save(run, t)
+        dist.print0(f"{where}: saved {cfg.output_dir}/checkpoint-{t.step}. "
+                    f"Continue with:\n  {resume_command(run)}")
+    dist.teardown()
+    raise Stopped(signum)
+
+
 # -----------------------------------------------------------------------------
 # The command line
 
 
 def main(argv: list[str], train) -> int:
     """`python train.py [--config FILE] [--key=value ...]`: user errors
-    are one line (the traceback with --debug or NANOGRPO_DEBUG=1);
-    Ctrl-C saves and exits with 130. Which values run without --config is
-    load_config's rule; `--help` prints them."""
+    are one line (the traceback with --debug or NANOGRPO_DEBUG=1), and so
+    is a hung or dead rank (exit 1); Ctrl-C and SIGTERM save and exit with
+    130 and 143. Which values run without --config is load_config's rule;
+    `--help` prints them."""
     debug = "--debug" in argv or os.environ.get("NANOGRPO_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
     command = ["train.py"] + argv
@@ -436,12 +813,21 @@ def main(argv: list[str], train) -> int:
             print(help_text([a for a in argv if a not in ("--help", "-h")]))
             return 0
         train(load_config(argv), command)
+    except Stopped as e:
+        return 128 + e.signum
     except KeyboardInterrupt:
         return 130
+    except RankFailure as e:
+        if debug:
+            raise
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        return 1
     except (ValueError, OSError, RewardError) as e:  # ConfigError too
         if debug:
             raise
-        print(f"train.py: error: {e}\n(the traceback: add --debug)",
-              file=sys.stderr)
+        # several processes: rank_error's note names the rank and step
+        where = "".join(f"{note}: " for note in getattr(e, "__notes__", []))
+        print(f"train.py: error: {where}{e}\n(the traceback: add --debug)",
+              file=sys.stderr, flush=True)
         return 2
     return 0

@@ -294,6 +294,11 @@ class Rows:
         )
 
 
+# generate's `progress` when it is given none: report.open_progress sets
+# it on rank 0 of a run whose output is a terminal (rollout passes none)
+on_decode_step = None
+
+
 @torch.no_grad()  # not inference_mode: the outputs feed autograd (masks)
 def generate(
     model,
@@ -312,6 +317,7 @@ def generate(
     seeds=None,
     sample_token=sample_next_token,
     decoder=None,
+    progress=None,
 ) -> Generation:
     """Sample `num_samples` completions of up to `max_new_tokens` tokens
     for each prompt.
@@ -326,7 +332,11 @@ def generate(
     prompt; else drawn from `generator` or torch's RNG.
     sample_token: sample_next_token or fast_sampling's equal and faster
     one. decoder: a decoder class, None = the eager `Decoder`;
-    fast_sampling.StaticDecoder runs a compiled static-shape step."""
+    fast_sampling.StaticDecoder runs a compiled static-shape step.
+    progress: None, or a function progress(done, total, rows) called after
+    every decode step (`done` of `total` positions sampled, `rows` rows
+    decoding); None = the module's `on_decode_step`, which is None too
+    unless a training run on a terminal shows its status line there."""
     vocab_size = vocab_size or model.config.vocab_size
     prompt_ids = [[int(t) for t in p] for p in prompt_ids]
     check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
@@ -355,6 +365,7 @@ def generate(
         pad_id=pad_id,
         repetition_penalty=repetition_penalty,
         sample=lambda logits, u: sample_token(logits, u, **settings),
+        progress=progress or on_decode_step,
     )
     return assemble(out_ids, out_logps, stops, pad_id)
 
@@ -383,7 +394,9 @@ def prefill(model, decoder, prompt_ids, G, C, pad_id):
     return logits[src], cache, key_valid, lens[src], prompt_tokens, L
 
 
-def decode(model, decoder, prompt_ids, G, C, keys, stops, pad_id, repetition_penalty, sample):
+def decode(
+    model, decoder, prompt_ids, G, C, keys, stops, pad_id, repetition_penalty, sample, progress=None
+):
     """The decode loop. -> (ids [N,C], log-probs [N,C]) of every step."""
     dev = model.lm_head.weight.device
     logits, cache, key_valid, next_pos, prompt_tokens, L = prefill(
@@ -414,6 +427,8 @@ def decode(model, decoder, prompt_ids, G, C, keys, stops, pad_id, repetition_pen
         rows.stopped |= torch.isin(tok, stops)
         if rows.seen is not None:
             rows.seen.scatter_(1, tok[:, None], True)
+        if progress is not None:  # no host sync: the row count is a shape
+            progress(t + 1, C, len(rows.index))
         if t == C - 1:
             break
         if (t + 1) % decoder.sync_every == 0:

@@ -5,15 +5,20 @@ out_dir/checkpoint links to the newest.
 
 Owns: `save_checkpoint` (written under a temporary name, renamed when
 complete, then the link swapped), `prune_checkpoints` (save_total_limit),
-the optimizer's file (`save_optimizer`) and `load_trainer_state`.
+what a checkpoint needs to be resumed (`missing`), the optimizer's files
+(`save_optimizer`) and `load_trainer_state`.
 
 Does not know about: the model's file format (checkpoint.py writes it) or
 what the trainer state holds (run.py decides). With several processes rank
-0 writes the model and JSON, every rank its optimizer shard (through
-torch.distributed.checkpoint); the barriers are dist.py's.
+0 writes every file; the gathering and barriers are dist.py's and
+torch.distributed's.
 
-Choices: no pickle. The trainer state is JSON and the optimizer loads with
-weights_only=True, so a checkpoint cannot run code.
+Choices:
+- No pickle: the trainer state and the optimizer's settings are JSON, its
+  tensors safetensors, so a checkpoint cannot run code.
+- The optimizer is saved whole (gathered to rank 0's CPU under FSDP2, as
+  the weights are) and keyed by parameter name, as one process holds it:
+  a checkpoint written by N processes resumes on M.
 """
 
 import os
@@ -37,7 +42,6 @@ def save_checkpoint(out_dir, step: int, model, optimizer, tokenizer,
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash
         os.makedirs(os.path.join(tmp, "trainer"))
-    dist.barrier()
     try:
         if info.is_main:
             checkpoint.write_model(tmp, model.config, state,
@@ -87,36 +91,110 @@ def prune_checkpoints(out_dir, written: list[str], limit: int | None,
     return remaining
 
 
-def save_optimizer(path, model, optimizer, info: dist.DistInfo):
-    """Optimizer state: sharded with torch.distributed.checkpoint (every rank
-    writes its shard), or one optimizer.pt (tensors and plain numbers only,
-    so it loads with weights_only=True)."""
-    if info.sharded:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.save(state, checkpoint_id=os.path.join(path, "optimizer"))
+# What a checkpoint holds, beside the model's files: all of it is needed
+# to resume.
+RUN_STATE_FILES = ["train_config.json", "trainer/trainer_state.json",
+                   "trainer/optimizer.json", "trainer/optimizer.safetensors"]
+# the one-process optimizer file of older checkpoints: tensors and plain
+# numbers, read with torch.load(weights_only=True), which runs no code
+LEGACY_OPTIMIZER = "trainer/optimizer.pt"
+# torch.optim's flags for how a step is computed, not what it computes:
+# the resuming run's own stay (fused AdamW on one process, not on FSDP2).
+IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+
+
+def missing(ckpt_dir) -> str | None:
+    """What ckpt_dir lacks to be resumed ("no trainer/optimizer.json"), or
+    None when it holds everything load_trainer_state and the model loader
+    read."""
+    if not os.path.isdir(ckpt_dir):
+        return "no such directory"
+
+    def has(name):
+        return os.path.exists(os.path.join(ckpt_dir, name))
+
+    if has("adapter_config.json"):
+        model_files = ["adapter_config.json", "adapter_model.safetensors"]
+    elif has("model.safetensors.index.json"):
+        model_files = ["config.json", "model.safetensors.index.json"]
     else:
-        torch.save(optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+        model_files = ["config.json", "model.safetensors"]
+    files = RUN_STATE_FILES
+    if has(LEGACY_OPTIMIZER):  # an older one-process checkpoint
+        files = [f for f in files if not f.startswith("trainer/optimizer.")]
+    for name in model_files + files:
+        if not has(name):
+            return f"no {name}"
+    return None
+
+
+def save_optimizer(path, model, optimizer, info: dist.DistInfo):
+    """The optimizer's whole state, keyed by parameter name (every rank
+    calls it: under FSDP2 it gathers to rank 0, which writes):
+    optimizer.safetensors holds its tensors ("<param>.<field>", e.g.
+    "layers.0.mlp.up_proj.weight.exp_avg"), optimizer.json its
+    param_groups and any field that is not a tensor."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_optimizer_state_dict(model, optimizer, options=options)
+    if not info.is_main:
+        return  # {} here: rank 0 holds the gathered state
+    tensors = {}
+    others = {}  # {param: {field: value}} of fields that are not tensors
+    for name, fields in state["state"].items():
+        for key, value in fields.items():
+            if torch.is_tensor(value):
+                tensors[f"{name}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                others.setdefault(name, {})[key] = value
+    save_file(tensors, os.path.join(path, "optimizer.safetensors"))
+    layout = {"param_groups": state["param_groups"], "state": others}
+    checkpoint.write_json(os.path.join(path, "optimizer.json"), layout)
+
+
+def read_optimizer(path) -> dict:
+    """save_optimizer's files -> the optimizer state dict keyed by
+    parameter name (torch.distributed.checkpoint.state_dict's layout)."""
+    layout = checkpoint.read_json(os.path.join(path, "optimizer.json"))
+    tensors = checkpoint.read_safetensors(path, file="optimizer.safetensors")
+    state = layout["state"]
+    for key, value in tensors.items():
+        name, field = key.rsplit(".", 1)
+        state.setdefault(name, {})[field] = value
+    return {"state": state, "param_groups": layout["param_groups"]}
+
+
+def load_optimizer(path, model, optimizer, info: dist.DistInfo):
+    """Fill `optimizer` from save_optimizer's files in `path`, saved by any
+    number of processes. Under FSDP2 rank 0 reads them and each tensor is
+    broadcast and cut into this run's shards (every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, set_optimizer_state_dict)
+    state = {"state": {}, "param_groups": None}  # ranks > 0: rank 0 sends
+    if info.is_main:
+        state = read_optimizer(path)
+    state["param_groups"] = dist.broadcast_object(state["param_groups"])
+    for saved, group in zip(state["param_groups"], optimizer.param_groups):
+        saved.update({k: group[k] for k in IMPLEMENTATION if k in group})
+    options = None
+    if info.sharded:
+        options = StateDictOptions(full_state_dict=True,
+                                   broadcast_from_rank0=True)
+    set_optimizer_state_dict(model, optimizer, state, options=options)
 
 
 def load_trainer_state(ckpt_dir, model, optimizer, info: dist.DistInfo) -> dict:
     """Restore the optimizer from ckpt_dir/trainer and return the trainer
-    state (same world size). Never unpickles: a checkpoint cannot run code."""
+    state. Never unpickles: a checkpoint cannot run code."""
     path = os.path.join(ckpt_dir, "trainer")
-    if info.sharded:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            get_optimizer_state_dict, set_optimizer_state_dict)
-        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    legacy = os.path.join(ckpt_dir, LEGACY_OPTIMIZER)
+    if os.path.exists(os.path.join(path, "optimizer.json")) or not os.path.exists(legacy):
+        load_optimizer(path, model, optimizer, info)
+    elif info.sharded:
+        raise ValueError(f"{ckpt_dir} holds a one-process optimizer in the older format "
+                         f"({LEGACY_OPTIMIZER}): resume it on one process")
     else:
-        file = os.path.join(path, "optimizer.pt")
-        try:
-            optimizer.load_state_dict(torch.load(file, weights_only=True))
-        except Exception as e:
-            raise ValueError(f"{file} cannot be loaded as plain tensors "
-                             "(corrupt, or it holds pickled code, which is "
-                             f"refused): {e}") from None
+        optimizer.load_state_dict(torch.load(legacy, weights_only=True))
     return checkpoint.read_json(os.path.join(path, "trainer_state.json"))

@@ -138,7 +138,7 @@ def test_prompt_sampler_epochs_and_resume():
     resumed = PromptSampler(rows, 3, seed=7)
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert [[r["prompt"] for r in resumed.next_batch()] for _ in range(4)] == batches[4:]
-    with pytest.raises(ValueError, match="for 10 rows, this dataset has 11"):
+    with pytest.raises(ValueError, match="the dataset has 11 rows, the checkpoint's run had 10"):
         PromptSampler(rows + [{"prompt": "x"}], 3).load_state_dict(state)
     with pytest.raises(ValueError, match="prompts per generation round"):
         PromptSampler(rows, 11)
@@ -198,3 +198,23 @@ def test_shuffle_dataset_false_keeps_the_file_order():
     assert batches == [["0", "1", "2"], ["3", "4", "5"], ["0", "1", "2"]]
     shuffled = PromptSampler(rows, 3, seed=7)
     assert [r["prompt"] for r in shuffled.next_batch()] != ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_file_that_is_not_utf8_names_its_file_and_line(tmp_path, suffix):
+    lines = ['{"prompt": "a"}', '{"prompt": "b"}', '{"prompt": "caf\xe9"}']
+    text = "\n".join(lines) if suffix == ".jsonl" else "[\n" + ",\n".join(lines[1:]) + "\n]"
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes(text.encode("latin-1"))  # é is the byte 0xe9: not UTF-8
+    with pytest.raises(ValueError, match=rf"latin1\{suffix}, line 3: byte 0xe9 is not UTF-8"):
+        load_dataset(str(path))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_broken_json_names_its_file_and_line(tmp_path, suffix):
+    text = '{"prompt": "a"}\n{"prompt": oops}\n' if suffix == ".jsonl" else '[\n{"prompt": oops}\n]'
+    path = tmp_path / f"broken{suffix}"
+    path.write_text(text)
+    said = rf"broken\{suffix}, line 2: not valid JSON \(Expecting value, column 12\)"
+    with pytest.raises(ValueError, match=said):
+        load_dataset(str(path))

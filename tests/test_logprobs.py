@@ -260,7 +260,7 @@ def test_an_entropy_bonus_frees_no_row():
     big = Transformer(tiny_config(vocab_size=V, hidden_size=64, intermediate_size=128))
     adv = torch.tensor([0.0, 1.0, 0.0, 0.0])
     assert rows_without_gradient(adv, 0.0, big, 4000).tolist() == [True, False, True, True]
-    assert not rows_without_gradient(adv, 0.0, big, 4000, entropy_bonus=True).any()
+    assert rows_without_gradient(adv, 0.0, big, 4000, entropy_bonus=True) is None
 
 
 def test_cast_lm_head_to_fp32_under_bf16_autocast():
@@ -287,3 +287,84 @@ def test_cast_lm_head_to_fp32_under_bf16_autocast():
     assert (plain - ref).abs().max() < 1e-6
     assert (sampled - logits[:, 0]).abs().max() < 1e-6
     assert (bf16_logp - ref).abs().max() > 1e-4
+
+
+def relative_error(grads, ref):
+    """||grads - ref|| / ||ref|| over a list of tensors."""
+    num = sum(float(((g.double() - r.double()) ** 2).sum()) for g, r in zip(grads, ref))
+    return (num / sum(float((r.double() ** 2).sum()) for r in ref)) ** 0.5
+
+
+@pytest.mark.parametrize("keep_bytes", [0, 2**30])  # recompute the probabilities, keep them
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_chunked_gradient_under_cpu_bf16_autocast_is_autograds(keep_bytes, entropy_grad):
+    """Under a CPU bf16 autocast the chunked LM head's backward (its recompute, its matmuls) runs
+    under the forward's autocast, as autograd's backward of the same bf16 ops does: the gradients
+    of h and of the LM head equal full autograd's (0 here; 2.6e-3 to 2.7e-3 relative when the
+    backward ran outside the autocast). One chunk, so the LM head's gradient is one matmul in
+    both."""
+    from nanogrpo.logprobs import score_chunks
+    from nanogrpo.model import lm_head_linear
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(vocab_size=V))
+    ids, att, cmask = batch(1)
+    targets, T = ids[:, P:], 0.7
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        h0 = model.hidden_states(ids, attention_mask=att.bool())[:, P - 1:-1]  # [N,C,D]
+    g = torch.Generator().manual_seed(1)
+    u, v = torch.randn(cmask.shape, generator=g), torch.randn(cmask.shape, generator=g)
+
+    def grads(chunked):
+        h = h0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if chunked:
+                logp, ent = score_chunks(h, model.lm_head, targets, cmask, T, None, 512,
+                                         keep_bytes, entropy_grad)
+            else:  # the definition: full bf16 logits
+                logits = lm_head_linear(h, model.lm_head.weight).float()  # [N,C,V]
+                logp_all = torch.log_softmax(logits / T, -1)
+                logp = torch.where(cmask, logp_all.gather(-1, targets[..., None])[..., 0], 0)
+                ent = torch.where(cmask, -(logp_all.exp() * logp_all).sum(-1), 0)
+        loss = (u * logp).sum() + ((v * ent).sum() if entropy_grad else 0)
+        return torch.autograd.grad(loss, [h, model.lm_head.weight])
+
+    assert relative_error(grads(True), grads(False)) < 1e-4
+
+
+def test_checkpointed_scoring_under_cpu_bf16_autocast_has_autograds_gradient():
+    """The whole model under a CPU bf16 autocast, gradient checkpointing on (so the chunk
+    recomputes its probabilities in backward): every parameter's gradient of the chunked
+    log-probs equals autograd's of the plain definition (0 here; 3.7e-3 relative when the
+    recompute ran in float32)."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(vocab_size=V))
+    model.gradient_checkpointing = True
+    ids, att, cmask = batch(1)
+    out = []
+    for score in (token_logprobs, token_logprobs_plain):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            kwargs = dict(chunk_size=512) if score is token_logprobs else {}
+            logp, _ = score(model, ids, att, cmask, temperature=0.7, **kwargs)
+        out.append(param_grads(model, logp, None))
+    assert relative_error(*out) < 1e-4
+
+
+@pytest.mark.parametrize("beta, entropy_bonus", [(0.0, False), (0.04, False), (0.0, True)])
+def test_no_throwaway_forward_when_the_configuration_frees_no_row(beta, entropy_bonus):
+    """With several ranks policy_logprobs runs a no_grad call even when this rank frees no row (an
+    FSDP rank that frees some makes that call's collectives). When the configuration frees no row
+    on any rank (beta != 0, an entropy bonus) that call is wasted and does not run: each model
+    forward then has gradient, as with one rank."""
+    from nanogrpo.logprobs import policy_logprobs, rows_without_gradient
+    model = tiny_model()
+    grad_on = []  # torch.is_grad_enabled() at each model forward
+    model.register_forward_hook(lambda *_: grad_on.append(torch.is_grad_enabled()))
+    ids, att, cmask = batch(1)
+    free = rows_without_gradient(torch.tensor([1.0, -1.0, 0.5]), beta, model, ids.shape[1],
+                                 entropy_bonus=entropy_bonus)
+    logps, _ = policy_logprobs(model, ids, att, cmask, free, world_size=2, chunk_size=3,
+                               entropy_grad=entropy_bonus)
+    some_rank_may_free = beta == 0 and not entropy_bonus
+    # two model calls a scoring (the shared prompt, then the completions)
+    assert grad_on == [False] * 2 * some_rank_may_free + [True] * 2
+    assert torch.equal(logps, token_logprobs(model, ids, att, cmask, chunk_size=3)[0])

@@ -58,3 +58,33 @@ def test_every_runtime_import_is_declared():
 def test_install_requires_is_the_readme_list():
     declared = install_requires()
     assert declared == {"torch", "safetensors", "tokenizers", "huggingface-hub", "numpy", "jinja2"}
+
+
+def unclosed_fences(text: str) -> list[str]:
+    """Where a Markdown file's ``` fences do not pair as they render: a fence that should close a
+    block but has text after it (it closes nothing, and the block runs on), or a block never
+    closed."""
+    problems = []
+    opened = None  # the line number of the open block's fence
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("```"):
+            continue
+        if opened is None:
+            opened = n
+        elif line.rstrip() == "```":
+            opened = None
+        else:
+            problems.append(f"line {n}: text after a fence inside the block of line {opened}")
+    if opened is not None:
+        problems.append(f"line {opened}: a block never closed")
+    return problems
+
+
+def test_readme_fences_pair_and_it_stays_short():
+    readme = (ROOT / "README.md").read_text()
+    assert unclosed_fences(readme) == []
+    assert len(readme.splitlines()) <= 300, "README.md: move detail to docs/*.md, with a link"
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        assert unclosed_fences(doc.read_text()) == [], doc.name
+    assert unclosed_fences("```bash\npython train.py\n``` Then\ntext\n```\n") == [
+        "line 3: text after a fence inside the block of line 1"]

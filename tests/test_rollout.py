@@ -129,7 +129,7 @@ def test_two_call_conversation(monkeypatch):
     assert (raised, timed_out) == ("{'error': 'boom 1'}", "{'error': 'timed out after 0.2 s'}")
     assert ro.completions[2][-1] == {"role": "assistant", "content": "Sorry"}
     assert ro.completions[3][-1] == {"role": "assistant", "content": "ok"}
-    assert (ro.tool_calls, ro.tool_failures) == (6, 4)
+    assert ro.tool_calls.tolist() == [2, 0, 3, 1] and ro.tool_failures.tolist() == [0, 0, 3, 1]
     assert ro.turns.tolist() == [3, 1, 2, 2] and not ro.truncated.any()
     # batched: round 1 continues rows 0, 2, 3 together, round 2 only row 0; each with its own seed
     assert [(x["rows"], x["seeds"] is None) for x in log] == [(4, True), (3, False), (1, False)]
@@ -139,7 +139,7 @@ def test_max_tool_calling_iterations(monkeypatch):
     tok, ro, log = run_script(monkeypatch, max_tool_calling_iterations=1)
     assert len(log) == 2  # one tool round: row 0's second call is left unanswered (TRL)
     assert ro.completions[0][-1]["tool_calls"][0]["function"]["name"] == "slow_add"
-    assert ro.tool_calls == 5 and ro.turns.tolist() == [2, 1, 2, 2]
+    assert ro.tool_calls.tolist() == [1, 0, 3, 1] and ro.turns.tolist() == [2, 1, 2, 2]
 
 
 def test_budget_drops_a_round_of_results(monkeypatch):
@@ -148,7 +148,7 @@ def test_budget_drops_a_round_of_results(monkeypatch):
     n1 = len(enc(tok, FIRST[("mul", 0)])) + len(tool_suffix_ids(tok, [reply("add", "42")]))
     _, ro, log = run_script(monkeypatch, max_completion_length=n1 - 1)
     assert ro.completion_token_ids[0] == enc(tok, FIRST[("mul", 0)]) and len(ro.completions[0]) == 1
-    assert not ro.truncated[0] and ro.tool_calls >= 1  # the call was made and counted, as in TRL
+    assert not ro.truncated[0] and ro.tool_calls[0] == 1  # the call was made and counted, as in TRL
     assert all(len(ids) <= n1 - 1 for ids in ro.completion_token_ids)
 
 
@@ -354,13 +354,14 @@ def test_select_groups_takes_the_groups_rows():
 
 
 def test_split_and_joined_tool_rollout_has_the_same_rows(monkeypatch):
-    """A tool rollout's groups picked apart and joined again: the same rows (turns included), the
-    same widths; the tool counts are each picked part's whole round, summed."""
+    """A tool rollout's groups picked apart and joined again: the same rows (turns and tool counts
+    included), the same widths. A picked group counts its own completions' calls only."""
     from nanogrpo.rollout import concat_rollouts, select_groups
     tok, ro, _ = run_script(monkeypatch)
     again = concat_rollouts([select_groups(ro, [0]), select_groups(ro, [1])], tok.pad_token_id)
-    ro.tool_calls, ro.tool_failures = 2 * ro.tool_calls, 2 * ro.tool_failures
     assert_same_rollout(again, ro)
+    second = select_groups(ro, [1])
+    assert second.tool_calls.tolist() == [3, 1] and second.tool_failures.tolist() == [3, 1]
 
 
 def test_select_and_concat_refuse():
@@ -378,3 +379,15 @@ def test_select_and_concat_refuse():
         select_groups(ro, [0])
     with pytest.raises(ValueError, match="advantages is set"):
         concat_rollouts([ro], tok.pad_token_id)
+
+
+def test_a_rollout_without_tools_joins_with_no_calls_and_one_turn_a_row(monkeypatch):
+    from nanogrpo.rollout import concat_rollouts
+    _, _, plain = tiny_rollout(["ab", "hello"], 6)
+    tok, tools, _ = run_script(monkeypatch)  # a scripted sampler from here on
+    assert plain.tool_calls is None and plain.tool_failures is None and plain.turns is None
+    both = concat_rollouts([tools, plain], tok.pad_token_id)
+    assert both.tool_calls.tolist() == tools.tool_calls.tolist() + [0] * 4
+    assert both.tool_failures.tolist() == tools.tool_failures.tolist() + [0] * 4
+    assert both.turns.tolist() == tools.turns.tolist() + [1] * 4
+    assert concat_rollouts([plain], tok.pad_token_id).tool_calls is None

@@ -228,7 +228,7 @@ def test_a_second_run_never_overwrites_the_first(tmp_path):
     os.makedirs(tmp_path / "run" / "checkpoint-7-mine")
     train.train(tiny(tmp_path, "--max_steps=2", "--overwrite_output_dir=true"))
     kept = sorted(set(os.listdir(tmp_path / "run")) - {"reward.png"})  # the curve is drawn when matplotlib is there
-    assert kept == ["checkpoint", "checkpoint-2", "checkpoint-7-mine", "metrics.jsonl"]
+    assert kept == ["checkpoint", "checkpoint-2", "checkpoint-7-mine", "metrics.jsonl", "run.lock"]
 
 
 def test_model_paths_that_are_not_checkpoints_are_errors(tmp_path):
@@ -236,7 +236,8 @@ def test_model_paths_that_are_not_checkpoints_are_errors(tmp_path):
     user_file.write_text("mine")
     with pytest.raises(NotADirectoryError, match="is a file"):
         train.train(load_config(["--config", "tiny.py", f"--model={user_file}", f"--output_dir={tmp_path}/run"]))
-    assert user_file.read_text() == "mine" and os.listdir(tmp_path) == ["notes.txt"]
+    assert user_file.read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["notes.txt", "run"]
+    assert os.listdir(tmp_path / "run") == ["run.lock"]  # taken before the model loads: nothing else
     cfg = load_config(["--config", "tiny.py", f"--model={tmp_path}/missing", f"--output_dir={tmp_path}/run"])
     assert cfg.init_model is None  # the file's init_model builds only at the file's own model path
     with pytest.raises(FileNotFoundError, match="no such directory"):
@@ -687,6 +688,7 @@ def test_push_to_hub_uploads_each_checkpoint_without_its_optimizer(tmp_path, mon
             calls.append(("upload", repo_id, os.path.basename(folder_path), files, ignore_patterns))
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    monkeypatch.setenv("HF_TOKEN", "hf_test")  # a token is checked for before step 1
     train.train(tiny(tmp_path, "--max_steps=2", "--save_steps=1", "--push_to_hub=true",
                      "--hub_model_id=me/tiny-grpo"))
     uploads = [c for c in calls if c[0] == "upload"]
