@@ -32,3 +32,23 @@ def _seed():
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # train.py and sample.py live at the repo root
     sys.path.insert(0, ROOT)
+
+
+def assert_no_pickle(files):
+    """None of the files is a pickle (0x80) or torch.save's zip (PK)."""
+    for f in files:
+        with open(f, "rb") as opened:
+            head = opened.read(2)
+        assert head != b"PK" and head[:1] != b"\x80", f
+
+
+def forbid_unpickling(monkeypatch):
+    """pickle and torch.load raise for the rest of the test (monkeypatch.undo() ends it)."""
+    import pickle
+
+    def no_pickle(*args, **kwargs):
+        raise AssertionError("a checkpoint was unpickled")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, no_pickle)
+    monkeypatch.setattr(torch, "load", no_pickle)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import fixture_path, tiny_config
+from conftest import assert_no_pickle, fixture_path, forbid_unpickling, tiny_config
 from nanogrpo.checkpoint import load_model, save_model
 from nanogrpo.hf_format import config_from_hf, config_to_hf
 from nanogrpo.model import Transformer
@@ -143,15 +143,10 @@ def test_bf16_load(tmp_path):
         assert torch.isfinite(model(ids).float()).all()
 
 
-def no_pickle(*args, **kwargs):
-    raise AssertionError("a checkpoint was unpickled")
-
-
 def test_resume_never_unpickles_code(tmp_path, monkeypatch):
     """Security regression: optimizer.pt and trainer_state.pt were loaded with weights_only=False, so
     a pickle payload in a shared checkpoint ran on --resume. Now no file of a checkpoint is a pickle
     (JSON and safetensors) and resuming never calls an unpickler."""
-    import pickle
     from nanogrpo import dist
     from nanogrpo.trainer_state import load_trainer_state, save_checkpoint
     model = Transformer(tiny_config())
@@ -164,13 +159,8 @@ def test_resume_never_unpickles_code(tmp_path, monkeypatch):
     assert sorted(os.path.relpath(f, ckpt) for f in files) == [
         "config.json", "model.safetensors", "train_config.json", "trainer/optimizer.json",
         "trainer/optimizer.safetensors", "trainer/trainer_state.json"]
-    for f in files:  # neither a pickle (0x80) nor torch.save's zip (PK)
-        with open(f, "rb") as opened:
-            head = opened.read(2)
-        assert head != b"PK" and head[:1] != b"\x80", f
-    for name in ("load", "loads", "Unpickler"):
-        monkeypatch.setattr(pickle, name, no_pickle)
-    monkeypatch.setattr(torch, "load", no_pickle)
+    assert_no_pickle(files)
+    forbid_unpickling(monkeypatch)
     fresh = torch.optim.AdamW(model.parameters())
     assert load_trainer_state(ckpt, model, fresh, info) == {"step": 1, "history": [{"reward": 0.5}]}
     for i, state in opt.state_dict()["state"].items():

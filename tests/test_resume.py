@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import train
-from conftest import ROOT
+from conftest import ROOT, assert_no_pickle, forbid_unpickling
 from nanogrpo import trainer_state
 from nanogrpo.config import ConfigError
 from nanogrpo.configurator import load_config, read_config_file
@@ -197,10 +197,6 @@ def test_resume_with_another_dataset_names_it(tmp_path):
 # Any number of processes, and no pickle
 
 
-def no_pickle(*args, **kwargs):
-    raise AssertionError("a checkpoint was unpickled")
-
-
 def optimizer_steps(ckpt) -> set:
     tensors = load_file(ckpt / "trainer" / "optimizer.safetensors")
     return {v.item() for k, v in tensors.items() if k.endswith(".step")}
@@ -217,14 +213,8 @@ def test_a_checkpoint_of_two_processes_resumes_on_one_and_back_without_pickle(
     before = [json.loads(line) for line in open(run / "metrics.jsonl")]
     files = [os.path.join(d, f) for d, _, names in os.walk(run / "checkpoint-2") for f in names]
     assert not [f for f in files if f.endswith((".pt", ".bin", ".metadata", ".distcp", ".pkl"))]
-    for f in files:  # neither a pickle (0x80) nor torch.save's zip (PK)
-        with open(f, "rb") as opened:
-            head = opened.read(2)
-        assert head != b"PK" and head[:1] != b"\x80", f
-    import pickle
-    for name in ("load", "loads", "Unpickler"):
-        monkeypatch.setattr(pickle, name, no_pickle)
-    monkeypatch.setattr(torch, "load", no_pickle)
+    assert_no_pickle(files)
+    forbid_unpickling(monkeypatch)
     history = train.train(load_config([*args, "--max_steps=3", "--resume_from_checkpoint=true"]))
     monkeypatch.undo()
     out = capsys.readouterr().out
