@@ -4,7 +4,9 @@
     torchrun --nproc_per_node 8 train.py --config small.py
 
 One round of GRPO (sample_round): prompts -> G completions each
-(rollout.py; a group may span ranks, as in TRL) -> rewards (rewards.py)
+(rollout.py, each in its own environment with environment_factory, or
+the config's rollout_func: `sample`; a group may span ranks, as in TRL)
+-> rewards (rewards.py)
 -> group advantages over all ranks (grpo.py) -> old log-probs when the
 update is off-policy, reference log-probs when beta > 0 (logprobs.py).
 Then (train_cycle) each optimizer step takes the next
@@ -30,6 +32,7 @@ import torch
 
 from nanogrpo import dist, lora, report, run
 from nanogrpo.config import TrainConfig
+from nanogrpo.custom_rollout import custom_rollout
 from nanogrpo.data import columns_of
 from nanogrpo.dynamic_sampling import dynamic_sampling
 from nanogrpo.grpo import applied_entropy_coef, group_advantages, grpo_step, next_entropy_coef
@@ -66,13 +69,28 @@ def round_prompts(t: Trainer) -> tuple[list[dict], int]:
     return [rows[i] for i, c in share for _ in range(c)], 1
 
 
+def sample(t: Trainer, rows: list[dict], copies: int, generator) -> Rollout:
+    """`copies` completions of each row: rollout.py's sampler, each
+    completion in its own environment (reset here) with
+    environment_factory; or the config's rollout_func (custom_rollout.py)."""
+    if t.rollout_func is not None:
+        return custom_rollout(t, rows, copies, generator)
+    episodes = None
+    if t.environments is not None:
+        episodes = t.environments.start(rows, copies)
+    return rollout(t.model, t.tok, rows, t.cfg, copies, generator, t.autocast,
+                   t.tools, episodes)
+
+
 def reward_rollout(ro: Rollout, reward_funcs, t=None) -> torch.Tensor:
     """Every reward function, called with TRL's convention (dataset
-    columns repeated per completion, and TRL's trainer_state, log_metric,
+    columns repeated per completion, the rollout's extra fields:
+    `environments`, a rollout_func's; and TRL's trainer_state, log_metric,
     log_extra). -> [n, K] fp32, NaN = unscored."""
     G = ro.num_generations
     columns = {k: [v for v in values for _ in range(G)]
                for k, values in columns_of(ro.rows).items()}
+    columns.update(ro.extra_fields or {})
     extras = None
     if t is not None:
         t.user_columns = {}  # log_extra's columns: of this call's completions
@@ -263,8 +281,7 @@ def sample_round(t: Trainer, r: run.Run, rnd: int) -> tuple[Rollout, dict]:
     # LoRA dropout's masks: seeded per round, so resume is exact
     torch.manual_seed(round_seed(cfg, rnd, info.rank, salt=2))
     rows, copies = round_prompts(t)
-    ro = rollout(t.model, t.tok, rows, cfg, copies, generator, t.autocast,
-                 t.tools)
+    ro = sample(t, rows, copies, generator)
     t1 = time.time()
     local = reward_rollout(ro, t.reward_funcs, t)  # [n, K]
     stats = {}
@@ -334,8 +351,7 @@ def groups_with_signal(t: Trainer, r: run.Run, ro: Rollout, local, generator):
 
     def draw():
         rows, copies = round_prompts(t)
-        more = rollout(t.model, t.tok, rows, cfg, copies, generator,
-                       t.autocast, t.tools)
+        more = sample(t, rows, copies, generator)
         rewards = reward_rollout(more, t.reward_funcs, t)
         return more, rewards, t.user_columns  # what this call logged
 
@@ -402,8 +418,7 @@ def evaluate(t: Trainer) -> dict:
     generator = torch.Generator(info.device)
     generator.manual_seed(round_seed(t.cfg, 0, info.rank, salt=17))
     G = t.cfg.num_generations_eval or 1
-    ro = rollout(t.model, t.tok, rows, t.cfg, G, generator, t.autocast,
-                 t.tools)
+    ro = sample(t, rows, G, generator)
     rewards = reward_rollout(ro, t.reward_funcs).to(info.device)
     rewards = dist.all_gather_rows(rewards, info)[:num_rows * G]  # [E*G, K]
     return report.eval_metrics(rewards, t.reward_funcs, t.reward_weights)

@@ -17,11 +17,12 @@ the disk or the environment.
 """
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 
 from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, VESPO_NEEDS_TOKENS, LossConfig
 from nanogrpo.tools import TOOL_CALL_PARSERS
-from nanogrpo.sampler import check_sampling
+from nanogrpo.sampler import check_sampling, generation_settings
 from nanogrpo.schedules import SCHEDULES, Schedule, batch_schedule
 from nanogrpo.schedules import total_steps
 
@@ -120,9 +121,10 @@ class TrainConfig:
         False, "at the end, also write the adapter merged into a full HF checkpoint "
         "(output_dir/merged)")
 
-    dataset: str = setting(
+    dataset: str | None = setting(
         "default", "see data.load_dataset: file, hf://datasets/..., gsm8k, default, "
-        "countdown", group="data")
+        "countdown; None: no dataset, only with environment_factory (its reset() writes "
+        "each prompt; set max_steps)", group="data")
     dataset_split: str | None = setting(
         None, 'split for gsm8k / procedural tasks (None = "train")')
     eval_dataset: str | None = setting(
@@ -170,6 +172,12 @@ class TrainConfig:
     top_p: float = setting(1.0, "nucleus sampling, in (0, 1]")
     min_p: float | None = setting(None, "None = off")
     repetition_penalty: float = setting(1.0, "1 = off")
+    generation_kwargs: dict | None = setting(
+        None, "TRL's, in transformers' names: stop_strings (or vLLM's stop; a row ends with "
+        "the token completing one and counts as truncated, as in TRL), suppress_tokens, "
+        "min_new_tokens, and temperature/top_k/top_p/min_p/repetition_penalty, which win "
+        "over the fields above. Its temperature samples only: the loss's log-probs keep "
+        "the temperature field's, as in TRL, so the two can differ")
     torch_compile: bool = setting(
         False, "compile the decode step (sampler.generate(torch_compile=)): CUDA graphs "
         "on GPU")
@@ -184,6 +192,15 @@ class TrainConfig:
         30.0, 'seconds an async tool may run before its result is {"error": ...}')
     tool_call_format: str = setting(
         "hermes", "how calls are written in the text: a key of tools.TOOL_CALL_PARSERS")
+    environment_factory: dict | str | typing.Callable | None = setting(
+        None, "GRPOTrainer's: a class (or function) making an environment, one per completion, "
+        "whose public methods are its tools and whose get_reward() a reward; or {name: class} "
+        "routed by the dataset's `environment` column. A class of the config file, "
+        '"module:Class" or "path/to/file.py:Class" (see environments.py)')
+    rollout_func: str | typing.Callable | None = setting(
+        None, "GRPOTrainer's: rollout_func(prompts, trainer) -> {prompt_ids, completion_ids, "
+        "logprobs, [env_mask], fields for the rewards} replaces the sampler (see "
+        'custom_rollout.py); a function of the config file or "module:function"')
 
     loss_type: str = setting(
         "dapo", "grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo",
@@ -382,6 +399,7 @@ class TrainConfig:
              f"dtype must be one of {list(WEIGHT_DTYPES)} or auto")
         self._validate_sampling_and_loss()
         self._validate_rewards()
+        self._validate_rollouts()
         need(not self.sync_ref_model or self.beta > 0, "sync_ref_model",
              "needs beta > 0 (a reference model)")
         self.check_lora(self.use_peft)
@@ -430,6 +448,7 @@ class TrainConfig:
                 min_p=self.min_p or 0.0,
                 repetition_penalty=self.repetition_penalty,
             )
+            generation_settings(self.generation_kwargs)  # its keys, over those
             loss = LossConfig(**self.loss_config())
         except ValueError as e:
             message = str(e).removeprefix("LossConfig.")
@@ -444,7 +463,10 @@ class TrainConfig:
     def _validate_rewards(self):
         need = self._need
         n = len(self.reward_funcs)
-        need(n >= 1, "reward_funcs", "needs at least one reward function")
+        # an environment's get_reward may be the reward: trainer.setup checks once it has one
+        need(n >= 1 or self.environment_factory is not None, "reward_funcs",
+             "needs at least one reward function (or an environment_factory whose "
+             "environment defines get_reward)")
         for key in ("reward_weights", "reward_processing_classes"):
             value = getattr(self, key)
             need(value is None or len(value) == n, key,
@@ -454,6 +476,25 @@ class TrainConfig:
         window = self.soft_punish_cache
         need(window is None or window <= self.max_completion_length,
              "soft_punish_cache", "must be in [1, max_completion_length]")
+
+    def _validate_rollouts(self):
+        """TRL's rules for environment_factory, rollout_func and a run without a dataset."""
+        need = self._need
+        factory = self.environment_factory
+        need(self.rollout_func is None or not (self.tools or factory is not None),
+             "rollout_func", "generates whole completions: call tools from inside it, and "
+             "leave tools and environment_factory unset")
+        if self.dataset is not None:
+            return
+        need(factory is not None, "dataset",
+             "a dataset is required unless an environment_factory is provided (TRL's rule), "
+             "whose reset() returns each prompt")
+        need(not isinstance(factory, dict), "dataset",
+             "a dict environment_factory (several environments) needs a dataset with an "
+             "`environment` column to route each row to its environment (TRL's rule)")
+        need(self.max_steps > 0, "max_steps",
+             "must be > 0 without a dataset: the environment owns the data, so max_steps "
+             "sets the length of training (TRL's rule)")
 
     def check_lora(self, lora: bool):
         """The rules that depend on whether the policy carries LoRA

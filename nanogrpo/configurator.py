@@ -560,7 +560,7 @@ TRL_ONLY = set("""
     ds3_gather_for_generation enable_jit_checkpoint
     eval_accumulation_steps eval_delay eval_do_concat_batches
     eval_on_start eval_use_gather_object fp16 fp16_full_eval fsdp
-    fsdp_config full_determinism generation_kwargs
+    fsdp_config full_determinism
     gradient_checkpointing_kwargs greater_is_better hub_always_push
     hub_private_repo hub_revision hub_strategy hub_token
     ignore_data_skip include_for_metrics include_num_input_tokens_seen
@@ -601,10 +601,7 @@ REFUSED = {
     # TRL's dataset mixtures (DatasetMixtureConfig)
     "datasets": "one dataset per run: set dataset",
     # GRPOTrainer's arguments, which a TRL script passes beside its config
-    "rollout_func": "generation is nanogrpo's own sampler (rollout.py): it cannot "
-                    "be replaced",
-    "environment_factory": "there are no environments: tools are functions "
-                           "(tools = [...])",
+    # (its tools, rollout_func and environment_factory are TrainConfig fields)
     "callbacks": "there are no trainer callbacks: a reward function may log "
                  "(log_metric, log_extra)",
     "optimizers": "the optimizer is AdamW (optim, learning_rate, "
@@ -662,6 +659,8 @@ def shown(value) -> str:
     """A value as --help shows it: a config file's function by its name."""
     if isinstance(value, list):
         return "[" + ", ".join(shown(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {shown(v)}" for k, v in value.items()) + "}"
     if callable(value):
         return getattr(value, "__name__", repr(value))
     return repr(value)

@@ -12,6 +12,8 @@ Choices:
 - A dataset is a plain `list[dict]`; no `datasets` dependency. Every row has `prompt`: a string
   (standard format) or a list of {"role", "content"} messages (conversational format), as in
   TRL. All other keys are dataset columns, passed to every reward function as keyword arguments.
+  Where an environment writes the prompt (its reset(), environments.py), a row may lack it or
+  hold an empty one (`needs_prompt=False`), as TRL allows.
 - Hub files are named `hf://datasets/<owner>/<name>[@revision]/<path-in-repo>` (the spelling
   huggingface_hub's file system uses) and fetched with `hf_hub_download`, which caches them.
 - Procedural tasks are a pure function of (name, split, num_rows, seed). For `default` and
@@ -247,9 +249,14 @@ def gsm8k_rows(raw_rows: list[dict]) -> list[dict]:
 
 
 def load_dataset(
-    spec: str, split: str | None = None, *, num_rows: int | None = None, seed: int = 0
+    spec: str,
+    split: str | None = None,
+    *,
+    num_rows: int | None = None,
+    seed: int = 0,
+    needs_prompt: bool = True,
 ) -> list[dict]:
-    """Rows of a dataset, checked (see `check_rows`).
+    """Rows of a dataset, checked (see `check_rows`, which needs_prompt goes to).
 
     spec: a procedural task name ("default", "countdown"), "gsm8k" (hub parquet files of
     openai/gsm8k; split "train" or "test"), a "hf://datasets/..." file, or a local file path.
@@ -260,7 +267,7 @@ def load_dataset(
     if spec in PROCEDURAL:
         make, n_train, n_eval = PROCEDURAL[spec]
         n = num_rows or (n_train if split == "train" else n_eval)
-        return check_rows(make(n, seed, split), spec)
+        return check_rows(make(n, seed, split), spec, needs_prompt)
     if spec == "gsm8k":
         if split not in GSM8K_FILES:
             raise ValueError(f"gsm8k has splits {sorted(GSM8K_FILES)}, got {split!r}")
@@ -276,7 +283,7 @@ def load_dataset(
             f"dataset {spec!r} is not a file; use a .jsonl/.json/.parquet path, "
             f"hf://datasets/<owner>/<name>/<file>, 'gsm8k', or one of {sorted(PROCEDURAL)}"
         )
-    return check_rows(rows[:num_rows] if num_rows else rows, spec)
+    return check_rows(rows[:num_rows] if num_rows else rows, spec, needs_prompt)
 
 
 # -----------------------------------------------------------------------------
@@ -288,14 +295,19 @@ def is_conversational(row: dict) -> bool:
     return isinstance(row["prompt"], list)
 
 
-def check_rows(rows: list[dict], source: str) -> list[dict]:
-    """Every row is a dict with a `prompt`, all in the same format; returns rows unchanged."""
+def check_rows(rows: list[dict], source: str, needs_prompt: bool = True) -> list[dict]:
+    """Every row is a dict with a non-empty `prompt`, all in the same format; with needs_prompt
+    False (an environment's reset() writes the prompt) a row may lack it or hold an empty one.
+    Returns rows unchanged."""
     if not rows:
         raise ValueError(f"dataset {source}: no rows")
+    with_prompt = [row for row in rows if isinstance(row, dict) and "prompt" in row]
     for i, row in enumerate(rows):
-        if not isinstance(row, dict) or "prompt" not in row:
+        if not isinstance(row, dict) or ("prompt" not in row and needs_prompt):
             found = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ValueError(f"dataset {source}, row {i}: no 'prompt' column (found {found})")
+        if "prompt" not in row:
+            continue
         prompt = row["prompt"]
         ok = isinstance(prompt, str) or (
             isinstance(prompt, list)
@@ -307,13 +319,13 @@ def check_rows(rows: list[dict], source: str) -> list[dict]:
                 f"dataset {source}, row {i}: 'prompt' must be a string or a list of "
                 f"{{'role', 'content'}} messages, got {prompt!r:.100}"
             )
-        if not (
+        if needs_prompt and not (
             prompt.strip()
             if isinstance(prompt, str)
             else any(str(m["content"] or "").strip() for m in prompt)
         ):
             raise ValueError(f"dataset {source}, row {i}: the prompt is empty")
-        if is_conversational(row) != is_conversational(rows[0]):
+        if is_conversational(row) != is_conversational(with_prompt[0]):
             raise ValueError(
                 f"dataset {source}, row {i}: mixes standard (string) and conversational "
                 "(message list) prompts"
@@ -325,7 +337,8 @@ def check_prompts(
     rows: list[dict], source: str, tok, max_prompt_tokens: int, tools=None, **encode_kwargs
 ) -> int:
     """Encode every prompt once, at load time, exactly as the rollout will (with the tool schemas
-    `tools` a tool-calling run puts in the chat template, and encode_kwargs: max_length,
+    `tools` a tool-calling run puts in the chat template, or a function of the row giving its
+    own, as environments route rows to their tools; and encode_kwargs: max_length,
     chat-template variables), so a bad row stops the run before step 1, named: a prompt longer
     than `max_prompt_tokens` (the model's context minus max_completion_length), or a character
     the tokenizer can only map to its unknown token (silently, e.g. the char-level one).
@@ -335,7 +348,8 @@ def check_prompts(
     max_length = encode_kwargs.pop("max_length", None)
     cut = 0
     for i, row in enumerate(rows):
-        ids = tok.encode_prompt(row["prompt"], tools=tools, **encode_kwargs)
+        schemas = tools(row) if callable(tools) else tools
+        ids = tok.encode_prompt(row["prompt"], tools=schemas, **encode_kwargs)
         if max_length is not None and len(ids) > max_length:
             cut += 1
             ids = ids[-max_length:]

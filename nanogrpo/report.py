@@ -369,7 +369,7 @@ def generation_metrics(t, ro, rewards: torch.Tensor) -> dict:
     m["completions/mean_terminated_length"] = ended.mean().item()
     m["completions/min_terminated_length"] = ended.min().item()
     m["completions/max_terminated_length"] = ended.max().item()
-    if t.tools:
+    if ro.tool_calls is not None:  # the config's tools or an environment's
         m.update(tool_metrics(ro, info))
     for k, (name, _) in enumerate(t.reward_funcs):
         column = rewards[:, k][~torch.isnan(rewards[:, k])]

@@ -324,7 +324,8 @@ def _check_scores(name: str, scores, n: int) -> list[float]:
     return [float(s) for s in out]
 
 
-# what the trainer passes besides the dataset's columns (TRL 1.16's names)
+# what the trainer passes besides the dataset's columns (TRL 1.16's names; `environments` with
+# environment_factory)
 TRAINER_ARGUMENTS = (
     "prompts",
     "completions",
@@ -332,6 +333,7 @@ TRAINER_ARGUMENTS = (
     "trainer_state",
     "log_metric",
     "log_extra",
+    "environments",
 )
 
 

@@ -5,6 +5,9 @@ the rest of the round reads, by name) and `rollout(...)`, which encodes
 the prompts, samples with `sampler.generate`, continues completions that
 call tools (tools.py runs them, TRL's `tools=`), decodes, and joins
 prompt and completion into the [n, P+C] rows the log-prob pass scores.
+With environments (TRL's `environment_factory`), an `Episodes` record of
+environments.py gives each completion its prompt and tools: rollout takes
+it as `episodes`, and knows nothing else of environments.
 Also `select_groups` and `concat_rollouts`, for DAPO's dynamic sampling:
 keep the groups of a round whose rewards differ, join rounds into one.
 
@@ -36,6 +39,10 @@ Choices:
   (after temperature, top-k, top-p, min-p), what vLLM returns with
   logprobs_mode="processed_logprobs"; TRL's importance-sampling
   correction compares it with the trainer's. 0 on tool-result ids.
+- A group's G completions share one prompt, encoded and prefilled once,
+  unless `episodes` gives them different prompts (different observations
+  of their environments' reset): then each completion has its own, and
+  `prompt_ids` holds one entry per completion.
 - A rollout's rows can be picked by group and rollouts joined (before
   the trainer fills in its fields): the joined rows are re-padded to the
   longest prompt and completion, which changes no scored log-prob.
@@ -47,7 +54,7 @@ import torch
 
 from nanogrpo import dist
 from nanogrpo.fast_sampling import StaticDecoder, sample_next_token_fast
-from nanogrpo.sampler import generate
+from nanogrpo.sampler import generate, generation_settings
 from nanogrpo.tools import (
     TOOL_CALL_PARSERS,
     assistant_message,
@@ -66,7 +73,9 @@ class Rollout:
         dict
     ]  # the dataset rows sampled, one per prompt (their columns go to reward functions)
     num_generations: int  # G
-    prompt_ids: list[list[int]]  # one list of token ids per prompt
+    # token ids of each prompt, or of each completion's prompt (n lists) when the completions of
+    # a prompt were given different ones (row_prompt_ids: each row's, either way)
+    prompt_ids: list[list[int]]
     input_ids: torch.Tensor  # [n, P+C] long: left-padded prompt, then the right-padded completion
     # [n, P+C] long: 1 on real prompt tokens and on every completion slot
     attention_mask: torch.Tensor
@@ -87,6 +96,9 @@ class Rollout:
     # [n, C] fp32: the sampler's log-prob of each token it drew (after temperature and the
     # filters); 0 where the model sampled nothing (padding, tool results)
     sampling_logps: torch.Tensor | None = None
+    # {name: [n] values} reward functions receive beside the dataset's columns: `environments`
+    # (each completion's environment), a rollout_func's extra fields; None without
+    extra_fields: dict | None = None
     # Filled in by the trainer before the update:
     advantages: torch.Tensor | None = None  # [n] fp32, one per completion
     # [n, C] under the policy that sampled (off-policy updates only)
@@ -100,9 +112,13 @@ class Rollout:
     def num_tokens(self) -> int:
         """Real tokens processed in this round on this rank (prompts x G + generated), for
         throughput."""
-        return sum(map(len, self.prompt_ids)) * self.num_generations + int(
-            self.completion_lengths.sum()
-        )
+        copies = len(self.completion_lengths) // max(1, len(self.prompt_ids))
+        return sum(map(len, self.prompt_ids)) * copies + int(self.completion_lengths.sum())
+
+    def row_prompt_ids(self) -> list[list[int]]:
+        """[n] each row's prompt ids, whether prompt_ids holds one per prompt or one per row."""
+        copies = len(self.completions) // max(1, len(self.prompt_ids))
+        return [p for p in self.prompt_ids for _ in range(copies)]
 
 
 # -----------------------------------------------------------------------------
@@ -127,12 +143,14 @@ def join_prompt_completion(
     return input_ids, attention_mask
 
 
-def sampling_kwargs(cfg) -> dict:
-    """The sampler settings of a TrainConfig, as `generate` takes them. Training draws with the
-    sort-free sample_next_token_fast (equal to the plain one) and, with torch_compile, the
-    compiled StaticDecoder.
+def sampling_kwargs(cfg, tok=None) -> dict:
+    """The sampler settings of a TrainConfig, as `generate` takes them: the sampling fields, then
+    generation_kwargs over them (TRL's order: its keys win). Stop strings are matched on
+    `tok.decode` of the generated ids, so they need `tok`. Training draws with the sort-free
+    sample_next_token_fast (equal to the plain one) and, with torch_compile, the compiled
+    StaticDecoder.
     """
-    return dict(
+    settings = dict(
         max_new_tokens=cfg.max_completion_length,
         temperature=cfg.temperature,
         top_k=cfg.top_k,
@@ -142,6 +160,13 @@ def sampling_kwargs(cfg) -> dict:
         sample_token=sample_next_token_fast,
         decoder=StaticDecoder if cfg.torch_compile else None,
     )
+    settings.update(generation_settings(getattr(cfg, "generation_kwargs", None)))
+    if settings.get("stop_strings"):
+        if tok is None:
+            raise ValueError("generation_kwargs' stop strings need the tokenizer: "
+                             "sampling_kwargs(cfg, tok)")
+        settings["decode"] = tok.decode
+    return settings
 
 
 def _continue_with_tools(
@@ -149,8 +174,8 @@ def _continue_with_tools(
 ):
     """The tool rounds (TRL's `_tool_call_loop`) on rows of generated `ids` and their sampler
     log-probs `logps` (lists of the same lengths, extended in place: 0.0 for tool-result ids).
-    prompt_of[r]: row r's prompt ids. -> (per-row model-token masks, message lists, truncated,
-    tool calls, failed tool calls).
+    prompt_of[r]: row r's prompt ids; tools: {name: function} of every row, or one per row.
+    -> (per-row model-token masks, message lists, truncated, tool calls, failed tool calls).
     """
     M, limit = cfg.max_completion_length, model.config.max_position_embeddings
     parse = TOOL_CALL_PARSERS[cfg.tool_call_format]
@@ -163,7 +188,8 @@ def _continue_with_tools(
     while active and (
         cfg.max_tool_calling_iterations is None or rounds < cfg.max_tool_calling_iterations
     ):
-        results = run_tools([calls[r] for r in active], tools, cfg.tool_timeout)
+        row_tools = tools if isinstance(tools, dict) else [tools[r] for r in active]
+        results = run_tools([calls[r] for r in active], row_tools, cfg.tool_timeout)
         going = []
         for r, row_results in zip(active, results):
             num_calls[r] += len(row_results)
@@ -201,7 +227,7 @@ def _continue_with_tools(
             pad_id=tok.pad_token_id,
             seeds=seeds,
             vocab_size=tok.vocab_size,
-            **{**sampling_kwargs(cfg), "max_new_tokens": max_new}
+            **{**sampling_kwargs(cfg, tok), "max_new_tokens": max_new}
         )
         new_ids, new_texts = tok.decode_completions(out.completion_ids, out.completion_mask)
         new_truncated = out.truncated.tolist()  # one device-to-host transfer
@@ -224,6 +250,28 @@ def _continue_with_tools(
     return masks, messages, truncated, num_calls, num_failed
 
 
+def encode_prompts(tok, prompts: list, schemas: list, G: int, cfg) -> tuple[list, int]:
+    """Token ids of the prompts of n = groups x G completions (prompts[r], rendered with the tool
+    schemas schemas[r]): each group's once when its G completions share prompt and tools (the
+    sampler prefills it once for all G), else each completion's own.
+    -> (the ids, completions per entry: G or 1)."""
+    encode = dict(
+        max_length=getattr(cfg, "max_prompt_length", None),
+        **(getattr(cfg, "chat_template_kwargs", None) or {}),
+    )
+    shared = all(
+        prompts[i + j] == prompts[i] and schemas[i + j] == schemas[i]
+        for i in range(0, len(prompts), G)
+        for j in range(1, G)
+    )
+    step = G if shared else 1
+    ids = [
+        tok.encode_prompt(prompts[r], tools=schemas[r], **encode)
+        for r in range(0, len(prompts), step)
+    ]
+    return ids, step
+
+
 def rollout(
     model,
     tok,
@@ -233,47 +281,52 @@ def rollout(
     generator=None,
     autocast=None,
     tools: dict | None = None,
+    episodes=None,
 ) -> Rollout:
     """Sample `num_generations` completions for each row's prompt with the config's sampling
     settings, calling `tools` ({name: function}, see resolve_tools) -> a Rollout (advantages and
-    log-probs not yet filled in).
+    log-probs not yet filled in). With `episodes` (environments.Episodes, one entry per
+    completion), each completion has the prompt and tools given there instead, and the Rollout's
+    extra_fields hold its environment for the reward functions.
     """
-    schemas = [tool_schema(f) for f in tools.values()] if tools else None
-    if tools and isinstance(rows[0]["prompt"], str):
+    G = num_generations
+    if episodes is None:
+        prompts = [r["prompt"] for r in rows for _ in range(G)]
+        row_tools = tools or {}
+        schemas = [tool_schema(f) for f in tools.values()] if tools else None
+        row_schemas = [schemas] * len(prompts)
+    else:
+        prompts, row_tools, row_schemas = episodes.prompts, episodes.tools, episodes.schemas
+    calling = any(row_tools) if isinstance(row_tools, list) else bool(row_tools)
+    if calling and isinstance(prompts[0], str):
         raise ValueError(
             "tools need conversational prompts (message lists); this dataset's are plain strings"
         )
-    encode = dict(
-        tools=schemas,
-        max_length=getattr(cfg, "max_prompt_length", None),
-        **(getattr(cfg, "chat_template_kwargs", None) or {}),
-    )
-    prompt_ids = [tok.encode_prompt(r["prompt"], **encode) for r in rows]
+    prompt_ids, step = encode_prompts(tok, prompts, row_schemas, G, cfg)
     was_training = model.training
     model.eval()
     with torch.no_grad(), dist.gathered(model), autocast or torch.autocast("cpu", enabled=False):
         out = generate(
             model,
             prompt_ids,
-            num_samples=num_generations,
+            num_samples=step,
             stop_ids=tok.eos_token_ids,
             pad_id=tok.pad_token_id,
             generator=generator,
             vocab_size=tok.vocab_size,
-            **sampling_kwargs(cfg)
+            **sampling_kwargs(cfg, tok)
         )
         token_ids, texts = tok.decode_completions(out.completion_ids, out.completion_mask)
         truncated = out.truncated.tolist()
-        if tools:
-            prompt_of = [prompt_ids[r // num_generations] for r in range(len(token_ids))]
+        if calling:
+            prompt_of = [prompt_ids[r // step] for r in range(len(token_ids))]
             # each row's sampler log-probs, as long as its ids
             logps = [x[: len(t)] for x, t in zip(out.logprobs.tolist(), token_ids)]
             masks, completions, truncated, calls, failures = _continue_with_tools(
-                model, tok, prompt_of, token_ids, logps, texts, truncated, tools, cfg, generator
+                model, tok, prompt_of, token_ids, logps, texts, truncated, row_tools, cfg, generator
             )
     model.train(was_training)
-    prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
-    if tools:  # rows of different lengths, tool-result tokens masked out
+    if calling:  # rows of different lengths, tool-result tokens masked out
         dev, C = out.completion_ids.device, max(map(len, token_ids))
         completion_ids = torch.tensor(
             [x + [tok.pad_token_id] * (C - len(x)) for x in token_ids], device=dev
@@ -299,7 +352,7 @@ def rollout(
         sampling_logps = out.logprobs  # [n,C], 0 off the completion
         completions = (
             texts
-            if isinstance(rows[0]["prompt"], str)
+            if isinstance(prompts[0], str)
             else [[{"role": "assistant", "content": t}] for t in texts]
         )
         calls = failures = None
@@ -307,7 +360,7 @@ def rollout(
         (~truncated).float()[:, None] if cfg.mask_truncated_completions else 1.0
     )
     input_ids, attention_mask = join_prompt_completion(
-        prompt_ids, completion_ids, tok.pad_token_id, num_generations
+        prompt_ids, completion_ids, tok.pad_token_id, step
     )
     return Rollout(
         rows,
@@ -325,6 +378,7 @@ def rollout(
         failures,
         turns,
         sampling_logps,
+        {"environments": episodes.instances} if episodes is not None else None,
     )
 
 
@@ -346,9 +400,9 @@ def _check_unfilled(ro, caller):
 
 def select_groups(ro: Rollout, groups: list[int]) -> Rollout:
     """The rollout of the prompts `groups` (indices into ro.rows, in the order given): group i is
-    rows i*G .. i*G+G-1, and every per-row field is cut to those rows (the tool counts too: the
-    calls of the completions kept). Widths stay as they are. ValueError if the trainer's fields
-    are filled or an index is out of range.
+    rows i*G .. i*G+G-1, and every per-row field is cut to those rows (the tool counts and extra
+    fields too: those of the completions kept). Widths stay as they are. ValueError if the
+    trainer's fields are filled or an index is out of range.
     """
     _check_unfilled(ro, "select_groups")
     G = ro.num_generations
@@ -361,10 +415,17 @@ def select_groups(ro: Rollout, groups: list[int]) -> Rollout:
     def rows_of(x):  # [n, ...] -> [m, ...]
         return None if x is None else x[index]
 
+    if len(ro.prompt_ids) == len(ro.rows):  # one entry per prompt
+        prompt_ids = [ro.prompt_ids[i] for i in groups]
+    else:  # one per completion
+        prompt_ids = [ro.prompt_ids[r] for r in picked]
+    extra_fields = None
+    if ro.extra_fields is not None:
+        extra_fields = {k: [values[r] for r in picked] for k, values in ro.extra_fields.items()}
     return Rollout(
         rows=[ro.rows[i] for i in groups],
         num_generations=G,
-        prompt_ids=[ro.prompt_ids[i] for i in groups],
+        prompt_ids=prompt_ids,
         input_ids=rows_of(ro.input_ids),
         attention_mask=rows_of(ro.attention_mask),
         completion_mask=rows_of(ro.completion_mask),
@@ -377,6 +438,7 @@ def select_groups(ro: Rollout, groups: list[int]) -> Rollout:
         tool_failures=rows_of(ro.tool_failures),
         turns=rows_of(ro.turns),
         sampling_logps=rows_of(ro.sampling_logps),
+        extra_fields=extra_fields,
     )
 
 
@@ -400,7 +462,8 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
     is left-padded (pad_id, attention 0), the completion part right-padded (pad_id, attention 1,
     completion_mask and sampling_logps 0). A rollout without tools counts 0 tool calls and
     failures and 1 turn per row (None if no rollout has them); sampling_logps is None unless
-    every rollout has it.
+    every rollout has it; an extra field a rollout lacks is None on its rows. prompt_ids holds
+    one entry per prompt when every rollout's does, else one per completion.
     ValueError if the list is empty, the rollouts differ in num_generations, or the trainer's
     fields are filled.
     """
@@ -427,6 +490,14 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         attention_mask.append(torch.cat([prompt, _fit(mask[:, -W:], C, 1)], dim=1))  # [n,P+C]
     with_logps = all(ro.sampling_logps is not None for ro in rollouts)
 
+    per_prompt = all(len(ro.prompt_ids) == len(ro.rows) for ro in rollouts)
+    names = dict.fromkeys(name for ro in rollouts for name in ro.extra_fields or {})
+    extra_fields = {
+        name: [v for ro in rollouts
+               for v in (ro.extra_fields or {}).get(name, [None] * len(ro.completions))]
+        for name in names
+    }
+
     def per_row(name, fill):  # [n] long of each rollout, `fill` where it has none
         values = [getattr(ro, name) for ro in rollouts]
         if all(x is None for x in values):
@@ -439,7 +510,8 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
     return Rollout(
         rows=[r for ro in rollouts for r in ro.rows],
         num_generations=G,
-        prompt_ids=[p for ro in rollouts for p in ro.prompt_ids],
+        prompt_ids=[p for ro in rollouts
+                    for p in (ro.prompt_ids if per_prompt else ro.row_prompt_ids())],
         input_ids=torch.cat(input_ids),
         attention_mask=torch.cat(attention_mask),
         completion_mask=torch.cat([_fit(ro.completion_mask, C, 0) for ro in rollouts]),
@@ -456,4 +528,5 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
             if with_logps
             else None
         ),
+        extra_fields=extra_fields or None,
     )

@@ -302,13 +302,23 @@ def check_adapter_shape(saved: dict, now: dict, changed: list):
 
 
 def config_record(cfg: TrainConfig) -> dict:
-    """The config as JSON can hold it: a function defined in the config
-    file is recorded by name (the file defines it again on resume)."""
+    """The config as JSON can hold it: a function or class defined in the
+    config file is recorded by name (the file defines it again on resume)."""
     record = asdict(cfg)
+
+    def named(item):
+        if item is None or isinstance(item, str):
+            return item
+        return f"{getattr(item, '__name__', type(item).__name__)} (config file)"
+
     for key in ("reward_funcs", "tools"):
-        names = [item if isinstance(item, str) else f"{item.__name__} (config file)"
-                 for item in record[key]]
-        record[key] = names
+        record[key] = [named(item) for item in record[key]]
+    record["rollout_func"] = named(record["rollout_func"])
+    factory = record["environment_factory"]
+    if isinstance(factory, dict):
+        record["environment_factory"] = {k: named(v) for k, v in factory.items()}
+    else:
+        record["environment_factory"] = named(factory)
     return record
 
 

@@ -1,12 +1,15 @@
 """Batched, KV-cached sampling of G completions per prompt: the rollout half of GRPO.
 
-Owns: `generate`, the logit filters (repetition penalty, temperature,
-top-k, top-p, min-p: pure functions [B,V] -> [B,V], -inf = removed), the
-draw of one token (`sample_next_token`) and its per-row random numbers.
+Owns: `generate`, the logit filters (repetition penalty, suppressed
+tokens, temperature, top-k, top-p, min-p: pure functions [B,V] -> [B,V],
+-inf = removed), the draw of one token (`sample_next_token`) and its
+per-row random numbers, stop strings (`StopStrings`), and the reading of
+TRL's generation_kwargs (`generation_settings`).
 Does not know about: tokenization (prompts, stop ids and the pad id come
-as ints), rewards, losses, or more than one process. Of the model it uses
-`hidden_states(..., cache=, cache_start=)`, `new_cache`, `lm_head`,
-`config`.
+as ints; stop strings are matched on the text of a `decode` callable the
+caller passes), rewards, losses, or more than one process. Of the model
+it uses `hidden_states(..., cache=, cache_start=)`, `new_cache`,
+`lm_head`, `config`.
 
 Read `sample_next_token` first: temperature, then the filters in
 transformers' order, then an inverse-CDF draw. fast_sampling.py holds
@@ -29,6 +32,11 @@ Choices:
   comes back narrower. The mask comes from the step of each row's first
   stop id (inclusive), never from token values, so pad_id may equal an
   eos id; stop ids inside the prompt play no part.
+- Suppressed tokens (suppress_tokens, and the stop ids before
+  min_new_tokens) are set to -inf in the decode loop, after the
+  repetition penalty and before the draw, as transformers orders its
+  processors: both draws see the same logits, and the log-probs are
+  those of the distribution without them.
 - Logits cover the real vocabulary only (the first `vocab_size` rows of
   lm_head): padded embedding rows can never be sampled. Sampling math is
   fp32 whatever the model dtype.
@@ -53,11 +61,15 @@ class Generation:
     """What `generate` returns. N = prompts x num_samples, C = longest."""
 
     completion_ids: torch.Tensor  # [N,C] long, right-padded with pad_id
-    completion_mask: torch.Tensor  # [N,C] bool, True up to the first stop
+    # [N,C] bool, True up to the first stop id or stop string (inclusive)
+    completion_mask: torch.Tensor
     # [N,C] fp32: log-prob of each sampled token under the distribution it
-    # was drawn from (after temperature and the filters); 0 off the mask
+    # was drawn from (after suppression, temperature and the filters); 0
+    # off the mask
     logprobs: torch.Tensor
-    truncated: torch.Tensor  # [N] bool: rows that never sampled a stop id
+    # [N] bool: rows that do not end with a stop id; a row a stop string
+    # ended too, as TRL counts it (its last token is no eos)
+    truncated: torch.Tensor
 
 
 # -----------------------------------------------------------------------------
@@ -83,6 +95,13 @@ def token_mask(ids, V):
     return torch.zeros(ids.shape[0], V + 1, dtype=torch.bool, device=ids.device).scatter_(
         1, ids, True
     )[:, :V]
+
+
+def suppress(logits, banned):
+    """Banned tokens (bool [V]) -> -inf: transformers'
+    SuppressTokensLogitsProcessor, and its MinNewTokensLengthLogitsProcessor
+    when the stop ids are among them."""
+    return logits.masked_fill(banned, float("-inf"))
 
 
 def apply_temperature(logits, temperature):
@@ -196,6 +215,16 @@ def check_sampling(temperature, top_k, top_p, min_p, repetition_penalty):
     _need(penalty > 0, "repetition_penalty", penalty, "must be > 0 (1 means off)")
 
 
+def check_limits(min_new_tokens, stop_strings, decode):
+    """ValueError if generate's min_new_tokens or stop strings cannot run."""
+    ok = isinstance(min_new_tokens, int) and min_new_tokens >= 0
+    _need(ok, "min_new_tokens", min_new_tokens, "must be an int >= 0 (0 means off)")
+    ok = all(isinstance(s, str) and s for s in stop_strings or ())
+    _need(ok, "stop_strings", stop_strings, "must be non-empty strings")
+    ok = not stop_strings or callable(decode)
+    _need(ok, "decode", decode, "stop_strings need decode: token ids -> text")
+
+
 def check_prompts(model, prompt_ids, num_samples, max_new_tokens, vocab_size, seeds):
     """ValueError naming the first argument of generate that cannot run."""
     _need(num_samples >= 1, "num_samples", num_samples, "must be >= 1")
@@ -218,6 +247,96 @@ def check_prompts(model, prompt_ids, num_samples, max_new_tokens, vocab_size, se
     _need(longest + max_new_tokens <= limit, "max_new_tokens", max_new_tokens, too_long)
     ok = seeds is None or len(seeds) == len(prompt_ids)
     _need(ok, "seeds", seeds, "needs one seed per prompt")
+
+
+# -----------------------------------------------------------------------------
+# What limits a row: suppressed tokens, stop strings
+
+
+@dataclass
+class Banned:
+    """The tokens a decode step may not sample, as bool [V] masks (None =
+    none): `always` (suppress_tokens), and while fewer than
+    `min_new_tokens` tokens are out, `early` (suppress_tokens and the stop
+    ids). All rows are at the same step: one mask serves the batch."""
+
+    always: torch.Tensor | None
+    early: torch.Tensor | None
+    min_new_tokens: int
+
+    def at(self, t):
+        """The mask of step t (t tokens already sampled), or None."""
+        return self.early if t < self.min_new_tokens else self.always
+
+
+def banned_tokens(suppress_tokens, stops, min_new_tokens, V, device):
+    """-> Banned, or None when nothing is. Ids outside [0, V) are ignored,
+    as transformers does."""
+    ids = sorted({int(i) for i in suppress_tokens or ()})
+    ids = torch.tensor(ids, dtype=torch.long, device=device)  # [k]
+    if len(ids) == 0 and min_new_tokens == 0:
+        return None
+    always = token_mask(ids[None], V)[0] if len(ids) else None  # [V]
+    early = token_mask(torch.cat([ids, stops])[None], V)[0]  # [V]
+    for mask in (always, early if min_new_tokens else None):
+        if mask is not None and bool(mask.all()):
+            raise ValueError(
+                "suppress_tokens (with the stop ids before min_new_tokens) "
+                "leave no token to sample"
+            )
+    return Banned(always=always, early=early, min_new_tokens=min_new_tokens)
+
+
+class StopStrings:
+    """Ends a row once its generated text contains a stop string: the
+    token that completed it is the row's last, and it stays in the
+    completion (as transformers' stop_strings; vLLM's token ids too).
+
+    `check` runs where the decode loop syncs anyway (every step on CPU,
+    every 8 on GPU), on the rows still open. It decodes the tail of a row:
+    a match that ends in a new token lies within its last `window` tokens
+    (a token carries at least one byte of the string; two more tokens of
+    left context, as a tokenizer may drop the leading space of the first
+    token it decodes). Only a row whose tail matches is decoded again, a
+    step at a time, to find the token that completed the string. Only
+    generated tokens are read: the prompt's text never completes a stop
+    string (vLLM's rule; transformers' StopStringCriteria reads the prompt
+    too)."""
+
+    def __init__(self, strings, decode, N, C, device):
+        self.strings = list(strings)
+        self.decode = decode  # token ids (a list) -> text
+        self.window = max(len(s.encode()) for s in self.strings) + 2
+        # [N] each row's length where a stop string ended it, else C
+        self.ends = torch.full((N,), C, dtype=torch.long, device=device)
+        self.closed = set()  # rows whose end is known: never decoded again
+        self.checked = 0  # steps already checked
+
+    def found(self, ids):
+        text = self.decode(ids)
+        return any(s in text for s in self.strings)
+
+    def check(self, out_ids, rows, t):
+        """After step t: set `ends` of the rows a stop string ended in
+        steps `checked`..t, and mark them stopped in `rows`."""
+        lo = max(0, self.checked - self.window)
+        index = rows.index.tolist()  # a host sync
+        tails = out_ids[rows.index, lo : t + 1].tolist()  # [n][t+1-lo]
+        hits = []  # (position in rows, output row, length)
+        for k, (r, ids) in enumerate(zip(index, tails)):
+            if r in self.closed or not self.found(ids):
+                continue
+            for end in range(self.checked, t + 1):  # the step that completed it
+                if self.found(ids[max(0, end + 1 - self.window - lo) : end + 1 - lo]):
+                    hits.append((k, r, end + 1))
+                    break
+        if hits:
+            k, r, length = zip(*hits)
+            rows.stopped[list(k)] = True
+            self.ends[list(r)] = torch.tensor(length, device=self.ends.device)
+        stopped = rows.stopped.tolist()
+        self.closed.update(r for r, s in zip(index, stopped) if s)
+        self.checked = t + 1
 
 
 # -----------------------------------------------------------------------------
@@ -318,6 +437,10 @@ def generate(
     sample_token=sample_next_token,
     decoder=None,
     progress=None,
+    suppress_tokens=(),
+    min_new_tokens=0,
+    stop_strings=(),
+    decode=None,
 ) -> Generation:
     """Sample `num_samples` completions of up to `max_new_tokens` tokens
     for each prompt.
@@ -336,11 +459,18 @@ def generate(
     progress: None, or a function progress(done, total, rows) called after
     every decode step (`done` of `total` positions sampled, `rows` rows
     decoding); None = the module's `on_decode_step`, which is None too
-    unless a training run on a terminal shows its status line there."""
+    unless a training run on a terminal shows its status line there.
+    transformers' names: suppress_tokens (ids never sampled) and
+    min_new_tokens (no stop id among a row's first min_new_tokens tokens)
+    change the distribution drawn from, and so the log-probs; a row also
+    ends with the token that completes one of `stop_strings` in
+    decode(its generated ids) (decode: a list of ids -> text)."""
     vocab_size = vocab_size or model.config.vocab_size
     prompt_ids = [[int(t) for t in p] for p in prompt_ids]
     check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     check_prompts(model, prompt_ids, num_samples, max_new_tokens, vocab_size, seeds)
+    stop_strings = [stop_strings] if isinstance(stop_strings, str) else stop_strings
+    check_limits(min_new_tokens, stop_strings, decode)
     dev = model.lm_head.weight.device
     # CPU BLAS multiplies [n,D] by slices of 2048 vocab rows ~1.6x faster
     chunk = 2048 if dev.type == "cpu" else vocab_size
@@ -354,7 +484,11 @@ def generate(
     stops = sorted({int(s) for s in stop_ids or ()})
     stops = torch.tensor(stops, dtype=torch.long, device=dev)
     settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    out_ids, out_logps = decode(
+    banned = banned_tokens(suppress_tokens, stops, min_new_tokens, vocab_size, dev)
+    strings = None
+    if stop_strings:
+        strings = StopStrings(stop_strings, decode, P * G, max_new_tokens, dev)
+    out_ids, out_logps = decode_loop(
         model,
         decoder,
         prompt_ids,
@@ -366,8 +500,11 @@ def generate(
         repetition_penalty=repetition_penalty,
         sample=lambda logits, u: sample_token(logits, u, **settings),
         progress=progress or on_decode_step,
+        banned=banned,
+        strings=strings,
     )
-    return assemble(out_ids, out_logps, stops, pad_id)
+    ends = None if strings is None else strings.ends
+    return assemble(out_ids, out_logps, stops, pad_id, ends)
 
 
 def prefill(model, decoder, prompt_ids, G, C, pad_id):
@@ -394,10 +531,23 @@ def prefill(model, decoder, prompt_ids, G, C, pad_id):
     return logits[src], cache, key_valid, lens[src], prompt_tokens, L
 
 
-def decode(
-    model, decoder, prompt_ids, G, C, keys, stops, pad_id, repetition_penalty, sample, progress=None
+def decode_loop(
+    model,
+    decoder,
+    prompt_ids,
+    G,
+    C,
+    keys,
+    stops,
+    pad_id,
+    repetition_penalty,
+    sample,
+    progress=None,
+    banned=None,
+    strings=None,
 ):
-    """The decode loop. -> (ids [N,C], log-probs [N,C]) of every step."""
+    """The decode loop. -> (ids [N,C], log-probs [N,C]) of every step.
+    banned: a Banned or None; strings: a StopStrings or None."""
     dev = model.lm_head.weight.device
     logits, cache, key_valid, next_pos, prompt_tokens, L = prefill(
         model, decoder, prompt_ids, G, C, pad_id
@@ -420,11 +570,16 @@ def decode(
     for t in range(C):
         if rows.seen is not None:
             logits = apply_repetition_penalty(logits, rows.seen, repetition_penalty)
+        ban = None if banned is None else banned.at(t)  # [V] or None
+        if ban is not None:
+            logits = suppress(logits, ban)
         tok, logp = sample(logits, uniforms(rows.keys, t))
         out_ids[rows.index, t] = tok
         out_logps[rows.index, t] = logp
         rows.tok = tok
         rows.stopped |= torch.isin(tok, stops)
+        if strings is not None and ((t + 1) % decoder.sync_every == 0 or t == C - 1):
+            strings.check(out_ids, rows, t)
         if rows.seen is not None:
             rows.seen.scatter_(1, tok[:, None], True)
         if progress is not None:  # no host sync: the row count is a shape
@@ -445,12 +600,16 @@ def decode(
     return out_ids, out_logps
 
 
-def assemble(out_ids, out_logps, stops, pad_id) -> Generation:
+def assemble(out_ids, out_logps, stops, pad_id, ends=None) -> Generation:
     """Masks from positions: a row ends at the first step that sampled a
-    stop id (later slots are never read); C = the longest row."""
+    stop id, or at `ends` ([N] lengths where a stop string ended it), the
+    earlier (later slots are never read); C = the longest row."""
     is_stop = torch.isin(out_ids, stops)  # [N,C]
     has_stop = is_stop.any(-1)
     length = torch.where(has_stop, is_stop.int().argmax(-1) + 1, out_ids.shape[1])  # [N]
+    if ends is not None:
+        has_stop &= length <= ends  # the stop id came first: the row ends with it
+        length = torch.minimum(length, ends)
     C = int(length.max())
     arange = torch.arange(C, device=out_ids.device)
     mask = arange[None, :] < length[:, None]  # [N,C]
@@ -460,3 +619,112 @@ def assemble(out_ids, out_logps, stops, pad_id) -> Generation:
         logprobs=torch.where(mask, out_logps[:, :C], 0.0),
         truncated=~has_stop,
     )
+
+
+# -----------------------------------------------------------------------------
+# TRL's generation_kwargs
+
+# generation_kwargs keys -> generate's argument: transformers' GenerationConfig
+# names (TRL's transformers backend), and vLLM's `stop` for stop_strings (with
+# either backend the token ids TRL trains on keep the stop string)
+GENERATION_KWARGS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "suppress_tokens": "suppress_tokens",
+    "min_new_tokens": "min_new_tokens",
+    "stop_strings": "stop_strings",
+    "stop": "stop_strings",
+    "do_sample": None,  # True only (TRL's own value): nothing to set
+}
+SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+# a value of None is the setting off, as in transformers
+OFF = dict(
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    suppress_tokens=[],
+    min_new_tokens=0,
+    stop_strings=[],
+)
+LENGTH = (
+    "set max_completion_length (it also bounds the tool rounds and is "
+    "dr_grpo's constant)"
+)
+STOP_IDS = "rows stop at the tokenizer's eos ids; stop_strings ends them on text"
+# keys of TRL's backends that generate cannot honour, and why
+GENERATION_KWARGS_REFUSED = {
+    "do_sample": "training samples: only True (TRL's value); greedy decoding is "
+    "sample.py's --temperature 0",
+    "num_beams": "GRPO samples each completion on its own: no beam search",
+    "num_return_sequences": "set num_generations",
+    "n": "set num_generations",
+    "max_new_tokens": LENGTH,
+    "max_tokens": LENGTH,
+    "max_length": LENGTH,
+    "min_tokens": "vLLM's name: use min_new_tokens",
+    "eos_token_id": STOP_IDS,
+    "stop_token_ids": STOP_IDS,
+}
+
+
+def generation_settings(generation_kwargs) -> dict:
+    """TRL's generation_kwargs -> generate's keyword arguments, for the
+    keys of GENERATION_KWARGS (None = off; stop and stop_strings: all of
+    them). ValueError naming a refused key and why, an unknown key and the
+    keys read, or a bad value; temperature must be > 0: training samples."""
+    out = {}
+    for key, value in (generation_kwargs or {}).items():
+        if key == "do_sample" and value in (True, None):
+            continue
+        if key in GENERATION_KWARGS_REFUSED:
+            why = GENERATION_KWARGS_REFUSED[key]
+            raise ValueError(f"generation_kwargs[{key!r}]={value!r}: {why}")
+        if key not in GENERATION_KWARGS:
+            raise ValueError(
+                f"generation_kwargs[{key!r}]: not a key nanogrpo's sampler "
+                f"reads; it reads {sorted(GENERATION_KWARGS)}"
+            )
+        name = GENERATION_KWARGS[key]
+        value = OFF[name] if value is None else value
+        if name == "stop_strings":
+            value = [value] if isinstance(value, str) else value
+            value = out.get(name, []) + _ok_list(key, value, str)
+        elif name == "suppress_tokens":
+            value = _ok_list(key, value, int)
+        _check_setting(key, name, value)
+        out[name] = value
+    return out
+
+
+def _ok_list(key, value, kind):
+    """value as a list of `kind` items, or ValueError."""
+    items = list(value) if isinstance(value, (list, tuple)) else [None]
+    ok = all(isinstance(v, kind) and not isinstance(v, bool) for v in items)
+    _need(ok, f"generation_kwargs[{key!r}]", value, f"must be a list of {kind.__name__}")
+    return items
+
+
+def _check_setting(key, name, value):
+    """ValueError if generation_kwargs[key] (generate's `name`) is invalid."""
+    where = f"generation_kwargs[{key!r}]"
+    if name == "stop_strings":
+        _need(all(value), where, value, "stop strings must be non-empty")
+    elif name == "suppress_tokens":
+        _need(min(value, default=0) >= 0, where, value, "token ids must be >= 0")
+    elif name in ("top_k", "min_new_tokens"):
+        ok = type(value) is int and value >= 0  # bool is no int here
+        _need(ok, where, value, "must be an int >= 0 (0 means off)")
+    else:  # temperature, top_p, min_p, repetition_penalty: the fields' rules
+        _need(type(value) in (int, float), where, value, "must be a number")
+        ok = name != "temperature" or value > 0
+        _need(ok, where, value, "training samples, so it must be > 0")
+        sampling = {k: OFF[k] for k in SAMPLING}
+        try:
+            check_sampling(**{**sampling, name: value})
+        except ValueError as e:
+            raise ValueError(f"generation_kwargs: {e}") from None

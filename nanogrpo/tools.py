@@ -224,16 +224,18 @@ def resolve_tools(specs) -> dict:
 
 
 def run_tools(
-    calls: list[list[dict]], tools: dict, timeout: float
+    calls: list[list[dict]], tools: dict | list[dict], timeout: float
 ) -> list[list[tuple[str, object, bool]]]:
     """Run every row's calls: sync tools in order, async ones all concurrently, each under `timeout`
-    seconds. A malformed call, an unknown tool, an exception or a timeout gives {"error": message}.
-    -> per row, per call: (name, result, failed)."""
+    seconds. tools: {name: function} for every row, or one such dict per row (an environment's
+    methods, bound to that row's instance). A malformed call, an unknown tool, an exception or a
+    timeout gives {"error": message}. -> per row, per call: (name, result, failed)."""
     out = [[None] * len(row) for row in calls]
     pending = []  # (row, call index, coroutine)
     for i, row in enumerate(calls):
+        row_tools = tools if isinstance(tools, dict) else tools[i]
         for j, call in enumerate(row):
-            fn = tools.get(call["name"])
+            fn = row_tools.get(call["name"])
             try:
                 if "error" in call or fn is None:  # TRL's message for an unknown tool
                     raise ValueError(call.get("error") or f"Tool {call['name']} not found.")

@@ -4,7 +4,10 @@ optimizer and learning-rate schedule, reward functions, tools and the
 prompts, each checked before step 1.
 
 Owns: `Trainer`, `setup`, and the loaders it calls (`load_policy`,
-`make_optimizer`, `build_reward_funcs`, `load_data`).
+`make_optimizer`, `build_reward_funcs`, `load_data`). With
+environment_factory, setup makes the run's `Environments` (environments.py):
+their get_reward functions join the reward functions, their tools the
+prompts' checks.
 
 Does not know about: what a round does with them (train.py), resume
 (run.restore fills in the fields a checkpoint holds).
@@ -17,7 +20,9 @@ import torch
 
 from nanogrpo import checkpoint, dist, lora
 from nanogrpo.config import ConfigError, TrainConfig
+from nanogrpo.custom_rollout import resolve_rollout_func
 from nanogrpo.data import PromptSampler, check_prompts, load_dataset
+from nanogrpo.environments import Environments, placeholder_rows
 from nanogrpo.grpo import LossConfig
 from nanogrpo.rewards import check_reward_columns, resolve_reward_funcs
 from nanogrpo.schedules import Schedule, lr_lambda, warmup_length
@@ -54,6 +59,10 @@ class Trainer:
     # what reward functions logged this round (TRL's log_metric, log_extra)
     user_metrics: dict = field(default_factory=dict)
     user_columns: dict = field(default_factory=dict)
+    # environment_factory's environments (environments.py), or None
+    environments: Environments | None = None
+    # the config's rollout_func, resolved (custom_rollout.py), or None
+    rollout_func: object = None
 
 
 def load_policy(path, cfg: TrainConfig, info, lora_settings=None):
@@ -103,8 +112,19 @@ def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
     reward_funcs = build_reward_funcs(cfg, info)
     weights = cfg.reward_weights or [1.0] * len(reward_funcs)
     tools = resolve_tools(cfg.tools)
-    rows, eval_rows = load_data(cfg, tok, model, reward_funcs, tools)
+    envs = None
+    if cfg.environment_factory is not None:
+        envs = Environments(cfg.environment_factory, tools)
+        owned = envs.reward_funcs()  # TRL: weight 1 each, named after the class
+        reward_funcs += owned
+        weights = weights + [1.0] * len(owned)
+    if not reward_funcs:  # TRL's message
+        raise ConfigError("No reward source provided. Pass `reward_funcs`, or an "
+                          "`environment_factory` whose environment defines a "
+                          "`get_reward` method.")
     sched = cfg.schedule(info.world_size)
+    rows, eval_rows = load_data(cfg, tok, model, reward_funcs, tools, envs,
+                                sched.prompts_per_round)
     # max_steps=-1: num_train_epochs passes over the prompts, as TRL counts
     cfg.max_steps = cfg.total_steps(len(rows), info.world_size)
     optimizer, scheduler = make_optimizer(model, cfg, info)
@@ -120,6 +140,8 @@ def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
         eval_rows=eval_rows,
         autocast=dist.autocast(info, cfg.use_bf16(info.device)),
         entropy_coef=cfg.entropy_coef,
+        environments=envs,
+        rollout_func=resolve_rollout_func(cfg.rollout_func),
     )
 
 
@@ -143,15 +165,25 @@ def build_reward_funcs(cfg: TrainConfig, info) -> list:
         device=info.device, dtype=dtype)
 
 
-def load_data(cfg: TrainConfig, tok, model, reward_funcs, tools):
+def load_data(cfg: TrainConfig, tok, model, reward_funcs, tools, envs=None,
+              num_placeholder_rows=1):
     """Training and eval rows, checked before step 1: each prompt fits
-    the context (with the tools' schemas) and carries every column the
-    reward functions read."""
-    rows = load_dataset(cfg.dataset, split=cfg.dataset_split, seed=cfg.seed)
+    the context (with the tools' schemas: with environments, those of its
+    row's environment) and carries every column the reward functions read
+    (a rollout_func's fields may bring them: not checked then). Without a
+    dataset, TRL's num_placeholder_rows empty prompts, which the
+    environment's reset() fills."""
+    needs_prompt = envs is None  # an environment's reset() may write it
+    if cfg.dataset is None:
+        rows = placeholder_rows(num_placeholder_rows)
+    else:
+        rows = load_dataset(cfg.dataset, split=cfg.dataset_split,
+                            seed=cfg.seed, needs_prompt=needs_prompt)
     eval_rows = None
     if cfg.eval_every():
         eval_rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split,
-                                 seed=cfg.seed)[: cfg.eval_size]
+                                 seed=cfg.seed,
+                                 needs_prompt=needs_prompt)[: cfg.eval_size]
     for warning in cfg.warnings():
         dist.print0(f"warning: {warning}")
     room = model.config.max_position_embeddings - cfg.max_completion_length
@@ -160,11 +192,17 @@ def load_data(cfg: TrainConfig, tok, model, reward_funcs, tools):
                   **(cfg.chat_template_kwargs or {}))
     for source, checked in ((cfg.dataset, rows),
                             (cfg.eval_dataset, eval_rows or [])):
-        cut = check_prompts(checked, source, tok, room, tools=schemas,
+        prompts = checked
+        if envs is not None:
+            envs.check_rows(checked, source)
+            schemas = envs.schemas_of
+            prompts = [{**row, "prompt": envs.prompt_of(row)} for row in checked]
+        cut = check_prompts(prompts, source, tok, room, tools=schemas,
                             **encode)
         if cut:
             dist.print0(f"warning: {cut} of {len(checked)} prompts of "
                         f"{source} are longer than max_prompt_length="
                         f"{cfg.max_prompt_length} tokens: cut from the left")
-        check_reward_columns(reward_funcs, checked, source)
+        if cfg.rollout_func is None:
+            check_reward_columns(reward_funcs, checked, source)
     return rows, eval_rows

@@ -563,17 +563,14 @@ def test_two_names_for_one_setting_in_one_place_must_agree(tmp_path):
 
 
 @pytest.mark.parametrize("code, key, why", [
-    ("class MyEnv:\n    pass\nenvironment_factory = MyEnv\n", "environment_factory",
-     "there are no environments"),
-    ("def f(prompts, trainer):\n    pass\nrollout_func = f\n", "rollout_func",
-     "generation is nanogrpo's own sampler"),
+    ("def cb():\n    pass\ncallbacks = [cb]\n", "callbacks", "no trainer callbacks"),
     ("import json as fsdp\n", "fsdp", "FSDP2 under torchrun"),
     ("def ds():\n    pass\ndeepspeed = ds\n", "deepspeed", "FSDP2 under torchrun"),
 ])
 def test_code_under_a_trl_name_is_refused_not_dropped(tmp_path, code, key, why):
     """Regression: read_config_file skipped every module, function and
     class, so `environment_factory = MyEnv` or `rollout_func = f` vanished
-    without a word."""
+    without a word (both are settings now: tests/test_environments.py)."""
     path = tmp_path / "c.py"
     path.write_text("model = 'm'\n" + code)
     with pytest.raises(ConfigError) as e:

@@ -212,6 +212,6 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
     from types import SimpleNamespace
     t = SimpleNamespace(model=None, tok=None, eval_rows=[{"prompt": "a"}, {"prompt": "b"}], cfg=TrainConfig(),
                         reward_funcs=[("half", half_scored)], reward_weights=None, info=dist.DistInfo(),
-                        autocast=None, tools=None)
+                        autocast=None, tools=None, environments=None, rollout_func=None)
     m = train.evaluate(t)
     assert m["eval/reward"] == 1.0

@@ -1,0 +1,41 @@
+# Environments (TRL's `environment_factory`): SmolLM2-135M-Instruct learns to open a vault in an
+# escape room, in turns: read the note (a tool), then try the code it read (another tool). First
+# write the rooms, then train:
+#
+#     python examples/vault_game.py && python train.py --config vault.py
+#
+# The environment class, the rooms and the prompt live in examples/vault_game.py. Each completion
+# plays its own room (one VaultRoom instance a completion, reset with the row's `code`); the room's
+# methods are the tools and its get_reward is the reward (logged as rewards/VaultRoom/mean). The
+# tools' results are context, never trained on. README gives held-out success before and after.
+
+model = ".cache/real/smollm2-135m-instruct"  # tests/fetch_real.py builds it
+device = "auto"
+seed = 0
+
+dataset = "out/vault/rooms.jsonl"
+eval_dataset = "out/vault/rooms_test.jsonl"
+eval_size = 64
+# held-out: python bench/eval_heldout.py --config vault.py [--model=out/vault/checkpoint]
+environment_factory = "examples/vault_game.py:VaultRoom"
+reward_funcs = []  # the environment owns the reward
+max_tool_calling_iterations = 3
+
+num_generations = 8
+gradient_accumulation_steps = 1
+per_device_train_batch_size = 16
+max_completion_length = 96  # two calls (~20 tokens each), their results (~15 each), an answer
+temperature = 1.0
+
+loss_type = "dapo"
+beta = 0.0
+learning_rate = 3e-5  # as configs/tools.py
+max_grad_norm = 1.0
+max_steps = 16
+save_steps = 0
+logging_steps = 1
+lr_scheduler_type = "constant"
+adam_beta2 = 0.99
+gradient_checkpointing = False
+log_completions = True
+output_dir = "out/vault"
