@@ -7,9 +7,9 @@ Each episode is one room: a vault locked with a 4-digit code, and a note that te
 policy plays it in turns through the environment's two tools, written as TRL's docs write an
 environment: `read_note()` returns the note, `open_vault(code)` tries a code. The environment keeps
 the room's state (the code, the tries) and owns the reward (`get_reward`): 1 when the vault opened
-with at most two tries, else 0. The code is drawn per room and shown nowhere but in the note, so a
-completion that guesses, or that stops after reading the note, scores 0: the policy has to call
-one tool, read the result, and call the other with what it read.
+with at most two tries (success), partial credit for reading the note and then trying a code. The code is drawn per room and shown nowhere but in the note, so a
+completion that guesses, or that stops after reading the note, does not succeed: the policy has to
+call one tool, read the result, and call the other with what it read.
 
 The prompt spells out the tool-call format (SmolLM2's ChatML template ignores `tools=`) and one
 worked room with another code; the test split's codes are new.
@@ -20,8 +20,9 @@ import os
 import random
 
 SYSTEM = ("You are in an escape room with a locked vault. Tools: read_note() reads the note in the "
-          "room; open_vault(code) tries a code on the vault. To use a tool write only "
-          '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call> and wait for the result.')
+          "room; open_vault(code) tries a code on the vault. Read the note, then open the vault with "
+          'its code. To use a tool write only <tool_call>{"name": "<tool>", "arguments": {...}}'
+          "</tool_call> and wait for the result.")
 
 
 class VaultRoom:
@@ -30,11 +31,12 @@ class VaultRoom:
     def __init__(self):
         self.code = ""
         self.opened = False
+        self.reads = 0
         self.tries = 0
 
     def reset(self, code: str, **kwargs) -> str:
         """A new room whose vault opens with `code` (the dataset row's column)."""
-        self.code, self.opened, self.tries = str(code), False, 0
+        self.code, self.opened, self.reads, self.tries = str(code), False, 0, 0
         return " The vault is locked."
 
     def read_note(self) -> str:
@@ -43,6 +45,7 @@ class VaultRoom:
         Returns:
             What the note says.
         """
+        self.reads += 1
         return f"The vault code is {self.code}."
 
     def open_vault(self, code: str) -> str:
@@ -61,7 +64,14 @@ class VaultRoom:
         return "Wrong code. The vault stays locked."
 
     def get_reward(self) -> float:
-        return 1.0 if self.opened else 0.0
+        """1 for an opened vault (success). Partial credit for the right moves, so that the first
+        rounds, where hardly any completion opens the vault, still rank their completions: 0.2 for
+        reading the note once (0.1 for reading it again and again), 0.2 more for then trying a
+        code."""
+        if self.opened:
+            return 1.0
+        read = 0.2 if self.reads == 1 else 0.1 if self.reads else 0.0
+        return read + 0.2 * (self.reads > 0 and self.tries > 0)
 
 
 def call(name: str, **arguments) -> str:

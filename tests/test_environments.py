@@ -603,3 +603,28 @@ def test_a_wrong_rollout_func_output_names_the_field(change, message):
         del output[k]
     with pytest.raises(ValueError, match=message):
         checked_output(output, 2, 10, 61)
+
+
+def test_the_vault_demo_room_and_its_config():
+    """examples/vault_game.py's VaultRoom scores what configs/vault.py trains on: success only for
+    the code read from the note within two tries, partial credit for the moves toward it."""
+    import importlib.util
+    from conftest import ROOT
+    spec = importlib.util.spec_from_file_location("vault_game", os.path.join(ROOT, "examples", "vault_game.py"))
+    game = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(game)
+    room = game.VaultRoom()
+    assert room.reset(code="0427") == " The vault is locked." and room.get_reward() == 0.0
+    assert room.open_vault("1111").startswith("Wrong") and room.get_reward() == 0.0  # a guess
+    room.reset(code="0427")
+    assert room.read_note() == "The vault code is 0427." and room.get_reward() == pytest.approx(0.2)
+    assert room.open_vault("1111").startswith("Wrong") and room.get_reward() == pytest.approx(0.4)
+    assert room.open_vault(" 0427") == "The vault opens." and room.get_reward() == 1.0
+    room.reset(code="0427")
+    room.read_note(), room.read_note()
+    assert room.get_reward() == pytest.approx(0.1)  # reading again and again
+    room.open_vault("1"), room.open_vault("2")
+    assert room.open_vault("0427").startswith("Wrong")  # a third try is too late
+    from nanogrpo.configurator import load_config
+    cfg = load_config(["--config", "vault.py"])
+    assert cfg.environment_factory == "examples/vault_game.py:VaultRoom" and cfg.reward_funcs == []
