@@ -512,10 +512,17 @@ class TrainConfig:
         if self.eval_strategy != "no" and not self.eval_dataset:
             out.append(f"eval_strategy={self.eval_strategy!r} without an "
                        "eval_dataset: no evaluation")
-        filtered = self.top_k > 0 or self.top_p < 1 or bool(self.min_p)
+        # the sampler's own settings: the fields, with generation_kwargs over them
+        given = generation_settings(self.generation_kwargs)
+        top_k = given.get("top_k", self.top_k)
+        top_p = given.get("top_p", self.top_p)
+        min_p = given.get("min_p", self.min_p)
+        filtered = (top_k > 0 or top_p < 1 or bool(min_p)
+                    or bool(given.get("suppress_tokens")) or given.get("min_new_tokens", 0) > 0)
         if filtered and self.vllm_importance_sampling_correction:
             out.append("the sampler's log-probs are those of the distribution "
-                       "top_k/top_p/min_p leave (as vLLM's processed_logprobs, "
+                       "top_k/top_p/min_p (or generation_kwargs' suppress_tokens, "
+                       "min_new_tokens) leave (as vLLM's processed_logprobs, "
                        "which TRL uses), so vllm_importance_sampling_correction "
                        "weighs each completion by the probability mass the "
                        "filters kept; TRL without vLLM applies no correction: "

@@ -277,7 +277,11 @@ def test_eval_every_zero_with_an_eval_set_is_silent():
     assert cfg.warnings() == []
 
 
-@pytest.mark.parametrize("filters", [{"top_k": 50}, {"top_p": 0.9}, {"min_p": 0.05}])
+@pytest.mark.parametrize("filters", [
+    {"top_k": 50}, {"top_p": 0.9}, {"min_p": 0.05},
+    # the same filters through TRL's generation_kwargs, and its token suppression
+    {"generation_kwargs": {"top_k": 50}}, {"generation_kwargs": {"suppress_tokens": [3]}},
+    {"generation_kwargs": {"min_new_tokens": 2}}])
 def test_sampling_filters_with_the_sampler_correction_warn(filters):
     """With top-k/p or min-p the correction's weights carry the mass the filters kept: said once
     at the start, and silent once the correction is off (configs/smollm.py)."""
@@ -285,6 +289,8 @@ def test_sampling_filters_with_the_sampler_correction_warn(filters):
     assert "vllm_importance_sampling_correction=False matches it" in warning
     assert TrainConfig(**filters, vllm_importance_sampling_correction=False).warnings() == []
     assert load_config(["--config", "smollm.py"]).warnings() == []
+    # generation_kwargs that lift a field's filter silence it
+    assert TrainConfig(top_k=50, generation_kwargs={"top_k": 0}).warnings() == []
 
 
 def test_vespo_needs_a_token_level_sampler_correction():
