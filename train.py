@@ -425,4 +425,4 @@ def evaluate(t: Trainer) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run.main(sys.argv[1:], train))
+    run.exit_process(run.main(sys.argv[1:], train))

@@ -14,6 +14,7 @@ step, round, round_begin, entropy_coef, last_entropy) to save and
 restore them.
 """
 
+import atexit
 import fcntl
 import json
 import math
@@ -841,3 +842,16 @@ def main(argv: list[str], train) -> int:
               file=sys.stderr, flush=True)
         return 2
     return 0
+
+
+def exit_process(rc: int):
+    """Leave with exit status rc. Under torchrun the interpreter's own teardown is skipped once
+    every atexit handler has run (trackers' final sync) and the streams are flushed: gloo's
+    threads can abort a finished rank in C++ static destructors ("terminate called without an
+    active exception", status -6), and torchrun would call the whole run failed."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
