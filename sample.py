@@ -20,9 +20,9 @@ import torch
 
 from nanogrpo.checkpoint import load_model
 from nanogrpo.grpo import total_reward
-from nanogrpo.report import open_sampling_progress
+from nanogrpo.run.report import open_sampling_progress
 from nanogrpo.rewards import RewardError, resolve_reward_funcs, score_completions
-from nanogrpo.fast_sampling import sample_next_token_fast
+from nanogrpo.fast.sampling import sample_next_token_fast
 from nanogrpo.sampler import generate
 from nanogrpo.tokenizer import Tokenizer
 

@@ -30,11 +30,14 @@ import time
 
 import torch
 
-from nanogrpo import dist, lora, report, run
-from nanogrpo.config import TrainConfig
-from nanogrpo.custom_rollout import custom_rollout
+from nanogrpo import dist
+from nanogrpo.extras import lora
+from nanogrpo.run import report
+from nanogrpo import run
+from nanogrpo.run.config import TrainConfig
+from nanogrpo.extras.custom_rollout import custom_rollout
 from nanogrpo.data import columns_of
-from nanogrpo.dynamic_sampling import dynamic_sampling
+from nanogrpo.extras.dynamic_sampling import dynamic_sampling
 from nanogrpo.grpo import applied_entropy_coef, group_advantages, grpo_step, next_entropy_coef
 from nanogrpo.logprobs import policy_logprobs, rows_without_gradient, token_logprobs
 from nanogrpo.rewards import score_completions, trainer_state_of

@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanogrpo import lora  # noqa: E402
+from nanogrpo.extras import lora  # noqa: E402
 from nanogrpo.model import ModelConfig, Transformer  # noqa: E402
 from nanogrpo.sampler import generate  # noqa: E402
 

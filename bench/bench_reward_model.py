@@ -28,9 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from nanogrpo.checkpoint import read_json, save_model  # noqa: E402
-from nanogrpo.hf_format import config_from_hf  # noqa: E402
+from nanogrpo.checkpoint.hf_format import config_from_hf  # noqa: E402
 from nanogrpo.model import Transformer  # noqa: E402
-from nanogrpo.reward_model import reward_model  # noqa: E402
+from nanogrpo.extras.reward_model import reward_model  # noqa: E402
 from nanogrpo.tokenizer import Tokenizer  # noqa: E402
 
 REAL = os.path.join(ROOT, ".cache", "real", "smollm2-135m-instruct")
@@ -51,7 +51,7 @@ def make_classifier(out: str) -> Transformer:
 def tiny_step_time(steps: int) -> float:
     """Median step_time (s) of the embedded default run, after the first step."""
     import train
-    from nanogrpo.configurator import load_config
+    from nanogrpo.run.configurator import load_config
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(["--config", "tiny.py", f"--model={tmp}/init", f"--output_dir={tmp}/run",
                            f"--max_steps={steps}", "--eval_strategy=no", "--save_steps=0"])

@@ -40,10 +40,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanogrpo.checkpoint import save_model  # noqa: E402
 from nanogrpo.model import ModelConfig, Transformer  # noqa: E402
-from nanogrpo.fast_sampling import (StaticDecoder, filter_candidates,  # noqa: E402
+from nanogrpo.fast.sampling import (StaticDecoder, filter_candidates,  # noqa: E402
                                     sample_next_token_fast)
 from nanogrpo.sampler import apply_top_p, generate, lm_logits, sample_from  # noqa: E402
-from nanogrpo.rng import uniforms  # noqa: E402
+from nanogrpo.sampler import uniforms  # noqa: E402
 
 PROMPT_LEN, NEW = 128, 64
 SHAPES = {

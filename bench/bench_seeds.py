@@ -26,7 +26,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from nanogrpo.configurator import read_config_file  # noqa: E402
+from nanogrpo.run.configurator import read_config_file  # noqa: E402
 
 INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"  # tiny.py's random model, built at --model
 SHARED = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "max_completion_length", "temperature",
@@ -35,7 +35,7 @@ SHARED = ("num_generations", "per_device_train_batch_size", "gradient_accumulati
 
 def tiny_settings() -> tuple[list[str], int]:
     """configs/tiny.py's shared settings as --key=value flags, and its max_steps."""
-    from nanogrpo.configurator import load_config
+    from nanogrpo.run.configurator import load_config
     cfg = load_config(["--config", "tiny.py"])
     return [f"--{k}={getattr(cfg, k)}" for k in SHARED], cfg.max_steps
 
@@ -65,7 +65,7 @@ def run_nanogrpo(arm, seed, work):
     import torch
     import train
     from nanogrpo import rollout
-    from nanogrpo.configurator import load_config
+    from nanogrpo.run.configurator import load_config
     if arm == "plain":
         rollout.generate = plain_generate
     torch.manual_seed(seed)

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from bench_train import machine_info, median_step, run_child  # noqa: E402
-from nanogrpo.configurator import read_config_file  # noqa: E402
+from nanogrpo.run.configurator import read_config_file  # noqa: E402
 
 SMOLLM = read_config_file("smollm")
 SHARED = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "max_completion_length", "temperature", "top_k",

@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from nanogrpo.checkpoint import load_model  # noqa: E402
-from nanogrpo.tools import tool_suffix_ids  # noqa: E402
+from nanogrpo.extras.tools import tool_suffix_ids  # noqa: E402
 from nanogrpo.sampler import generate  # noqa: E402
 from nanogrpo.tokenizer import Tokenizer  # noqa: E402
 import tool_calculator as task  # noqa: E402

@@ -54,7 +54,7 @@ from importlib import metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from nanogrpo.configurator import read_config_file  # noqa: E402
+from nanogrpo.run.configurator import read_config_file  # noqa: E402
 
 INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"  # tiny.py's random model, built at --model
 
@@ -86,7 +86,7 @@ def even_code_points(completions, **kwargs) -> list[float]:
 
 def make_tiny_checkpoint(path: str, seed: int):
     """The embedded default's random init, made by train.py's own code (random weights from `seed`)."""
-    from nanogrpo.configurator import load_config
+    from nanogrpo.run.configurator import load_config
     from nanogrpo.dist import DistInfo
     from nanogrpo.run import ensure_tiny_checkpoint
 

@@ -27,12 +27,12 @@ def main(argv=None):
     import train
     from nanogrpo import dist
     from nanogrpo.checkpoint import load_model
-    from nanogrpo.configurator import load_config
-    from nanogrpo.custom_rollout import resolve_rollout_func
+    from nanogrpo.run.configurator import load_config
+    from nanogrpo.extras.custom_rollout import resolve_rollout_func
     from nanogrpo.data import load_dataset
-    from nanogrpo.environments import Environments
+    from nanogrpo.extras.environments import Environments
     from nanogrpo.rewards import resolve_reward_funcs
-    from nanogrpo.tools import resolve_tools
+    from nanogrpo.extras.tools import resolve_tools
     from nanogrpo.tokenizer import Tokenizer
 
     cfg = load_config(sys.argv[1:] if argv is None else argv)

@@ -36,7 +36,7 @@ from fractions import Fraction
 
 import torch
 
-from nanogrpo.math_answers import answers_match, extract_answer
+from nanogrpo.extras.math_answers import answers_match, extract_answer
 
 
 class RewardError(RuntimeError):
@@ -286,7 +286,7 @@ def resolve_reward_funcs(
         elif os.path.isdir(item) or (
             ":" not in item and item.count("/") == 1 and not item.startswith((".", "~"))
         ):
-            from nanogrpo.reward_model import reward_model  # loads weights: only when used
+            from nanogrpo.extras.reward_model import reward_model  # loads weights: only when used
 
             resolved.append(reward_model(item, tokenizer, device, dtype, batch_size))
         elif ":" in item:

@@ -53,9 +53,9 @@ from dataclasses import dataclass
 import torch
 
 from nanogrpo import dist
-from nanogrpo.fast_sampling import StaticDecoder, sample_next_token_fast
+from nanogrpo.fast.sampling import StaticDecoder, sample_next_token_fast
 from nanogrpo.sampler import generate, generation_settings
-from nanogrpo.tools import (
+from nanogrpo.extras.tools import (
     TOOL_CALL_PARSERS,
     assistant_message,
     run_tools,

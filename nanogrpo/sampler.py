@@ -40,7 +40,7 @@ Choices:
 - Logits cover the real vocabulary only (the first `vocab_size` rows of
   lm_head): padded embedding rows can never be sampled. Sampling math is
   fp32 whatever the model dtype.
-- RNG: counter-based, per row (rng.py): a row's samples depend only on
+- RNG: counter-based, per row (`row_keys`, `uniforms`): a row's samples depend only on
   its prompt, the model and (seed_i, j), not on its batch mates or the
   device. Without `seeds`, one seed per prompt is drawn from `generator`
   (or torch's RNG).
@@ -53,7 +53,6 @@ import torch
 import torch.nn.functional as F
 
 from nanogrpo.model import lm_head_linear
-from nanogrpo.rng import row_keys, uniforms
 
 
 @dataclass
@@ -70,6 +69,39 @@ class Generation:
     # [N] bool: rows that do not end with a stop id; a row a stop string
     # ended too, as TRL counts it (its last token is no eos)
     truncated: torch.Tensor
+
+
+# -----------------------------------------------------------------------------
+# Per-row random numbers: pure functions of (key, step). Row (prompt i,
+# sample j) has the key hash(seed_i, j); at step t it draws u = hash(key, t).
+# Unlike torch's generator, a row's samples then depend only on its prompt,
+# the model and (seed_i, j): not on its batch mates, on which rows have
+# stopped, or on the device.
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix(x):
+    """A bijective 32-bit integer hash, on python ints or int64 tensors holding 32-bit values."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def row_keys(seeds, num_samples):
+    """seeds [P] int64 -> keys [P*G] int64: one random stream per (prompt, sample)."""
+    sample = torch.arange(num_samples, device=seeds.device).repeat(len(seeds))  # [P*G]
+    seed = seeds.repeat_interleave(num_samples) & _M32  # [P*G]
+    return _mix((_mix(seed ^ 0x9E3779B9) + sample) & _M32)
+
+
+def uniforms(keys, step):
+    """keys [n] int64, step int -> [n] float64 in [0,1) (52 random bits),
+    the same on every device."""
+    h = _mix(keys ^ _mix(step ^ 0x3C6EF372))
+    hi = _mix(h ^ 0x68E31DA4) >> 6  # 26 bits
+    lo = _mix(h ^ 0x1B56C4E9) >> 6  # 26 more
+    return (hi * 2**26 + lo).double() / 2**52
 
 
 # -----------------------------------------------------------------------------

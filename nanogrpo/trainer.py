@@ -18,16 +18,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanogrpo import checkpoint, dist, lora
-from nanogrpo.config import ConfigError, TrainConfig
-from nanogrpo.custom_rollout import resolve_rollout_func
+from nanogrpo import checkpoint
+from nanogrpo import dist
+from nanogrpo.extras import lora
+from nanogrpo.run.config import ConfigError, TrainConfig
+from nanogrpo.extras.custom_rollout import resolve_rollout_func
 from nanogrpo.data import PromptSampler, check_prompts, load_dataset
-from nanogrpo.environments import Environments, placeholder_rows
+from nanogrpo.extras.environments import Environments, placeholder_rows
 from nanogrpo.grpo import LossConfig
 from nanogrpo.rewards import check_reward_columns, resolve_reward_funcs
 from nanogrpo.schedules import Schedule, lr_lambda, warmup_length
 from nanogrpo.tokenizer import Tokenizer
-from nanogrpo.tools import resolve_tools, tool_schema
+from nanogrpo.extras.tools import resolve_tools, tool_schema
 
 @dataclass
 class Trainer:

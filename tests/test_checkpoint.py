@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from conftest import assert_no_pickle, fixture_path, forbid_unpickling, tiny_config
 from nanogrpo.checkpoint import load_model, save_model
-from nanogrpo.hf_format import config_from_hf, config_to_hf
+from nanogrpo.checkpoint.hf_format import config_from_hf, config_to_hf
 from nanogrpo.model import Transformer
 
 
@@ -148,7 +148,7 @@ def test_resume_never_unpickles_code(tmp_path, monkeypatch):
     a pickle payload in a shared checkpoint ran on --resume. Now no file of a checkpoint is a pickle
     (JSON and safetensors) and resuming never calls an unpickler."""
     from nanogrpo import dist
-    from nanogrpo.trainer_state import load_trainer_state, save_checkpoint
+    from nanogrpo.run.checkpoints import load_trainer_state, save_checkpoint
     model = Transformer(tiny_config())
     opt = torch.optim.AdamW(model.parameters())
     model(torch.zeros(1, 3, dtype=torch.long)).sum().backward()
@@ -173,7 +173,7 @@ def test_resume_never_unpickles_code(tmp_path, monkeypatch):
 
 
 def test_prune_keeps_the_newest_and_the_resume_source(tmp_path):
-    from nanogrpo.trainer_state import prune_checkpoints
+    from nanogrpo.run.checkpoints import prune_checkpoints
     names = [f"checkpoint-{i}" for i in (1, 2, 3, 4)]
     for n in names + ["checkpoint-other"]:
         os.makedirs(tmp_path / n)

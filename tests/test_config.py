@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-from nanogrpo import config as config_module
-from nanogrpo import configurator
-from nanogrpo.config import LOSS_FIELDS, ConfigError, TrainConfig
-from nanogrpo.configurator import convert, load_config
+from nanogrpo.run import config as config_module
+from nanogrpo.run import configurator
+from nanogrpo.run.config import LOSS_FIELDS, ConfigError, TrainConfig
+from nanogrpo.run.configurator import convert, load_config
 
 CONFIG_FILE = """
 import math

@@ -167,7 +167,7 @@ def test_a_tool_prompt_is_measured_with_its_tool_schemas():
     from conftest import fixture_path
     from nanogrpo.data import check_prompts
     from nanogrpo.tokenizer import char_level_tokenizer
-    from nanogrpo.tools import tool_schema
+    from nanogrpo.extras.tools import tool_schema
 
     def multiply(a: int, b: int) -> int:
         """Multiply two integers.

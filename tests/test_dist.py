@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import ROOT, fixture_path
-from nanogrpo.configurator import read_config_file
+from nanogrpo.run.configurator import read_config_file
 
 
 def free_port() -> int:
@@ -40,7 +40,7 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
     join_group(rank, world_size, port)
     import train
     from nanogrpo import dist
-    from nanogrpo.config import TrainConfig
+    from nanogrpo.run.config import TrainConfig
     from nanogrpo.grpo import LossConfig
     from nanogrpo.checkpoint import load_model
     from nanogrpo.rollout import Rollout
@@ -147,7 +147,7 @@ def forward_backward(rank, world_size, port, out_dir):
     join_group(rank, world_size, port)
     from nanogrpo import dist
     from nanogrpo.checkpoint import load_model
-    from nanogrpo.config import TrainConfig
+    from nanogrpo.run.config import TrainConfig
     from nanogrpo.logprobs import token_logprobs
     info = dist.setup("cpu")
     g = torch.Generator().manual_seed(0)
@@ -207,7 +207,7 @@ def spanning_step(rank, world_size, port, out_path):
     from types import SimpleNamespace
     from nanogrpo import dist
     from nanogrpo.checkpoint import load_model
-    from nanogrpo.config import TrainConfig
+    from nanogrpo.run.config import TrainConfig
     from nanogrpo.grpo import LossConfig
     from nanogrpo.rollout import Rollout
     info = dist.setup("cpu")

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import train
-from nanogrpo import report
+from nanogrpo.run import report
 from nanogrpo.dist import DistInfo
-from nanogrpo.dynamic_sampling import dynamic_sampling
+from nanogrpo.extras.dynamic_sampling import dynamic_sampling
 from nanogrpo.rollout import Rollout
 from test_train import DYNAMIC, tiny
 

@@ -18,16 +18,16 @@ import train
 from conftest import ROOT, fixture_path, tiny_config
 from nanogrpo import checkpoint
 from nanogrpo import rollout as rollout_module
-from nanogrpo.config import ConfigError, TrainConfig
-from nanogrpo.configurator import load_config, read_config_file
-from nanogrpo.custom_rollout import checked_output, generate_rollout_completions, rollout_of
-from nanogrpo.environments import Environments
+from nanogrpo.run.config import ConfigError, TrainConfig
+from nanogrpo.run.configurator import load_config, read_config_file
+from nanogrpo.extras.custom_rollout import checked_output, generate_rollout_completions, rollout_of
+from nanogrpo.extras.environments import Environments
 from nanogrpo.model import Transformer
 from nanogrpo.rollout import rollout
 from nanogrpo.run import config_record
 from nanogrpo.sampler import Generation
 from nanogrpo.tokenizer import char_level_tokenizer
-from nanogrpo.tools import tool_suffix_ids
+from nanogrpo.extras.tools import tool_suffix_ids
 from test_dist import torchrun
 
 TEMPLATE = open(os.path.join(fixture_path("tools"), "hermes_chatml.jinja")).read()
@@ -625,6 +625,6 @@ def test_the_vault_demo_room_and_its_config():
     assert room.get_reward() == pytest.approx(0.1)  # reading again and again
     room.open_vault("1"), room.open_vault("2")
     assert room.open_vault("0427").startswith("Wrong")  # a third try is too late
-    from nanogrpo.configurator import load_config
+    from nanogrpo.run.configurator import load_config
     cfg = load_config(["--config", "vault.py"])
     assert cfg.environment_factory == "examples/vault_game.py:VaultRoom" and cfg.reward_funcs == []

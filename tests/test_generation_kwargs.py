@@ -9,8 +9,8 @@ import torch
 
 from conftest import tiny_config
 from nanogrpo import rollout as rollout_module
-from nanogrpo.config import ConfigError, TrainConfig
-from nanogrpo.fast_sampling import sample_next_token_fast
+from nanogrpo.run.config import ConfigError, TrainConfig
+from nanogrpo.fast.sampling import sample_next_token_fast
 from nanogrpo.model import Transformer
 from nanogrpo.rollout import sampling_kwargs
 from nanogrpo.sampler import Decoder, generate, generation_settings

@@ -13,10 +13,10 @@ from hypothesis import given, settings, strategies as st
 from safetensors.torch import load_file
 
 from conftest import FIXTURES, fixture_path, tiny_config
-from nanogrpo import lora
+from nanogrpo.extras import lora
 from nanogrpo.checkpoint import load_model, save_model
-from nanogrpo.config import ConfigError
-from nanogrpo.configurator import load_config
+from nanogrpo.run.config import ConfigError
+from nanogrpo.run.configurator import load_config
 from nanogrpo.logprobs import token_logprobs
 from nanogrpo.model import Transformer
 
@@ -107,7 +107,7 @@ def test_reference_logprobs_with_adapters_off_are_the_base_models():
 def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
     import train
     from nanogrpo import dist
-    from nanogrpo.config import TrainConfig
+    from nanogrpo.run.config import TrainConfig
     from nanogrpo.grpo import LossConfig
     from nanogrpo.rollout import Rollout
     torch.manual_seed(0)

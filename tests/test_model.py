@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from conftest import FAMILIES, fixture_path, tiny_config
 from nanogrpo.checkpoint import load_model
-from nanogrpo.hf_format import config_from_hf
+from nanogrpo.checkpoint.hf_format import config_from_hf
 from nanogrpo.model import Transformer
 
 

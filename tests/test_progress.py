@@ -12,7 +12,8 @@ import torch
 
 import train
 from conftest import ROOT, tiny_config
-from nanogrpo import report, sampler
+from nanogrpo.run import report
+from nanogrpo import sampler
 from nanogrpo.model import Transformer
 from test_train import INIT, tiny
 
@@ -93,7 +94,7 @@ def test_a_log_that_is_not_a_terminal_gets_no_progress(tmp_path, monkeypatch, ca
 def test_train_py_on_a_pseudo_terminal(tmp_path):
     """The real thing: train.py's stdout a pty, its rounds slowed past a 0.1 s interval."""
     script = (
-        "import sys, time; from nanogrpo import report, sampler; import train\n"
+        "import sys, time; from nanogrpo import sampler; from nanogrpo.run import report; import train\n"
         "report.PROGRESS_INTERVAL = 0.1\n"
         "step = sampler.Decoder.step\n"
         "sampler.Decoder.step = lambda *a: (time.sleep(0.03), step(*a))[1]\n"

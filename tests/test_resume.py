@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 import train
 from conftest import ROOT, assert_no_pickle, forbid_unpickling
-from nanogrpo import trainer_state
-from nanogrpo.config import ConfigError
-from nanogrpo.configurator import load_config, read_config_file
+from nanogrpo.run import checkpoints as trainer_state
+from nanogrpo.run.config import ConfigError
+from nanogrpo.run.configurator import load_config, read_config_file
 from test_dist import torchrun
 
 INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"
@@ -258,7 +258,7 @@ def test_a_one_process_checkpoint_of_the_older_format_still_resumes(tmp_path):
     full = train.train(tiny(tmp_path / "a", "--max_steps=4"))
     train.train(tiny(tmp_path / "b", "--max_steps=2"))
     ckpt = tmp_path / "b" / "run" / "checkpoint-2" / "trainer"
-    from nanogrpo.trainer_state import read_optimizer
+    from nanogrpo.run.checkpoints import read_optimizer
     state = read_optimizer(str(ckpt))  # rewritten as the older code wrote it: ids, not names
     names = [n for group in state["param_groups"] for n in group["params"]]
     index = {n: i for i, n in enumerate(names)}

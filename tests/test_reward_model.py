@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 import train
 from nanogrpo.checkpoint import load_model, read_json, save_model
-from nanogrpo.config import ConfigError, TrainConfig
+from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.model import ModelConfig, Transformer
-from nanogrpo.reward_model import score_texts
+from nanogrpo.extras.reward_model import score_texts
 from nanogrpo.rewards import RewardError, resolve_reward_funcs, score_completions
 from nanogrpo.tokenizer import Tokenizer
 
@@ -167,7 +167,7 @@ def length_reward(completions, **kwargs):
 
 def test_training_with_a_reward_model_and_a_callable(tmp_path):
     """A short run of train.py: a reward model plus a callable, weighted; both are logged."""
-    from nanogrpo.configurator import load_config
+    from nanogrpo.run.configurator import load_config
     from test_train import INIT
     cfg = load_config(["--config", "tiny.py", f"--model={tmp_path}/init", INIT, f"--output_dir={tmp_path}/run",
                        "--gradient_accumulation_steps=1", "--num_generations=4", "--per_device_train_batch_size=8",

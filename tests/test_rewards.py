@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from nanogrpo.math_answers import extract_answer, last_boxed, parse_number
+from nanogrpo.extras.math_answers import extract_answer, last_boxed, parse_number
 from nanogrpo.rewards import (RewardError, accuracy_reward, check_equation, countdown_reward,
                               default_task_reward, format_reward, resolve_reward_funcs,
                               score_completions, soft_overlong_punishment)
@@ -195,7 +195,7 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
     """Regression: eval/reward counted a row no function scored as 0, training excluded it."""
     import train
     from nanogrpo import dist
-    from nanogrpo.config import TrainConfig
+    from nanogrpo.run.config import TrainConfig
     from nanogrpo.rollout import Rollout
 
     def fake_rollout(model, tok, rows, cfg, num_generations, *args):

@@ -12,10 +12,10 @@ import torch
 
 from conftest import fixture_path, tiny_config
 from nanogrpo import rollout as rollout_module
-from nanogrpo.config import TrainConfig
+from nanogrpo.run.config import TrainConfig
 from nanogrpo.model import Transformer
 from nanogrpo.rollout import rollout
-from nanogrpo.tools import resolve_tools, tool_schema, tool_suffix_ids
+from nanogrpo.extras.tools import resolve_tools, tool_schema, tool_suffix_ids
 from nanogrpo.sampler import Generation
 from nanogrpo.tokenizer import char_level_tokenizer
 

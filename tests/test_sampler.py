@@ -12,13 +12,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import FAMILIES, fixture_path, tiny_config
-from nanogrpo import fast_sampling
+from nanogrpo.fast import sampling as fast_sampling
 from nanogrpo.checkpoint import load_model
 from nanogrpo.model import KVCache, Transformer
-from nanogrpo.fast_sampling import StaticDecoder, filter_candidates, sample_next_token_fast
+from nanogrpo.fast.sampling import StaticDecoder, filter_candidates, sample_next_token_fast
 from nanogrpo.sampler import (apply_min_p, apply_repetition_penalty, apply_temperature, apply_top_k, apply_top_p,
                               generate, sample_from, sample_next_token)
-from nanogrpo.rng import uniforms
+from nanogrpo.sampler import uniforms
 
 TOKENIZER_VOCAB, EOS, PAD = 384, [2, 0], 0  # tests/fixtures/tokenizer: 384 real ids, eos {2, 0}, pad 0 == eos
 PROMPTS = [[5, 17, 99, 2, 31, 8, 200], [44], [150, 151, 152, 9], [7, 7, 7, 7, 7, 7, 7, 7, 7, 300, 12]]

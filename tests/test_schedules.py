@@ -50,7 +50,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import train
-from nanogrpo.config import ConfigError, TrainConfig
+from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.data import PromptSampler
 from nanogrpo.dist import DistInfo
 
@@ -200,8 +200,8 @@ def test_completions_sampled_are_completions_trained_and_trls_count(world_size, 
 def test_small_config_runs_on_any_number_of_gpus_as_its_comment_says():
     """configs/small.py: 64 completions a step per GPU on any count; 32 / GPUs accumulation
     steps give its 512."""
-    from nanogrpo.configurator import read_config_file
-    from nanogrpo.config import TrainConfig
+    from nanogrpo.run.configurator import read_config_file
+    from nanogrpo.run.config import TrainConfig
     settings = {k: v for k, v in read_config_file("small").items() if k in BATCH_KEYS}
     for gpus in range(1, 9):
         s = TrainConfig(**settings).validate(gpus).schedule(gpus)

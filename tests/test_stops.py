@@ -14,7 +14,7 @@ import pytest
 
 import train
 from conftest import ROOT
-from nanogrpo.configurator import read_config_file
+from nanogrpo.run.configurator import read_config_file
 from test_train import strip_timing, tiny
 
 # A reward function that, on call STOP_AT of rank STOP_RANK, does STOP_ACTION:

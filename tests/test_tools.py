@@ -15,8 +15,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import fixture_path
-from nanogrpo import tools as tools_module
-from nanogrpo.tools import parse_tool_calls, resolve_tools, run_tools, tool_schema, tool_suffix_ids
+from nanogrpo.extras import tools as tools_module
+from nanogrpo.extras.tools import parse_tool_calls, resolve_tools, run_tools, tool_schema, tool_suffix_ids
 from nanogrpo.tokenizer import Tokenizer
 
 sys.path.insert(0, fixture_path("tools"))

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import train
-from nanogrpo import report, run
-from nanogrpo.config import ConfigError
-from nanogrpo.configurator import load_config, read_config_file
+from nanogrpo.run import report
+from nanogrpo import run
+from nanogrpo.run.config import ConfigError
+from nanogrpo.run.configurator import load_config, read_config_file
 from nanogrpo.logprobs import token_logprobs
 from nanogrpo.checkpoint import load_model
 from nanogrpo.rewards import RewardError
@@ -448,7 +449,7 @@ def test_command_line_help_errors_and_the_reward_curve_hint(tmp_path, monkeypatc
     done = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0 and "--learning_rate=0.001" in done.stdout and "optimizer and learning-rate schedule (transformers' names):" in done.stdout
     from dataclasses import fields
-    from nanogrpo.config import TrainConfig
+    from nanogrpo.run.config import TrainConfig
     keys = [line.split("=")[0].strip() for line in done.stdout.splitlines() if line.startswith("  --")]
     assert keys == [f"--{f.name}" for f in fields(TrainConfig)]  # every setting, once, in order
     assert not [line for line in done.stdout.splitlines() if line.strip().startswith(("def ", "raise ", "--def"))]
@@ -514,7 +515,7 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
     monkeypatch.setattr(logprobs, "token_logprobs", lambda *a, **k: calls.append(torch.is_grad_enabled()) or
                         token_logprobs(*a, **k))
     from conftest import fixture_path
-    from nanogrpo.config import TrainConfig
+    from nanogrpo.run.config import TrainConfig
     from nanogrpo.dist import DistInfo
     from nanogrpo.grpo import LossConfig, grpo_step
     rounds = [_rollout_batch([0.0, 0.0, 1.0, -1.0, 0.0, 0.0, 0.5, 0.0]), _rollout_batch([0.0] * 8, seed=1)]
@@ -788,7 +789,7 @@ def test_an_entropy_bonus_alone_moves_the_entropy_its_way(coef):
     """Every advantage 0: the step's only gradient is the bonus's, -coef x d(mean entropy), so one
     small SGD step raises the batch's entropy for coef > 0 and lowers it for coef < 0."""
     from conftest import fixture_path
-    from nanogrpo.config import TrainConfig
+    from nanogrpo.run.config import TrainConfig
     from nanogrpo.grpo import LossConfig
     ro = _rollout_batch([0.0] * 8)
     ro.old_logps = None
@@ -856,7 +857,7 @@ def test_sampling_metrics_are_over_the_whole_step_as_trl(mode):
     and three that agree in another give a mean difference of 1/4 (a mean of micro-batch means
     gave 1/2); the correction's mean weight is over the step's sequences or tokens likewise."""
     from conftest import fixture_path
-    from nanogrpo.config import TrainConfig
+    from nanogrpo.run.config import TrainConfig
     from nanogrpo.grpo import LossConfig
     ro = _rollout_batch([1.0, -1.0])
     ro.completion_mask = torch.zeros_like(ro.completion_mask)

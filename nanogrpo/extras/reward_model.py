@@ -18,7 +18,7 @@ import os
 import torch
 
 from nanogrpo.checkpoint import load_model, read_json, resolve_path
-from nanogrpo.hf_format import config_from_hf
+from nanogrpo.checkpoint.hf_format import config_from_hf
 from nanogrpo.tokenizer import Tokenizer
 
 

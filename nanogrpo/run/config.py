@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass, field
 
 from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, VESPO_NEEDS_TOKENS, LossConfig
-from nanogrpo.tools import TOOL_CALL_PARSERS
+from nanogrpo.extras.tools import TOOL_CALL_PARSERS
 from nanogrpo.sampler import check_sampling, generation_settings
 from nanogrpo.schedules import SCHEDULES, Schedule, batch_schedule
 from nanogrpo.schedules import total_steps

@@ -33,9 +33,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from nanogrpo import checkpoint, dist, lora, report, trainer_state
-from nanogrpo.config import ConfigError, TrainConfig
-from nanogrpo.configurator import help_text, load_config
+from nanogrpo import checkpoint
+from nanogrpo import dist
+from nanogrpo.extras import lora
+from nanogrpo.run import report
+from nanogrpo.run import checkpoints as trainer_state
+from nanogrpo.run.config import ConfigError, TrainConfig
+from nanogrpo.run.configurator import help_text, load_config
 from nanogrpo.model import ModelConfig, Transformer
 from nanogrpo.rewards import RewardError
 from nanogrpo.tokenizer import char_level_tokenizer

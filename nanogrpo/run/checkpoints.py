@@ -27,7 +27,8 @@ from contextlib import suppress
 
 import torch
 
-from nanogrpo import checkpoint, dist
+from nanogrpo import checkpoint
+from nanogrpo import dist
 
 
 def save_checkpoint(out_dir, step: int, model, optimizer, tokenizer,

@@ -41,7 +41,7 @@ import inspect
 from dataclasses import dataclass
 
 from nanogrpo.rewards import import_function
-from nanogrpo.tools import tool_schema
+from nanogrpo.extras.tools import tool_schema
 
 # TRL's prompt of a row without one: the environment's reset() writes it
 EMPTY_PROMPT = [{"role": "user", "content": ""}]

@@ -21,8 +21,9 @@ from dataclasses import asdict
 
 import torch
 
-from nanogrpo import dist, sampler
-from nanogrpo.config import ConfigError, TrainConfig
+from nanogrpo import dist
+from nanogrpo import sampler
+from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.grpo import nanstd
 from nanogrpo.grpo import total_reward
 

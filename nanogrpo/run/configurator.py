@@ -42,11 +42,11 @@ import types
 import typing
 from dataclasses import fields
 
-from nanogrpo.config import FALSE_WORDS, TRUE_WORDS, ConfigError, TrainConfig
+from nanogrpo.run.config import FALSE_WORDS, TRUE_WORDS, ConfigError, TrainConfig
 
 
 FIELD_TYPES = typing.get_type_hints(TrainConfig)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS_DIR = os.path.join(ROOT, "configs")
 
 

@@ -28,8 +28,9 @@ from functools import partial
 
 import torch
 
-from nanogrpo import dist, lora
-from nanogrpo.hf_format import config_from_hf, config_to_hf, from_hf_names, to_hf_names
+from nanogrpo import dist
+from nanogrpo.extras import lora
+from nanogrpo.checkpoint.hf_format import config_from_hf, config_to_hf, from_hf_names, to_hf_names
 from nanogrpo.model import ModelConfig, Transformer
 
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
