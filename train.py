@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from nanogrpo import dist
+from nanogrpo import dist, fast
 from nanogrpo.extras import lora
 from nanogrpo.run import report
 from nanogrpo import run
@@ -38,14 +38,27 @@ from nanogrpo.run.config import TrainConfig
 from nanogrpo.extras.custom_rollout import custom_rollout
 from nanogrpo.data import columns_of
 from nanogrpo.extras.dynamic_sampling import dynamic_sampling
-from nanogrpo.grpo import applied_entropy_coef, group_advantages, grpo_step, next_entropy_coef
-from nanogrpo.logprobs import policy_logprobs, rows_without_gradient, token_logprobs
-from nanogrpo.rewards import score_completions, trainer_state_of
+from nanogrpo.extras.loss_terms import applied_entropy_coef, entropy_window, next_entropy_coef
+from nanogrpo.grpo import LossInputs, LossScale, group_advantages, grpo_step
+from nanogrpo.extras.trainer_info import RewardLogs, reward_kwargs, trainer_state_of
+from nanogrpo.rewards import score_completions
 from nanogrpo.rollout import Rollout, rollout
-from nanogrpo.trainer import Trainer, setup
+from nanogrpo.trainer import Kernels, Trainer, setup
 
 # -----------------------------------------------------------------------------
 # Setup (nanogrpo/trainer.py): model, tokenizer, optimizer, rewards, data
+
+
+def kernels(cfg: TrainConfig) -> Kernels:
+    """The one place speed is chosen, applied from outside as gpt-fast
+    applies torch.compile: nanogrpo/fast/'s sort-free draw (and with
+    torch_compile the compiled decode step), chunked log-probs that share
+    each prompt's forward, no backward for rows without advantage. Each
+    equals the course function it stands for; plain=true trains with the
+    course's alone (tests/test_train.py holds the two runs equal)."""
+    if cfg.plain:
+        return Kernels()
+    return fast.kernels(torch_compile=cfg.torch_compile)
 
 
 def round_seed(cfg: TrainConfig, rnd: int, rank: int, salt=0) -> int:
@@ -82,44 +95,25 @@ def sample(t: Trainer, rows: list[dict], copies: int, generator) -> Rollout:
     if t.environments is not None:
         episodes = t.environments.start(rows, copies)
     return rollout(t.model, t.tok, rows, t.cfg, copies, generator, t.autocast,
-                   t.tools, episodes)
+                   t.tools, episodes, t.kernels)
 
 
-def reward_rollout(ro: Rollout, reward_funcs, t=None) -> torch.Tensor:
+def reward_rollout(ro: Rollout, reward_funcs, t=None, logs=None) -> torch.Tensor:
     """Every reward function, called with TRL's convention (dataset
     columns repeated per completion, the rollout's extra fields:
-    `environments`, a rollout_func's; and TRL's trainer_state, log_metric,
-    log_extra). -> [n, K] fp32, NaN = unscored."""
+    `environments`, a rollout_func's; with t, TRL's trainer_state,
+    log_metric and log_extra, logging into `logs`). -> [n, K] fp32,
+    NaN = unscored."""
     G = ro.num_generations
     columns = {k: [v for v in values for _ in range(G)]
                for k, values in columns_of(ro.rows).items()}
     columns.update(ro.extra_fields or {})
     extras = None
     if t is not None:
-        t.user_columns = {}  # log_extra's columns: of this call's completions
-        extras = reward_extras(t)
+        logs.columns = {}  # log_extra's columns: of this call's completions
+        extras = reward_kwargs(trainer_state_of(t), logs)
     return score_completions(reward_funcs, ro.prompts, ro.completions,
                              ro.completion_token_ids, columns, extras)
-
-
-def reward_extras(t: Trainer) -> dict:
-    """The keyword arguments TRL 1.16 adds for reward functions: the
-    trainer's progress, and two ways to log from inside a function.
-    log_metric's values pile up over every call until the cycle's record
-    takes their mean; with dynamic sampling that is every draw's call, the
-    dropped groups' included: TRL logs what reward functions report each
-    time they are called. log_extra's columns are per completion: of this
-    call's, then (groups_with_signal) of the kept ones."""
-    def log_metric(name, value):  # TRL logs the mean of a name's values
-        t.user_metrics.setdefault(name, []).append(float(value))
-
-    return {
-        "trainer_state": trainer_state_of(t),  # transformers' TrainerState
-        "log_metric": log_metric,
-        # log_extra(column, values): TRL appends, but its table keeps one
-        # batch of rows: a second call's values are the ones shown, as here
-        "log_extra": t.user_columns.__setitem__,
-    }
 
 
 def advantages_of(t: Trainer, rewards: torch.Tensor, G: int):
@@ -149,7 +143,7 @@ def frozen_logprobs(model, ro: Rollout, t: Trainer) -> torch.Tensor:
     for i in range(0, len(ro.input_ids), size):
         rows = slice(i, i + size)
         with t.autocast:
-            logps, _ = token_logprobs(
+            logps, _ = t.kernels.token_logprobs(
                 model, ro.input_ids[rows], ro.attention_mask[rows],
                 ro.completion_mask[rows], temperature=t.cfg.temperature,
                 vocab_size=t.tok.vocab_size)
@@ -189,29 +183,31 @@ def optimizer_step(t: Trainer, micro) -> dict:
     total_loss = 0.0
     for k, (ro, idx) in enumerate(micro):
         dist.gradient_sync(t.model, enabled=(k == GA - 1))
-        # rows without advantage need no backward (logprobs.py)
-        free = rows_without_gradient(ro.advantages[idx], t.loss_cfg.beta,
-                                     t.model, ro.input_ids.shape[1],
-                                     entropy_bonus=bonus)
+        # rows without advantage need no backward (fast/logprobs.py)
         with t.autocast:
-            logps, entropies = policy_logprobs(
+            logps, entropies = t.kernels.policy_logprobs(
                 t.model, ro.input_ids[idx], ro.attention_mask[idx],
-                ro.completion_mask[idx], free, t.info.world_size,
-                temperature=t.cfg.temperature, vocab_size=t.tok.vocab_size,
-                entropy_grad=bonus)
-        loss, metrics = grpo_step(
-            logps.float(), rows(ro.old_logps, idx), rows(ro.ref_logps, idx),
-            ro.advantages[idx], ro.completion_mask[idx], t.loss_cfg,
-            num_items=ro.num_items, grad_accum=GA,
-            world_size=t.info.world_size, entropies=entropies.float(),
-            steps_per_generation=t.sched.steps_per_generation,
-            sampling_logps=rows(ro.sampling_logps, idx), entropy_coef=coef,
+                ro.completion_mask[idx], ro.advantages[idx],
+                beta=t.loss_cfg.beta, entropy_bonus=bonus,
+                world_size=t.info.world_size,
+                temperature=t.cfg.temperature, vocab_size=t.tok.vocab_size)
+        inputs = LossInputs(
+            logps=logps.float(), advantages=ro.advantages[idx],
+            completion_mask=ro.completion_mask[idx],
+            old_logps=rows(ro.old_logps, idx),
+            ref_logps=rows(ro.ref_logps, idx), entropies=entropies.float(),
+            sampling_logps=rows(ro.sampling_logps, idx),
             trainer_logps=rows(ro.trainer_logps, idx))
+        scale = LossScale(
+            num_items=ro.num_items, grad_accum=GA,
+            world_size=t.info.world_size,
+            steps_per_generation=t.sched.steps_per_generation)
+        loss, metrics = grpo_step(inputs, t.loss_cfg, scale, entropy_coef=coef)
         loss.backward()
         total_loss += loss.item()
-        if bonus:
-            window[0] += metrics.pop("_entropy_sum")
-            window[1] += metrics.pop("_entropy_tokens")
+        if bonus:  # the adaptive control's [entropy sum, token count]
+            window += entropy_window(inputs.entropies,
+                                     inputs.completion_mask, t.loss_cfg)
         weights = report.micro_batch_weights(ro.completion_mask[idx], t.loss_cfg)
         for key, value in metrics.items():
             values.setdefault(key, []).append((value, weights.get(key, 1.0)))
@@ -236,7 +232,8 @@ def rows(x: torch.Tensor | None, idx: torch.Tensor):
 
 def update_entropy_coef(t: Trainer, window: torch.Tensor):
     """Adaptive entropy control after a step: window = [entropy sum, token
-    count] of this step's micro-batches, summed over ranks here."""
+    count] of this step's micro-batches (entropy_window), summed over ranks
+    here."""
     window = dist.all_reduce_sum(window, t.info)
     t.last_entropy = (window[0] / window[1].clamp(min=1)).item()
     t.entropy_coef = next_entropy_coef(t.loss_cfg, t.entropy_coef,
@@ -273,7 +270,7 @@ def sync_ref_model(ref, policy, alpha: float):
 # The loop
 
 
-def sample_round(t: Trainer, r: run.Run, rnd: int) -> tuple[Rollout, dict]:
+def sample_round(t: Trainer, rnd: int) -> tuple[Rollout, dict]:
     """Generation round `rnd`: sample, reward, advantages over all ranks,
     old/ref log-probs. -> (the Rollout, what the report needs of it)."""
     cfg = t.cfg
@@ -286,12 +283,13 @@ def sample_round(t: Trainer, r: run.Run, rnd: int) -> tuple[Rollout, dict]:
     rows, copies = round_prompts(t)
     ro = sample(t, rows, copies, generator)
     t1 = time.time()
-    local = reward_rollout(ro, t.reward_funcs, t)  # [n, K]
+    logs = RewardLogs()  # what the reward functions log
+    local = reward_rollout(ro, t.reward_funcs, t, logs)  # [n, K]
     stats = {}
     extra = 0.0  # seconds spent sampling and scoring more groups
     if cfg.dynamic_sampling:  # DAPO: only groups whose rewards differ
         start = time.time()
-        ro, local, stats = groups_with_signal(t, r, ro, local, generator)
+        ro, local, stats = groups_with_signal(t, ro, local, generator, logs)
         extra = time.time() - start
     rewards = dist.all_gather_rows(local.to(info.device), info).float()
     ro.advantages = advantages_of(t, rewards, cfg.num_generations)
@@ -314,16 +312,15 @@ def sample_round(t: Trainer, r: run.Run, rnd: int) -> tuple[Rollout, dict]:
     if cfg.dynamic_sampling:  # sampling and scoring the extra batches
         timing["time/dynamic_sampling"] = extra
     return ro, {"ro": ro, "local": local, "rewards": rewards,
-                "timing": timing, "stats": stats}
+                "timing": timing, "stats": stats, "logs": logs}
 
 
-def train_cycle(t: Trainer, r: run.Run) -> list[dict]:
+def train_cycle(t: Trainer) -> tuple[list[dict], list[dict]]:
     """Rounds and optimizer steps in TRL's order until they end together
     (Schedule's cycle; for most shapes one round and its steps): a step
     takes the next gradient_accumulation_steps micro-batches, sampling a
-    new round whenever none is left. -> a record per step."""
-    t.round_begin = t.prompts.state_dict()  # for a save on Ctrl-C
-    t.round_start_step = t.step
+    new round whenever none is left. -> (a record per step, what the
+    report needs of each round)."""
     GA = t.sched.gradient_accumulation_steps
     queue = []  # (Rollout, row indices) not trained on yet
     rounds = []  # what the report needs of each round sampled
@@ -331,39 +328,31 @@ def train_cycle(t: Trainer, r: run.Run) -> list[dict]:
     for _ in range(min(t.sched.steps_per_cycle, t.cfg.max_steps - t.step)):
         while len(queue) < GA:
             rnd = t.round + len(rounds)
-            ro, sampled = sample_round(t, r, rnd)
+            ro, sampled = sample_round(t, rnd)
             rounds.append(sampled)
             queue += micro_batches(t, ro, rnd)
         records.append(update(t, queue[:GA]))
         del queue[:GA]
     t.round += len(rounds)
-    t.round_begin = None
-    report.add_round_metrics(r, t, rounds, records)
-    for m in records:
-        for sampled in rounds:
-            m.update(sampled["stats"])
-    return records
+    return records, rounds
 
 
-def groups_with_signal(t: Trainer, r: run.Run, ro: Rollout, local, generator):
+def groups_with_signal(t: Trainer, ro: Rollout, local, generator, logs):
     """DAPO's dynamic sampling (dynamic_sampling.py): the round's groups
     whose rewards differ, more prompts sampled and scored until there
     are enough. local: [n, K] rewards. -> (Rollout, rewards, metrics).
-    t.user_columns (log_extra) then holds the kept completions' values."""
+    logs.columns (log_extra) then holds the kept completions' values."""
     cfg = t.cfg
 
     def draw():
         rows, copies = round_prompts(t)
         more = sample(t, rows, copies, generator)
-        rewards = reward_rollout(more, t.reward_funcs, t)
-        return more, rewards, t.user_columns  # what this call logged
+        rewards = reward_rollout(more, t.reward_funcs, t, logs)
+        return more, rewards, logs.columns  # what this call logged
 
-    ro, local, t.user_columns, stats = dynamic_sampling(
-        ro, local, t.user_columns, draw, t.reward_weights,
+    ro, local, logs.columns, stats = dynamic_sampling(
+        ro, local, logs.columns, draw, t.reward_weights,
         cfg.max_num_gen_batches, t.tok.pad_token_id, t.info)
-    wanted = len(ro.rows) * t.info.world_size
-    report.check_dynamic_sampling(r, stats["dynamic_sampling/groups_kept"],
-                                  wanted, cfg.max_num_gen_batches)
     return ro, local, stats
 
 
@@ -378,6 +367,7 @@ def train(cfg: TrainConfig, command=None) -> list[dict]:
     cfg.validate(info.world_size)
     r, cfg = run.start(cfg, info, command)
     t = setup(cfg, info, r.resume_from)
+    t.kernels = kernels(cfg)
     if r.resume_from:
         run.restore(r, t)
     if t.step >= cfg.max_steps:
@@ -389,7 +379,10 @@ def train(cfg: TrainConfig, command=None) -> list[dict]:
         while t.step < cfg.max_steps:
             run.stop_if_signalled(r, t)  # Ctrl-C, SIGTERM: save, then end
             first_step = t.step
-            r.pending = train_cycle(t, r)
+            with run.cycle(r, t):  # where a stop inside it goes back to
+                records, rounds = train_cycle(t)
+            report.add_round_metrics(r, t, rounds, records)
+            r.pending = records
             eval_due = crossed(cfg.eval_every(), first_step, t.step)
             last = t.step == cfg.max_steps
             if t.eval_rows and (eval_due or last):

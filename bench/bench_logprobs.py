@@ -1,8 +1,8 @@
 """Peak memory and time of forward + backward for completion log-probs + entropy at Qwen2.5's
-vocabulary (V = 151,936): nanogrpo's chunked `token_logprobs` vs the naive way (fp32 logits for
-every completion position, log_softmax, gather). Two chunked paths: `chunked` keeps the probabilities
-of up to `keep_bytes` (1 GiB, the default) for backward, `recompute` keeps none (keep_bytes=0) and
-recomputes every chunk's logits in backward.
+vocabulary (V = 151,936): nanogrpo's chunked `token_logprobs` (nanogrpo/fast/logprobs.py) vs the
+naive way (fp32 logits for every completion position, log_softmax, gather). Two chunked paths:
+`chunked` keeps the probabilities of up to `keep_bytes` (1 GiB, the default) for backward,
+`recompute` keeps none (keep_bytes=0) and recomputes every chunk's logits in backward.
 
 Each path runs in a fresh subprocess so that its peak is its own: on CUDA the peak of
 torch.cuda.max_memory_allocated, on CPU the peak resident set size (getrusage ru_maxrss); both
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from nanogrpo.logprobs import KEEP_BYTES, token_logprobs
+from nanogrpo.fast.logprobs import KEEP_BYTES, token_logprobs
 from nanogrpo.model import ModelConfig, Transformer
 
 

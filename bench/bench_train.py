@@ -15,7 +15,7 @@ os.wait4), the two trainers alternating (A B, then B A, ...) so background load 
           `even_code_points` (below): every completion scores differently, so every row has an
           advantage and a gradient: the full forward + backward.
   big_flat  the same with the embedded default's reward, ~0 for every completion of this model, so
-          every advantage is 0: nanogrpo scores such rows without gradient (logprobs.policy_logprobs),
+          every advantage is 0: nanogrpo scores such rows without gradient (fast.logprobs.policy_logprobs),
           TRL runs their forward and backward.
   curves  learning curves on the default task: both trainers, same number of steps, several seeds.
 
@@ -74,7 +74,7 @@ TRAINERS = ("nanogrpo", "trl")
 def even_code_points(completions, **kwargs) -> list[float]:
     """The big part's reward: the fraction of a completion's characters whose code point is even. A random
     policy over the 47M model's 32000 characters scores ~0.5 +- 0.06, so no two completions of a group tie."""
-    from nanogrpo.rewards import completion_text
+    from nanogrpo.extras.builtin_rewards import completion_text
 
     texts = [completion_text(c) for c in completions]
     return [sum(ord(ch) % 2 == 0 for ch in t) / max(len(t), 1) for t in texts]
@@ -99,7 +99,7 @@ def make_big_checkpoint(path: str, seed: int = 0):
         return
     import torch
 
-    from nanogrpo.data import DEFAULT_TASK_CHARS
+    from nanogrpo.extras.tasks import DEFAULT_TASK_CHARS
     from nanogrpo.checkpoint import save_model
     from nanogrpo.model import ModelConfig, Transformer
     from nanogrpo.tokenizer import char_level_tokenizer

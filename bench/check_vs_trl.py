@@ -22,11 +22,11 @@ def main(path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from nanogrpo.data import load_dataset
-    from nanogrpo.grpo import LossConfig, grpo_step
-    from nanogrpo.logprobs import token_logprobs
+    from nanogrpo.extras.datasets import load_dataset
+    from nanogrpo.grpo import LossConfig, LossInputs, LossScale, grpo_step
+    from nanogrpo.fast.logprobs import token_logprobs
     from nanogrpo.checkpoint import load_model
-    from nanogrpo.rewards import default_task_reward
+    from nanogrpo.extras.builtin_rewards import default_task_reward
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     args = GRPOConfig(output_dir="/tmp/check_vs_trl", num_generations=8, per_device_train_batch_size=64,
@@ -45,8 +45,9 @@ def main(path):
     ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
     attention = torch.cat([mb["prompt_mask"], mb["completion_mask"]], 1)
     logps, _ = token_logprobs(ours, ids, attention, mb["completion_mask"])
-    loss, _ = grpo_step(logps, None, None, mb["advantages"], mb["completion_mask"], LossConfig(loss_type="dapo"),
-                        num_items=mb["num_items_in_batch"], grad_accum=2, steps_per_generation=2)
+    inputs = LossInputs(logps=logps, advantages=mb["advantages"], completion_mask=mb["completion_mask"])
+    scale = LossScale(num_items=mb["num_items_in_batch"], grad_accum=2, steps_per_generation=2)
+    loss, _ = grpo_step(inputs, LossConfig(loss_type="dapo"), scale)
     loss.backward()
     print(f"loss: TRL {trl_loss.item():+.10f}  nanogrpo {loss.item():+.10f}")
     worst = 0.0

@@ -29,7 +29,7 @@ def main(argv=None):
     from nanogrpo.checkpoint import load_model
     from nanogrpo.run.configurator import load_config
     from nanogrpo.extras.custom_rollout import resolve_rollout_func
-    from nanogrpo.data import load_dataset
+    from nanogrpo.extras.datasets import load_dataset
     from nanogrpo.extras.environments import Environments
     from nanogrpo.rewards import resolve_reward_funcs
     from nanogrpo.extras.tools import resolve_tools

@@ -3,8 +3,8 @@
     python bench/trl_runner.py --model out/tiny-init --output_dir out/bench/trl --max_steps 20 --seed 1337
 
 Loads the checkpoint directory with transformers' Auto classes, builds a `datasets.Dataset` from
-`nanogrpo.data.load_dataset(dataset, seed=seed)`, uses nanogrpo's reward functions by name
-(`--reward_funcs`, default `default_task`; `--reward_weights` as TRL's reward_weights), and
+`nanogrpo.extras.datasets.load_dataset(dataset, seed=seed)`, uses nanogrpo's reward functions by
+name (`--reward_funcs`, default `default_task`; `--reward_weights` as TRL's reward_weights), and
 trains with a GRPOConfig set to what `python train.py --config tiny.py` does (every TRL default that
 differs from ours overridden: no gradient checkpointing, fp32 on CPU, constant lr, beta2 0.99,
 logging every step, no checkpoints). One optimizer step = per_device_train_batch_size x gradient_accumulation_steps
@@ -72,7 +72,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from nanogrpo.data import load_dataset
+    from nanogrpo.extras.datasets import load_dataset
     from nanogrpo.rewards import resolve_reward_funcs
 
     if args.threads:

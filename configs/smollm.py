@@ -3,11 +3,12 @@
 #     python train.py --config smollm.py                      # from the hub
 #     python train.py --config smollm.py --model=.cache/real/smollm2-135m-instruct  # fetched
 #
-# The task (data.addition): "What is 12 + 7?" with the system prompt "Answer with just the number.",
-# a, b in 1..25; the held-out split is a disjoint quarter of the problems. SmolLM2-135M starts
-# weak at it: it answers "10 + 18 = 22" or rambles. Rewards: accuracy (the last number equals
-# a + b) and brevity (soft_overlong: 0 up to 12 tokens, down to -1 at 16): a ramble that runs out
-# of tokens is penalized (and its last number is rarely the sum), a short answer never is.
+# The task (addition, nanogrpo/extras/tasks.py): "What is 12 + 7?" with the system prompt "Answer
+# with just the number.", a, b in 1..25; the held-out split is a disjoint quarter of the problems.
+# SmolLM2-135M starts weak at it: it answers "10 + 18 = 22" or rambles. Rewards: accuracy (the
+# last number equals a + b) and brevity (soft_overlong: 0 up to 12 tokens, down to -1 at 16): a
+# ramble that runs out of tokens is penalized (and its last number is rarely the sum), a short
+# answer never is.
 #
 # README gives held-out pass@1 before and after the 30 steps (bench/eval_heldout.py).
 #

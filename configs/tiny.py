@@ -4,7 +4,8 @@
 # tokenizer), saved in Hugging Face format at out/tiny-init, and loaded back through the same
 # load_model path as any hub checkpoint. It then learns the default task by RL alone:
 # copy a 4-letter string, "bhad=" -> "bhad" + eos, with a dense per-character reward
-# (data.py and rewards.default_task_score explain the task and why it is learnable).
+# (nanogrpo/extras/tasks.py and builtin_rewards.default_task_score explain the task and why it
+# is learnable).
 #
 # The learning rate is what makes it reliable: higher rates learn faster but some seeds stall,
 # copying some letters as another. 400 steps leave a margin; bench/bench_seeds.py measures

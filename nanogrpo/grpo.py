@@ -1,27 +1,27 @@
 """GRPO's two pieces of math: group-relative advantages, and the clipped policy loss with all of
-TRL GRPOTrainer's variants, in plain tensor code (reference: TRL 1.16,
+TRL GRPOTrainer's loss variants, in plain tensor code (reference: TRL 1.16,
 trl/trainer/grpo_trainer.py, `_compute_loss` and `_generate_and_score_completions`; the papers
 are cited where each variant is).
 
-Owns: `LossConfig` (TRL's GRPOConfig names and defaults), `group_advantages` (rewards ->
-advantages), `grpo_step` (per-token log-probs -> one micro-batch's scalar loss + metrics), and
-what TRL computes around its loss: the entropy bonus and its adaptive coefficient, the
-off-policy sequence mask, and the importance-sampling correction between the sampler and the
-trainer.
+Owns: `LossConfig` (TRL's GRPOConfig names and defaults, and the rules between them),
+`total_reward` and `group_advantages` (rewards -> advantages), and `grpo_step` (one
+micro-batch's `LossInputs` -> its scalar loss + metrics; `LossScale` says how micro-batch
+losses add up to the optimizer step's): one function for every loss_type.
 
-Does not own: computing log-probs (logprobs.py), talking to other processes (the caller gathers
-rewards before `group_advantages`, sums `num_items` over ranks, averages gradients, and sums the
-adaptive entropy controller's window over ranks), the optimizer. Out of scope: MoE auxiliary
-losses.
+Does not own: the options TRL puts around its loss, each off by default: the off-policy
+sequence mask, the importance-sampling correction between the sampler and the trainer,
+top_entropy_quantile's token mask, the entropy bonus and its adaptive coefficient. They live in
+nanogrpo/extras/loss_terms.py, and grpo_step calls them where an option is on. Nor: computing
+log-probs (logprobs.py), talking to other processes (the caller gathers rewards before
+`group_advantages`, sums `num_items` over ranks, averages gradients, and sums the adaptive
+entropy window, loss_terms.entropy_window, over micro-batches and ranks), the optimizer. Out of
+scope: MoE auxiliary losses.
 
-Reading guide, one small function per idea:
+Reading order: LossConfig; group_advantages; the per-token losses, one small function per idea:
     importance_ratio (token or GSPO sequence level);
-    clipped_surrogate (grpo, dr_grpo, dapo, bnpo, luspo);
-    cispo_loss, sapo_loss, vespo_weight; high_entropy_mask (top_entropy_quantile); aggregate: the
-    normalizer, which is what really tells the loss types apart;
-    off_policy_mask (OPSM); sampler_importance_weights (TRL's vllm_importance_sampling_*: here
-    the "vllm" engine is nanogrpo's own sampler); entropy_bonus, applied_entropy_coef and
-    next_entropy_coef (entropy_coef, use_adaptive_entropy).
+    clipped_surrogate (grpo, dr_grpo, dapo, bnpo, luspo); cispo_loss, sapo_loss, vespo_weight;
+    aggregate: the normalizer, which is what really tells the loss types apart;
+then LossInputs, LossScale and grpo_step, which puts them together.
 Masked positions may hold anything (NaN, inf): inputs are cleaned with torch.where up front, so
 neither the loss nor the gradient can see them (x * mask would turn 0 * NaN into NaN).
 """
@@ -31,6 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
+from nanogrpo.extras.loss_terms import (
+    entropy_bonus,
+    high_entropy_mask,
+    importance_sampling_metrics,
+    off_policy_mask,
+    sampler_importance_weights,
+    vespo_sampler_weights,
+)
 from nanogrpo.logprobs import kl_divergence
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
@@ -323,16 +331,6 @@ def vespo_weight(log_ratio, mask, A, k_pos, lam_pos, k_neg, lam_neg, is_weights=
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def high_entropy_mask(entropies, mask, quantile):
-    """Keep [N,C] the tokens whose entropy is in the top `quantile` fraction of this call's active
-    tokens (ties at the threshold kept; "Beyond the 80/20 rule", arXiv 2506.01939). The threshold is
-    the (1 - quantile) quantile, linear interpolation, of the active entropies in float32."""
-    active = entropies[mask].float()
-    if active.numel() == 0:
-        return torch.zeros_like(mask)
-    return (entropies >= torch.quantile(active, 1 - quantile)) & mask
-
-
 def aggregate(per_token_loss, mask, cfg, num_items, grad_accum, world_size, steps_per_generation):
     """One micro-batch's loss from L [N,C] (TRL: the loss_type branches of _compute_loss),
     scaled so that summing over the grad_accum micro-batches and averaging over the
@@ -360,199 +358,70 @@ def aggregate(per_token_loss, mask, cfg, num_items, grad_accum, world_size, step
 
 
 # -----------------------------------------------------------------------------
-# Around the loss: which sequences count, how the sampler's tokens are reweighted
-
-
-def off_policy_mask(A, logps, sampling_logps, mask, threshold):
-    """DeepSeek-V3.2's off-policy sequence mask (OPSM, arXiv 2512.02556, eq. 9) [N,1] bool:
-    drop a sequence whose advantage is negative and whose mean per-token KL from the policy
-    that sampled it to the current one, mean_t (log pi_sampling - log pi_theta), exceeds
-    threshold. A [N,1]; logps, sampling_logps, mask [N,C]."""
-    kl = torch.where(mask, sampling_logps - logps.detach(), 0)  # [N,C]
-    mean_kl = kl.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    return (A >= 0) | (mean_kl <= threshold)
-
-
-def sampler_importance_weights(old_logps, sampling_logps, mask, cfg):
-    """TRL's vllm_importance_sampling_ratio: how much more likely the trainer finds each sampled
-    token than the sampler did, w = pi_old / pi_sampler (pi_old: the trainer's log-probs with
-    the weights that sampled). Ratios of 1 mean the two engines agree; bf16, another kernel or
-    a compiled decode step move them. Modes (vllm_importance_sampling_mode):
-      token_*     one w per token, [N,C];
-      sequence_*  one w per sequence, exp(sum over its tokens of the log difference), [N,1];
-      *_truncate  w clamped to [clip_min, clip_max] (TIS);
-      *_mask      w set to 0 outside [clip_min, clip_max] (MIS); None = no bound.
-    Detached: a constant weight on each token's loss. Masked positions weigh 1."""
-    diff = torch.where(mask, old_logps.detach() - sampling_logps, 0)  # [N,C]
-    mode = cfg.vllm_importance_sampling_mode
-    if mode.startswith("sequence"):
-        diff = diff.sum(-1, keepdim=True)  # [N,1]
-    w = torch.exp(diff)
-    low = cfg.vllm_importance_sampling_clip_min
-    high = cfg.vllm_importance_sampling_clip_max
-    if mode.endswith("truncate"):
-        return w.clamp(min=low, max=high)
-    outside = torch.zeros_like(w, dtype=torch.bool)
-    if low is not None:
-        outside = outside | (w < low)
-    if high is not None:
-        outside = outside | (w > high)
-    return w.masked_fill(outside, 0.0)
-
-
-@torch.no_grad()
-def importance_sampling_metrics(old_logps, sampling_logps, is_weights, mask):
-    """TRL's sampling/* metrics of one batch: |log pi_old - log pi_sampler| over its tokens
-    (mean, max) and the correction weights (min, mean, max; per sequence or per token)."""
-    delta = (old_logps - sampling_logps).abs()[mask].double()
-    w = is_weights.flatten() if is_weights.shape[1] == 1 else is_weights[mask]
-    w = w.double()
-    if delta.numel() == 0:
-        delta = torch.zeros(1, dtype=torch.float64)
-    if w.numel() == 0:
-        w = torch.zeros(1, dtype=torch.float64)
-    return {
-        "sampling/sampling_logp_difference/mean": float(delta.mean()),
-        "sampling/sampling_logp_difference/max": float(delta.max()),
-        "sampling/importance_sampling_ratio/min": float(w.min()),
-        "sampling/importance_sampling_ratio/mean": float(w.mean()),
-        "sampling/importance_sampling_ratio/max": float(w.max()),
-    }
-
-
-# -----------------------------------------------------------------------------
-# The entropy bonus (TRL's entropy_coef; Skywork-OR1's adaptive control, arXiv 2505.22312)
-
-
-def entropy_bonus(entropies, mask, grad_accum):
-    """The mean entropy [scalar] over the tokens mask [N,C] keeps, divided by grad_accum only:
-    the same meaning for every loss type. The loss subtracts coef times it."""
-    total = torch.where(mask, entropies, 0).sum()
-    return total / mask.sum().clamp(min=1) / grad_accum
-
-
-def applied_entropy_coef(cfg, coef, last_entropy):
-    """The coefficient this step's micro-batches apply: `coef` as it stood after the last step;
-    adaptive control applies it only while the last step's entropy was at or below
-    entropy_target (last_entropy = inf before the first step: no bonus yet)."""
-    if cfg.use_adaptive_entropy and last_entropy > cfg.entropy_target:
-        return 0.0
-    return coef
-
-
-def next_entropy_coef(cfg, coef, entropy):
-    """The adaptive coefficient after a step whose mean entropy (all ranks, all micro-batches,
-    the bonus's tokens) was `entropy`: one delta up when at or below entropy_target (to push it
-    back up), one down otherwise, kept in [entropy_coef_min, entropy_coef_max]."""
-    if entropy <= cfg.entropy_target:
-        return min(coef + cfg.entropy_coef_delta, cfg.entropy_coef_max)
-    return max(coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
-
-
-# -----------------------------------------------------------------------------
 # The step
 
 
-def _check_shapes(
-    logps, old_logps, ref_logps, advantages, mask, entropies, sampling_logps, trainer_logps
-):
-    if logps.dim() != 2:
-        raise ValueError(f"logps must be [N,C]; got shape {tuple(logps.shape)}")
-    N = logps.shape[0]
-    for name, x in (
-        ("mask", mask),
-        ("old_logps", old_logps),
-        ("ref_logps", ref_logps),
-        ("entropies", entropies),
-        ("sampling_logps", sampling_logps),
-        ("trainer_logps", trainer_logps),
-    ):
-        if x is not None and x.shape != logps.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(x.shape)} but logps has {tuple(logps.shape)}; "
-                "both must be [N,C]"
-            )
-    if advantages.shape != (N,):
-        raise ValueError(
-            f"advantages must be [N] = [{N}] (one per sequence); got {tuple(advantages.shape)}"
-        )
+@dataclass
+class LossInputs:
+    """One micro-batch's tensors, [N,C] unless said; masked positions may hold anything."""
+
+    logps: torch.Tensor  # current policy, with grad
+    advantages: torch.Tensor  # [N]
+    completion_mask: torch.Tensor  # 1 = a completion token that counts
+    old_logps: torch.Tensor | None = None  # None: on-policy (ratio exactly 1)
+    ref_logps: torch.Tensor | None = None  # None with beta == 0
+    # needed by top_entropy_quantile < 1 and the entropy bonus (then with their gradient:
+    # logprobs' entropy_grad), else only logged
+    entropies: torch.Tensor | None = None
+    # the sampler's log-prob of each token it drew, for the sampler correction and OPSM;
+    # None: the sampler is the old policy
+    sampling_logps: torch.Tensor | None = None
+    # the trainer's side of that correction, its log-probs with the weights that sampled,
+    # where neither old_logps nor logps (with dropout) can stand for them; None = old
+    trainer_logps: torch.Tensor | None = None
+
+
+@dataclass
+class LossScale:
+    """How micro-batch losses add up to the optimizer step's (trl_grpo_spec §4.4)."""
+
+    # active tokens over the whole generation batch, all ranks (with steps_per_generation ==
+    # grad_accum, the optimizer step's); only dapo, cispo and vespo use it. None: "this
+    # micro-batch is the whole step", right only when grad_accum == world_size == 1
+    num_items: int | torch.Tensor | None = None
+    grad_accum: int = 1  # micro-batches summed per optimizer step
+    world_size: int = 1  # ranks whose gradients are averaged
+    steps_per_generation: int | None = None  # None = grad_accum
 
 
 def grpo_step(
-    logps,
-    old_logps,
-    ref_logps,
-    advantages,
-    mask,
-    cfg,
-    num_items=None,
-    grad_accum=1,
-    world_size=1,
-    entropies=None,
-    steps_per_generation=None,
-    sampling_logps=None,
-    entropy_coef=None,
-    trainer_logps=None,
-):
+    inputs: LossInputs,
+    cfg: LossConfig,
+    scale: LossScale | None = None,
+    entropy_coef: float | None = None,
+) -> tuple[torch.Tensor, dict]:
     """One micro-batch's GRPO loss (a scalar to .backward()) and its metrics (plain floats).
-
-    logps [N,C]: current policy log-probs (with grad).
-    old_logps [N,C] or None: on-policy, old = logps.detach(), so the ratio is exactly 1 and
-        the gradient intact.
-    ref_logps [N,C], or None when cfg.beta == 0.
-    advantages [N]; mask [N,C]: 1 = a completion token that counts.
-    entropies [N,C]: needed for cfg.top_entropy_quantile < 1 and the entropy bonus, else only
-        logged. With the bonus on they must carry their gradient (logprobs' entropy_grad).
-    num_items: active tokens (sum of mask) over the whole generation batch on all ranks, which
-        with steps_per_generation == grad_accum (the default) is the optimizer step's; only
-        dapo, cispo and vespo use it. None: "this micro-batch is the whole step", num_items =
-        mask.sum(), right only when grad_accum == world_size == 1.
-    grad_accum: micro-batches summed per optimizer step; world_size: ranks whose gradients
-        are averaged.
-    sampling_logps [N,C]: the sampler's log-prob of each token it drew (None: the sampler is
-        the old policy); it feeds the importance-sampling correction
-        (cfg.vllm_importance_sampling_correction) and OPSM.
-    trainer_logps [N,C]: the trainer's side of that correction, its log-probs with the weights
-        that sampled, where neither old_logps nor `logps` (with dropout) can stand for them;
-        None = old.
-    entropy_coef: the coefficient this step applies (applied_entropy_coef); None =
-        cfg.entropy_coef. With the bonus on, metrics hold "_entropy_sum" and
-        "_entropy_tokens": the adaptive control's window, sums for the caller.
-    Masked positions of every input may hold NaN/inf: they touch neither loss nor gradient.
-    """
-    _check_shapes(
-        logps, old_logps, ref_logps, advantages, mask, entropies, sampling_logps, trainer_logps
-    )
-    if cfg.beta != 0 and ref_logps is None:
-        raise ValueError(
-            f"ref_logps is None but cfg.beta={cfg.beta}; pass reference log-probs or set beta=0"
-        )
-    if cfg.top_entropy_quantile < 1 and entropies is None:
-        raise ValueError(f"cfg.top_entropy_quantile={cfg.top_entropy_quantile} needs entropies")
-    if cfg.entropy_bonus_on() and entropies is None:
-        raise ValueError("the entropy bonus (entropy_coef, use_adaptive_entropy) needs entropies")
-    steps_per_generation = grad_accum if steps_per_generation is None else steps_per_generation
-    counts = dict(
-        grad_accum=grad_accum, world_size=world_size, steps_per_generation=steps_per_generation
-    )
-    for name, v in counts.items():
-        if v < 1:
-            raise ValueError(f"{name}={v} must be >= 1")
-
-    m = mask.bool()
-    logps = torch.where(m, logps, 0)  # the gradient into masked slots is now exactly 0
-    old = logps.detach() if old_logps is None else torch.where(m, old_logps, 0)
-    A = advantages[:, None]  # [N,1]
+    scale None: LossScale(), this micro-batch is the whole step. entropy_coef: the coefficient
+    this step applies (applied_entropy_coef); None = cfg.entropy_coef. The adaptive control's
+    window is the caller's to sum (entropy_window)."""
+    scale = LossScale() if scale is None else scale
+    _check_inputs(inputs, cfg, scale)
+    m = inputs.completion_mask.bool()
+    logps = torch.where(m, inputs.logps, 0)  # the gradient into masked slots is now exactly 0
+    old = logps.detach() if inputs.old_logps is None else torch.where(m, inputs.old_logps, 0)
+    A = inputs.advantages[:, None]  # [N,1]
 
     log_ratio = logps - old  # [N,C]
     ratio = importance_ratio(log_ratio, m, cfg.importance_sampling_level)  # [N,C] or [N,1]
-    is_weights = None  # the sampler correction, [N,C] or [N,1]
-    if sampling_logps is not None:
-        sampling_logps = torch.where(m, sampling_logps, 0)
+    sampling = behavior = is_weights = None  # is_weights: the sampler correction, [N,C] or [N,1]
+    if inputs.sampling_logps is not None:
+        sampling = torch.where(m, inputs.sampling_logps, 0)
         # the trainer's log-probs with the weights that sampled
-        behavior = old if trainer_logps is None else torch.where(m, trainer_logps, 0)
+        trainer = inputs.trainer_logps
+        behavior = old if trainer is None else torch.where(m, trainer, 0)
         if cfg.vllm_importance_sampling_correction:
-            is_weights = sampler_importance_weights(behavior, sampling_logps, m, cfg)
+            is_weights = sampler_importance_weights(behavior, sampling, m, cfg)
+    ratio_1, phi = ratio, None  # ratio_1: the ratio the clip metrics look at
     if cfg.loss_type in PPO_CLIP_TYPES:
         loss, ratio_1 = clipped_surrogate(ratio, A, cfg.epsilon, cfg.epsilon_high, cfg.delta)
     elif cfg.loss_type == "cispo":
@@ -560,90 +429,104 @@ def grpo_step(
     elif cfg.loss_type == "sapo":
         loss = sapo_loss(ratio, A, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
     else:  # vespo
-        phi = vespo_weight(
-            log_ratio,
-            m,
-            A,
-            cfg.vespo_k_pos,
-            cfg.vespo_lambda_pos,
-            cfg.vespo_k_neg,
-            cfg.vespo_lambda_neg,
-            _token_level(is_weights, cfg),
-        )
+        k_lam = (cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg)
+        phi = vespo_weight(log_ratio, m, A, *k_lam, vespo_sampler_weights(is_weights, cfg))
         loss = -phi * A * logps
     loss = loss.expand_as(logps)  # [N,C] (sequence-level losses are [N,1])
 
     if cfg.off_policy_mask_threshold is not None:
-        sampled_by = old if sampling_logps is None else sampling_logps
+        sampled_by = old if sampling is None else sampling
         keep = off_policy_mask(A, logps, sampled_by, m, cfg.off_policy_mask_threshold)
         loss = torch.where(keep, loss, 0)
     bonus_mask = m  # the tokens the entropy bonus acts on
-    if entropies is not None:
-        entropies_with_grad = torch.where(m, entropies, 0)
-        entropies = entropies_with_grad.detach()
+    entropies = None if inputs.entropies is None else torch.where(m, inputs.entropies, 0)
     if cfg.top_entropy_quantile < 1:
-        bonus_mask = high_entropy_mask(entropies, m, cfg.top_entropy_quantile)
+        bonus_mask = high_entropy_mask(entropies.detach(), m, cfg.top_entropy_quantile)
         loss = torch.where(bonus_mask, loss, 0)
     if is_weights is not None and cfg.loss_type != "vespo":
         loss = loss * is_weights
+    kl = None
     if cfg.beta != 0:
-        kl = kl_divergence(logps, torch.where(m, ref_logps, 0), kind="k3")  # [N,C], >= 0
+        kl = kl_divergence(logps, torch.where(m, inputs.ref_logps, 0), kind="k3")  # [N,C], >= 0
         if cfg.use_bias_correction_kl:
             # k3's gradient is biased off-policy; the ratio corrects it (DeepSeek-V3.2)
             kl = kl * ratio
         loss = loss + cfg.beta * kl
 
-    num_items = m.sum() if num_items is None else num_items
-    total = aggregate(loss, m, cfg, num_items, grad_accum, world_size, steps_per_generation)
+    num_items = m.sum() if scale.num_items is None else scale.num_items
+    spg = scale.grad_accum if scale.steps_per_generation is None else scale.steps_per_generation
+    total = aggregate(loss, m, cfg, num_items, scale.grad_accum, scale.world_size, spg)
 
     metrics = {}
     if cfg.entropy_bonus_on():
-        coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
         # TRL's policy_loss: the loss before the bonus and the grad_accum division
         per_micro_batch = cfg.loss_type in ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
-        unscaled = grad_accum if per_micro_batch else 1
-        metrics["policy_loss"] = total.detach() * unscaled
-        total = total - coef * entropy_bonus(entropies_with_grad, bonus_mask, grad_accum)
-        metrics["_entropy_sum"] = torch.where(bonus_mask, entropies, 0).sum()
-        metrics["_entropy_tokens"] = bonus_mask.sum()
+        unscaled = scale.grad_accum if per_micro_batch else 1
+        metrics["policy_loss"] = float(total.detach() * unscaled)
+        coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
+        total = total - coef * entropy_bonus(entropies, bonus_mask, scale.grad_accum)
     if is_weights is not None:
-        metrics.update(importance_sampling_metrics(behavior, sampling_logps, is_weights, m))
-
-    with torch.no_grad():
-        if cfg.beta != 0:
-            metrics["kl"] = _masked_mean(kl, m)
-        if entropies is not None:
-            metrics["entropy"] = _masked_mean(entropies, m)
-        if cfg.loss_type in PPO_CLIP_TYPES:
-            low = (ratio_1 < 1 - cfg.epsilon) & (A < 0)
-            high = (ratio_1 > 1 + cfg.epsilon_high) & (A > 0)
-            metrics["clip_ratio/low_mean"] = _masked_mean(low, m)
-            metrics["clip_ratio/high_mean"] = _masked_mean(high, m)
-            metrics["clip_ratio/region_mean"] = _masked_mean(low | high, m)
-            metrics["clip_ratio/low_min"] = _nan_reduce(_seq_mean(low, m), torch.min)
-            metrics["clip_ratio/high_max"] = _nan_reduce(_seq_mean(high, m), torch.max)
-        elif cfg.loss_type == "cispo":
-            metrics["cispo_clip_ratio"] = _masked_mean((ratio > cfg.epsilon_high) & (A > 0), m)
-        elif cfg.loss_type == "vespo":
-            metrics["vespo/phi_seq_mean"] = phi.mean()
-        metrics = {k: float(v) for k, v in metrics.items()}
+        metrics.update(importance_sampling_metrics(behavior, sampling, is_weights, m))
+    metrics.update(_loss_metrics(cfg, m, A, ratio_1, kl, entropies, phi))
     return total, metrics
 
 
-VESPO_NEEDS_TOKENS = (
-    "loss_type='vespo' folds token-level weights into its own: use token_truncate or "
-    "token_mask, or vllm_importance_sampling_correction=False (as TRL)"
-)
-
-
-def _token_level(is_weights, cfg):
-    """VESPO's token-level sampler corrections (cfg.correction_fits_the_loss)."""
-    if is_weights is not None and not cfg.correction_fits_the_loss():
+def _check_inputs(inputs, cfg, scale):
+    """Shapes, the inputs cfg needs, and scale's counts."""
+    logps = inputs.logps
+    if logps.dim() != 2:
+        raise ValueError(f"logps must be [N,C]; got shape {tuple(logps.shape)}")
+    N = logps.shape[0]
+    for name in (
+        "completion_mask", "old_logps", "ref_logps", "entropies", "sampling_logps", "trainer_logps"
+    ):
+        x = getattr(inputs, name)
+        if x is not None and x.shape != logps.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)} but logps has {tuple(logps.shape)}; "
+                "both must be [N,C]"
+            )
+    if inputs.advantages.shape != (N,):
         raise ValueError(
-            f"vllm_importance_sampling_mode={cfg.vllm_importance_sampling_mode!r}: "
-            + VESPO_NEEDS_TOKENS
+            f"advantages must be [N] = [{N}] (one per sequence); "
+            f"got {tuple(inputs.advantages.shape)}"
         )
-    return is_weights
+    if cfg.beta != 0 and inputs.ref_logps is None:
+        raise ValueError(
+            f"ref_logps is None but cfg.beta={cfg.beta}; pass reference log-probs or set beta=0"
+        )
+    if cfg.top_entropy_quantile < 1 and inputs.entropies is None:
+        raise ValueError(f"cfg.top_entropy_quantile={cfg.top_entropy_quantile} needs entropies")
+    if cfg.entropy_bonus_on() and inputs.entropies is None:
+        raise ValueError("the entropy bonus (entropy_coef, use_adaptive_entropy) needs entropies")
+    for name in ("grad_accum", "world_size", "steps_per_generation"):
+        v = getattr(scale, name)
+        if v is not None and v < 1:  # (steps_per_generation None = grad_accum)
+            raise ValueError(f"{name}={v} must be >= 1")
+
+
+@torch.no_grad()
+def _loss_metrics(cfg, m, A, ratio_1, kl, entropies, phi):
+    """TRL's metrics of the loss, as plain floats: the KL, the entropy, and how often the loss
+    type's clip or weight acted (ratio_1: the ratio the clip looked at)."""
+    metrics = {}
+    if kl is not None:
+        metrics["kl"] = _masked_mean(kl, m)
+    if entropies is not None:
+        metrics["entropy"] = _masked_mean(entropies, m)
+    if cfg.loss_type in PPO_CLIP_TYPES:
+        low = (ratio_1 < 1 - cfg.epsilon) & (A < 0)
+        high = (ratio_1 > 1 + cfg.epsilon_high) & (A > 0)
+        metrics["clip_ratio/low_mean"] = _masked_mean(low, m)
+        metrics["clip_ratio/high_mean"] = _masked_mean(high, m)
+        metrics["clip_ratio/region_mean"] = _masked_mean(low | high, m)
+        metrics["clip_ratio/low_min"] = _nan_reduce(_seq_mean(low, m), torch.min)
+        metrics["clip_ratio/high_max"] = _nan_reduce(_seq_mean(high, m), torch.max)
+    elif cfg.loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = _masked_mean((ratio_1 > cfg.epsilon_high) & (A > 0), m)
+    elif cfg.loss_type == "vespo":
+        metrics["vespo/phi_seq_mean"] = phi.mean()
+    return {k: float(v) for k, v in metrics.items()}
 
 
 def _masked_mean(x, m):

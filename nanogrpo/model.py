@@ -380,7 +380,7 @@ class Transformer(nn.Module):
     ):
         """Logits [B,T,V] (a classifier: label scores [B,T,num_labels]); arguments as in
         `hidden_states`. With `head`, returns head(hidden [B,T,C], self.lm_head or self.score)
-        instead: how token_logprobs scores in chunks without full logits and a reward model
+        instead: how fast/logprobs.py scores in chunks without full logits and a reward model
         scores only its pooled position, inside the forward call (so FSDP keeps the head
         gathered while it runs)."""
         h = self._trunk(input_ids, attention_mask, positions, cache, cache_start)

@@ -1,220 +1,59 @@
 """Reward functions and reward models, and turning their outputs into one [N, K] reward matrix.
 
-Owns: the built-in rewards (`accuracy`, `format`, `soft_overlong`, `countdown`, `default_task`),
-resolving config entries (`resolve_reward_funcs`: a reward model's entry goes to
-reward_model.py), calling every function on a batch of completions (`score_completions`),
-checking that the dataset has the columns they read (`check_reward_columns`), and the
-`TrainerState` they receive as `trainer_state`.
+Owns: resolving config entries (`resolve_reward_funcs`: a built-in's name, looked up in
+`BUILTINS`, "module:function", "file.py:function", or a reward model's entry, which goes to
+reward_model.py), calling every function on a batch of completions (`score_completions`), and
+checking that the dataset has the columns they read (`check_reward_columns`).
 
-Does not know about: the policy, advantages (grpo.py), where dataset columns come from
-(data.py), reward models' internals (reward_model.py), or other processes.
+Leaves out: the built-in reward functions (`accuracy`, `format`, `soft_overlong`, `countdown`,
+`default_task`) and their `BUILTINS` table live in extras/builtin_rewards.py; the
+`TrainerState` that reward functions receive as `trainer_state` lives in extras/trainer_info.py.
+Both stay importable from here, for users' reward files.
+
+Does not know about: the policy, advantages (grpo.py), where dataset columns come from (data.py,
+extras/datasets.py), reward models' internals (reward_model.py), or other processes.
 
 Choices:
 - TRL's calling convention, so users bring their functions unchanged: `fn(prompts, completions,
   completion_ids=..., **columns) -> list[float | None]`. Completions are strings for plain-text
-  prompts and `[{"role": "assistant", "content": ...}]` for conversational ones; every built-in
-  accepts both. `None` means "not scored" and becomes NaN in the matrix.
+  prompts and `[{"role": "assistant", "content": ...}]` for conversational ones. `None` means
+  "not scored" and becomes NaN in the matrix.
 - `async def` reward functions are awaited together in one `asyncio.run`: slow remote verifiers
   overlap.
-- Math answers are compared as exact `fractions.Fraction`s (math_answers.py, no sympy).
-- Countdown equations are parsed with `ast` and evaluated by walking the tree with Fractions;
-  nothing is ever passed to `eval`.
 """
 
-import ast
 import asyncio
-import collections
 import difflib
 import importlib.util
 import inspect
 import math
 import numbers
 import os
-import re
-from dataclasses import dataclass, field, replace
-from fractions import Fraction
 
 import torch
 
-from nanogrpo.extras.math_answers import answers_match, extract_answer
+from nanogrpo.extras.builtin_rewards import BUILTINS, soft_overlong_punishment
+
+# importable here for users' reward files (`from nanogrpo.rewards import accuracy_reward`), where
+# they lived before they moved to extras/
+from nanogrpo.extras.builtin_rewards import (  # noqa: F401
+    accuracy_reward,
+    check_equation,
+    completion_text,
+    countdown_reward,
+    default_task_reward,
+    default_task_score,
+    format_reward,
+)
+from nanogrpo.extras.trainer_info import TrainerState, trainer_state_of  # noqa: F401
 
 
 class RewardError(RuntimeError):
     """A reward function failed or returned something that is not one score per completion."""
 
 
-def completion_text(completion) -> str:
-    """The text of one completion: the string itself, or the last message's content."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict):
-        return completion[-1].get("content") or ""
-    raise TypeError(f"expected a string or a list of messages as a completion, got {completion!r}")
-
-
-# -----------------------------------------------------------------------------
-# accuracy: math answers (math_answers.py parses them)
-
-
-def accuracy_reward(completions, answer=None, solution=None, **kwargs) -> list[float | None]:
-    """1.0 when the completion's final answer equals the `answer` (or `solution`) column, else 0.0.
-    The gold value may itself be a full solution (its `\\boxed{}` or `####` part is used). Rows with
-    no gold answer are not scored (None)."""
-    golds = answer if answer is not None else solution
-    if golds is None:
-        raise ValueError("accuracy needs a dataset column named 'answer' or 'solution'")
-    scores = []
-    for completion, gold in zip(completions, golds):
-        if gold is None or str(gold).strip() == "":
-            scores.append(None)
-            continue
-        gold = str(gold)
-        if "\\boxed" in gold or "####" in gold:
-            gold = extract_answer(gold) or gold
-        predicted = extract_answer(completion_text(completion))
-        scores.append(float(predicted is not None and answers_match(predicted, gold)))
-    return scores
-
-
-# -----------------------------------------------------------------------------
-# format, soft overlong punishment
-
-
-_THINK_ANSWER = re.compile(
-    r"<think>(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*</answer>", re.DOTALL
-)
-
-
-def format_reward(completions, **kwargs) -> list[float]:
-    """1.0 when the whole completion is `<think>...</think>` then
-    `<answer>...</answer>`, else 0.0."""
-    texts = [completion_text(c).strip() for c in completions]
-    return [float(_THINK_ANSWER.fullmatch(text) is not None) for text in texts]
-
-
-def soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int):
-    """DAPO's length penalty, as a reward function of `completion_ids`. With L = len(ids), M =
-    max_completion_len, C = soft_punish_cache: 0 when L <= M - C, falling linearly to -1 across the
-    last C tokens ((M - C - L) / C), and -1 beyond M."""
-    if not 0 < soft_punish_cache <= max_completion_len:
-        raise ValueError(
-            f"soft_punish_cache={soft_punish_cache} must be in [1, {max_completion_len}]"
-        )
-    free = max_completion_len - soft_punish_cache
-
-    def penalty(n: int) -> float:
-        if n <= free:
-            return 0.0
-        if n > max_completion_len:
-            return -1.0
-        return (free - n) / soft_punish_cache
-
-    def soft_overlong(completion_ids, **kwargs) -> list[float]:
-        return [penalty(len(ids)) for ids in completion_ids]
-
-    return soft_overlong
-
-
-# -----------------------------------------------------------------------------
-# countdown: safe arithmetic with ast
-
-
-_OPS = {
-    ast.Add: lambda a, b: a + b,
-    ast.Sub: lambda a, b: a - b,
-    ast.Mult: lambda a, b: a * b,
-    ast.Div: lambda a, b: a / b,
-}
-
-
-def _evaluate(node, used: list) -> Fraction:
-    """Value of an expression tree of integers, + - * /, parentheses and unary minus; anything else
-    raises."""
-    if isinstance(node, ast.Expression):
-        return _evaluate(node.body, used)
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        used.append(node.value)
-        return Fraction(node.value)
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        return _OPS[type(node.op)](_evaluate(node.left, used), _evaluate(node.right, used))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return -_evaluate(node.operand, used)
-    raise ValueError(f"not allowed in an equation: {ast.dump(node)[:40]}")
-
-
-def check_equation(equation: str, nums, target) -> bool:
-    """True when `equation` uses each of `nums` exactly once, only + - * / ( ), and equals `target`.
-    A trailing "= <number>" is allowed and ignored."""
-    equation = equation.strip().split("=")[0].strip()
-    if not equation or len(equation) > 200 or not re.fullmatch(r"[\d+\-*/()\s]+", equation):
-        return False
-    used: list[int] = []
-    try:
-        value = _evaluate(ast.parse(equation, mode="eval"), used)
-    except (SyntaxError, ValueError, ZeroDivisionError):
-        return False
-    return sorted(used) == sorted(int(n) for n in nums) and value == Fraction(int(target))
-
-
-def countdown_reward(completions, nums, target, **kwargs) -> list[float]:
-    """1.0 when the `<answer>` equation (or, without tags, the last line) reaches `target` from
-    `nums`."""
-    scores = []
-    for completion, row_nums, row_target in zip(completions, nums, target):
-        text = completion_text(completion)
-        # the last tagged equation, else the last line
-        candidates = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
-        if not candidates:
-            candidates = [line for line in text.strip().split("\n") if line.strip()]
-        equation = candidates[-1] if candidates else ""
-        scores.append(float(check_equation(equation, row_nums, row_target)))
-    return scores
-
-
-# -----------------------------------------------------------------------------
-# default task (data.make_default_task): copy a short string
-
-
-def default_task_score(completion: str, target: str, num_tokens: int | None = None) -> float:
-    """Dense score in [0, 1], 1.0 only for the exact target at the exact length: 0.7 * fraction of
-    positions right + 0.15 * multiset overlap of characters (both over max(length, len target))
-    + 0.15 * length closeness (1 - |length - len target| / len target, >= 0). length =
-    len(completion), or num_tokens - 1 if larger: num_tokens counts the generated ids up to and
-    including the stop token, so tokens that decode to nothing (special tokens) still count as
-    length and the policy must learn to stop rather than pad with invisible tokens."""
-    length = len(completion) if num_tokens is None else max(len(completion), num_tokens - 1)
-    if completion == target and length == len(target):
-        return 1.0
-    longest = max(length, len(target), 1)
-    positions = sum(a == b for a, b in zip(completion, target)) / longest
-    shared = collections.Counter(completion) & collections.Counter(target)
-    overlap = sum(shared.values()) / longest
-    closeness = max(0.0, 1.0 - abs(length - len(target)) / max(len(target), 1))
-    return 0.7 * positions + 0.15 * overlap + 0.15 * closeness
-
-
-def default_task_reward(completions, target, completion_ids=None, **kwargs) -> list[float]:
-    """`default_task_score` of each completion against the dataset column `target`."""
-    counts = [None] * len(completions)
-    if completion_ids is not None:
-        counts = [len(ids) for ids in completion_ids]
-    return [
-        default_task_score(completion_text(c).strip(), str(t), n)
-        for c, t, n in zip(completions, target, counts)
-    ]
-
-
 # -----------------------------------------------------------------------------
 # resolving names, reward models, scoring a batch
-
-
-BUILTINS = {
-    "accuracy": accuracy_reward,
-    "format": format_reward,
-    "countdown": countdown_reward,
-    "default_task": default_task_reward,
-    "soft_overlong": soft_overlong_punishment,
-}
 
 
 def import_function(spec: str, kind: str = "reward function"):
@@ -425,57 +264,3 @@ def await_all(pending: dict, funcs: list) -> dict:
             ) from out
         results[k] = out
     return results
-
-
-# -----------------------------------------------------------------------------
-# trainer_state: the run's progress, as TRL passes it to reward functions
-
-
-@dataclass
-class TrainerState:
-    """transformers' TrainerState, field for field: TRL 1.16 passes its trainer's `state` to reward
-    functions as `trainer_state`, read by attribute (`trainer_state.global_step`). Fields nanogrpo
-    has nothing for keep transformers' defaults."""
-
-    epoch: float | None = None  # passes over the prompts done, fractional
-    global_step: int = 0  # optimizer steps done
-    max_steps: int = 0
-    logging_steps: int = 500
-    eval_steps: int = 500
-    save_steps: int = 500
-    train_batch_size: int | None = None  # per process, as transformers counts it
-    num_train_epochs: int = 0  # epochs max_steps reaches into, rounded up
-    num_input_tokens_seen: int = 0
-    total_flos: float = 0
-    log_history: list = field(default_factory=list)
-    best_metric: float | None = None
-    best_global_step: int | None = None
-    best_model_checkpoint: str | None = None
-    is_local_process_zero: bool = True
-    is_world_process_zero: bool = True
-    is_hyper_param_search: bool = False
-    trial_name: str | None = None
-    trial_params: dict | None = None
-    stateful_callbacks: dict = field(default_factory=dict)
-
-
-def trainer_state_of(t) -> TrainerState:
-    """The TrainerState of train.py's Trainer `t` as it scores a round. log_history stays empty:
-    the run's logged metrics live in run.Run, which the trainer does not hold."""
-    cfg = t.cfg
-    one_epoch = replace(cfg, max_steps=-1, num_train_epochs=1.0)
-    steps_per_epoch = one_epoch.total_steps(len(t.prompts.rows), t.info.world_size)
-    return TrainerState(
-        # transformers counts epochs in optimizer steps: 1.5 = halfway
-        # through the second pass over the prompts
-        epoch=t.step / steps_per_epoch,
-        global_step=t.step,
-        max_steps=cfg.max_steps,
-        logging_steps=cfg.logging_steps,
-        eval_steps=cfg.eval_steps or cfg.logging_steps,
-        save_steps=cfg.save_steps,
-        train_batch_size=cfg.per_device_train_batch_size,
-        num_train_epochs=math.ceil(cfg.max_steps / steps_per_epoch),
-        is_local_process_zero=t.info.local_rank == 0,
-        is_world_process_zero=t.info.rank == 0,
-    )

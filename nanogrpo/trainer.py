@@ -14,6 +14,7 @@ Does not know about: what a round does with them (train.py), resume
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,13 +24,31 @@ from nanogrpo import dist
 from nanogrpo.extras import lora
 from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.extras.custom_rollout import resolve_rollout_func
-from nanogrpo.data import PromptSampler, check_prompts, load_dataset
+from nanogrpo.data import PromptSampler, check_prompts
+from nanogrpo.extras.datasets import load_dataset
 from nanogrpo.extras.environments import Environments, placeholder_rows
 from nanogrpo.grpo import LossConfig
+from nanogrpo.logprobs import policy_logprobs, token_logprobs
 from nanogrpo.rewards import check_reward_columns, resolve_reward_funcs
+from nanogrpo.sampler import sample_next_token
 from nanogrpo.schedules import Schedule, lr_lambda, warmup_length
 from nanogrpo.tokenizer import Tokenizer
 from nanogrpo.extras.tools import resolve_tools, tool_schema
+
+@dataclass(frozen=True)
+class Kernels:
+    """The functions a round calls where nanogrpo/fast/ has an equal and
+    faster one. The defaults are the course's; train.py's `kernels` picks."""
+
+    # the draw of one token: sampler.sample_next_token's signature
+    sample_token: Callable = sample_next_token
+    # the decode step's class (sampler.Decoder's interface); None = Decoder
+    decoder: type | None = None
+    # old and reference log-probs: logprobs.token_logprobs' signature
+    token_logprobs: Callable = token_logprobs
+    # the update's log-probs: logprobs.policy_logprobs' signature
+    policy_logprobs: Callable = policy_logprobs
+
 
 @dataclass
 class Trainer:
@@ -52,19 +71,16 @@ class Trainer:
     autocast: object  # bf16 autocast on CUDA, else a no-op
     step: int = 0  # optimizer steps done
     round: int = 0  # generation rounds done
-    round_begin: dict | None = None  # prompt sampler state, inside a cycle
-    round_start_step: int = 0  # the step the current cycle began at
     # the entropy bonus's coefficient (moves with use_adaptive_entropy) and
     # the last step's mean entropy (inf: none yet); both checkpointed
     entropy_coef: float = 0.0
     last_entropy: float = math.inf
-    # what reward functions logged this round (TRL's log_metric, log_extra)
-    user_metrics: dict = field(default_factory=dict)
-    user_columns: dict = field(default_factory=dict)
     # environment_factory's environments (environments.py), or None
     environments: Environments | None = None
     # the config's rollout_func, resolved (custom_rollout.py), or None
     rollout_func: object = None
+    # the sampling and scoring functions (train.py's `kernels` sets them)
+    kernels: Kernels = field(default_factory=Kernels)
 
 
 def load_policy(path, cfg: TrainConfig, info, lora_settings=None):

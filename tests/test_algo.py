@@ -1,7 +1,7 @@
-"""What TRL 1.16 computes around its loss, in grpo.py: the entropy bonus and its adaptive
-control, the off-policy sequence mask (OPSM) and the importance-sampling correction between the
-sampler and the trainer. Parity in float64 against vectors that
-tests/fixtures/make_algo_vectors.py writes from TRL's own code, then properties."""
+"""What TRL 1.16 computes around its loss, in extras/loss_terms.py (grpo_step calls it): the
+entropy bonus and its adaptive control, the off-policy sequence mask (OPSM) and the
+importance-sampling correction between the sampler and the trainer. Parity in float64 against
+vectors that tests/fixtures/make_algo_vectors.py writes from TRL's own code, then properties."""
 
 import json
 import math
@@ -12,14 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import fixture_path
-from nanogrpo.grpo import (
-    LossConfig,
+from nanogrpo.extras.loss_terms import (
     applied_entropy_coef,
-    grpo_step,
+    entropy_window,
     next_entropy_coef,
     off_policy_mask,
     sampler_importance_weights,
 )
+from nanogrpo.grpo import LossConfig, LossInputs, LossScale, grpo_step
 
 F64 = torch.float64
 PROPS = settings(max_examples=25, deadline=None)
@@ -34,25 +34,30 @@ def t64(rows):
     return None if rows is None else torch.tensor(rows, dtype=F64)
 
 
+def step(logps, adv, mask, cfg, sampling_logps=None, entropies=None, trainer_logps=None, **scale):
+    """grpo_step on-policy without a reference; **scale: LossScale's fields."""
+    inputs = LossInputs(logps=logps, advantages=adv, completion_mask=mask, entropies=entropies,
+                        sampling_logps=sampling_logps, trainer_logps=trainer_logps)
+    return grpo_step(inputs, cfg, LossScale(**scale))
+
+
 def run_case(cfg, inputs, call, entropy_coef=None):
     """grpo_step on a fixture's inputs -> (loss, d/d logp, d/d entropies, metrics)."""
     x = {k: t64(v) for k, v in inputs.items()}
     logp = x["logp"].clone().requires_grad_(True)
     ent = x["ent"].clone().requires_grad_(True)
     call = dict(call)
-    loss, metrics = grpo_step(
-        logp,
-        x["old"],
-        x["ref"],
-        x["adv"],
-        x["mask"],
-        cfg,
+    inputs = LossInputs(
+        logps=logp,
+        advantages=x["adv"],
+        completion_mask=x["mask"],
+        old_logps=x["old"],
+        ref_logps=x["ref"],
         entropies=ent,
-        steps_per_generation=call.pop("spg", None),
         sampling_logps=x.get("sampling"),
-        entropy_coef=entropy_coef,
-        **call,
     )
+    scale = LossScale(steps_per_generation=call.pop("spg", None), **call)
+    loss, metrics = grpo_step(inputs, cfg, scale, entropy_coef=entropy_coef)
     grad, grad_ent = torch.autograd.grad(loss, (logp, ent), allow_unused=True)
     if grad_ent is None:
         grad_ent = torch.zeros_like(ent)
@@ -76,10 +81,9 @@ def test_matches_trl(case):
     expected = dict(case["metrics"])
     # the trainer logs entropy_coef (the coefficient it holds), not grpo_step
     assert expected.pop("entropy_coef", cfg.entropy_coef) == cfg.entropy_coef
-    ours = {k: v for k, v in metrics.items() if not k.startswith("_")}
-    assert set(ours) == set(expected)
+    assert set(metrics) == set(expected)
     for k, v in expected.items():  # TRL takes some metrics in float32
-        assert (math.isnan(v) and math.isnan(ours[k])) or abs(ours[k] - v) < 1e-6, k
+        assert (math.isnan(v) and math.isnan(metrics[k])) or abs(metrics[k] - v) < 1e-6, k
 
 
 @pytest.mark.parametrize("run", ADAPTIVE, ids=[r["name"] for r in ADAPTIVE])
@@ -90,17 +94,16 @@ def test_adaptive_entropy_matches_trl(run):
     GA = run["grad_accum"]
     coef = cfg.entropy_coef
     last = math.inf
-    window = [0.0, 0.0]
+    window = torch.zeros(2, dtype=F64)
     for k, micro in enumerate(run["micro_batches"]):
         applied = applied_entropy_coef(cfg, coef, last)
-        loss, grad, grad_ent, metrics = run_case(cfg, micro["inputs"], {"grad_accum": GA}, applied)
+        loss, grad, grad_ent, _ = run_case(cfg, micro["inputs"], {"grad_accum": GA}, applied)
         assert max(errors(micro, loss, grad, grad_ent)) < 1e-9
-        window[0] += metrics["_entropy_sum"]
-        window[1] += metrics["_entropy_tokens"]
+        window += entropy_window(t64(micro["inputs"]["ent"]), t64(micro["inputs"]["mask"]), cfg)
         if k % GA == GA - 1:
-            last = window[0] / max(window[1], 1.0)
+            last = (window[0] / window[1].clamp(min=1)).item()
             coef = next_entropy_coef(cfg, coef, last)
-            window = [0.0, 0.0]
+            window = torch.zeros(2, dtype=F64)
             assert coef == pytest.approx(micro["entropy_coef"], abs=1e-15)
             assert last == pytest.approx(micro["last_world_entropy"], rel=1e-12)
 
@@ -151,14 +154,12 @@ def test_vespo_refuses_a_sequence_level_correction():
     cfg = LossConfig(loss_type="vespo")  # default mode: sequence_mask
     x = torch.zeros(2, 3, dtype=F64)
     with pytest.raises(ValueError, match="token_truncate or token_mask"):
-        grpo_step(x, None, None, torch.ones(2, dtype=F64), torch.ones(2, 3), cfg,
-                  sampling_logps=x)
+        step(x, torch.ones(2, dtype=F64), torch.ones(2, 3), cfg, sampling_logps=x)
 
 
 def test_entropy_bonus_needs_entropies():
     with pytest.raises(ValueError, match="needs entropies"):
-        grpo_step(torch.zeros(2, 3), None, None, torch.ones(2), torch.ones(2, 3),
-                  LossConfig(entropy_coef=0.1))
+        step(torch.zeros(2, 3), torch.ones(2), torch.ones(2, 3), LossConfig(entropy_coef=0.1))
 
 
 # -----------------------------------------------------------------------------
@@ -189,7 +190,7 @@ def test_agreeing_engines_change_nothing(seed, n, c, mode):
     results = []
     for cfg, sampling in ((plain, None), (corrected, logp.clone())):
         x = logp.clone().requires_grad_(True)
-        loss, _ = grpo_step(x, None, None, adv, mask, cfg, sampling_logps=sampling)
+        loss, _ = step(x, adv, mask, cfg, sampling_logps=sampling)
         results.append((loss, torch.autograd.grad(loss, x)[0]))
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
@@ -208,8 +209,7 @@ def test_trainer_logps_stand_for_the_trainer_in_the_correction(seed, n, c, mode)
     results = []
     for cfg, trainer in ((plain, None), (corrected, sampling)):
         x = logp.clone().requires_grad_(True)
-        loss, metrics = grpo_step(x, None, None, adv, mask, cfg, sampling_logps=sampling,
-                                  trainer_logps=trainer)
+        loss, metrics = step(x, adv, mask, cfg, sampling_logps=sampling, trainer_logps=trainer)
         results.append((loss, torch.autograd.grad(loss, x)[0]))
     if mask.any():  # (no token: the metrics report 0)
         assert metrics["sampling/importance_sampling_ratio/min"] == 1.0
@@ -262,7 +262,7 @@ def test_opsm_keeps_every_non_negative_advantage(seed, n, c, threshold):
     cfg = LossConfig(off_policy_mask_threshold=threshold,
                      vllm_importance_sampling_correction=False)
     x = logp.clone().requires_grad_(True)
-    loss, _ = grpo_step(x, None, None, adv, mask, cfg, sampling_logps=sampling)
+    loss, _ = step(x, adv, mask, cfg, sampling_logps=sampling)
     (grad,) = torch.autograd.grad(loss, x)
     assert (grad[~keep] == 0).all()
 
@@ -278,12 +278,31 @@ def test_entropy_gradient_is_minus_coef_over_tokens(seed, n, c, coef, accum):
     for cfg in (LossConfig(), LossConfig(entropy_coef=coef)):
         x = logp.clone().requires_grad_(True)
         e = ent.clone().requires_grad_(True)
-        loss, _ = grpo_step(x, None, None, adv, mask, cfg, entropies=e, grad_accum=accum)
+        loss, _ = step(x, adv, mask, cfg, entropies=e, grad_accum=accum)
         grads.append(torch.autograd.grad(loss, (x, e), allow_unused=True))
     assert torch.equal(grads[0][0], grads[1][0])
     tokens = max(int(mask.sum()), 1)
     expected = torch.where(mask, torch.tensor(-coef / tokens / accum, dtype=F64), 0.0)
     assert torch.allclose(grads[1][1], expected, rtol=1e-12, atol=1e-15)
+
+
+@PROPS
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 6), c=st.integers(1, 6),
+       quantile=st.sampled_from([1.0, 0.5, 0.2]))
+def test_entropy_window_covers_the_tokens_the_bonus_acts_on(seed, n, c, quantile):
+    """entropy_window = [sum, count] over exactly the tokens whose entropy the bonus pulls on
+    (all active ones, or the top-quantile ones); masked positions may hold NaN."""
+    logp, _, mask, adv, ent = random_batch(seed, n, c)
+    ent = torch.where(mask, ent, math.nan)
+    cfg = LossConfig(entropy_coef=0.1, top_entropy_quantile=quantile)
+    e = ent.clone().requires_grad_(True)
+    loss, _ = step(logp.clone().requires_grad_(True), adv, mask, cfg, entropies=e)
+    (grad_ent,) = torch.autograd.grad(loss, e)
+    bonus = grad_ent != 0
+    window = entropy_window(ent, mask, cfg)
+    assert window.dtype == F64 and window.shape == (2,)
+    assert window[1].item() == bonus.sum().item()
+    assert window[0].item() == pytest.approx(ent[bonus].sum().item(), rel=1e-12, abs=1e-12)
 
 
 @PROPS

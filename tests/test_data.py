@@ -4,9 +4,11 @@ import json
 
 import pytest
 
-from nanogrpo.data import (DEFAULT_TASK_CHARS, PromptSampler, addition, check_rows, columns_of, countdown, gsm8k_rows,
-                           is_conversational, load_dataset, make_default_task, read_rows)
-from nanogrpo.rewards import check_equation, resolve_reward_funcs, score_completions
+from nanogrpo.data import PromptSampler, check_rows, columns_of, is_conversational
+from nanogrpo.extras.builtin_rewards import check_equation
+from nanogrpo.extras.datasets import load_dataset, read_rows
+from nanogrpo.extras.tasks import DEFAULT_TASK_CHARS, addition, countdown, gsm8k_rows, make_default_task
+from nanogrpo.rewards import resolve_reward_funcs, score_completions
 
 STANDARD = [{"prompt": "2+2=", "answer": "4", "level": 1}, {"prompt": "3*3=", "answer": "9", "level": 2}]
 CONVERSATIONAL = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}],

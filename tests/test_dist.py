@@ -12,6 +12,8 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+
+from nanogrpo import fast
 import torch.multiprocessing as mp
 
 from conftest import ROOT, fixture_path
@@ -45,7 +47,7 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
     from nanogrpo.checkpoint import load_model
     from nanogrpo.rollout import Rollout
     # split off zero-advantage rows even for the fixture's small model
-    from nanogrpo import logprobs
+    from nanogrpo.fast import logprobs
     logprobs.SKIP_MIN_FLOPS["cpu"] = 0
     info = dist.setup("cpu")
     torch.manual_seed(0)  # a fresh adapter's A (rank 0's is broadcast)
@@ -90,7 +92,7 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
         model=model, optimizer=optimizer, cfg=cfg, loss_cfg=loss_cfg,
         info=info, autocast=nullcontext(),
         tok=SimpleNamespace(vocab_size=None),
-        sched=SimpleNamespace(steps_per_generation=len(micro)),
+        sched=SimpleNamespace(steps_per_generation=len(micro)), kernels=fast.kernels(),
         entropy_coef=loss_cfg.entropy_coef,
         last_entropy=0.0)  # at or below the target: the bonus applies
     metrics = train.optimizer_step(t, [(local, idx) for idx in micro])
@@ -148,7 +150,7 @@ def forward_backward(rank, world_size, port, out_dir):
     from nanogrpo import dist
     from nanogrpo.checkpoint import load_model
     from nanogrpo.run.config import TrainConfig
-    from nanogrpo.logprobs import token_logprobs
+    from nanogrpo.fast.logprobs import token_logprobs
     info = dist.setup("cpu")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 300, (4, 10), generator=g)
@@ -227,7 +229,7 @@ def spanning_step(rank, world_size, port, out_path):
                       temperature=0.9).validate(world_size)
     t = SimpleNamespace(  # the fields of train.Trainer that advantages and a step read
         model=model, optimizer=optimizer, cfg=cfg, loss_cfg=LossConfig(loss_type="dapo"),
-        info=info, autocast=nullcontext(), tok=SimpleNamespace(vocab_size=None),
+        info=info, autocast=nullcontext(), tok=SimpleNamespace(vocab_size=None), kernels=fast.kernels(),
         sched=cfg.schedule(world_size), reward_weights=torch.ones(1),
         entropy_coef=0.0, last_entropy=float("inf"))
     gathered = dist.all_gather_rows(rewards[mine], info)

@@ -18,6 +18,7 @@ import train
 from conftest import ROOT, fixture_path, tiny_config
 from nanogrpo import checkpoint
 from nanogrpo import rollout as rollout_module
+from nanogrpo.extras import tool_rounds
 from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.run.configurator import load_config, read_config_file
 from nanogrpo.extras.custom_rollout import checked_output, generate_rollout_completions, rollout_of
@@ -169,7 +170,9 @@ def counter_rows(*starts):
 
 def run_rollout(monkeypatch, envs, rows, G=2, log=None, seed=0):
     tok = chat_tokenizer()
-    monkeypatch.setattr(rollout_module, "generate", scripted(tok, counter_policy, log))
+    fake = scripted(tok, counter_policy, log)
+    monkeypatch.setattr(rollout_module, "generate", fake)
+    monkeypatch.setattr(tool_rounds, "generate", fake)  # the tool rounds' calls
     cfg = TrainConfig(max_completion_length=1000, tool_timeout=5.0)
     model = Transformer(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096))
     episodes = envs.start(rows, G)
@@ -295,7 +298,7 @@ def test_a_dict_of_environments_routes_rows_and_shows_each_prompt_its_tools(monk
 def test_rows_without_a_prompt_get_trls_empty_one(tmp_path):
     """An environment may own the data: a row without `prompt` is TRL's empty user message, which
     reset's observation fills; the placeholder is not passed to reset."""
-    from nanogrpo.data import load_dataset
+    from nanogrpo.extras.datasets import load_dataset
     path = write_rows(tmp_path / "rows.jsonl", [{"start": 3}, {"start": 4}])
     with pytest.raises(ValueError, match="row 0: no 'prompt' column"):
         load_dataset(path)
@@ -355,7 +358,9 @@ def write_rows(path, rows):
 
 
 def scripted_run(tmp_path, monkeypatch, out="run", **settings):
-    monkeypatch.setattr(rollout_module, "generate", scripted(chat_tokenizer(), counter_policy))
+    fake = scripted(chat_tokenizer(), counter_policy)
+    monkeypatch.setattr(rollout_module, "generate", fake)
+    monkeypatch.setattr(tool_rounds, "generate", fake)  # the tool rounds' calls
     model = tmp_path / "model"
     if not model.exists():
         write_chat_model(model)

@@ -9,11 +9,13 @@ import torch
 
 from conftest import tiny_config
 from nanogrpo import rollout as rollout_module
+from nanogrpo.extras import tool_rounds
 from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.fast.sampling import sample_next_token_fast
 from nanogrpo.model import Transformer
 from nanogrpo.rollout import sampling_kwargs
-from nanogrpo.sampler import Decoder, generate, generation_settings
+from nanogrpo.extras.generation_kwargs import generation_settings
+from nanogrpo.sampler import Decoder, generate
 from nanogrpo.tokenizer import char_level_tokenizer
 from test_sampler import PAD, PROMPTS, TOKENIZER_VOCAB, filtered, left_pad, load, sampling_args
 
@@ -258,7 +260,9 @@ def test_a_tiny_training_run_samples_with_generation_kwargs(tmp_path, monkeypatc
         seen.append((kwargs, out))
         return out
 
-    monkeypatch.setattr(rollout_module, "generate", recording)
+    fake = recording
+    monkeypatch.setattr(rollout_module, "generate", fake)
+    monkeypatch.setattr(tool_rounds, "generate", fake)  # the tool rounds' calls
     cfg = tiny(tmp_path, '--generation_kwargs={"suppress_tokens": [9], "min_new_tokens": 2, '
                          '"top_k": 5}')
     assert cfg.generation_kwargs == {"suppress_tokens": [9], "min_new_tokens": 2, "top_k": 5}

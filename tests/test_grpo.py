@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import fixture_path
-from nanogrpo.grpo import LOSS_TYPES, LossConfig, group_advantages, grpo_step
+from nanogrpo.grpo import LOSS_TYPES, LossConfig, LossInputs, LossScale, group_advantages, grpo_step
 from nanogrpo.logprobs import kl_divergence
 
 F64 = torch.float64
@@ -30,6 +30,13 @@ def make_cfg(**kw):
 
 def t64(rows):
     return torch.tensor(rows, dtype=F64)
+
+
+def step(logps, old, ref, adv, mask, cfg, entropies=None, entropy_coef=None, **scale):
+    """grpo_step on tensors in the order these tests write them; **scale: LossScale's fields."""
+    inputs = LossInputs(logps=logps, advantages=adv, completion_mask=mask, old_logps=old,
+                        ref_logps=ref, entropies=entropies)
+    return grpo_step(inputs, cfg, LossScale(**scale), entropy_coef=entropy_coef)
 
 
 # -----------------------------------------------------------------------------
@@ -61,21 +68,22 @@ VARIANTS = [  # spec 10.3: (cfg on top of V2, grad_accum, loss)
 
 @pytest.mark.parametrize("loss_type,v1,v2", SPEC)
 def test_spec_v1_v2(loss_type, v1, v2):
-    loss, _ = grpo_step(LOGP, None, None, A1, MASK, make_cfg(loss_type=loss_type))
+    loss, _ = grpo_step(LossInputs(logps=LOGP, advantages=A1, completion_mask=MASK),
+                        make_cfg(loss_type=loss_type))  # on-policy, no reference, scale=None
     assert abs(loss.item() - v1) < 1e-9
-    loss, metrics = grpo_step(LOGP, OLD, REF, A1, MASK, make_cfg(loss_type=loss_type, **V2))
+    loss, metrics = step(LOGP, OLD, REF, A1, MASK, make_cfg(loss_type=loss_type, **V2))
     assert abs(loss.item() - v2) < 1e-9
     assert abs(metrics["kl"] - 0.011176) < 1e-6  # the spec prints it for grpo; it is the same for all
 
 
 @pytest.mark.parametrize("cfg,grad_accum,expected", VARIANTS)
 def test_spec_variants(cfg, grad_accum, expected):
-    loss, _ = grpo_step(LOGP, OLD, REF, A1, MASK, make_cfg(**{**V2, **cfg}), grad_accum=grad_accum)
+    loss, _ = step(LOGP, OLD, REF, A1, MASK, make_cfg(**{**V2, **cfg}), grad_accum=grad_accum)
     assert abs(loss.item() - expected) < 1e-9
 
 
 def test_spec_v2_grpo_clip_metrics():
-    _, metrics = grpo_step(LOGP, OLD, REF, A1, MASK, make_cfg(loss_type="grpo", **V2))
+    _, metrics = step(LOGP, OLD, REF, A1, MASK, make_cfg(loss_type="grpo", **V2))
     assert metrics["clip_ratio/low_mean"] == pytest.approx(1 / 9)
     assert metrics["clip_ratio/high_mean"] == pytest.approx(1 / 9)
 
@@ -92,8 +100,8 @@ def test_matches_trl_compute_loss(case):
     x = {k: None if v is None else t64(v) for k, v in case["inputs"].items()}
     call = dict(case["call"])
     logp = x["logp"].clone().requires_grad_(True)
-    loss, metrics = grpo_step(logp, x["old"], x["ref"], x["adv"], x["mask"], make_cfg(**case["cfg"]),
-                              entropies=x["ent"], steps_per_generation=call.pop("spg", None), **call)
+    loss, metrics = step(logp, x["old"], x["ref"], x["adv"], x["mask"], make_cfg(**case["cfg"]),
+                         entropies=x["ent"], steps_per_generation=call.pop("spg", None), **call)
     (grad,) = torch.autograd.grad(loss, logp)
     assert abs(loss.item() - case["loss"]) < 1e-9
     assert (grad - t64(case["grad"])).abs().max().item() < 1e-9
@@ -127,18 +135,20 @@ def test_loss_config_defaults():
 
 def test_grpo_step_rejects_bad_inputs():
     cfg = LossConfig()
-    with pytest.raises(ValueError, match="mask"):
-        grpo_step(LOGP, None, None, A1, MASK[:, :2], cfg)
+    with pytest.raises(ValueError, match="completion_mask"):
+        step(LOGP, None, None, A1, MASK[:, :2], cfg)
     with pytest.raises(ValueError, match="advantages"):
-        grpo_step(LOGP, None, None, A1[:3], MASK, cfg)
+        step(LOGP, None, None, A1[:3], MASK, cfg)
     with pytest.raises(ValueError, match="old_logps"):
-        grpo_step(LOGP, OLD[:2], None, A1, MASK, cfg)
+        step(LOGP, OLD[:2], None, A1, MASK, cfg)
     with pytest.raises(ValueError, match="ref_logps"):
-        grpo_step(LOGP, None, None, A1, MASK, LossConfig(beta=0.1))
+        step(LOGP, None, None, A1, MASK, LossConfig(beta=0.1))
     with pytest.raises(ValueError, match="entropies"):
-        grpo_step(LOGP, None, None, A1, MASK, LossConfig(top_entropy_quantile=0.5))
+        step(LOGP, None, None, A1, MASK, LossConfig(top_entropy_quantile=0.5))
     with pytest.raises(ValueError, match="grad_accum"):
-        grpo_step(LOGP, None, None, A1, MASK, cfg, grad_accum=0)
+        step(LOGP, None, None, A1, MASK, cfg, grad_accum=0)
+    with pytest.raises(ValueError, match="steps_per_generation"):
+        step(LOGP, None, None, A1, MASK, cfg, steps_per_generation=0)
 
 
 # -----------------------------------------------------------------------------
@@ -169,7 +179,7 @@ def random_cfg(loss_type, seed):
 
 def loss_and_grad(logp, *args, **kw):
     logp = logp.clone().requires_grad_(True)
-    loss, metrics = grpo_step(logp, *args, **kw)
+    loss, metrics = step(logp, *args, **kw)
     (grad,) = torch.autograd.grad(loss, logp)
     return loss.detach(), grad, metrics
 
@@ -314,7 +324,7 @@ def test_fully_masked_batch_gives_zero_connected_loss():
     for lt in LOSS_TYPES:
         cfg = make_cfg(loss_type=lt, beta=0.1)
         logp = LOGP.clone().requires_grad_(True)
-        loss, _ = grpo_step(logp, OLD, REF, A1, torch.zeros_like(MASK), cfg)
+        loss, _ = step(logp, OLD, REF, A1, torch.zeros_like(MASK), cfg)
         loss.backward()
         assert loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros_like(LOGP))
 

@@ -1,5 +1,6 @@
-"""logprobs.py: the chunked log-probs/entropy equal a naive full-logits computation, values and
-gradients, in float64 on a tiny random model (left-padded prompts, masked completion tokens)."""
+"""fast/logprobs.py: the chunked log-probs/entropy equal a naive full-logits computation and the
+plain definition in logprobs.py, values and gradients, in float64 on a tiny random model
+(left-padded prompts, masked completion tokens)."""
 
 import pytest
 import torch
@@ -7,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_config
-from nanogrpo.logprobs import token_logprobs, token_logprobs_plain
+from nanogrpo.fast.logprobs import token_logprobs
+from nanogrpo.logprobs import token_logprobs as token_logprobs_plain
 from nanogrpo.checkpoint import load_model
 from nanogrpo.model import Transformer
 
@@ -203,8 +205,9 @@ def test_scoring_matches_the_sampler_on_a_padded_vocabulary():
 
 @pytest.mark.parametrize("temperature,vocab_size", [(1.0, None), (0.7, V - 5)])
 def test_the_fast_path_equals_the_plain_definition(temperature, vocab_size):
-    """token_logprobs (chunked LM head, kept probabilities, shared-prompt forward) = token_logprobs_plain
-    (full logits, log_softmax, gather), values and gradients, in float64; the plain one = the test's naive."""
+    """fast.logprobs.token_logprobs (chunked LM head, kept probabilities, shared-prompt forward) =
+    logprobs.token_logprobs (full logits, log_softmax, gather), values and gradients, in float64; the
+    plain one = the test's naive."""
     ids, att, cmask = batch(1)
     plain = token_logprobs_plain(MODEL, ids, att, cmask, temperature=temperature, vocab_size=vocab_size)
     fast = token_logprobs(MODEL, ids, att, cmask, temperature=temperature, vocab_size=vocab_size, chunk_size=2,
@@ -256,7 +259,7 @@ def test_the_entropy_has_no_gradient_unless_asked():
 
 
 def test_an_entropy_bonus_frees_no_row():
-    from nanogrpo.logprobs import rows_without_gradient
+    from nanogrpo.fast.logprobs import rows_without_gradient
     big = Transformer(tiny_config(vocab_size=V, hidden_size=64, intermediate_size=128))
     adv = torch.tensor([0.0, 1.0, 0.0, 0.0])
     assert rows_without_gradient(adv, 0.0, big, 4000).tolist() == [True, False, True, True]
@@ -303,7 +306,7 @@ def test_chunked_gradient_under_cpu_bf16_autocast_is_autograds(keep_bytes, entro
     of h and of the LM head equal full autograd's (0 here; 2.6e-3 to 2.7e-3 relative when the
     backward ran outside the autocast). One chunk, so the LM head's gradient is one matmul in
     both."""
-    from nanogrpo.logprobs import score_chunks
+    from nanogrpo.fast.logprobs import score_chunks
     from nanogrpo.model import lm_head_linear
     torch.manual_seed(0)
     model = Transformer(tiny_config(vocab_size=V))
@@ -355,16 +358,53 @@ def test_no_throwaway_forward_when_the_configuration_frees_no_row(beta, entropy_
     FSDP rank that frees some makes that call's collectives). When the configuration frees no row
     on any rank (beta != 0, an entropy bonus) that call is wasted and does not run: each model
     forward then has gradient, as with one rank."""
-    from nanogrpo.logprobs import policy_logprobs, rows_without_gradient
+    from nanogrpo.fast.logprobs import policy_logprobs
     model = tiny_model()
     grad_on = []  # torch.is_grad_enabled() at each model forward
     model.register_forward_hook(lambda *_: grad_on.append(torch.is_grad_enabled()))
     ids, att, cmask = batch(1)
-    free = rows_without_gradient(torch.tensor([1.0, -1.0, 0.5]), beta, model, ids.shape[1],
-                                 entropy_bonus=entropy_bonus)
-    logps, _ = policy_logprobs(model, ids, att, cmask, free, world_size=2, chunk_size=3,
-                               entropy_grad=entropy_bonus)
+    logps, ent = policy_logprobs(model, ids, att, cmask, torch.tensor([1.0, -1.0, 0.5]),
+                                 beta=beta, entropy_bonus=entropy_bonus, world_size=2)
     some_rank_may_free = beta == 0 and not entropy_bonus
     # two model calls a scoring (the shared prompt, then the completions)
     assert grad_on == [False] * 2 * some_rank_may_free + [True] * 2
-    assert torch.equal(logps, token_logprobs(model, ids, att, cmask, chunk_size=3)[0])
+    assert torch.equal(logps, token_logprobs(model, ids, att, cmask)[0])
+    assert ent.requires_grad == entropy_bonus  # the bonus's entropy has a gradient
+
+
+@pytest.mark.parametrize("entropy_bonus, world_size", [(False, 1), (False, 2), (True, 1)])
+def test_fast_policy_logprobs_equal_the_plain_definition(entropy_bonus, world_size, monkeypatch):
+    """fast.logprobs.policy_logprobs (rows whose advantage is exactly 0 scored without gradient, beta = 0)
+    = logprobs.policy_logprobs (every row with gradient): log-probs and entropies, and the parameter
+    gradients of a loss whose per-token terms are the advantage times something (plus, with the entropy
+    bonus, the entropy's own term), in float64, to the plain-vs-chunked tolerance. Each row has its own
+    prompt (a shared prompt's gradient agrees only to fp32 rounding, see
+    test_rows_sharing_a_prompt_share_its_forward_exactly); the floor is lowered so that the tiny model's
+    zero-advantage rows are split off."""
+    from nanogrpo import logprobs as plain
+    from nanogrpo.fast import logprobs as fast
+    monkeypatch.setitem(fast.SKIP_MIN_FLOPS, "cpu", 0)
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(vocab_size=V)).double()
+    grad_on = []  # torch.is_grad_enabled() at each model forward
+    model.register_forward_hook(lambda *_: grad_on.append(torch.is_grad_enabled()))
+    ids, att, cmask = (torch.cat(parts) for parts in zip(batch(1, seed=0), batch(1, seed=1)))  # 6 rows
+    adv = torch.tensor([0.0, 1.5, 0.0, -0.5, 0.0, 0.0], dtype=torch.float64)
+    kwargs = {"beta": 0.0, "entropy_bonus": entropy_bonus, "world_size": world_size, "temperature": 0.7,
+              "vocab_size": V - 5}
+    got = fast.policy_logprobs(model, ids, att, cmask, adv, **kwargs)
+    assert (False in grad_on) == (not entropy_bonus)  # the split ran (no row is freed with the bonus)
+    want = plain.policy_logprobs(model, ids, att, cmask, adv, **kwargs)
+    for a, b in zip(got, want):
+        assert a.shape == (6, C) and torch.allclose(a, b, atol=1e-12, rtol=0)
+    assert got[0].requires_grad and got[1].requires_grad == entropy_bonus
+
+    def grads(logp, entropy):
+        g = torch.Generator().manual_seed(1)
+        w1 = torch.randn(logp.shape, generator=g, dtype=logp.dtype)
+        w2 = torch.randn(entropy.shape, generator=g, dtype=entropy.dtype)
+        loss = (adv[:, None] * w1 * logp).sum() + ((w2 * entropy).sum() if entropy_bonus else 0)
+        return torch.autograd.grad(loss, list(model.parameters()))
+
+    for a, b in zip(grads(*got), grads(*want)):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-9)

@@ -9,6 +9,8 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+
+from nanogrpo import fast
 from hypothesis import given, settings, strategies as st
 from safetensors.torch import load_file
 
@@ -17,7 +19,7 @@ from nanogrpo.extras import lora
 from nanogrpo.checkpoint import load_model, save_model
 from nanogrpo.run.config import ConfigError
 from nanogrpo.run.configurator import load_config
-from nanogrpo.logprobs import token_logprobs
+from nanogrpo.fast.logprobs import token_logprobs
 from nanogrpo.model import Transformer
 
 sys.path.insert(0, FIXTURES)
@@ -130,7 +132,7 @@ def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
     from types import SimpleNamespace
     t = SimpleNamespace(model=model, optimizer=optimizer, cfg=cfg, loss_cfg=LossConfig(), info=dist.DistInfo(),
                         autocast=nullcontext(), tok=SimpleNamespace(vocab_size=None),
-                        sched=SimpleNamespace(steps_per_generation=2),
+                        sched=SimpleNamespace(steps_per_generation=2), kernels=fast.kernels(),
                         entropy_coef=0.0, last_entropy=float("inf"))
     m = train.optimizer_step(t, [(ro, idx) for idx in micro])
     after = model.state_dict()

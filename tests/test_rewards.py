@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from nanogrpo.extras.math_answers import extract_answer, last_boxed, parse_number
-from nanogrpo.rewards import (RewardError, accuracy_reward, check_equation, countdown_reward,
-                              default_task_reward, format_reward, resolve_reward_funcs,
-                              score_completions, soft_overlong_punishment)
+from nanogrpo.extras.builtin_rewards import (accuracy_reward, check_equation, countdown_reward, default_task_reward,
+                                             format_reward, soft_overlong_punishment)
+from nanogrpo.rewards import RewardError, resolve_reward_funcs, score_completions
 
 
 def as_messages(texts):
@@ -133,6 +133,35 @@ def test_resolve_names_callables_and_modules(tmp_path, monkeypatch):
         resolve_reward_funcs(["soft_overlong"])
 
 
+# names that moved from rewards.py to extras/, and where they live now
+MOVED = {
+    "builtin_rewards": ["accuracy_reward", "format_reward", "soft_overlong_punishment", "countdown_reward",
+                        "check_equation", "default_task_score", "default_task_reward", "completion_text", "BUILTINS"],
+    "trainer_info": ["TrainerState", "trainer_state_of"],
+}
+
+
+def test_moved_names_stay_importable_from_rewards(tmp_path):
+    """A user's reward file that imports a built-in from nanogrpo.rewards keeps working: each moved name is the
+    same object there as in its new home."""
+    import importlib
+
+    from nanogrpo import rewards
+    for module, names in MOVED.items():
+        home = importlib.import_module(f"nanogrpo.extras.{module}")
+        for name in names:
+            assert getattr(rewards, name) is getattr(home, name), name
+    (tmp_path / "user_rewards.py").write_text(
+        "from nanogrpo.rewards import TrainerState, accuracy_reward, format_reward\n"
+        "def both(completions, answer, trainer_state=None, **kw):\n"
+        "    assert isinstance(trainer_state, TrainerState)\n"
+        "    return [a + f for a, f in zip(accuracy_reward(completions, answer=answer), format_reward(completions))]\n")
+    [(name, fn)] = resolve_reward_funcs([f"{tmp_path / 'user_rewards.py'}:both"])
+    from nanogrpo.extras.trainer_info import TrainerState
+    assert fn(completions=["<think>x</think> <answer>\\boxed{3}</answer>", "2"], answer=["3", "3"],
+              trainer_state=TrainerState()) == [2.0, 0.0]
+
+
 def test_score_completions_matrix_columns_none_and_async():
     async def slow_half(completions, **kwargs):
         return [None if i % 2 else 0.5 for i in range(len(completions))]
@@ -200,9 +229,19 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
 
     def fake_rollout(model, tok, rows, cfg, num_generations, *args):
         n = len(rows) * num_generations
-        return Rollout(rows, num_generations, [[1]] * len(rows), torch.ones(n, 2, dtype=torch.long),
-                       torch.ones(n, 2, dtype=torch.long), torch.ones(n, 1), torch.ones(n, dtype=torch.long),
-                       torch.zeros(n, dtype=torch.bool), [r["prompt"] for r in rows], ["x"] * n, [[1]] * n)
+        return Rollout(
+            rows=rows,
+            num_generations=num_generations,
+            prompt_ids=[[1]] * len(rows),
+            input_ids=torch.ones(n, 2, dtype=torch.long),
+            attention_mask=torch.ones(n, 2, dtype=torch.long),
+            completion_mask=torch.ones(n, 1),
+            completion_lengths=torch.ones(n, dtype=torch.long),
+            truncated=torch.zeros(n, dtype=torch.bool),
+            prompts=[r["prompt"] for r in rows],
+            completions=["x"] * n,
+            completion_token_ids=[[1]] * n,
+        )
 
     monkeypatch.setattr(train, "rollout", fake_rollout)
 
@@ -212,6 +251,6 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
     from types import SimpleNamespace
     t = SimpleNamespace(model=None, tok=None, eval_rows=[{"prompt": "a"}, {"prompt": "b"}], cfg=TrainConfig(),
                         reward_funcs=[("half", half_scored)], reward_weights=None, info=dist.DistInfo(),
-                        autocast=None, tools=None, environments=None, rollout_func=None)
+                        autocast=None, tools=None, environments=None, rollout_func=None, kernels=None)
     m = train.evaluate(t)
     assert m["eval/reward"] == 1.0

@@ -12,6 +12,7 @@ import torch
 
 from conftest import fixture_path, tiny_config
 from nanogrpo import rollout as rollout_module
+from nanogrpo.extras import tool_rounds
 from nanogrpo.run.config import TrainConfig
 from nanogrpo.model import Transformer
 from nanogrpo.rollout import rollout
@@ -80,7 +81,9 @@ def scripted_generate(tok, log):
 
 def run_script(monkeypatch, **overrides):
     tok, log = chat_tokenizer(), []
-    monkeypatch.setattr(rollout_module, "generate", scripted_generate(tok, log))
+    fake = scripted_generate(tok, log)
+    monkeypatch.setattr(rollout_module, "generate", fake)
+    monkeypatch.setattr(tool_rounds, "generate", fake)  # the tool rounds' calls
     cfg = TrainConfig(**{"max_completion_length": 1000, "tool_timeout": 0.2, **overrides})
     model = Transformer(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096))
     rows = [{"prompt": [{"role": "user", "content": q}]} for q in ("mul", "bad")]
@@ -172,8 +175,8 @@ def test_tools_need_conversational_prompts(monkeypatch):
 
 def test_logprobs_and_update_run_on_a_tool_rollout(monkeypatch):
     """The trainer's log-prob pass and a GRPO step take the rollout as it is; tool tokens get no gradient."""
-    from nanogrpo.grpo import LossConfig, grpo_step
-    from nanogrpo.logprobs import token_logprobs
+    from nanogrpo.grpo import LossConfig, LossInputs, LossScale, grpo_step
+    from nanogrpo.fast.logprobs import token_logprobs
     tok, ro, _ = run_script(monkeypatch)
     model = Transformer(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096, num_hidden_layers=1))
     rows = [0, 1]  # the first prompt's two rows: one with two tool rounds, one without
@@ -181,8 +184,8 @@ def test_logprobs_and_update_run_on_a_tool_rollout(monkeypatch):
     cols = slice(-mask.shape[1] - 8, None)  # the prompt's tail is context enough here (and keeps the test fast)
     logps, _ = token_logprobs(model, ro.input_ids[rows, cols], ro.attention_mask[rows, cols], mask)
     logps.retain_grad()
-    loss, _ = grpo_step(logps, None, None, torch.tensor([1.0, -1.0]), mask, LossConfig(loss_type="dapo"),
-                        num_items=mask.sum())
+    inputs = LossInputs(logps=logps, advantages=torch.tensor([1.0, -1.0]), completion_mask=mask)
+    loss, _ = grpo_step(inputs, LossConfig(loss_type="dapo"), LossScale(num_items=mask.sum()))
     loss.backward()
     assert (logps.grad[mask == 0] == 0).all() and (logps.grad[mask == 1] != 0).all()
 
@@ -214,7 +217,7 @@ def sampled_after_tools(tok, temperature):
     call tools) with the model's log-probs of them; the tool rounds' calls (they pass seeds) are the
     real sampler's."""
     from nanogrpo import sampler
-    from nanogrpo.logprobs import token_logprobs
+    from nanogrpo.fast.logprobs import token_logprobs
     from nanogrpo.rollout import join_prompt_completion
     script = scripted_generate(tok, [])
 
@@ -236,9 +239,11 @@ def test_sampling_logps_through_tool_rounds(monkeypatch):
     max_completion_length: on fp32 CPU without filters every sampled token's log-prob is the
     trainer's (the first turns are scripted, their log-probs the model's by construction; what is
     tested is the later rounds, sampled for real after the tool results)."""
-    from nanogrpo.logprobs import token_logprobs
+    from nanogrpo.fast.logprobs import token_logprobs
     tok, T = chat_tokenizer(), 0.7
-    monkeypatch.setattr(rollout_module, "generate", sampled_after_tools(tok, T))
+    fake = sampled_after_tools(tok, T)
+    monkeypatch.setattr(rollout_module, "generate", fake)
+    monkeypatch.setattr(tool_rounds, "generate", fake)  # the tool rounds' calls
     nope = "{'error': 'Tool nope not found.'}"
     calls = [(0, ("mul", 0), "add", "42"), (3, ("bad", 1), "nope", nope)]
     lengths = {r: len(enc(tok, FIRST[key])) + len(tool_suffix_ids(tok, [reply(name, res)]))
@@ -297,8 +302,8 @@ def unpadded(ro, r):
 
 
 def test_concat_rollouts_repads_and_scores_the_same():
-    from nanogrpo.logprobs import token_logprobs
-    from nanogrpo.rollout import concat_rollouts
+    from nanogrpo.fast.logprobs import token_logprobs
+    from nanogrpo.extras.dynamic_sampling import concat_rollouts
     tok, model, short = tiny_rollout(["ab", "hello"], 8)
     _, _, long = tiny_rollout(["a much longer prompt, this one"], 20, seed=1)
     assert short.input_ids.shape[1] - 8 < long.input_ids.shape[1] - 20  # widths differ: prompts
@@ -331,13 +336,13 @@ def test_concat_rollouts_repads_and_scores_the_same():
 
 
 def test_concat_of_one_rollout_is_that_rollout():
-    from nanogrpo.rollout import concat_rollouts
+    from nanogrpo.extras.dynamic_sampling import concat_rollouts
     tok, _, ro = tiny_rollout(["ab", "hello"], 8)
     assert_same_rollout(concat_rollouts([ro], tok.pad_token_id), ro)
 
 
 def test_select_groups_takes_the_groups_rows():
-    from nanogrpo.rollout import select_groups
+    from nanogrpo.extras.dynamic_sampling import select_groups
     _, _, ro = tiny_rollout(["ab", "hello", "xyz!"], 6, G=3)
     one = select_groups(ro, [1])
     rows = slice(3, 6)  # group 1: rows G .. 2G-1
@@ -356,7 +361,7 @@ def test_select_groups_takes_the_groups_rows():
 def test_split_and_joined_tool_rollout_has_the_same_rows(monkeypatch):
     """A tool rollout's groups picked apart and joined again: the same rows (turns and tool counts
     included), the same widths. A picked group counts its own completions' calls only."""
-    from nanogrpo.rollout import concat_rollouts, select_groups
+    from nanogrpo.extras.dynamic_sampling import concat_rollouts, select_groups
     tok, ro, _ = run_script(monkeypatch)
     again = concat_rollouts([select_groups(ro, [0]), select_groups(ro, [1])], tok.pad_token_id)
     assert_same_rollout(again, ro)
@@ -365,7 +370,7 @@ def test_split_and_joined_tool_rollout_has_the_same_rows(monkeypatch):
 
 
 def test_select_and_concat_refuse():
-    from nanogrpo.rollout import concat_rollouts, select_groups
+    from nanogrpo.extras.dynamic_sampling import concat_rollouts, select_groups
     tok, _, ro = tiny_rollout(["ab", "hello"], 6)
     _, _, three = tiny_rollout(["ab"], 6, G=3)
     with pytest.raises(ValueError, match="num_generations"):
@@ -382,7 +387,7 @@ def test_select_and_concat_refuse():
 
 
 def test_a_rollout_without_tools_joins_with_no_calls_and_one_turn_a_row(monkeypatch):
-    from nanogrpo.rollout import concat_rollouts
+    from nanogrpo.extras.dynamic_sampling import concat_rollouts
     _, _, plain = tiny_rollout(["ab", "hello"], 6)
     tok, tools, _ = run_script(monkeypatch)  # a scripted sampler from here on
     assert plain.tool_calls is None and plain.tool_failures is None and plain.turns is None

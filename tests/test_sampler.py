@@ -467,7 +467,7 @@ RATIO_BOUND = 1e-5
 def sampled_and_scored(top_k, sample_token, seed=0):
     """A tiny random fp32 model, 4 prompts x 4 samples at temperature 0.7 -> (model, the rows as
     rollout joins them, the Generation, the trainer's log-probs [N,C])."""
-    from nanogrpo.logprobs import token_logprobs
+    from nanogrpo.fast.logprobs import token_logprobs
     from nanogrpo.rollout import join_prompt_completion
     torch.manual_seed(seed)
     model = Transformer(tiny_config()).eval()

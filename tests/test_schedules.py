@@ -136,12 +136,12 @@ def simulate_cycle(cfg, world_size, rank):
     -> (the (row, copies) rollouts sampled, the micro-batches of each step as (round, row))."""
     sched = cfg.schedule(world_size)
     rows = [{"prompt": f"p{i}"} for i in range(10 * sched.prompts_per_round)]
-    t = SimpleNamespace(cfg=cfg, sched=sched, step=0, round=0, round_begin=None, round_start_step=0,
+    t = SimpleNamespace(cfg=cfg, sched=sched, step=0, round=0,
                         info=DistInfo(rank=rank, local_rank=rank, world_size=world_size, device="cpu"),
                         prompts=PromptSampler(rows, sched.prompts_per_round, shuffle=False))
     sampled, steps = [], []
 
-    def sample_round(t, r, rnd):
+    def sample_round(t, rnd):
         rows, copies = train.round_prompts(t)
         sampled.append((rnd, [(row["prompt"], copies) for row in rows]))
         return SimpleNamespace(round=rnd), {"stats": {}}
@@ -153,14 +153,11 @@ def simulate_cycle(cfg, world_size, rank):
         return {}
 
     patched = dict(sample_round=train.sample_round, update=train.update)
-    add = train.report.add_round_metrics
     try:
         train.sample_round, train.update = sample_round, update
-        train.report.add_round_metrics = lambda *a: None
-        train.train_cycle(t, None)
+        train.train_cycle(t)
     finally:
         train.sample_round, train.update = patched["sample_round"], patched["update"]
-        train.report.add_round_metrics = add
     return sched, t, sampled, steps
 
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import train
+from nanogrpo import fast
 from nanogrpo.run import report
 from nanogrpo import run
 from nanogrpo.run.config import ConfigError
 from nanogrpo.run.configurator import load_config, read_config_file
-from nanogrpo.logprobs import token_logprobs
+from nanogrpo.fast.logprobs import token_logprobs
 from nanogrpo.checkpoint import load_model
 from nanogrpo.rewards import RewardError
 from nanogrpo.tokenizer import Tokenizer
@@ -421,7 +422,7 @@ def test_several_processes_never_save_after_a_stop():
     """After an error on one rank the others may be inside a collective: a save would hang them."""
     cfg = tiny_cfg = load_config(["--config", "tiny.py"])
     state = train.Trainer.__new__(train.Trainer)
-    state.step, state.round_begin, state.round_start_step = 3, None, 3
+    state.step = 3
     two = run.Run(cfg=cfg, info=train.dist.DistInfo(rank=0, world_size=2))
     assert "several processes" in run.unsaveable(two, state)
     one = run.Run(cfg=tiny_cfg, info=train.dist.DistInfo())
@@ -490,7 +491,7 @@ def trainer_for(model, optimizer, cfg, loss_cfg):
     from nanogrpo.dist import DistInfo
     return SimpleNamespace(model=model, optimizer=optimizer, cfg=cfg, loss_cfg=loss_cfg, info=DistInfo(),
                            autocast=torch.autocast("cpu", enabled=False), tok=SimpleNamespace(vocab_size=None),
-                           sched=SimpleNamespace(steps_per_generation=2),
+                           sched=SimpleNamespace(steps_per_generation=2), kernels=fast.kernels(),
                            entropy_coef=loss_cfg.entropy_coef, last_entropy=math.inf)
 
 
@@ -509,7 +510,7 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
     plain loop that backpropagates through every row (to fp32 rounding: the rows run in other batches), also in a
     round where every advantage is 0, where every parameter still gets its (zero) gradient and AdamW still steps.
     (The fixture model is far below the size where skipping pays, so the floor is lowered to 0 here.)"""
-    from nanogrpo import logprobs
+    from nanogrpo.fast import logprobs
     monkeypatch.setitem(logprobs.SKIP_MIN_FLOPS, "cpu", 0)
     calls = []
     monkeypatch.setattr(logprobs, "token_logprobs", lambda *a, **k: calls.append(torch.is_grad_enabled()) or
@@ -517,7 +518,7 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
     from conftest import fixture_path
     from nanogrpo.run.config import TrainConfig
     from nanogrpo.dist import DistInfo
-    from nanogrpo.grpo import LossConfig, grpo_step
+    from nanogrpo.grpo import LossConfig, LossInputs, LossScale, grpo_step
     rounds = [_rollout_batch([0.0, 0.0, 1.0, -1.0, 0.0, 0.0, 0.5, 0.0]), _rollout_batch([0.0] * 8, seed=1)]
     cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, per_device_train_batch_size=4)
     loss_cfg = LossConfig(loss_type=loss_type, beta=beta, top_entropy_quantile=0.5)
@@ -540,10 +541,11 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
                 for idx in micro:  # the plain loop: every row with its gradient
                     logps, entropies = token_logprobs(model, ro.input_ids[idx], ro.attention_mask[idx],
                                                       ro.completion_mask[idx], temperature=0.9)
-                    loss, metrics = grpo_step(logps, ro.old_logps[idx], None if beta == 0 else ro.ref_logps[idx],
-                                              ro.advantages[idx], ro.completion_mask[idx], loss_cfg,
-                                              num_items=ro.num_items, grad_accum=2, entropies=entropies,
-                                              steps_per_generation=2)
+                    inputs = LossInputs(logps=logps, advantages=ro.advantages[idx],
+                                        completion_mask=ro.completion_mask[idx], old_logps=ro.old_logps[idx],
+                                        ref_logps=None if beta == 0 else ro.ref_logps[idx], entropies=entropies)
+                    scale = LossScale(num_items=ro.num_items, grad_accum=2, steps_per_generation=2)
+                    loss, metrics = grpo_step(inputs, loss_cfg, scale)
                     loss.backward()
                     for k, v in {**metrics, "loss": loss.item()}.items():
                         sums[k] = sums.get(k, 0.0) + v / (1 if k == "loss" else 2)
@@ -571,11 +573,12 @@ def test_small_models_do_not_split_off_rows_without_advantage():
     """Below SKIP_MIN_FLOPS (the embedded tiny model, the fixtures) the extra forward call costs more than the
     backward it would save: zero-advantage rows keep their gradient and one forward runs."""
     from conftest import fixture_path
-    from nanogrpo import logprobs
+    from nanogrpo.fast import logprobs
     model, ro = load_model(fixture_path("qwen2")), _rollout_batch([0.0, 0.0, 1.0, -1.0])
     free = logprobs.rows_without_gradient(ro.advantages, 0.0, model, ro.input_ids.shape[1])
     assert not free.any()
-    logps, _ = logprobs.policy_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, free)
+    logps, _ = logprobs.policy_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, ro.advantages,
+                                        beta=0.0, entropy_bonus=False)
     assert logps.requires_grad and logps.grad_fn.name().startswith("IndexPut")  # token_logprobs' own scatter
     saved = 4 * sum(p.numel() for p in model.parameters()) * 2 * ro.input_ids.shape[1]
     assert saved < logprobs.SKIP_MIN_FLOPS["cpu"]  # the backward the split would save
@@ -645,7 +648,7 @@ def test_trainer_state_counts_epochs_in_optimizer_steps_as_transformers():
     is halfway through the second epoch, and 5 steps reach into a third."""
     from types import SimpleNamespace
     from nanogrpo.dist import DistInfo
-    from nanogrpo.rewards import trainer_state_of
+    from nanogrpo.extras.trainer_info import trainer_state_of
     cfg = tiny("unused", "--max_steps=5", "--logging_steps=4", "--eval_steps=6", "--save_steps=7")
     cfg.validate(1)
     t = SimpleNamespace(cfg=cfg, step=3, prompts=SimpleNamespace(rows=[{}] * 8), info=DistInfo())
@@ -878,3 +881,44 @@ def test_sampling_metrics_are_over_the_whole_step_as_trl(mode):
     expected = (e + 1) / 2 if mode == "sequence_mask" else (e + 3) / 4  # per sequence / per token
     assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(expected, rel=1e-6)
     assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(e, rel=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# The plain path: the course functions alone train as the fast default does
+
+EXACT = ("reward", "reward_std", "frac_reward_zero_std", "num_tokens", "learning_rate")
+
+
+def test_plain_path_trains_as_the_fast_default(tmp_path):
+    """plain=true (the course's draw and log-probs, no rows skipped) against nanogrpo/fast/: the
+    draw is equal bit for bit on CPU, so every round samples the same tokens and rewards, lengths
+    and token counts are exact; the log-probs differ by float32 rounding only (the chunked LM head,
+    the shared prompt forward), so loss, gradient norm and entropy agree to 1e-5, and the weights
+    after 4 steps to 1e-4 (AdamW's m / sqrt(v) turns a rounding difference in a near-zero gradient
+    entry into a larger one of its step)."""
+    fast = train.train(tiny(tmp_path / "fast", "--max_steps=4", "--beta=0.04"))
+    plain = train.train(tiny(tmp_path / "plain", "--max_steps=4", "--beta=0.04", "--plain=true"))
+    assert len(fast) == len(plain) == 4
+    for f, p in zip(fast, plain):
+        for key in EXACT + tuple(k for k in f if k.startswith("completions/")):
+            assert f[key] == p[key], key
+        for key in ("loss", "grad_norm", "entropy", "kl"):
+            assert p[key] == pytest.approx(f[key], rel=1e-5, abs=1e-7), key
+    a = load_model(tmp_path / "fast" / "run" / "checkpoint").state_dict()
+    b = load_model(tmp_path / "plain" / "run" / "checkpoint").state_dict()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-4)
+
+
+def test_plain_picks_the_course_functions_and_refuses_a_compiled_step():
+    from nanogrpo import logprobs, sampler
+
+    plain = train.kernels(load_config(["--config", "tiny.py", "--plain=true"]))
+    assert plain.sample_token is sampler.sample_next_token and plain.decoder is None
+    assert plain.token_logprobs is logprobs.token_logprobs
+    assert plain.policy_logprobs is logprobs.policy_logprobs
+    default = train.kernels(load_config(["--config", "tiny.py"]))
+    assert default == fast.kernels(torch_compile=False)
+    assert default.sample_token is not sampler.sample_next_token
+    with pytest.raises(ConfigError, match="plain=true"):
+        load_config(["--config", "tiny.py", "--plain=true", "--torch_compile=true"]).validate()

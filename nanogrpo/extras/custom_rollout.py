@@ -44,7 +44,8 @@ import copy
 import torch
 
 from nanogrpo import dist
-from nanogrpo.rewards import TRAINER_ARGUMENTS, import_function, trainer_state_of
+from nanogrpo.extras.trainer_info import trainer_state_of
+from nanogrpo.rewards import TRAINER_ARGUMENTS, import_function
 from nanogrpo.rollout import Rollout, join_prompt_completion, sampling_kwargs
 from nanogrpo.sampler import generate
 
@@ -105,7 +106,7 @@ class RolloutTrainer:
             pad_id=tok.pad_token_id,
             generator=self.generator,
             vocab_size=tok.vocab_size,
-            **{**sampling_kwargs(self.args, tok), **overrides},
+            **{**sampling_kwargs(self.args, tok, self._trainer.kernels), **overrides},
         )
         ids, _ = tok.decode_completions(out.completion_ids, out.completion_mask)
         logps = out.logprobs.tolist()  # [P][C]

@@ -1,0 +1,30 @@
+"""Speed tricks: each computes what a course function computes, faster.
+
+Owns: `kernels`, the fast set of the functions a round calls
+(trainer.Kernels): the draw without sorting the vocabulary and the
+compiled static-shape decode step (sampling.py), the LM head in chunks,
+each prompt's forward shared by its rows and no backward for rows without
+advantage (logprobs.py). train.py chooses between them and the course's in
+one place (`kernels`); `plain=True` trains with the course's.
+
+Does not know about: rewards, losses, optimizers, files, or what a run
+does around the algorithm.
+
+Each trick is held equal to its course function by a test
+(tests/test_sampler.py, tests/test_logprobs.py), and the two paths'
+training trajectories by tests/test_train.py.
+"""
+
+from nanogrpo.fast import logprobs
+from nanogrpo.fast.sampling import StaticDecoder, sample_next_token_fast
+from nanogrpo.trainer import Kernels
+
+
+def kernels(torch_compile: bool = False) -> Kernels:
+    """The fast functions; with torch_compile the decode step is compiled too."""
+    return Kernels(
+        sample_token=sample_next_token_fast,
+        decoder=StaticDecoder if torch_compile else None,
+        token_logprobs=logprobs.token_logprobs,
+        policy_logprobs=logprobs.policy_logprobs,
+    )

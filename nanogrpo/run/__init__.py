@@ -10,7 +10,7 @@ reports (metrics, console, trackers, summary) is report.py's.
 
 Does not know about: the GRPO math. It reads a few named fields of
 nanogrpo.trainer's `Trainer` (model, optimizer, scheduler, tok, prompts,
-step, round, round_begin, entropy_coef, last_entropy) to save and
+step, round, entropy_coef, last_entropy) to save and
 restore them.
 """
 
@@ -90,6 +90,10 @@ class Run:
     streaks: dict = field(default_factory=dict)
     command: list = field(default_factory=list)  # for the resume hint
     progress: object = None  # report.Progress: the status line on a terminal
+    # inside a cycle (`cycle`): the prompt sampler's state and the step at
+    # its start, where a stop inside it goes back to; None between cycles
+    cycle_begin: dict | None = None
+    cycle_start_step: int = 0
 
 
 # -----------------------------------------------------------------------------
@@ -579,6 +583,17 @@ def save_merged(run: Run, t):
 
 
 @contextmanager
+def cycle(run: Run, t):
+    """Around one of train.py's cycles: where a stop inside it goes back
+    to (the prompt sampler's state and the step at its start). An error
+    leaves them set for saving_on_stop."""
+    run.cycle_begin = t.prompts.state_dict()
+    run.cycle_start_step = t.step
+    yield
+    run.cycle_begin = None
+
+
+@contextmanager
 def saving_on_stop(run: Run, t):
     """Inside: Ctrl-C (SIGINT) or SIGTERM asks for a stop where the cycle
     ends (on_stop_signal, stop_if_signalled; in the last cycle the run
@@ -629,8 +644,8 @@ def save_on_stop(run: Run, t, why: str):
         return
     report.log(run)  # a finished round's records, if stopped in its evaluation
     if not saved(run, t.step):
-        if t.round_begin is not None:
-            t.prompts.load_state_dict(t.round_begin)
+        if run.cycle_begin is not None:
+            t.prompts.load_state_dict(run.cycle_begin)
         save(run, t)
     dist.print0(f"\n{where}: saved {cfg.output_dir}/checkpoint-{t.step}. "
                 f"Continue with:\n  {resume_command(run)}")
@@ -642,7 +657,7 @@ def unsaveable(run: Run, t) -> str | None:
         return "several processes cannot save together after a stop"
     if t.step == 0:
         return "no optimizer step was taken yet"
-    if t.round_begin is not None and t.step > t.round_start_step:
+    if run.cycle_begin is not None and t.step > run.cycle_start_step:
         return "it stopped between two optimizer steps of one round"
     return None
 
@@ -658,10 +673,10 @@ def resume_command(run: Run) -> str:
     return f"{launcher} {shlex.join(args + ['--resume_from_checkpoint=true'])}"
 
 
-def current_step(t) -> int:
+def current_step(run: Run, t) -> int:
     """The step a stop or a failure came at: the one being trained inside
     a cycle, else the last one completed."""
-    return t.step if t.round_begin is None else t.step + 1
+    return t.step if run.cycle_begin is None else t.step + 1
 
 
 def rank_error(run: Run, t, e: Exception) -> Exception | None:
@@ -672,10 +687,10 @@ def rank_error(run: Run, t, e: Exception) -> Exception | None:
     where = f"rank {run.info.rank}"
     what = dist.collective_failure(e, run.info, run.cfg.ddp_timeout)
     if what is None:
-        e.add_note(f"{where}, at step {current_step(t)}")
+        e.add_note(f"{where}, at step {current_step(run, t)}")
         dist.tell_peers(f"{where}: {type(e).__name__}: {e}")
         return None
-    line = (f"{where}: at step {current_step(t)}, {what}: "
+    line = (f"{where}: at step {current_step(run, t)}, {what}: "
             f"{dist.first_sentence(str(e))}")
     dist.tell_peers(line)
     return RankFailure(line)
@@ -753,11 +768,11 @@ def stopping_line(run: Run, t, signum: int) -> str:
     """What a stop signal's arrival prints: the step the run will stop
     after (checkpoints are exact where a cycle ends)."""
     name = STOP_SIGNALS[signum]
-    if t.round_begin is None and t.step == 0:
+    if run.cycle_begin is None and t.step == 0:
         return f"\n{name}: stopping before the first step"
     end = t.step
-    if t.round_begin is not None:  # inside a cycle
-        cycle_end = t.round_start_step + t.sched.steps_per_cycle
+    if run.cycle_begin is not None:  # inside a cycle
+        cycle_end = run.cycle_start_step + t.sched.steps_per_cycle
         end = min(cycle_end, run.cfg.max_steps)
     line = f"\n{name}: stopping after step {end}: saving it then"
     if run.info.sharded:
@@ -784,7 +799,7 @@ def end_now(run: Run, t, frame):
         code = frame.f_code
         where = (f"; it was in {code.co_name} "
                  f"({os.path.basename(code.co_filename)}:{frame.f_lineno})")
-    say(f"train.py: rank {run.info.rank}: ended at step {current_step(t)} "
+    say(f"train.py: rank {run.info.rank}: ended at step {current_step(run, t)} "
         f"after another rank failed{where}")
     os._exit(128 + signal.SIGTERM)  # not sys.exit: it could wait on threads
 

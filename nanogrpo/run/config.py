@@ -20,9 +20,11 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, VESPO_NEEDS_TOKENS, LossConfig
+from nanogrpo.extras.loss_terms import VESPO_NEEDS_TOKENS
+from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, LossConfig
 from nanogrpo.extras.tools import TOOL_CALL_PARSERS
-from nanogrpo.sampler import check_sampling, generation_settings
+from nanogrpo.extras.generation_kwargs import generation_settings
+from nanogrpo.sampler import check_sampling
 from nanogrpo.schedules import SCHEDULES, Schedule, batch_schedule
 from nanogrpo.schedules import total_steps
 
@@ -179,8 +181,11 @@ class TrainConfig:
         "over the fields above. Its temperature samples only: the loss's log-probs keep "
         "the temperature field's, as in TRL, so the two can differ")
     torch_compile: bool = setting(
-        False, "compile the decode step (sampler.generate(torch_compile=)): CUDA graphs "
-        "on GPU")
+        False, "compile the decode step (nanogrpo/fast/sampling.py's StaticDecoder): CUDA "
+        "graphs on GPU")
+    plain: bool = setting(
+        False, "train with the course functions only (nanogrpo/fast/ off): the plain draw "
+        "and log-probs, no compiled decode step, no rows skipped; the same numbers, slower")
 
     tools: list = setting(
         help="functions the policy may call mid-completion (see tools.py): "
@@ -405,6 +410,9 @@ class TrainConfig:
         self.check_lora(self.use_peft)
         need(not self.merge_adapter or self.use_peft, "merge_adapter",
              "needs use_peft=true (an adapter to merge)")
+        need(not (self.plain and self.torch_compile), "torch_compile",
+             "compiles nanogrpo/fast/'s decode step, which plain=true leaves out: "
+             "set one of them")
         need(all(r in REPORTERS for r in self.reporters()), "report_to",
              f"takes names from {list(REPORTERS)}")
         return self

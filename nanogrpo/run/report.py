@@ -275,11 +275,14 @@ def add_round_metrics(run, t, rounds: list[dict], records):
     check_lengths(run, gen["completions/clipped_ratio"], t.cfg.max_completion_length)
     shown = t.cfg.num_completions_to_print or 2
     run.samples = shown_samples(last["ro"], last["local"], t.reward_weights, shown,
-                                t.user_columns)
-    # what reward functions logged (log_metric): each name's mean, as TRL
-    user_metrics = {k: sum(v) / len(v) for k, v in t.user_metrics.items()}
-    t.user_metrics = {}
-    t.user_columns = {}
+                                last["logs"].columns)
+    # what reward functions logged (log_metric): each name's mean over the
+    # cycle's calls, as TRL
+    logged = {}
+    for s in rounds:
+        for k, v in s["logs"].metrics.items():
+            logged.setdefault(k, []).extend(v)
+    user_metrics = {k: sum(v) / len(v) for k, v in logged.items()}
     updates = sum(m["time/update"] for m in records)
     cycle_time = sum(timing.values()) + updates
     tokens = torch.tensor(float(sum(s["ro"].num_tokens() for s in rounds)),
@@ -294,6 +297,13 @@ def add_round_metrics(run, t, rounds: list[dict], records):
         m["step_time"] = cycle_time / len(records)
         m["tokens_per_sec"] = tokens / cycle_time
         m["num_tokens"] = seen + tokens
+        for s in rounds:
+            m.update(s["stats"])  # dynamic sampling's, if on
+    for s in rounds:
+        if s["stats"]:
+            wanted = len(s["ro"].rows) * info.world_size
+            check_dynamic_sampling(run, s["stats"]["dynamic_sampling/groups_kept"],
+                                   wanted, t.cfg.max_num_gen_batches)
 
 
 def micro_batch_weights(mask: torch.Tensor, loss_cfg) -> dict:

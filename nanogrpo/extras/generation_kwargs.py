@@ -1,0 +1,224 @@
+"""TRL's generation_kwargs, and the sampler's settings beyond the sampling fields.
+
+Owns: `generation_settings` (generation_kwargs -> `sampler.generate`'s
+keyword arguments, with the keys TRL's backends read that nanogrpo
+refuses and why), and what `generate` does with three of them:
+`banned_tokens` (suppress_tokens, and the stop ids before min_new_tokens)
+and `StopStrings` (stop_strings, vLLM's `stop`).
+
+Does not know about: models, tokenization (stop strings are matched on
+the text of the `decode` callable the caller passes), rewards, losses,
+or other processes.
+
+Choices:
+- Suppressed tokens are -inf logits, set after the repetition penalty
+  and before the draw, as transformers orders its processors.
+- A stop string's last token stays in the completion, as transformers'
+  stop_strings and vLLM's token ids keep it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from nanogrpo import sampler
+
+
+# -----------------------------------------------------------------------------
+# What limits a row: suppressed tokens, stop strings
+
+
+@dataclass
+class Banned:
+    """The tokens a decode step may not sample, as bool [V] masks (None =
+    none): `always` (suppress_tokens), and while fewer than
+    `min_new_tokens` tokens are out, `early` (suppress_tokens and the stop
+    ids). All rows are at the same step: one mask serves the batch."""
+
+    always: torch.Tensor | None
+    early: torch.Tensor | None
+    min_new_tokens: int
+
+    def at(self, t):
+        """The mask of step t (t tokens already sampled), or None."""
+        return self.early if t < self.min_new_tokens else self.always
+
+
+def banned_tokens(suppress_tokens, stops, min_new_tokens, V, device):
+    """-> Banned, or None when nothing is. Ids outside [0, V) are ignored,
+    as transformers does."""
+    ids = sorted({int(i) for i in suppress_tokens or ()})
+    ids = torch.tensor(ids, dtype=torch.long, device=device)  # [k]
+    if len(ids) == 0 and min_new_tokens == 0:
+        return None
+    always = sampler.token_mask(ids[None], V)[0] if len(ids) else None  # [V]
+    early = sampler.token_mask(torch.cat([ids, stops])[None], V)[0]  # [V]
+    for mask in (always, early if min_new_tokens else None):
+        if mask is not None and bool(mask.all()):
+            raise ValueError(
+                "suppress_tokens (with the stop ids before min_new_tokens) "
+                "leave no token to sample"
+            )
+    return Banned(always=always, early=early, min_new_tokens=min_new_tokens)
+
+
+class StopStrings:
+    """Ends a row once its generated text contains a stop string: the
+    token that completed it is the row's last, and it stays in the
+    completion (as transformers' stop_strings; vLLM's token ids too).
+
+    `check` runs where the decode loop syncs anyway (every step on CPU,
+    every 8 on GPU), on the rows still open. It decodes the tail of a row:
+    a match that ends in a new token lies within its last `window` tokens
+    (a token carries at least one byte of the string; two more tokens of
+    left context, as a tokenizer may drop the leading space of the first
+    token it decodes). Only a row whose tail matches is decoded again, a
+    step at a time, to find the token that completed the string. Only
+    generated tokens are read: the prompt's text never completes a stop
+    string (vLLM's rule; transformers' StopStringCriteria reads the prompt
+    too)."""
+
+    def __init__(self, strings, decode, N, C, device):
+        self.strings = list(strings)
+        self.decode = decode  # token ids (a list) -> text
+        self.window = max(len(s.encode()) for s in self.strings) + 2
+        # [N] each row's length where a stop string ended it, else C
+        self.ends = torch.full((N,), C, dtype=torch.long, device=device)
+        self.closed = set()  # rows whose end is known: never decoded again
+        self.checked = 0  # steps already checked
+
+    def found(self, ids):
+        text = self.decode(ids)
+        return any(s in text for s in self.strings)
+
+    def check(self, out_ids, rows, t):
+        """After step t: set `ends` of the rows a stop string ended in
+        steps `checked`..t, and mark them stopped in `rows`."""
+        lo = max(0, self.checked - self.window)
+        index = rows.index.tolist()  # a host sync
+        tails = out_ids[rows.index, lo : t + 1].tolist()  # [n][t+1-lo]
+        hits = []  # (position in rows, output row, length)
+        for k, (r, ids) in enumerate(zip(index, tails)):
+            if r in self.closed or not self.found(ids):
+                continue
+            for end in range(self.checked, t + 1):  # the step that completed it
+                if self.found(ids[max(0, end + 1 - self.window - lo) : end + 1 - lo]):
+                    hits.append((k, r, end + 1))
+                    break
+        if hits:
+            k, r, length = zip(*hits)
+            rows.stopped[list(k)] = True
+            self.ends[list(r)] = torch.tensor(length, device=self.ends.device)
+        stopped = rows.stopped.tolist()
+        self.closed.update(r for r, s in zip(index, stopped) if s)
+        self.checked = t + 1
+
+
+
+# -----------------------------------------------------------------------------
+# TRL's generation_kwargs
+
+# generation_kwargs keys -> generate's argument: transformers' GenerationConfig
+# names (TRL's transformers backend), and vLLM's `stop` for stop_strings (with
+# either backend the token ids TRL trains on keep the stop string)
+GENERATION_KWARGS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "suppress_tokens": "suppress_tokens",
+    "min_new_tokens": "min_new_tokens",
+    "stop_strings": "stop_strings",
+    "stop": "stop_strings",
+    "do_sample": None,  # True only (TRL's own value): nothing to set
+}
+SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+# a value of None is the setting off, as in transformers
+OFF = dict(
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    suppress_tokens=[],
+    min_new_tokens=0,
+    stop_strings=[],
+)
+LENGTH = (
+    "set max_completion_length (it also bounds the tool rounds and is "
+    "dr_grpo's constant)"
+)
+STOP_IDS = "rows stop at the tokenizer's eos ids; stop_strings ends them on text"
+# keys of TRL's backends that generate cannot honour, and why
+GENERATION_KWARGS_REFUSED = {
+    "do_sample": "training samples: only True (TRL's value); greedy decoding is "
+    "sample.py's --temperature 0",
+    "num_beams": "GRPO samples each completion on its own: no beam search",
+    "num_return_sequences": "set num_generations",
+    "n": "set num_generations",
+    "max_new_tokens": LENGTH,
+    "max_tokens": LENGTH,
+    "max_length": LENGTH,
+    "min_tokens": "vLLM's name: use min_new_tokens",
+    "eos_token_id": STOP_IDS,
+    "stop_token_ids": STOP_IDS,
+}
+
+
+def generation_settings(generation_kwargs) -> dict:
+    """TRL's generation_kwargs -> generate's keyword arguments, for the
+    keys of GENERATION_KWARGS (None = off; stop and stop_strings: all of
+    them). ValueError naming a refused key and why, an unknown key and the
+    keys read, or a bad value; temperature must be > 0: training samples."""
+    out = {}
+    for key, value in (generation_kwargs or {}).items():
+        if key == "do_sample" and value in (True, None):
+            continue
+        if key in GENERATION_KWARGS_REFUSED:
+            why = GENERATION_KWARGS_REFUSED[key]
+            raise ValueError(f"generation_kwargs[{key!r}]={value!r}: {why}")
+        if key not in GENERATION_KWARGS:
+            raise ValueError(
+                f"generation_kwargs[{key!r}]: not a key nanogrpo's sampler "
+                f"reads; it reads {sorted(GENERATION_KWARGS)}"
+            )
+        name = GENERATION_KWARGS[key]
+        value = OFF[name] if value is None else value
+        if name == "stop_strings":
+            value = [value] if isinstance(value, str) else value
+            value = out.get(name, []) + _ok_list(key, value, str)
+        elif name == "suppress_tokens":
+            value = _ok_list(key, value, int)
+        _check_setting(key, name, value)
+        out[name] = value
+    return out
+
+
+def _ok_list(key, value, kind):
+    """value as a list of `kind` items, or ValueError."""
+    items = list(value) if isinstance(value, (list, tuple)) else [None]
+    ok = all(isinstance(v, kind) and not isinstance(v, bool) for v in items)
+    sampler.need(ok, f"generation_kwargs[{key!r}]", value, f"must be a list of {kind.__name__}")
+    return items
+
+
+def _check_setting(key, name, value):
+    """ValueError if generation_kwargs[key] (generate's `name`) is invalid."""
+    where = f"generation_kwargs[{key!r}]"
+    if name == "stop_strings":
+        sampler.need(all(value), where, value, "stop strings must be non-empty")
+    elif name == "suppress_tokens":
+        sampler.need(min(value, default=0) >= 0, where, value, "token ids must be >= 0")
+    elif name in ("top_k", "min_new_tokens"):
+        ok = type(value) is int and value >= 0  # bool is no int here
+        sampler.need(ok, where, value, "must be an int >= 0 (0 means off)")
+    else:  # temperature, top_p, min_p, repetition_penalty: the fields' rules
+        sampler.need(type(value) in (int, float), where, value, "must be a number")
+        ok = name != "temperature" or value > 0
+        sampler.need(ok, where, value, "training samples, so it must be > 0")
+        sampling = {k: OFF[k] for k in SAMPLING}
+        try:
+            sampler.check_sampling(**{**sampling, name: value})
+        except ValueError as e:
+            raise ValueError(f"generation_kwargs: {e}") from None

@@ -1,0 +1,133 @@
+"""Tool rounds (TRL's `tools=` and `_tool_call_loop`): completions that call tools continue.
+
+Owns: `continue_with_tools` (parse each completion's tool calls, run them,
+append the results and sample again, round after round) and
+`pad_tool_rows` (the rows of different lengths it leaves, as the [n,C]
+tensors a Rollout holds, tool-result ids masked out).
+
+Does not know about: which tools a row has or where they come from
+(rollout.rollout passes them: TRL's `tools`, or an environment's), rewards,
+losses, or other processes. Tool schemas, parsing and running are
+tools.py's.
+
+Choices, as TRL's:
+- A completion is the model's turns and the tool results between them,
+  one token sequence; reward functions get it as messages.
+- Tool-result ids are context only: 0 in the completion mask, not in the
+  completion's length, but within max_completion_length (a round of
+  results that would not fit is dropped: the row ends).
+- Calling rows continue together, one `generate` per tool round,
+  re-prefilling the conversation so far; the sampler's log-probs of
+  tool-result ids are 0.
+"""
+
+import torch
+
+from nanogrpo.extras.tools import TOOL_CALL_PARSERS, assistant_message, run_tools, tool_suffix_ids
+from nanogrpo.sampler import generate
+
+
+def continue_with_tools(
+    model, tok, prompt_of, ids, logps, texts, truncated, tools, cfg, generator, settings
+):
+    """The tool rounds (TRL's `_tool_call_loop`) on rows of generated `ids` and their sampler
+    log-probs `logps` (lists of the same lengths, extended in place: 0.0 for tool-result ids).
+    prompt_of[r]: row r's prompt ids; tools: {name: function} of every row, or one per row;
+    settings: generate's sampling keyword arguments (rollout.sampling_kwargs).
+    -> (per-row model-token masks, message lists, truncated, tool calls, failed tool calls).
+    """
+    M, limit = cfg.max_completion_length, model.config.max_position_embeddings
+    parse = TOOL_CALL_PARSERS[cfg.tool_call_format]
+    parsed = [parse(t) for t in texts]
+    messages, calls = [[assistant_message(*p)] for p in parsed], [p[1] for p in parsed]
+    masks = [[1] * len(x) for x in ids]
+    num_calls, num_failed = [0] * len(ids), [0] * len(ids)  # per row
+    rounds = 0
+    active = [r for r in range(len(ids)) if calls[r]]
+    while active and (
+        cfg.max_tool_calling_iterations is None or rounds < cfg.max_tool_calling_iterations
+    ):
+        row_tools = tools if isinstance(tools, dict) else [tools[r] for r in active]
+        results = run_tools([calls[r] for r in active], row_tools, cfg.tool_timeout)
+        going = []
+        for r, row_results in zip(active, results):
+            num_calls[r] += len(row_results)
+            num_failed[r] += sum(failed for _, _, failed in row_results)
+            replies = [
+                {"role": "tool", "name": name, "content": str(res)} for name, res, _ in row_results
+            ]
+            suffix = tool_suffix_ids(tok, replies)
+            if (
+                len(ids[r]) + len(suffix) > M
+                or len(prompt_of[r]) + len(ids[r]) + len(suffix) >= limit
+            ):
+                continue  # the results would not fit: dropped, the row ends as it is (TRL)
+            messages[r] += replies
+            ids[r] += suffix
+            logps[r] += [0.0] * len(suffix)  # not sampled
+            masks[r] += [0] * len(suffix)
+            going.append(r)
+        if not going:
+            break
+        contexts = [prompt_of[r] + ids[r] for r in going]
+        max_new = max(1, min(max(M - len(ids[r]) for r in going), limit - max(map(len, contexts))))
+        seeds = torch.randint(
+            0,
+            2**31 - 1,
+            (len(going),),
+            generator=generator,
+            device=generator.device if generator is not None else "cpu",
+        ).tolist()
+        out = generate(
+            model,
+            contexts,
+            num_samples=1,
+            stop_ids=tok.eos_token_ids,
+            pad_id=tok.pad_token_id,
+            seeds=seeds,
+            vocab_size=tok.vocab_size,
+            **{**settings, "max_new_tokens": max_new},
+        )
+        new_ids, new_texts = tok.decode_completions(out.completion_ids, out.completion_mask)
+        new_truncated = out.truncated.tolist()  # one device-to-host transfer
+        new_logps = out.logprobs.tolist()  # [len(going)][C'], and one more transfer
+        for k, r in enumerate(going):
+            room = M - len(ids[r])  # the whole completion stays within max_completion_length
+            new = new_ids[k][:room]
+            truncated[r] = new_truncated[k] or len(new) < len(new_ids[k])
+            ids[r] += new
+            logps[r] += new_logps[k][: len(new)]
+            masks[r] += [1] * len(new)
+            calls[r] = []
+            if new:
+                content, calls[r] = parse(
+                    new_texts[k] if len(new) == len(new_ids[k]) else tok.decode(new)
+                )
+                messages[r].append(assistant_message(content, calls[r]))
+        active = [r for r in going if calls[r]]
+        rounds += 1
+    return masks, messages, truncated, num_calls, num_failed
+
+
+def pad_tool_rows(token_ids, masks, logps, truncated, completions, calls, failures, pad_id, device):
+    """continue_with_tools' per-row lists -> (completion_ids [n,C], model_mask [n,C] bool,
+    sampling_logps [n,C] fp32, truncated [n], turns [n], calls [n], failures [n]), right-padded
+    to the longest row C; tool-result ids are 0 in the mask."""
+    C = max(map(len, token_ids))
+    completion_ids = torch.tensor([x + [pad_id] * (C - len(x)) for x in token_ids], device=device)
+    model_mask = torch.tensor(
+        [m + [0] * (C - len(m)) for m in masks], device=device, dtype=torch.bool
+    )
+    sampling_logps = torch.tensor(
+        [x + [0.0] * (C - len(x)) for x in logps], device=device, dtype=torch.float32
+    )
+    turns = [sum(m["role"] == "assistant" for m in c) for c in completions]
+    return (
+        completion_ids,
+        model_mask,
+        sampling_logps,
+        torch.tensor(truncated, device=device),
+        torch.tensor(turns, device=device),
+        torch.tensor(calls, device=device),
+        torch.tensor(failures, device=device),
+    )

@@ -1,0 +1,342 @@
+"""The log-probs' speed tricks, each equal to its plain version in nanogrpo/logprobs.py.
+
+`token_logprobs` computes nanogrpo.logprobs.token_logprobs' numbers and
+`policy_logprobs` nanogrpo.logprobs.policy_logprobs' (same arguments;
+tests/test_logprobs.py holds them equal, values and gradients) with
+three tricks:
+- the LM head in chunks (`ChunkLogProbs`, `score_chunks`): never the full
+  [N,C,V] fp32 logits, only the hidden states of the scored tokens
+  through the LM head, chunk_size tokens at a time, each chunk's gradient
+  formed directly (one-hot minus softmax). A chunk's probabilities are
+  kept for backward up to keep_bytes a call; later chunks recompute
+  them, so peak memory is keep_bytes plus a few [chunk_size, V] blocks
+  whatever N x C is;
+- rows that share a prompt (a group) share its forward
+  (`shared_prompt_forward`): each distinct prompt runs once into a KV
+  cache, copied to its rows, then only the completions run;
+- in the update (`policy_logprobs`), rows whose advantage is 0 (with
+  beta = 0 and no entropy bonus) are scored without gradient
+  (`rows_without_gradient`): no backward and no stored activations for
+  rows that add nothing to the gradient.
+The entropy carries a gradient only when asked (entropy_grad=True: TRL's
+entropy bonus); the plain version's always has one.
+
+Does not know about: losses, sampling, or how the model is built beyond
+its call `model(input_ids, attention_mask=, positions=, cache=,
+cache_start=, head=fn)` (fn(hidden after the final norm, lm_head)
+replaces the logits, inside forward, so FSDP2 keeps the LM head gathered
+while it runs), `new_cache`, `gradient_checkpointing` and
+`cast_lm_head_to_fp32` (the LM head's matmul in float32).
+"""
+
+import torch
+
+from nanogrpo.logprobs import check_shapes
+from nanogrpo.model import lm_head_linear
+
+KEEP_BYTES = 2**30  # probabilities kept for backward per call, by default
+
+
+# -----------------------------------------------------------------------------
+# The LM head in chunks, a shared prompt's forward once
+
+
+def _tempered_logits(h, weight, temperature, fp32=False):
+    """h [n,D] @ weight [V,D].T -> logits [n,V] / temperature, in fp32 (fp64 for an fp64 model);
+    fp32: the matmul too (cast_lm_head_to_fp32)."""
+    logits = lm_head_linear(h, weight, fp32)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return (
+        logits if temperature == 1.0 else logits.div_(temperature)
+    )  # logits is a new tensor: divided in place
+
+
+class ChunkLogProbs(torch.autograd.Function):
+    """(h [n,D], weight [V,D], targets [n], temperature, keep, entropy_grad, fp32) ->
+    (logp [n], entropy [n]) of the targets under p = softmax(z), z = h @ weight.T / temperature.
+    Backward forms the logits' gradient directly instead of replaying each op's backward:
+    d logp / dz = onehot - p, and, with entropy_grad, dH / dz = -p (log p + H). With keep, the
+    forward saves the [n,V] probabilities for it; without, it saves h and log Z only and
+    recomputes them (one more [n,D] x [D,V] matmul), so no vocabulary-sized tensor outlives the
+    chunk. Without entropy_grad the entropy gets no gradient (it is logged, or masks tokens).
+    Backward runs under the forward's autocast state on the tensors' device (torch.amp.custom_bwd's
+    rule, which that decorator applies to one fixed device type only): under a bf16 autocast, on
+    CPU too, its recompute and matmuls round as autograd's backward of the same ops does."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, temperature, keep, entropy_grad=False, fp32=False):
+        device = h.device.type
+        ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
+                            dtype=torch.get_autocast_dtype(device))  # for backward
+        # [n,V], a fresh tensor: changed in place below
+        shifted = _tempered_logits(h, weight, temperature, fp32)
+        top = shifted.amax(dim=-1, keepdim=True)  # [n,1]
+        shifted = shifted.sub_(top)  # z - max z: every exp below is <= 1
+        probs = shifted.exp()  # [n,V], unnormalized until the division
+        lse = probs.sum(dim=-1, keepdim=True)  # [n,1]
+        probs.div_(lse)
+        lse = lse.log_()  # log Z - max z
+        logp = (shifted.gather(-1, targets[:, None]) - lse).squeeze(-1)
+        # H = log Z - E_p[z]
+        entropy = (lse - shifted.mul_(probs).sum(dim=-1, keepdim=True)).squeeze(-1)
+        saved = probs if keep else (top + lse).squeeze(-1)
+        ctx.save_for_backward(h, weight, targets, saved, entropy if entropy_grad else None)
+        ctx.temperature = temperature
+        ctx.keep = keep
+        ctx.fp32 = fp32
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        with torch.autocast(**ctx.autocast):  # as the forward ran
+            return ChunkLogProbs.backward_body(ctx, grad_logp, grad_entropy)
+
+    @staticmethod
+    def backward_body(ctx, grad_logp, grad_entropy):
+        h, weight, targets, saved, entropy = ctx.saved_tensors
+        if ctx.keep:  # the saved probabilities [n,V]
+            probs = saved
+        else:  # recomputed from log Z [n]
+            probs = _tempered_logits(h, weight, ctx.temperature, ctx.fp32)
+            probs = probs.sub_(saved[:, None]).exp_()
+        # a new tensor, so a retained graph can run backward again
+        grad = probs.mul(-grad_logp[:, None])  # [n,V]
+        if entropy is not None and grad_entropy is not None:
+            # dH/dz = -(p log p + p H); xlogy gives 0 where p = 0
+            minus_dH = torch.xlogy(probs, probs).add_(probs * entropy[:, None])
+            grad = grad.sub_(minus_dH.mul_(grad_entropy[:, None]))
+        grad = grad.scatter_add_(1, targets[:, None], grad_logp[:, None])  # d/d logits [n,V]
+        grad = (grad if ctx.temperature == 1.0 else grad.div_(ctx.temperature)).to(h.dtype)
+        if ctx.fp32:  # the matmuls ran in float32: their gradients too
+            with torch.autocast(device_type=h.device.type, enabled=False):
+                grad_h = (grad.float() @ weight.float()).to(h.dtype)
+                grad_w = (grad.float().T @ h.float()).to(weight.dtype)
+            return grad_h, grad_w, None, None, None, None, None
+        return grad @ weight, grad.T @ h, None, None, None, None, None
+
+
+def token_logprobs(
+    model,
+    input_ids,
+    attention_mask,
+    completion_mask,
+    temperature=1.0,
+    vocab_size=None,
+    chunk_size=256,
+    keep_bytes=KEEP_BYTES,
+    entropy_grad=False,
+):
+    """nanogrpo.logprobs.token_logprobs' result (same arguments, same
+    numbers) with peak memory of keep_bytes of kept probabilities (only
+    with grad, none under the model's gradient_checkpointing) plus a few
+    [chunk_size, V] blocks, whatever N x C is. The entropy gets a gradient
+    only with entropy_grad (the plain version's always has one)."""
+    check_shapes(input_ids, attention_mask, completion_mask, temperature)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    checkpointed = model.gradient_checkpointing and torch.is_grad_enabled()
+    if checkpointed or not torch.is_grad_enabled():
+        keep_bytes = 0  # no backward, or a run that trades compute for memory
+    C = completion_mask.shape[1]
+    targets = input_ids[:, -C:]  # [N,C]
+
+    def head(h, lm_head):  # h [N,C,D]: h[:, j] predicts completion token j
+        return score_chunks(
+            h,
+            lm_head,
+            targets,
+            completion_mask,
+            temperature=temperature,
+            vocab_size=vocab_size,
+            chunk_size=chunk_size,
+            keep_bytes=keep_bytes,
+            entropy_grad=entropy_grad,
+            fp32=getattr(model, "cast_lm_head_to_fp32", False),
+        )
+
+    if checkpointed:  # the cached path would write its cache twice
+        L = input_ids.shape[1]
+        return model(
+            input_ids,
+            attention_mask=attention_mask,
+            head=lambda h, out: head(h[:, L - C - 1 : L - 1], out),
+        )
+    return shared_prompt_forward(model, input_ids, attention_mask, C, head)
+
+
+def score_chunks(
+    h,
+    lm_head,
+    targets,
+    completion_mask,
+    temperature,
+    vocab_size,
+    chunk_size,
+    keep_bytes,
+    entropy_grad=False,
+    fp32=False,
+):
+    """The scored tokens' log-probs and entropies, chunk by chunk.
+    h: [N,C,D] hidden states; targets, completion_mask: [N,C]."""
+    N, C = completion_mask.shape
+    where = completion_mask.bool().nonzero(as_tuple=True)  # the M scored
+    h = h[where]  # [M,D]
+    targets = targets[where]  # [M]
+    weight = lm_head.weight[:vocab_size]  # [V,D]: the real vocabulary
+    out_dtype = torch.promote_types(h.dtype, torch.float32)
+    keep_rows = keep_bytes // (weight.shape[0] * out_dtype.itemsize)
+    logps = []
+    entropies = []
+    for i in range(0, len(targets), chunk_size):
+        end = min(i + chunk_size, len(targets))
+        logp, entropy = ChunkLogProbs.apply(
+            h[i:end], weight, targets[i:end], temperature, end <= keep_rows, entropy_grad, fp32
+        )
+        logps.append(logp)
+        entropies.append(entropy)
+    zeros = torch.zeros(N, C, dtype=out_dtype, device=h.device)
+    if not logps:  # nothing to score
+        return zeros, zeros.clone()
+    # scatter back into [N,C]; masked slots stay 0
+    return (zeros.index_put(where, torch.cat(logps)), zeros.index_put(where, torch.cat(entropies)))
+
+
+def shared_prompt_forward(model, input_ids, attention_mask, C, head):
+    """model's forward over [N,L] rows, each distinct prompt (the first
+    L-C tokens) run once into a KV cache copied to its rows, then only the
+    completions run: exact, fewer FLOPs. head(h [N,C,D], lm_head) gets the
+    hidden states that predict the C completion tokens. Taken even when no
+    prompt repeats, so every call makes two model calls: with FSDP every
+    rank must make the same collectives."""
+    L = input_ids.shape[1]
+    P = L - C
+    prompt = torch.cat([input_ids[:, :P], attention_mask[:, :P].long()], dim=1)
+    # [U,2P]; row n's prompt is unique[src[n]]
+    unique, src = prompt.unique(dim=0, return_inverse=True)
+    ids = unique[:, :P]  # [U,P]
+    valid = unique[:, P:].bool()  # [U,P]
+    cache = model.new_cache(len(unique), L)
+    positions = (valid.cumsum(-1) - 1).clamp(min=0)
+    # [U,D]: predicts each prompt's first completion token
+    last = model(
+        ids, attention_mask=valid, positions=positions, cache=cache, head=lambda h, out: h[:, -1]
+    )
+    positions = valid.sum(-1)[src, None] + torch.arange(C, device=ids.device)
+    key_valid = torch.cat([valid[src], attention_mask[:, P:].bool()], dim=1)
+
+    def completion_head(h, lm_head):  # h [N,C,D]
+        return head(torch.cat([last[src, None], h[:, :-1]], dim=1), lm_head)
+
+    return model(
+        input_ids[:, P:],
+        attention_mask=key_valid,
+        positions=positions,
+        cache=cache.select(src),
+        cache_start=P,
+        head=completion_head,
+    )
+
+
+# -----------------------------------------------------------------------------
+# The update's scoring: rows without advantage skip their backward
+
+# A backward costs ~4 FLOPs per parameter and token; skipping it pays once
+# that outweighs the extra forward call's fixed cost (per-op overhead on a
+# CPU, kernel launches on a GPU; 1e12 there is an estimate, unmeasured).
+# docs/internals.md ("Rows without advantage") has the measurements.
+SKIP_MIN_FLOPS = {"cpu": 1e9, "cuda": 1e12}
+
+
+def rows_without_gradient(advantages, beta, model, length, entropy_bonus=False):
+    """[n] bool: rows that may be scored without gradient. With beta = 0
+    every loss type's per-token loss is the advantage times something, so
+    a row whose advantage is exactly 0 adds nothing to the gradient. Only
+    when the backward saved is worth the extra forward call; one row
+    always keeps its gradient (every parameter gets one; AdamW steps as
+    TRL's does). advantages: [n]; length: tokens per row.
+    None when the configuration frees no row on any rank: beta != 0 (the
+    KL term has a gradient everywhere) or entropy_bonus (so has every
+    row's entropy). It depends on no data, so every rank gets None
+    together, and policy_logprobs then needs no no_grad call to keep the
+    ranks' collectives in step."""
+    if beta != 0 or entropy_bonus:
+        return None
+    free = advantages == 0
+    params = sum(p.numel() for p in model.parameters())
+    saved = 4 * params * int(free.sum()) * length
+    floor = SKIP_MIN_FLOPS.get(advantages.device.type, SKIP_MIN_FLOPS["cuda"])
+    if saved < floor:
+        free[:] = False
+    if free.all():
+        free[0] = False
+    return free
+
+
+def policy_logprobs(
+    model,
+    input_ids,
+    attention_mask,
+    completion_mask,
+    advantages,
+    *,
+    beta,
+    entropy_bonus,
+    world_size=1,
+    temperature=1.0,
+    vocab_size=None,
+):
+    """nanogrpo.logprobs.policy_logprobs' result (same arguments, same
+    numbers and, for a loss whose per-token terms are the advantage times
+    something, the same parameter gradients): token_logprobs above, with
+    the rows rows_without_gradient frees scored under no_grad (no
+    backward, no stored activations). Their log-probs and entropies still
+    count in the loss and the metrics. The entropy carries a gradient
+    only with entropy_bonus."""
+    free = rows_without_gradient(
+        advantages, beta, model, input_ids.shape[1], entropy_bonus=entropy_bonus
+    )
+    return _split_scoring(
+        model,
+        input_ids,
+        attention_mask,
+        completion_mask,
+        free,
+        world_size,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        entropy_grad=entropy_bonus,
+    )
+
+
+def _split_scoring(
+    model, input_ids, attention_mask, completion_mask, no_grad_rows, world_size=1, **kwargs
+):
+    """token_logprobs, with rows no_grad_rows [n] bool scored under
+    no_grad. With several ranks the no_grad call always runs (on a
+    throwaway row if need be), so every rank makes the same FSDP
+    collectives, unless no_grad_rows is None (rows_without_gradient's
+    answer when no rank may skip rows): one call with gradient, on every
+    rank alike. kwargs: token_logprobs'."""
+
+    def score(rows):
+        return token_logprobs(
+            model, input_ids[rows], attention_mask[rows], completion_mask[rows], **kwargs
+        )
+
+    free = no_grad_rows
+    if free is None or (world_size == 1 and not free.any()):
+        return score(slice(None))
+    with torch.no_grad():
+        rows = free if free.any() else torch.arange(1, device=free.device)
+        free_logps, free_entropies = score(rows)
+    logps, entropies = score(~free)
+    if not free.any():
+        return logps, entropies
+    # back to the rows' order: the trained rows, then the free ones
+    order = torch.cat([(~free).nonzero()[:, 0], free.nonzero()[:, 0]])
+    order = order.argsort()
+    logps = torch.cat([logps, free_logps])[order]
+    entropies = torch.cat([entropies, free_entropies])[order]
+    return logps, entropies
