@@ -19,10 +19,10 @@ import sys
 import torch
 
 from nanogrpo.checkpoint import load_model
-from nanogrpo.grpo import total_reward
-from nanogrpo.run.report import open_sampling_progress
-from nanogrpo.rewards import RewardError, resolve_reward_funcs, score_completions
 from nanogrpo.fast.sampling import sample_next_token_fast
+from nanogrpo.grpo import total_reward
+from nanogrpo.rewards import RewardError, resolve_reward_funcs, score_completions
+from nanogrpo.run.report import open_sampling_progress
 from nanogrpo.sampler import generate
 from nanogrpo.tokenizer import Tokenizer
 
@@ -157,7 +157,7 @@ def main(argv=None):
                 f"{name}={rewards[i, k].item():.3f}" for k, (name, _) in enumerate(funcs)
             )
             if len(funcs) > 1:
-                score += f", total={total_reward(rewards[i:i + 1]).item():.3f}"
+                score += f", total={total_reward(rewards[i : i + 1]).item():.3f}"
         print(f"--- sample {i} ({len(ids[i])} tokens{tail}{score})\n{t}")
 
 

@@ -1,28 +1,25 @@
 """GRPO training, top to bottom as the algorithm.
 
-    python train.py                       # the embedded default, ~30 s on CPU
+    python train.py                       # the embedded default: a tiny model, on CPU
     torchrun --nproc_per_node 8 train.py --config small.py
 
-One round of GRPO (sample_round): prompts -> G completions each
-(rollout.py, each in its own environment with environment_factory, or
-the config's rollout_func: `sample`; a group may span ranks, as in TRL)
--> rewards (rewards.py)
--> group advantages over all ranks (grpo.py) -> old log-probs when the
-update is off-policy, reference log-probs when beta > 0 (logprobs.py).
-Then (train_cycle) each optimizer step takes the next
-gradient_accumulation_steps micro-batches of the rounds -> micro-batched
-grpo_step -> clip -> AdamW step. The batch arithmetic is TRL's
-(schedules.Schedule, printed at the start of every run); `step` counts
-optimizer steps, as TRL's global_step does. With use_peft only LoRA
-adapters train (lora.py) and the reference model is the policy with its
-adapters off. What the rounds
-start from (model, tokenizer, optimizer, rewards, prompts) is built by
-nanogrpo/trainer.py; what a run does around the algorithm (output folder,
-resume, Ctrl-C, metrics, trackers, printing) lives in nanogrpo/run.py and
-nanogrpo/report.py.
+One round of GRPO (sample_round): prompts -> G completions each (rollout.py; a group may span
+ranks, as in TRL) -> rewards (rewards.py) -> group advantages over all ranks (grpo.py) -> old
+log-probs when the update is off-policy, reference log-probs when beta > 0 (logprobs.py).
+Then (train_cycle) each optimizer step takes the next gradient_accumulation_steps micro-batches
+of the rounds -> micro-batched grpo_step -> clip -> AdamW step. The batch arithmetic is TRL's
+(schedules.Schedule, printed at the start of every run); `step` counts optimizer steps, as TRL's
+global_step does.
 
-Known gap: with sync_ref_model the synced reference weights are not
-checkpointed, so a resumed run restarts from the initial reference model.
+What the rounds start from (model, tokenizer, optimizer, rewards, prompts) is built by
+nanogrpo/trainer.py; what a run does around the algorithm (output folder, resume, Ctrl-C,
+metrics, trackers, printing) lives in nanogrpo/run/. The options enter at named places:
+`kernels` (nanogrpo/fast/), `sample` (environment_factory, rollout_func), `groups_with_signal`
+(DAPO's dynamic sampling), the entropy control in `optimizer_step`, LoRA's reference model in
+`sample_round` (nanogrpo/extras/).
+
+Known gap: with sync_ref_model the synced reference weights are not checkpointed, so a resumed
+run restarts from the initial reference model.
 """
 
 import sys
@@ -30,19 +27,18 @@ import time
 
 import torch
 
-from nanogrpo import dist, fast
-from nanogrpo.extras import lora
-from nanogrpo.run import report
-from nanogrpo import run
-from nanogrpo.run.config import TrainConfig
-from nanogrpo.extras.custom_rollout import custom_rollout
+from nanogrpo import dist, fast, run
 from nanogrpo.data import columns_of
+from nanogrpo.extras import lora
+from nanogrpo.extras.custom_rollout import custom_rollout
 from nanogrpo.extras.dynamic_sampling import dynamic_sampling
 from nanogrpo.extras.loss_terms import applied_entropy_coef, entropy_window, next_entropy_coef
-from nanogrpo.grpo import LossInputs, LossScale, group_advantages, grpo_step
 from nanogrpo.extras.trainer_info import RewardLogs, reward_kwargs, trainer_state_of
+from nanogrpo.grpo import LossInputs, LossScale, group_advantages, grpo_step
 from nanogrpo.rewards import score_completions
 from nanogrpo.rollout import Rollout, rollout
+from nanogrpo.run import report
+from nanogrpo.run.config import TrainConfig
 from nanogrpo.trainer import Kernels, Trainer, setup
 
 # -----------------------------------------------------------------------------
@@ -87,15 +83,16 @@ def round_prompts(t: Trainer) -> tuple[list[dict], int]:
 
 def sample(t: Trainer, rows: list[dict], copies: int, generator) -> Rollout:
     """`copies` completions of each row: rollout.py's sampler, each
-    completion in its own environment (reset here) with
-    environment_factory; or the config's rollout_func (custom_rollout.py)."""
+    completion in its own environment (reset here) with environment_factory;
+    or the config's rollout_func (nanogrpo/extras/custom_rollout.py)."""
     if t.rollout_func is not None:
         return custom_rollout(t, rows, copies, generator)
     episodes = None
     if t.environments is not None:
         episodes = t.environments.start(rows, copies)
-    return rollout(t.model, t.tok, rows, t.cfg, copies, generator, t.autocast,
-                   t.tools, episodes, t.kernels)
+    return rollout(
+        t.model, t.tok, rows, t.cfg, copies, generator, t.autocast, t.tools, episodes, t.kernels
+    )
 
 
 def reward_rollout(ro: Rollout, reward_funcs, t=None, logs=None) -> torch.Tensor:
@@ -105,15 +102,17 @@ def reward_rollout(ro: Rollout, reward_funcs, t=None, logs=None) -> torch.Tensor
     log_metric and log_extra, logging into `logs`). -> [n, K] fp32,
     NaN = unscored."""
     G = ro.num_generations
-    columns = {k: [v for v in values for _ in range(G)]
-               for k, values in columns_of(ro.rows).items()}
+    columns = {
+        k: [v for v in values for _ in range(G)] for k, values in columns_of(ro.rows).items()
+    }
     columns.update(ro.extra_fields or {})
     extras = None
     if t is not None:
         logs.columns = {}  # log_extra's columns: of this call's completions
         extras = reward_kwargs(trainer_state_of(t), logs)
-    return score_completions(reward_funcs, ro.prompts, ro.completions,
-                             ro.completion_token_ids, columns, extras)
+    return score_completions(
+        reward_funcs, ro.prompts, ro.completions, ro.completion_token_ids, columns, extras
+    )
 
 
 def advantages_of(t: Trainer, rewards: torch.Tensor, G: int):
@@ -121,12 +120,15 @@ def advantages_of(t: Trainer, rewards: torch.Tensor, G: int):
     "batch" normalises over the whole batch) -> this rank's rows [n]."""
     cfg = t.cfg
     advantages = group_advantages(
-        rewards, G, reward_weights=t.reward_weights,
+        rewards,
+        G,
+        reward_weights=t.reward_weights,
         scale_rewards=cfg.scale_rewards,
-        multi_objective_aggregation=cfg.multi_objective_aggregation)
+        multi_objective_aggregation=cfg.multi_objective_aggregation,
+    )
     n = len(advantages) // t.info.world_size
     first = t.info.rank * n
-    return advantages[first:first + n]
+    return advantages[first : first + n]
 
 
 # -----------------------------------------------------------------------------
@@ -144,9 +146,13 @@ def frozen_logprobs(model, ro: Rollout, t: Trainer) -> torch.Tensor:
         rows = slice(i, i + size)
         with t.autocast:
             logps, _ = t.kernels.token_logprobs(
-                model, ro.input_ids[rows], ro.attention_mask[rows],
-                ro.completion_mask[rows], temperature=t.cfg.temperature,
-                vocab_size=t.tok.vocab_size)
+                model,
+                ro.input_ids[rows],
+                ro.attention_mask[rows],
+                ro.completion_mask[rows],
+                temperature=t.cfg.temperature,
+                vocab_size=t.tok.vocab_size,
+            )
         parts.append(logps)
     model.train(was_training)
     return torch.cat(parts)
@@ -166,7 +172,7 @@ def micro_batches(t: Trainer, ro: Rollout, rnd: int) -> list[tuple]:
     seed = round_seed(t.cfg, rnd, t.info.rank, salt=1)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     perm = perm.to(t.info.device)
-    micro = [perm[i:i + size] for i in range(0, n, size)]
+    micro = [perm[i : i + size] for i in range(0, n, size)]
     return [(ro, micro[k]) for k in t.sched.replay_order()]
 
 
@@ -183,31 +189,40 @@ def optimizer_step(t: Trainer, micro) -> dict:
     total_loss = 0.0
     for k, (ro, idx) in enumerate(micro):
         dist.gradient_sync(t.model, enabled=(k == GA - 1))
-        # rows without advantage need no backward (fast/logprobs.py)
         with t.autocast:
             logps, entropies = t.kernels.policy_logprobs(
-                t.model, ro.input_ids[idx], ro.attention_mask[idx],
-                ro.completion_mask[idx], ro.advantages[idx],
-                beta=t.loss_cfg.beta, entropy_bonus=bonus,
+                t.model,
+                ro.input_ids[idx],
+                ro.attention_mask[idx],
+                ro.completion_mask[idx],
+                ro.advantages[idx],
+                beta=t.loss_cfg.beta,
+                entropy_bonus=bonus,
                 world_size=t.info.world_size,
-                temperature=t.cfg.temperature, vocab_size=t.tok.vocab_size)
+                temperature=t.cfg.temperature,
+                vocab_size=t.tok.vocab_size,
+            )
         inputs = LossInputs(
-            logps=logps.float(), advantages=ro.advantages[idx],
+            logps=logps.float(),
+            advantages=ro.advantages[idx],
             completion_mask=ro.completion_mask[idx],
             old_logps=rows(ro.old_logps, idx),
-            ref_logps=rows(ro.ref_logps, idx), entropies=entropies.float(),
+            ref_logps=rows(ro.ref_logps, idx),
+            entropies=entropies.float(),
             sampling_logps=rows(ro.sampling_logps, idx),
-            trainer_logps=rows(ro.trainer_logps, idx))
+            trainer_logps=rows(ro.trainer_logps, idx),
+        )
         scale = LossScale(
-            num_items=ro.num_items, grad_accum=GA,
+            num_items=ro.num_items,
+            grad_accum=GA,
             world_size=t.info.world_size,
-            steps_per_generation=t.sched.steps_per_generation)
+            steps_per_generation=t.sched.steps_per_generation,
+        )
         loss, metrics = grpo_step(inputs, t.loss_cfg, scale, entropy_coef=coef)
         loss.backward()
         total_loss += loss.item()
         if bonus:  # the adaptive control's [entropy sum, token count]
-            window += entropy_window(inputs.entropies,
-                                     inputs.completion_mask, t.loss_cfg)
+            window += entropy_window(inputs.entropies, inputs.completion_mask, t.loss_cfg)
         weights = report.micro_batch_weights(ro.completion_mask[idx], t.loss_cfg)
         for key, value in metrics.items():
             values.setdefault(key, []).append((value, weights.get(key, 1.0)))
@@ -236,8 +251,7 @@ def update_entropy_coef(t: Trainer, window: torch.Tensor):
     here."""
     window = dist.all_reduce_sum(window, t.info)
     t.last_entropy = (window[0] / window[1].clamp(min=1)).item()
-    t.entropy_coef = next_entropy_coef(t.loss_cfg, t.entropy_coef,
-                                       t.last_entropy)
+    t.entropy_coef = next_entropy_coef(t.loss_cfg, t.entropy_coef, t.last_entropy)
 
 
 def update(t: Trainer, micro) -> dict:
@@ -307,12 +321,17 @@ def sample_round(t: Trainer, rnd: int) -> tuple[Rollout, dict]:
         with lora.disable_adapters(t.model):
             ro.ref_logps = frozen_logprobs(t.model, ro, t)
     t3 = time.time()
-    timing = {"time/sample": t1 - t0, "time/score": t2 - t1 - extra,
-              "time/logprobs": t3 - t2}
+    timing = {"time/sample": t1 - t0, "time/score": t2 - t1 - extra, "time/logprobs": t3 - t2}
     if cfg.dynamic_sampling:  # sampling and scoring the extra batches
         timing["time/dynamic_sampling"] = extra
-    return ro, {"ro": ro, "local": local, "rewards": rewards,
-                "timing": timing, "stats": stats, "logs": logs}
+    return ro, {
+        "ro": ro,
+        "local": local,
+        "rewards": rewards,
+        "timing": timing,
+        "stats": stats,
+        "logs": logs,
+    }
 
 
 def train_cycle(t: Trainer) -> tuple[list[dict], list[dict]]:
@@ -338,7 +357,7 @@ def train_cycle(t: Trainer) -> tuple[list[dict], list[dict]]:
 
 
 def groups_with_signal(t: Trainer, ro: Rollout, local, generator, logs):
-    """DAPO's dynamic sampling (dynamic_sampling.py): the round's groups
+    """DAPO's dynamic sampling (nanogrpo/extras/dynamic_sampling.py): the round's groups
     whose rewards differ, more prompts sampled and scored until there
     are enough. local: [n, K] rewards. -> (Rollout, rewards, metrics).
     logs.columns (log_extra) then holds the kept completions' values."""
@@ -351,8 +370,15 @@ def groups_with_signal(t: Trainer, ro: Rollout, local, generator, logs):
         return more, rewards, logs.columns  # what this call logged
 
     ro, local, logs.columns, stats = dynamic_sampling(
-        ro, local, logs.columns, draw, t.reward_weights,
-        cfg.max_num_gen_batches, t.tok.pad_token_id, t.info)
+        ro,
+        local,
+        logs.columns,
+        draw,
+        t.reward_weights,
+        cfg.max_num_gen_batches,
+        t.tok.pad_token_id,
+        t.info,
+    )
     return ro, local, stats
 
 
@@ -416,7 +442,7 @@ def evaluate(t: Trainer) -> dict:
     G = t.cfg.num_generations_eval or 1
     ro = sample(t, rows, G, generator)
     rewards = reward_rollout(ro, t.reward_funcs).to(info.device)
-    rewards = dist.all_gather_rows(rewards, info)[:num_rows * G]  # [E*G, K]
+    rewards = dist.all_gather_rows(rewards, info)[: num_rows * G]  # [E*G, K]
     return report.eval_metrics(rewards, t.reward_funcs, t.reward_weights)
 
 

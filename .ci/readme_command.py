@@ -1,4 +1,5 @@
 """Print the N-th command of README.md's "Two commands" section (one bash block each)."""
+
 import re
 import sys
 

@@ -40,7 +40,7 @@ def current_rss_mb():
 def naive_logprobs(model, ids, att, cmask, temperature):
     """The memory-hungry reference: [N,C,V] fp32 logits kept for backward."""
     C = cmask.shape[1]
-    h = model.hidden_states(ids, attention_mask=att)[:, -C - 1:-1]  # [N,C,D]
+    h = model.hidden_states(ids, attention_mask=att)[:, -C - 1 : -1]  # [N,C,D]
     logits = model.lm_head(h).float() / temperature  # [N,C,V]
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, ids[:, -C:, None]).squeeze(-1)
@@ -52,18 +52,29 @@ def worker(args):
     """Build the model and batch, run one path `args.repeats` times; print a JSON line."""
     torch.manual_seed(0)
     dev = torch.device(args.device)
-    cfg = ModelConfig(model_type="qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
-                      intermediate_size=2 * args.hidden, num_hidden_layers=args.layers, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
+    cfg = ModelConfig(
+        model_type="qwen2",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     model = Transformer(cfg).to(dev)
     L = args.prompt + args.c
     ids = torch.randint(0, args.vocab, (args.n, L), device=dev)
     att = torch.ones(args.n, L, dtype=torch.long, device=dev)
     cmask = torch.ones(args.n, args.c, dtype=torch.bool, device=dev)
-    cmask[:, -args.c // 8:] = False  # some right padding
+    cmask[:, -args.c // 8 :] = False  # some right padding
     keep = {"chunked": KEEP_BYTES, "recompute": 0}.get(args.worker)
-    fn = naive_logprobs if args.worker == "naive" else (
-        lambda *a: token_logprobs(*a, chunk_size=args.chunk, keep_bytes=keep))
+    fn = (
+        naive_logprobs
+        if args.worker == "naive"
+        else (lambda *a: token_logprobs(*a, chunk_size=args.chunk, keep_bytes=keep))
+    )
 
     def step():
         logp, ent = fn(model, ids, att, cmask, 0.9)
@@ -80,7 +91,11 @@ def worker(args):
     loss = step()  # the memory run (parameter gradients are allocated in it, and counted)
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if dev.type == "cuda" else peak_rss_mb() - base
+    peak = (
+        (torch.cuda.max_memory_allocated() - base) / 2**20
+        if dev.type == "cuda"
+        else peak_rss_mb() - base
+    )
     times = []
     for _ in range(args.repeats):  # the timed runs
         model.zero_grad(set_to_none=False)
@@ -93,7 +108,9 @@ def worker(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--n", type=int, default=8, help="sequences")
     p.add_argument("--c", type=int, default=512, help="completion positions per sequence")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence")
@@ -108,9 +125,11 @@ def main():
     if args.worker:
         return worker(args)
 
-    print(f"device={args.device} N={args.n} C={args.c} prompt={args.prompt} V={args.vocab} hidden={args.hidden} "
-          f"layers={args.layers} chunk={args.chunk}; fp32 logits of all completion tokens would be "
-          f"{args.n * args.c * args.vocab * 4 / 2**20:.0f} MB")
+    print(
+        f"device={args.device} N={args.n} C={args.c} prompt={args.prompt} V={args.vocab} hidden={args.hidden} "
+        f"layers={args.layers} chunk={args.chunk}; fp32 logits of all completion tokens would be "
+        f"{args.n * args.c * args.vocab * 4 / 2**20:.0f} MB"
+    )
     rows = []
     for path in ("naive", "chunked", "recompute"):
         argv = [sys.executable, __file__, "--worker", path] + sys.argv[1:]
@@ -119,10 +138,14 @@ def main():
             sys.exit(f"{path} failed:\n{out.stderr}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = rows[0]
-    print(f"{'path':10s} {'peak MB':>9s} {'time s':>8s} {'peak ratio':>11s} {'time ratio':>11s} {'loss':>12s}")
+    print(
+        f"{'path':10s} {'peak MB':>9s} {'time s':>8s} {'peak ratio':>11s} {'time ratio':>11s} {'loss':>12s}"
+    )
     for r in rows:
-        print(f"{r['path']:10s} {r['peak_mb']:9.0f} {r['time_s']:8.2f} {r['peak_mb'] / base['peak_mb']:11.3f} "
-              f"{r['time_s'] / base['time_s']:11.2f} {r['loss']:12.6f}")
+        print(
+            f"{r['path']:10s} {r['peak_mb']:9.0f} {r['time_s']:8.2f} {r['peak_mb'] / base['peak_mb']:11.3f} "
+            f"{r['time_s'] / base['time_s']:11.2f} {r['loss']:12.6f}"
+        )
 
 
 if __name__ == "__main__":

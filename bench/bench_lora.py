@@ -34,11 +34,28 @@ from nanogrpo.model import ModelConfig, Transformer  # noqa: E402
 from nanogrpo.sampler import generate  # noqa: E402
 
 SHAPES = {
-    "bench47m": dict(model_type="qwen2", vocab_size=32000, hidden_size=512, intermediate_size=2048,
-                     num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True),
-    "smollm2": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                    tie_word_embeddings=True, rope_theta=100000.0),
+    "bench47m": dict(
+        model_type="qwen2",
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "smollm2": dict(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
 }
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear")
 
@@ -89,29 +106,49 @@ def bench_sample(shape, device, runs):
     prompts = torch.randint(0, V - 1, (2, 64), generator=torch.Generator().manual_seed(0)).tolist()
 
     def gen(m):
-        generate(m, prompts, num_samples=8, max_new_tokens=32, temperature=1.0, stop_ids={V - 1}, pad_id=0,
-                 generator=torch.Generator(device).manual_seed(0), vocab_size=V - 1)
+        generate(
+            m,
+            prompts,
+            num_samples=8,
+            max_new_tokens=32,
+            temperature=1.0,
+            stop_ids={V - 1},
+            pad_id=0,
+            generator=torch.Generator(device).manual_seed(0),
+            vocab_size=V - 1,
+        )
 
     def merged():
         merge_(model, +1)
         gen(model)
         merge_(model, -1)
 
-    t_plain, t_active, t_merged = timed([lambda: gen(plain), lambda: gen(model), merged], device, runs)
+    t_plain, t_active, t_merged = timed(
+        [lambda: gen(plain), lambda: gen(model), merged], device, runs
+    )
     t0 = time.perf_counter()
     merge_(model, +1), merge_(model, -1)
     sync(device)
     t_merge = time.perf_counter() - t0
-    print(f"{shape} sample: plain {t_plain:.2f}s | adapters active {t_active:.2f}s ({t_active / t_plain:.2f}x plain)"
-          f" | merged for the round {t_merged:.2f}s ({t_merged / t_plain:.2f}x; merge+unmerge {t_merge:.3f}s)"
-          f" | active/merged {t_active / t_merged:.2f}", flush=True)
+    print(
+        f"{shape} sample: plain {t_plain:.2f}s | adapters active {t_active:.2f}s ({t_active / t_plain:.2f}x plain)"
+        f" | merged for the round {t_merged:.2f}s ({t_merged / t_plain:.2f}x; merge+unmerge {t_merge:.3f}s)"
+        f" | active/merged {t_active / t_merged:.2f}",
+        flush=True,
+    )
 
 
 def state_bytes(model, optimizer):
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    opt = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-              if torch.is_tensor(t) and t.dim() > 0)
+    grads = sum(
+        p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None
+    )
+    opt = sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
     return params, grads, opt
 
 
@@ -137,23 +174,35 @@ def bench_train(shape, device, runs):
         total = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in lora.trainable_parameters(model))
         w, g, o = (b / 2**20 for b in state_bytes(model, opt))
-        print(f"{shape} train {name:4s}: trainable {trainable / 1e6:.2f}M of {total / 1e6:.2f}M "
-              f"({100 * trainable / total:.2f}%) | weights {w:.0f} + grads {g:.0f} + AdamW {o:.0f} = "
-              f"{w + g + o:.0f} MiB | step {t:.2f}s", flush=True)
+        print(
+            f"{shape} train {name:4s}: trainable {trainable / 1e6:.2f}M of {total / 1e6:.2f}M "
+            f"({100 * trainable / total:.2f}%) | weights {w:.0f} + grads {g:.0f} + AdamW {o:.0f} = "
+            f"{w + g + o:.0f} MiB | step {t:.2f}s",
+            flush=True,
+        )
     print(f"{shape} train: LoRA step time / full = {t_lora / t_full:.2f}", flush=True)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--parts", default="sample,train")
     p.add_argument("--shapes", default="bench47m,smollm2")
     p.add_argument("--runs", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (1 is steadiest on a shared, loaded CPU)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads (1 is steadiest on a shared, loaded CPU)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}"
+    )
     for shape in args.shapes.split(","):
         if "sample" in args.parts:
             bench_sample(shape, device, args.runs)

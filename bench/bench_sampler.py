@@ -39,22 +39,58 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanogrpo.checkpoint import save_model  # noqa: E402
+from nanogrpo.fast.sampling import (
+    StaticDecoder,
+    filter_candidates,  # noqa: E402
+    sample_next_token_fast,
+)
 from nanogrpo.model import ModelConfig, Transformer  # noqa: E402
-from nanogrpo.fast.sampling import (StaticDecoder, filter_candidates,  # noqa: E402
-                                    sample_next_token_fast)
-from nanogrpo.sampler import apply_top_p, generate, lm_logits, sample_from  # noqa: E402
-from nanogrpo.sampler import uniforms  # noqa: E402
+from nanogrpo.sampler import (  # noqa: E402
+    apply_top_p,
+    generate,
+    lm_logits,
+    sample_from,
+    uniforms,  # noqa: E402
+)
 
 PROMPT_LEN, NEW = 128, 64
 SHAPES = {
-    "47m": dict(model_type="qwen2", vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
-                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True),
-    "135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True,
-                 rope_theta=100000.0, rms_norm_eps=1e-5),
-    "qwen0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                     num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
-                     tie_word_embeddings=True, rope_theta=1000000.0),
+    "47m": dict(
+        model_type="qwen2",
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    ),
+    "135m": dict(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+    ),
+    "qwen0.5b": dict(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+    ),
 }
 
 
@@ -86,7 +122,7 @@ def matmul_limit(model, batch, device, head_chunk=2048, reps=10):
     layer times a [batch, in] activation, plus the LM head in `head_chunk`-row slices."""
     weights = [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
     head = model.lm_head.weight
-    weights += [head[i:i + head_chunk] for i in range(0, head.shape[0], head_chunk)]
+    weights += [head[i : i + head_chunk] for i in range(0, head.shape[0], head_chunk)]
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=device) for w in weights}
 
     def step():
@@ -106,8 +142,13 @@ def build(name, device, dtype, logit_std):
             ids = torch.randint(0, model.config.vocab_size, (4, 64), device=device)
             std = model(ids).float().std()
             model.norm.weight *= logit_std / std
-            kept = (apply_top_p(model(ids).float()[:, -8:].reshape(-1, model.config.vocab_size), 0.95) > -1e30).sum(-1)
-            print(f"{name}: logit std {logit_std}, top-p 0.95 nucleus median {kept.median():.0f}, max {kept.max()}")
+            kept = (
+                apply_top_p(model(ids).float()[:, -8:].reshape(-1, model.config.vocab_size), 0.95)
+                > -1e30
+            ).sum(-1)
+            print(
+                f"{name}: logit std {logit_std}, top-p 0.95 nucleus median {kept.median():.0f}, max {kept.max()}"
+            )
     return model
 
 
@@ -117,8 +158,10 @@ def bench_generation(args, device, dtype):
     except ImportError:
         AutoModelForCausalLM = None
         print("transformers not installed: no baseline column")
-    print("| model | batch | top_p | ours eager tok/s | ours compiled tok/s | transformers tok/s | eager / tf "
-          "| compiled / tf | eager / limit | compiled / limit | compile s |")
+    print(
+        "| model | batch | top_p | ours eager tok/s | ours compiled tok/s | transformers tok/s | eager / tf "
+        "| compiled / tf | eager / limit | compiled / limit | compile s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         model = build(name, device, dtype, args.logit_std)
@@ -133,24 +176,49 @@ def bench_generation(args, device, dtype):
             prompts = torch.randint(0, V - 1, (batch // G, PROMPT_LEN)).tolist()
             t_limit = matmul_limit(model, batch, device) * NEW
             for top_p in map(float, args.top_p.split(",")):
+
                 def ours(compiled):
                     def run():
-                        out = generate(model, prompts, num_samples=G, max_new_tokens=NEW, temperature=1.0,
-                                       top_p=top_p, stop_ids=[V - 1], pad_id=0, vocab_size=V - 1,
-                                       sample_token=sample_next_token_fast,
-                                       decoder=StaticDecoder if compiled else None)
+                        out = generate(
+                            model,
+                            prompts,
+                            num_samples=G,
+                            max_new_tokens=NEW,
+                            temperature=1.0,
+                            top_p=top_p,
+                            stop_ids=[V - 1],
+                            pad_id=0,
+                            vocab_size=V - 1,
+                            sample_token=sample_next_token_fast,
+                            decoder=StaticDecoder if compiled else None,
+                        )
                         assert out.completion_ids.shape == (batch, NEW) and out.truncated.all()
+
                     return run
 
                 def theirs():
                     ids = torch.tensor(prompts, device=device)
                     with torch.inference_mode():
-                        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                                          top_k=0, top_p=top_p, num_return_sequences=G, max_new_tokens=NEW,
-                                          min_new_tokens=NEW, eos_token_id=V - 1, pad_token_id=0)
+                        out = hf.generate(
+                            ids,
+                            attention_mask=torch.ones_like(ids),
+                            do_sample=True,
+                            temperature=1.0,
+                            top_k=0,
+                            top_p=top_p,
+                            num_return_sequences=G,
+                            max_new_tokens=NEW,
+                            min_new_tokens=NEW,
+                            eos_token_id=V - 1,
+                            pad_token_id=0,
+                        )
                     assert out.shape == (batch, PROMPT_LEN + NEW)
 
-                fns = [ours(False)] + ([ours(True)] if args.compile else []) + ([theirs] if hf is not None else [])
+                fns = (
+                    [ours(False)]
+                    + ([ours(True)] if args.compile else [])
+                    + ([theirs] if hf is not None else [])
+                )
                 times, warm = timed(fns, device, args.runs)
                 t_eager = times[0]
                 t_comp = times[1] if args.compile else None
@@ -160,11 +228,14 @@ def bench_generation(args, device, dtype):
                 def f(x, fmt):
                     return "-" if x is None else fmt.format(x)
 
-                print(f"| {name} | {batch} | {top_p} | {tok / t_eager:,.0f} | {f(t_comp and tok / t_comp, '{:,.0f}')} "
-                      f"| {f(t_hf and tok / t_hf, '{:,.0f}')} | {f(t_hf and t_hf / t_eager, '{:.2f}x')} "
-                      f"| {f(t_hf and t_comp and t_hf / t_comp, '{:.2f}x')} | {t_limit / t_eager:.0%} "
-                      f"| {f(t_comp and t_limit / t_comp, '{:.0%}')} "
-                      f"| {f(args.compile and warm[1] - t_comp, '{:.0f}')} |", flush=True)
+                print(
+                    f"| {name} | {batch} | {top_p} | {tok / t_eager:,.0f} | {f(t_comp and tok / t_comp, '{:,.0f}')} "
+                    f"| {f(t_hf and tok / t_hf, '{:,.0f}')} | {f(t_hf and t_hf / t_eager, '{:.2f}x')} "
+                    f"| {f(t_hf and t_comp and t_hf / t_comp, '{:.2f}x')} | {t_limit / t_eager:.0%} "
+                    f"| {f(t_comp and t_limit / t_comp, '{:.0%}')} "
+                    f"| {f(args.compile and warm[1] - t_comp, '{:.0f}')} |",
+                    flush=True,
+                )
 
 
 def bench_filter_cost(args, device, dtype):
@@ -173,8 +244,10 @@ def bench_filter_cost(args, device, dtype):
     a top-p 0.95 nucleus of median 65, 90th percentile 641, 99th 1348 tokens (SmolLM2-135M-Instruct
     sampling its own answers at temperature 1 measured median 26, p90 448, p99 1393); "flat" rows,
     std 0.5, are a random-weight model's (the nucleus is ~90% of the vocabulary: the full-sort path)."""
-    print("\n| model (vocab) | logits | decode step ms | draw, top_p 1.0 ms | top_p 0.95 ms (sorting reference) "
-          "| share of a step at 0.95 (reference) | mean nucleus |")
+    print(
+        "\n| model (vocab) | logits | decode step ms | draw, top_p 1.0 ms | top_p 0.95 ms (sorting reference) "
+        "| share of a step at 0.95 (reference) | mean nucleus |"
+    )
     print("|---|---|---|---|---|---|---|")
     B, S = 32, PROMPT_LEN + NEW
     for name in ("47m", "qwen0.5b"):
@@ -187,12 +260,20 @@ def bench_filter_cost(args, device, dtype):
 
         def step():
             with torch.no_grad():
-                h = model.hidden_states(tok, attention_mask=key_valid[:, :PROMPT_LEN + 1], positions=pos,
-                                        cache=cache, cache_start=PROMPT_LEN)
+                h = model.hidden_states(
+                    tok,
+                    attention_mask=key_valid[:, : PROMPT_LEN + 1],
+                    positions=pos,
+                    cache=cache,
+                    cache_start=PROMPT_LEN,
+                )
                 lm_logits(model, h[:, 0], V, 2048)
 
         u = uniforms(torch.arange(B, device=device), 0)
-        for label, std in (("peaked", torch.empty(B, 1).uniform_(3.5, 7.0)), ("flat", torch.tensor(0.5))):
+        for label, std in (
+            ("peaked", torch.empty(B, 1).uniform_(3.5, 7.0)),
+            ("flat", torch.tensor(0.5)),
+        ):
             logits = torch.randn(B, V, device=device) * std.to(device)
             cands = []
 
@@ -200,11 +281,21 @@ def bench_filter_cost(args, device, dtype):
                 cands.append(sample_next_token_fast(logits, u, 1.0, 0, 0.95, 0.0))
 
             (t_step, t_full, t_fast, t_ref), _ = timed(
-                [step, lambda: sample_from(logits, u), fast, lambda: sample_from(apply_top_p(logits, 0.95), u)],
-                device, args.runs * 3)
+                [
+                    step,
+                    lambda: sample_from(logits, u),
+                    fast,
+                    lambda: sample_from(apply_top_p(logits, 0.95), u),
+                ],
+                device,
+                args.runs * 3,
+            )
             K = (filter_candidates(logits, 0, 0.95, 0.0)[0] > float("-inf")).sum(1).float().mean()
-            print(f"| {name} ({V:,}) | {label} | {t_step * 1e3:.1f} | {t_full * 1e3:.2f} | {t_fast * 1e3:.2f} "
-                  f"({t_ref * 1e3:.1f}) | {t_fast / t_step:.1%} ({t_ref / t_step:.0%}) | {K:,.0f} |", flush=True)
+            print(
+                f"| {name} ({V:,}) | {label} | {t_step * 1e3:.1f} | {t_full * 1e3:.2f} | {t_fast * 1e3:.2f} "
+                f"({t_ref * 1e3:.1f}) | {t_fast / t_step:.1%} ({t_ref / t_step:.0%}) | {K:,.0f} |",
+                flush=True,
+            )
 
 
 def bench_train_compile(args, device, dtype):
@@ -221,10 +312,13 @@ def bench_train_compile(args, device, dtype):
             logps = m(ids).float().log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None])
             logps.mean().backward()
             m.zero_grad(set_to_none=True)
+
         return run
 
     (t_eager, t_comp), (_, warm) = timed([step(model), step(compiled)], device, args.runs)
-    print("| training step (47m, [4, 192] fwd+bwd) | eager s | Blocks compiled s | speed-up | compile s |")
+    print(
+        "| training step (47m, [4, 192] fwd+bwd) | eager s | Blocks compiled s | speed-up | compile s |"
+    )
     print("|---|---|---|---|---|")
     print(f"| | {t_eager:.2f} | {t_comp:.2f} | {t_eager / t_comp:.2f}x | {warm - t_comp:.0f} |")
 
@@ -239,15 +333,25 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--compile", action="store_true", help="also time generate(decoder=StaticDecoder)")
+    ap.add_argument(
+        "--compile", action="store_true", help="also time generate(decoder=StaticDecoder)"
+    )
     ap.add_argument("--no_hf", action="store_true", help="skip transformers")
-    ap.add_argument("--filter_cost", action="store_true", help="only the filters-vs-decode-step table")
-    ap.add_argument("--train_compile", action="store_true", help="only: does compiling the Blocks pay for training")
+    ap.add_argument(
+        "--filter_cost", action="store_true", help="only the filters-vs-decode-step table"
+    )
+    ap.add_argument(
+        "--train_compile",
+        action="store_true",
+        help="only: does compiling the Blocks pay for training",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    print(f"{args.device} {args.dtype}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}; "
-          f"{PROMPT_LEN} prompt tokens, {NEW} new tokens, logit std {args.logit_std or 'as initialized'}\n")
+    print(
+        f"{args.device} {args.dtype}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}; "
+        f"{PROMPT_LEN} prompt tokens, {NEW} new tokens, logit std {args.logit_std or 'as initialized'}\n"
+    )
     if args.filter_cost:
         bench_filter_cost(args, device, dtype)
     elif args.train_compile:

@@ -29,13 +29,24 @@ sys.path.insert(0, ROOT)
 from nanogrpo.run.configurator import read_config_file  # noqa: E402
 
 INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"  # tiny.py's random model, built at --model
-SHARED = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "max_completion_length", "temperature",
-          "loss_type", "beta", "learning_rate", "adam_beta2", "max_grad_norm")  # what trl_runner.py takes too
+SHARED = (
+    "num_generations",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_completion_length",
+    "temperature",
+    "loss_type",
+    "beta",
+    "learning_rate",
+    "adam_beta2",
+    "max_grad_norm",
+)  # what trl_runner.py takes too
 
 
 def tiny_settings() -> tuple[list[str], int]:
     """configs/tiny.py's shared settings as --key=value flags, and its max_steps."""
     from nanogrpo.run.configurator import load_config
+
     cfg = load_config(["--config", "tiny.py"])
     return [f"--{k}={getattr(cfg, k)}" for k in SHARED], cfg.max_steps
 
@@ -43,8 +54,12 @@ def tiny_settings() -> tuple[list[str], int]:
 def plain_generate(model, prompt_ids, num_samples, max_new_tokens, stop_ids, pad_id, **unused):
     """Reference sampler: every row prefilled separately, one multinomial draw per row and step."""
     import torch
+
     from nanogrpo.sampler import Generation
-    x = torch.tensor([p for p in prompt_ids for _ in range(num_samples)])  # equal-length prompts only
+
+    x = torch.tensor(
+        [p for p in prompt_ids for _ in range(num_samples)]
+    )  # equal-length prompts only
     N, L = x.shape
     cache = model.new_cache(N, L + max_new_tokens)
     h = model.hidden_states(x, cache=cache)
@@ -63,28 +78,53 @@ def plain_generate(model, prompt_ids, num_samples, max_new_tokens, stop_ids, pad
 def run_nanogrpo(arm, seed, work):
     """One run of the default config in this process; returns the per-step rewards."""
     import torch
+
     import train
     from nanogrpo import rollout
     from nanogrpo.run.configurator import load_config
+
     if arm == "plain":
         rollout.generate = plain_generate
     torch.manual_seed(seed)
-    cfg = load_config(["--config", "tiny.py", f"--model={work}/init-{seed}", INIT, f"--seed={seed}",
-                       f"--output_dir={work}/{arm}-{seed}", "--overwrite_output_dir=true", "--eval_strategy=no",
-                       "--save_steps=0", "--logging_steps=100000"])
+    cfg = load_config(
+        [
+            "--config",
+            "tiny.py",
+            f"--model={work}/init-{seed}",
+            INIT,
+            f"--seed={seed}",
+            f"--output_dir={work}/{arm}-{seed}",
+            "--overwrite_output_dir=true",
+            "--eval_strategy=no",
+            "--save_steps=0",
+            "--logging_steps=100000",
+        ]
+    )
     return [m["reward"] for m in train.train(cfg)]
 
 
 def run_trl(seed, work):
     """One TRL run with the default config's settings in a child process; returns the per-step rewards."""
     from bench.bench_train import make_tiny_checkpoint
+
     flags, max_steps = tiny_settings()
     make_tiny_checkpoint(f"{work}/init-{seed}", seed)  # the same init the nanogrpo arms use
     out = f"{work}/trl-{seed}"
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "trl_runner.py"), "--model", f"{work}/init-{seed}",
-           "--output_dir", out, "--max_steps", str(max_steps), "--seed", str(seed)] + [
-           part for a in flags for part in a.split("=", 1)]
-    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "bench", "trl_runner.py"),
+        "--model",
+        f"{work}/init-{seed}",
+        "--output_dir",
+        out,
+        "--max_steps",
+        str(max_steps),
+        "--seed",
+        str(seed),
+    ] + [part for a in flags for part in a.split("=", 1)]
+    subprocess.run(
+        cmd, check=True, capture_output=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT)
+    )
     with open(f"{out}/metrics.jsonl") as f:
         return [json.loads(line)["reward"] for line in f]
 
@@ -93,7 +133,9 @@ def main():
     """Run every arm on every seed (each nanogrpo run in a fresh child of this script) and summarize."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", default=",".join(str(s) for s in range(11, 27)))
-    p.add_argument("--arms", default="ours,plain,trl", help="comma-separated subset of ours,plain,trl")
+    p.add_argument(
+        "--arms", default="ours,plain,trl", help="comma-separated subset of ours,plain,trl"
+    )
     p.add_argument("--work", default=os.path.join(ROOT, "out", "bench_seeds"))
     p.add_argument("--out", default=None, help="also append the per-run JSON lines to this file")
     p.add_argument("--no_trl", action="store_true")
@@ -101,8 +143,16 @@ def main():
     args = p.parse_args()
     if args.child:  # a single nanogrpo run, isolated in its own process
         rewards = run_nanogrpo(args.child[0], int(args.child[1]), args.work)
-        print(json.dumps({"arm": args.child[0], "seed": int(args.child[1]), "last15": sum(rewards[-15:]) / 15,
-                          "steps": len(rewards)}))
+        print(
+            json.dumps(
+                {
+                    "arm": args.child[0],
+                    "seed": int(args.child[1]),
+                    "last15": sum(rewards[-15:]) / 15,
+                    "steps": len(rewards),
+                }
+            )
+        )
         return
     arms = [a for a in args.arms.split(",") if not (args.no_trl and a == "trl")]
     results = []
@@ -111,10 +161,20 @@ def main():
             t0, load = time.time(), os.getloadavg()[0]
             if arm == "trl":
                 rewards = run_trl(seed, args.work)
-                row = {"arm": arm, "seed": seed, "last15": sum(rewards[-15:]) / 15, "steps": len(rewards)}
+                row = {
+                    "arm": arm,
+                    "seed": seed,
+                    "last15": sum(rewards[-15:]) / 15,
+                    "steps": len(rewards),
+                }
             else:
-                child = subprocess.run([sys.executable, __file__, "--child", arm, str(seed), "--work", args.work],
-                                       check=True, capture_output=True, text=True, cwd=ROOT)
+                child = subprocess.run(
+                    [sys.executable, __file__, "--child", arm, str(seed), "--work", args.work],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    cwd=ROOT,
+                )
                 row = json.loads(child.stdout.strip().splitlines()[-1])
             row.update({"seconds": round(time.time() - t0, 1), "load_avg_1min": round(load, 2)})
             print(json.dumps(row), flush=True)
@@ -125,8 +185,10 @@ def main():
     for arm in arms:
         v = [r["last15"] for r in results if r["arm"] == arm]
         sd = statistics.stdev(v) if len(v) > 1 else 0.0
-        print(f"{arm:6s} last-15-step reward over {len(v)} seeds: {statistics.mean(v):.3f} ± {sd:.3f} "
-              f"(range {min(v):.2f}-{max(v):.2f}; >= 0.9 on {sum(x >= 0.9 for x in v)} of {len(v)})")
+        print(
+            f"{arm:6s} last-15-step reward over {len(v)} seeds: {statistics.mean(v):.3f} ± {sd:.3f} "
+            f"(range {min(v):.2f}-{max(v):.2f}; >= 0.9 on {sum(x >= 0.9 for x in v)} of {len(v)})"
+        )
 
 
 if __name__ == "__main__":

@@ -22,20 +22,38 @@ def main(path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from nanogrpo.extras.datasets import load_dataset
-    from nanogrpo.grpo import LossConfig, LossInputs, LossScale, grpo_step
-    from nanogrpo.fast.logprobs import token_logprobs
     from nanogrpo.checkpoint import load_model
     from nanogrpo.extras.builtin_rewards import default_task_reward
+    from nanogrpo.extras.datasets import load_dataset
+    from nanogrpo.fast.logprobs import token_logprobs
+    from nanogrpo.grpo import LossConfig, LossInputs, LossScale, grpo_step
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    args = GRPOConfig(output_dir="/tmp/check_vs_trl", num_generations=8, per_device_train_batch_size=64,
-                      gradient_accumulation_steps=2, max_completion_length=8, loss_type="dapo", beta=0.0,
-                      use_cpu=True, bf16=False, report_to="none", gradient_checkpointing=False, max_steps=1)
-    trainer = GRPOTrainer(model=hf, reward_funcs=[default_task_reward], args=args, processing_class=AutoTokenizer.from_pretrained(path),
-                          train_dataset=Dataset.from_list(load_dataset("default", seed=0)[:64]))
+    args = GRPOConfig(
+        output_dir="/tmp/check_vs_trl",
+        num_generations=8,
+        per_device_train_batch_size=64,
+        gradient_accumulation_steps=2,
+        max_completion_length=8,
+        loss_type="dapo",
+        beta=0.0,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        gradient_checkpointing=False,
+        max_steps=1,
+    )
+    trainer = GRPOTrainer(
+        model=hf,
+        reward_funcs=[default_task_reward],
+        args=args,
+        processing_class=AutoTokenizer.from_pretrained(path),
+        train_dataset=Dataset.from_list(load_dataset("default", seed=0)[:64]),
+    )
     batch = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
-    mb = {k: v[:64] if torch.is_tensor(v) and v.dim() else v for k, v in batch.items()}  # first micro-batch
+    mb = {
+        k: v[:64] if torch.is_tensor(v) and v.dim() else v for k, v in batch.items()
+    }  # first micro-batch
     hf.zero_grad()
     trl_loss = trainer.compute_loss(hf, mb)
     trl_loss.backward()
@@ -45,7 +63,9 @@ def main(path):
     ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
     attention = torch.cat([mb["prompt_mask"], mb["completion_mask"]], 1)
     logps, _ = token_logprobs(ours, ids, attention, mb["completion_mask"])
-    inputs = LossInputs(logps=logps, advantages=mb["advantages"], completion_mask=mb["completion_mask"])
+    inputs = LossInputs(
+        logps=logps, advantages=mb["advantages"], completion_mask=mb["completion_mask"]
+    )
     scale = LossScale(num_items=mb["num_items_in_batch"], grad_accum=2, steps_per_generation=2)
     loss, _ = grpo_step(inputs, LossConfig(loss_type="dapo"), scale)
     loss.backward()

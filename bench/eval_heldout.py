@@ -24,15 +24,16 @@ def main(argv=None):
     from types import SimpleNamespace
 
     import torch
+
     import train
     from nanogrpo import dist
     from nanogrpo.checkpoint import load_model
-    from nanogrpo.run.configurator import load_config
     from nanogrpo.extras.custom_rollout import resolve_rollout_func
     from nanogrpo.extras.datasets import load_dataset
     from nanogrpo.extras.environments import Environments
-    from nanogrpo.rewards import resolve_reward_funcs
     from nanogrpo.extras.tools import resolve_tools
+    from nanogrpo.rewards import resolve_reward_funcs
+    from nanogrpo.run.configurator import load_config
     from nanogrpo.tokenizer import Tokenizer
 
     cfg = load_config(sys.argv[1:] if argv is None else argv)
@@ -42,25 +43,47 @@ def main(argv=None):
     t0 = time.time()
     tok = Tokenizer.from_pretrained(cfg.model)
     model = load_model(cfg.model, dtype=torch.float32, device=info.device).eval()
-    funcs = resolve_reward_funcs(cfg.reward_funcs, max_completion_length=cfg.max_completion_length,
-                                 soft_punish_cache=cfg.soft_punish_cache)
-    tools = resolve_tools(cfg.tools) if cfg.tools else None  # a tool-calling config evaluates with its tools
+    funcs = resolve_reward_funcs(
+        cfg.reward_funcs,
+        max_completion_length=cfg.max_completion_length,
+        soft_punish_cache=cfg.soft_punish_cache,
+    )
+    tools = (
+        resolve_tools(cfg.tools) if cfg.tools else None
+    )  # a tool-calling config evaluates with its tools
     weights = cfg.reward_weights or [1.0] * len(funcs)
     envs = None  # an environment config evaluates in its environments, with their rewards
     if cfg.environment_factory is not None:
         envs = Environments(cfg.environment_factory, tools)
         funcs += envs.reward_funcs()
         weights = weights + [1.0] * len(envs.reward_funcs())
-    rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split, seed=cfg.seed,
-                        needs_prompt=envs is None)[: cfg.eval_size]
-    t = SimpleNamespace(cfg=cfg, info=info, tok=tok, model=model, eval_rows=rows, reward_funcs=funcs,
-                        reward_weights=torch.tensor(weights), tools=tools, environments=envs,
-                        rollout_func=resolve_rollout_func(cfg.rollout_func),
-                        autocast=dist.autocast(info, cfg.use_bf16(info.device)))
+    rows = load_dataset(
+        cfg.eval_dataset, split=cfg.eval_split, seed=cfg.seed, needs_prompt=envs is None
+    )[: cfg.eval_size]
+    t = SimpleNamespace(
+        cfg=cfg,
+        info=info,
+        tok=tok,
+        model=model,
+        eval_rows=rows,
+        reward_funcs=funcs,
+        reward_weights=torch.tensor(weights),
+        tools=tools,
+        environments=envs,
+        rollout_func=resolve_rollout_func(cfg.rollout_func),
+        autocast=dist.autocast(info, cfg.use_bf16(info.device)),
+    )
     m = train.evaluate(t)  # reads these fields of nanogrpo.trainer.Trainer
     p, n = m["eval/pass@1"], len(rows)
-    m.update({"model": cfg.model, "eval_size": n, "eval/pass@1_se": math.sqrt(p * (1 - p) / n),
-              "seconds": round(time.time() - t0, 1), "load_avg_1min": os.getloadavg()[0]})
+    m.update(
+        {
+            "model": cfg.model,
+            "eval_size": n,
+            "eval/pass@1_se": math.sqrt(p * (1 - p) / n),
+            "seconds": round(time.time() - t0, 1),
+            "load_avg_1min": os.getloadavg()[0],
+        }
+    )
     print(json.dumps(m))
     dist.teardown()
 

@@ -18,16 +18,26 @@ def series_from(path: str, key: str) -> list[tuple[str, list[float], bool]]:
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         label = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
-        return [(label, [float("nan") if r[key] is None else r[key] for r in rows if key in r], True)]
+        return [
+            (label, [float("nan") if r[key] is None else r[key] for r in rows if key in r], True)
+        ]
     with open(path) as f:
         curves = json.load(f)["curves"]
     out = []
     for trainer in sorted({r["trainer"] for r in curves["runs"]}):
         runs = [[s[key] for s in r["steps"]] for r in curves["runs"] if r["trainer"] == trainer]
         n = min(map(len, runs))
-        out += [(f"{trainer} seed {r['seed']}", v, False)
-                for r, v in zip([r for r in curves["runs"] if r["trainer"] == trainer], runs)]
-        out.append((f"{trainer} (mean of {len(runs)} seeds)", [sum(v[i] for v in runs) / len(runs) for i in range(n)], True))
+        out += [
+            (f"{trainer} seed {r['seed']}", v, False)
+            for r, v in zip([r for r in curves["runs"] if r["trainer"] == trainer], runs)
+        ]
+        out.append(
+            (
+                f"{trainer} (mean of {len(runs)} seeds)",
+                [sum(v[i] for v in runs) / len(runs) for i in range(n)],
+                True,
+            )
+        )
     return out
 
 
@@ -41,6 +51,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -52,8 +63,14 @@ def main(argv=None):
             group = label.split(" ")[0]
             color = colors.setdefault(group, f"C{len(colors)}")
             steps = range(1, len(values) + 1)
-            ax.plot(steps, values, color=color, lw=2.0 if is_mean else 0.6, alpha=1.0 if is_mean else 0.35,
-                    label=label if is_mean else None)
+            ax.plot(
+                steps,
+                values,
+                color=color,
+                lw=2.0 if is_mean else 0.6,
+                alpha=1.0 if is_mean else 0.35,
+                label=label if is_mean else None,
+            )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"mean {args.key}" if args.key == "reward" else args.key)
     ax.grid(alpha=0.3)

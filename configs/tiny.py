@@ -1,8 +1,8 @@
 # The embedded default: what `python train.py` runs. Offline, CPU, about 40 seconds on 2 cores.
 #
-# A 0.12M-parameter (124,224) Qwen2-shaped model is created from scratch (random weights, a char-level
-# tokenizer), saved in Hugging Face format at out/tiny-init, and loaded back through the same
-# load_model path as any hub checkpoint. It then learns the default task by RL alone:
+# A 0.12M-parameter (124,224) Qwen2-shaped model is created from scratch (random weights, a
+# char-level tokenizer), saved in Hugging Face format at out/tiny-init, and loaded back through
+# the same load_model path as any hub checkpoint. It then learns the default task by RL alone:
 # copy a 4-letter string, "bhad=" -> "bhad" + eos, with a dense per-character reward
 # (nanogrpo/extras/tasks.py and builtin_rewards.default_task_score explain the task and why it
 # is learnable).
@@ -12,9 +12,17 @@
 # how reliably it learns over many seeds (README's table).
 
 model = "out/tiny-init"
-init_model = dict(model_type="qwen2", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  tie_word_embeddings=True, rope_theta=10000.0)
+init_model = dict(
+    model_type="qwen2",
+    hidden_size=64,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+)
 init_tokenizer_chars = "abcdefgh="
 device = "cpu"
 bf16 = False

@@ -19,7 +19,10 @@ dataset = "out/tools/products.jsonl"
 eval_dataset = "out/tools/products_test.jsonl"
 eval_size = 64
 # held-out: python bench/eval_heldout.py --config tools.py [--model=out/tools/checkpoint]
-reward_funcs = ["examples/tool_calculator.py:product_reward", "examples/tool_calculator.py:tool_called"]
+reward_funcs = [
+    "examples/tool_calculator.py:product_reward",
+    "examples/tool_calculator.py:tool_called",
+]
 reward_weights = [1.0, 0.0]
 tools = ["examples/tool_calculator.py:multiply"]
 max_tool_calling_iterations = 2

@@ -8,10 +8,11 @@ The recipe's optim="adamw_8bit" is refused (it needs bitsandbytes): adamw_torch 
 completions a step are not whole groups of 8 (TRL refuses them too): 8 x 1 here. output_dir/merged
 loads in transformers' pipeline("text-generation").
 """
+
 import re
 
 model = ".cache/real/smollm2-135m-instruct"
-dataset = "addition"          # chat prompts with a system prompt, and an `answer` column
+dataset = "addition"  # chat prompts with a system prompt, and an `answer` column
 
 
 def correctness_reward(prompts, completions, answer, **kwargs):

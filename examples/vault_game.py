@@ -7,7 +7,8 @@ Each episode is one room: a vault locked with a 4-digit code, and a note that te
 policy plays it in turns through the environment's two tools, written as TRL's docs write an
 environment: `read_note()` returns the note, `open_vault(code)` tries a code. The environment keeps
 the room's state (the code, the tries) and owns the reward (`get_reward`): 1 when the vault opened
-with at most two tries (success), partial credit for reading the note and then trying a code. The code is drawn per room and shown nowhere but in the note, so a
+with at most two tries (success), partial credit for reading the note and then trying a code.
+The code is drawn per room and shown nowhere but in the note, so a
 completion that guesses, or that stops after reading the note, does not succeed: the policy has to
 call one tool, read the result, and call the other with what it read.
 
@@ -19,10 +20,12 @@ import json
 import os
 import random
 
-SYSTEM = ("You are in an escape room with a locked vault. Tools: read_note() reads the note in the "
-          "room; open_vault(code) tries a code on the vault. Read the note, then open the vault with "
-          'its code. To use a tool write only <tool_call>{"name": "<tool>", "arguments": {...}}'
-          "</tool_call> and wait for the result.")
+SYSTEM = (
+    "You are in an escape room with a locked vault. Tools: read_note() reads the note in the "
+    "room; open_vault(code) tries a code on the vault. Read the note, then open the vault with "
+    'its code. To use a tool write only <tool_call>{"name": "<tool>", "arguments": {...}}'
+    "</tool_call> and wait for the result."
+)
 
 
 class VaultRoom:

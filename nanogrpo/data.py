@@ -8,15 +8,15 @@ Leaves out: where rows come from. `load_dataset` (local .jsonl/.json/.parquet fi
 Hub dataset repo, GSM8K) lives in extras/datasets.py; the built-in tasks `default`, `countdown`
 and `addition` live in extras/tasks.py.
 
-Does not know about: tokenization or chat templates (tokenizer.py renders conversational
-prompts; check_prompts calls the tokenizer it is given), rewards (rewards.py), or processes (the
-trainer gives each rank its slice of a batch).
+Does not know about: tokenization or chat templates (tokenizer/ renders conversational prompts;
+check_prompts calls the tokenizer it is given), rewards (rewards.py), or processes (train.py's
+round_prompts gives each rank its share of a batch).
 
 Choices:
 - A dataset is a plain `list[dict]`. Every row has `prompt`: a string (standard format) or a
   list of {"role", "content"} messages (conversational format), as in TRL. All other keys are
   dataset columns, passed to every reward function as keyword arguments. Where an environment
-  writes the prompt (its reset(), environments.py), a row may lack it or hold an empty one
+  writes the prompt (its reset(), extras/environments.py), a row may lack it or hold an empty one
   (`needs_prompt=False`), as TRL allows.
 - Rows are checked before step 1 (`check_rows` as they are loaded, `check_prompts` against the
   tokenizer), so a bad row stops the run with its number, not mid-run.
@@ -128,7 +128,7 @@ class PromptSampler:
     Epoch e visits the rows in torch.randperm order from a generator seeded
     with seed + e (or in file order with shuffle=False, TRL's
     shuffle_dataset); the last len(rows) % batch_size rows of each epoch's
-    order are skipped. `state_dict()` is (epoch, position), so a restored
+    order are skipped. `state_dict()` holds (epoch, position), so a restored
     sampler yields exactly what the original would have."""
 
     def __init__(self, rows: list[dict], batch_size: int, seed: int = 0, shuffle: bool = True):

@@ -8,14 +8,15 @@ Owns: `LossConfig` (TRL's GRPOConfig names and defaults, and the rules between t
 micro-batch's `LossInputs` -> its scalar loss + metrics; `LossScale` says how micro-batch
 losses add up to the optimizer step's): one function for every loss_type.
 
-Does not own: the options TRL puts around its loss, each off by default: the off-policy
-sequence mask, the importance-sampling correction between the sampler and the trainer,
+Leaves out: the options TRL puts around its loss, each off by default: the off-policy sequence
+mask, the importance-sampling correction between the sampler and the trainer,
 top_entropy_quantile's token mask, the entropy bonus and its adaptive coefficient. They live in
-nanogrpo/extras/loss_terms.py, and grpo_step calls them where an option is on. Nor: computing
-log-probs (logprobs.py), talking to other processes (the caller gathers rewards before
-`group_advantages`, sums `num_items` over ranks, averages gradients, and sums the adaptive
-entropy window, loss_terms.entropy_window, over micro-batches and ranks), the optimizer. Out of
-scope: MoE auxiliary losses.
+extras/loss_terms.py, and grpo_step calls them where an option is on. Computing log-probs is
+logprobs.py's (of it, grpo_step uses `kl_divergence`). Out of scope: MoE auxiliary losses.
+
+Does not know about: models, sampling, optimizers, or other processes (the caller gathers rewards
+before `group_advantages`, sums `num_items` over ranks, averages gradients, and sums the adaptive
+entropy window, loss_terms.entropy_window, over micro-batches and ranks).
 
 Reading order: LossConfig; group_advantages; the per-token losses, one small function per idea:
     importance_ratio (token or GSPO sequence level);
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from nanogrpo.extras.loss_terms import (
+    check_options,
     entropy_bonus,
     high_entropy_mask,
     importance_sampling_metrics,
@@ -46,7 +48,6 @@ PPO_CLIP_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "luspo")
 IS_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass
@@ -81,7 +82,7 @@ class LossConfig:
     off_policy_mask_threshold: float | None = None
     # weight each token by pi_trainer / pi_sampler (TRL's name: "vllm" = the sampler)
     vllm_importance_sampling_correction: bool = True
-    vllm_importance_sampling_mode: str = "sequence_mask"  # one of IS_MODES
+    vllm_importance_sampling_mode: str = "sequence_mask"  # one of loss_terms.IS_MODES
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_clip_max: float | None = 3.0
 
@@ -121,39 +122,9 @@ class LossConfig:
             "'token' with loss_type='vespo' (VESPO builds its own sequence weight "
             "from token ratios)",
         )
-        self._check_algorithm(check)
+        check_options(self, check)  # the options' rules: extras/loss_terms.py
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
-
-    def _check_algorithm(self, check):
-        """The rules of the entropy bonus, OPSM and the sampler correction."""
-        check(
-            self.entropy_coef_min <= self.entropy_coef_max,
-            "entropy_coef_min",
-            f"a float <= entropy_coef_max={self.entropy_coef_max}",
-        )
-        check(self.entropy_coef_delta >= 0, "entropy_coef_delta", "a float >= 0")
-        threshold = self.off_policy_mask_threshold
-        check(
-            threshold is None or threshold >= 0,
-            "off_policy_mask_threshold",
-            "None or a float >= 0 (e.g. 0.5)",
-        )
-        mode = self.vllm_importance_sampling_mode
-        check(mode in IS_MODES, "vllm_importance_sampling_mode", ", ".join(IS_MODES))
-        low = self.vllm_importance_sampling_clip_min
-        high = self.vllm_importance_sampling_clip_max
-        check(
-            low is None or high is None or low < high,
-            "vllm_importance_sampling_clip_min",
-            f"None or a float < vllm_importance_sampling_clip_max={high}",
-        )
-        truncating = self.vllm_importance_sampling_correction and mode.endswith("truncate")
-        check(
-            not truncating or low is not None or high is not None,
-            "vllm_importance_sampling_clip_max",
-            "a float (or set vllm_importance_sampling_clip_min) with a *_truncate mode",
-        )
 
     def correction_fits_the_loss(self) -> bool:
         """VESPO folds the sampler correction into its own weight, token by token: with
@@ -185,7 +156,7 @@ def nanstd(x, dim=None, keepdim=False):
 def total_reward(rewards, weights=None):
     """The weighted total [N] of a reward matrix [N,K]: sum_k w_k R_k over the scored (non-NaN)
     entries, NaN for a row no function scored. The one definition that the advantages, training
-    metrics, evaluation, printed samples and sample.py use."""
+    metrics, evaluation, printed samples, dynamic sampling and sample.py use."""
     K = rewards.shape[1]
     w = torch.ones(K) if weights is None else torch.as_tensor(weights)
     w = w.to(dtype=rewards.dtype, device=rewards.device)
@@ -371,7 +342,7 @@ class LossInputs:
     old_logps: torch.Tensor | None = None  # None: on-policy (ratio exactly 1)
     ref_logps: torch.Tensor | None = None  # None with beta == 0
     # needed by top_entropy_quantile < 1 and the entropy bonus (then with their gradient:
-    # logprobs' entropy_grad), else only logged
+    # fast/logprobs.py gives one only with entropy_grad), else only logged
     entropies: torch.Tensor | None = None
     # the sampler's log-prob of each token it drew, for the sampler correction and OPSM;
     # None: the sampler is the old policy
@@ -383,7 +354,7 @@ class LossInputs:
 
 @dataclass
 class LossScale:
-    """How micro-batch losses add up to the optimizer step's (trl_grpo_spec §4.4)."""
+    """How micro-batch losses add up to the optimizer step's (TRL's normalizers: see aggregate)."""
 
     # active tokens over the whole generation batch, all ranks (with steps_per_generation ==
     # grad_accum, the optimizer step's); only dapo, cispo and vespo use it. None: "this
@@ -478,7 +449,12 @@ def _check_inputs(inputs, cfg, scale):
         raise ValueError(f"logps must be [N,C]; got shape {tuple(logps.shape)}")
     N = logps.shape[0]
     for name in (
-        "completion_mask", "old_logps", "ref_logps", "entropies", "sampling_logps", "trainer_logps"
+        "completion_mask",
+        "old_logps",
+        "ref_logps",
+        "entropies",
+        "sampling_logps",
+        "trainer_logps",
     ):
         x = getattr(inputs, name)
         if x is not None and x.shape != logps.shape:

@@ -1,25 +1,21 @@
 """Per-token log-probs and entropies of completion tokens; KL estimators.
 
-Owns: scoring sampled tokens under a model (the policy, the old policy,
-the reference model) and `kl_divergence`. Does not know about: losses,
-sampling, processes (under FSDP2 the model's forward gathers what it
-needs), or how the model is built beyond its call
-`model(input_ids, attention_mask=)` -> logits [N,L,V].
-
-`token_logprobs` is the definition: full logits, log_softmax, gather.
+Owns: scoring sampled tokens under a model (the policy, the old policy, the reference model) and
+`kl_divergence`. `token_logprobs` is the definition: full logits, log_softmax, gather.
 `policy_logprobs` is the update's scoring: token_logprobs with gradient.
 
-Choices: temperature divides the logits before the softmax, as TRL
-scores, and the entropy is the tempered distribution's, in nats.
-Positions with completion_mask == 0 come out as exactly 0 (no NaN).
-With the model's cast_lm_head_to_fp32 the LM head runs in float32 (the
-model's forward does it).
+Does not know about: losses, sampling, or processes (under FSDP2 the model's forward gathers
+what it needs). Of the model it calls `model(input_ids, attention_mask=)` -> logits [N,L,V].
 
-Left out, in nanogrpo/fast/logprobs.py (tests hold it equal to this
-file, values and gradients): the LM head in chunks, never the full
-[N,C,V] logits; rows that share a prompt sharing its forward; rows whose
-advantage is 0 scored without gradient; the entropy's gradient only when
-asked.
+Choices: temperature divides the logits before the softmax, as TRL scores, and the entropy is the
+tempered distribution's, in nats. Positions with completion_mask == 0 come out as exactly 0 (no
+NaN). With the model's cast_lm_head_to_fp32 the LM head runs in float32 (the model's forward
+does it).
+
+Left out, in nanogrpo/fast/logprobs.py (tests hold it equal to this file, values and
+gradients): the LM head in chunks, never the full [N,C,V] logits; rows that share a prompt
+sharing its forward; rows whose advantage is 0 scored without gradient; the entropy's gradient
+only when asked.
 """
 
 import torch
@@ -40,7 +36,7 @@ def check_shapes(input_ids, attention_mask, completion_mask, temperature):
         )
     if not temperature > 0:
         raise ValueError(
-            f"temperature={temperature} must be > 0 " "(scoring divides the logits by it)"
+            f"temperature={temperature} must be > 0 (scoring divides the logits by it)"
         )
 
 
@@ -95,8 +91,12 @@ def policy_logprobs(
     bonus) without gradient, since such a row adds nothing to the
     gradient, while every rank makes the same FSDP collectives."""
     return token_logprobs(
-        model, input_ids, attention_mask, completion_mask,
-        temperature=temperature, vocab_size=vocab_size,
+        model,
+        input_ids,
+        attention_mask,
+        completion_mask,
+        temperature=temperature,
+        vocab_size=vocab_size,
     )
 
 

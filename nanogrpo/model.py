@@ -5,8 +5,11 @@ Owns: `ModelConfig` (architecture hyper-parameters, named as in HF's config.json
 through `F.scaled_dot_product_attention`, SwiGLU MLP) and a static `KVCache`. With `num_labels`, the
 same decoder is a *ForSequenceClassification model: a `score` head replaces the LM head.
 
-Does not know about: files (checkpoint.py reads and writes config.json and safetensors),
-tokenization, sampling strategies, losses, or more than one process.
+Leaves out: reading and writing Hugging Face checkpoints (checkpoint/__init__.py: config.json,
+safetensors, tensor names), LoRA adapters on its linears (extras/lora.py), FSDP2 sharding
+(dist/__init__.py), and the LM head in chunks (fast/logprobs.py, through forward's `head`).
+
+Does not know about: files, tokenization, sampling, losses, or more than one process.
 
 Choices:
 - Parameter names mirror HF's (`layers.0.self_attn.q_proj.weight`, ...) so a checkpoint's names are

@@ -1,17 +1,19 @@
 """Reward functions and reward models, and turning their outputs into one [N, K] reward matrix.
 
 Owns: resolving config entries (`resolve_reward_funcs`: a built-in's name, looked up in
-`BUILTINS`, "module:function", "file.py:function", or a reward model's entry, which goes to
-reward_model.py), calling every function on a batch of completions (`score_completions`), and
-checking that the dataset has the columns they read (`check_reward_columns`).
+`BUILTINS`, "module:function", "file.py:function", or a reward model's entry), calling every
+function on a batch of completions (`score_completions`), checking that the dataset has the
+columns they read (`check_reward_columns`), and `import_function`, which the tools, environments
+and rollout_func settings use too.
 
 Leaves out: the built-in reward functions (`accuracy`, `format`, `soft_overlong`, `countdown`,
 `default_task`) and their `BUILTINS` table live in extras/builtin_rewards.py; the
-`TrainerState` that reward functions receive as `trainer_state` lives in extras/trainer_info.py.
-Both stay importable from here, for users' reward files.
+`TrainerState` that reward functions receive as `trainer_state` lives in extras/trainer_info.py
+(both stay importable from here, for users' reward files); loading a reward model is
+extras/reward_model.py's, imported only when an entry names one.
 
 Does not know about: the policy, advantages (grpo.py), where dataset columns come from (data.py,
-extras/datasets.py), reward models' internals (reward_model.py), or other processes.
+extras/datasets.py), or other processes.
 
 Choices:
 - TRL's calling convention, so users bring their functions unchanged: `fn(prompts, completions,
@@ -32,11 +34,10 @@ import os
 
 import torch
 
-from nanogrpo.extras.builtin_rewards import BUILTINS, soft_overlong_punishment
-
 # importable here for users' reward files (`from nanogrpo.rewards import accuracy_reward`), where
 # they lived before they moved to extras/
 from nanogrpo.extras.builtin_rewards import (  # noqa: F401
+    BUILTINS,
     accuracy_reward,
     check_equation,
     completion_text,
@@ -44,6 +45,7 @@ from nanogrpo.extras.builtin_rewards import (  # noqa: F401
     default_task_reward,
     default_task_score,
     format_reward,
+    soft_overlong_punishment,
 )
 from nanogrpo.extras.trainer_info import TrainerState, trainer_state_of  # noqa: F401
 

@@ -1,43 +1,38 @@
 """Rollouts: prompts -> G finished completions each, laid out for scoring and the update.
 
-Owns: the `Rollout` record (one generation round of one rank: every field
-the rest of the round reads, by name) and `rollout(...)`, which encodes
-the prompts, samples with `sampler.generate`, decodes, and joins prompt
-and completion into the [n, P+C] rows the log-prob pass scores.
+Owns: the `Rollout` record (one generation round of one rank: every field the rest of the round
+reads, by name) and `rollout(...)`, which encodes the prompts, samples with `sampler.generate`
+(with the config's settings: `sampling_kwargs`), decodes, and joins prompt and completion into
+the [n, P+C] rows the log-prob pass scores.
 
-Does not know about: rewards, advantages or losses (train.py fills the
-`advantages`, `old_logps`, `ref_logps`, `trainer_logps` and `num_items`
-fields), optimizers, or files.
+Does not know about: rewards, advantages or losses (train.py fills the `advantages`,
+`old_logps`, `ref_logps`, `trainer_logps` and `num_items` fields), optimizers, or files.
 
-Left out, and where it lives: the tool rounds of completions that call
-tools (nanogrpo/extras/tool_rounds.py; rollout hands them the rows that
-called), environments (nanogrpo/extras/environments.py: an `Episodes`
-record gives each completion its prompt and tools, taken as `episodes`),
-picking groups and joining rounds for DAPO's dynamic sampling
-(nanogrpo/extras/dynamic_sampling.py), and the fast draw and compiled
-decode step (nanogrpo/fast/sampling.py, passed in as `kernels`).
+Left out, and where it lives: the tool rounds of completions that call tools
+(nanogrpo/extras/tool_rounds.py; rollout hands them the rows that called), environments
+(nanogrpo/extras/environments.py: an `Episodes` record gives each completion its prompt and
+tools, taken as `episodes`), a config's rollout_func in place of all of this
+(nanogrpo/extras/custom_rollout.py), picking groups and joining rounds for DAPO's dynamic sampling
+(nanogrpo/extras/dynamic_sampling.py), and the fast draw and compiled decode step
+(nanogrpo/fast/sampling.py, passed in as `kernels`).
 
 Choices:
-- Rows are grouped: prompt i's G completions are rows i*G .. i*G+G-1, as
-  in the sampler and TRL.
-- One completion mask: `completion_mask` [n,C] is 1 on exactly the tokens
-  the loss trains on (generated tokens up to and including the first
-  stop token; a truncated row is all 0 when mask_truncated_completions is
-  on). Lengths for metrics come from `completion_lengths`.
-- Completions reach reward functions as TRL passes them: strings for
-  plain-text prompts, a message list for conversational ones (special
-  tokens skipped); the ids up to each row's end go to `completion_ids`.
-- The sampling phase runs in eval mode, without gradient, with FSDP2
-  parameters gathered once for the whole phase (`dist.gathered`).
-- The sampler's own log-probs are kept: `sampling_logps` [n,C] is each
-  sampled token's log-prob under the distribution it was drawn from
-  (after temperature, top-k, top-p, min-p), what vLLM returns with
-  logprobs_mode="processed_logprobs"; TRL's importance-sampling
-  correction compares it with the trainer's.
-- A group's G completions share one prompt, encoded and prefilled once,
-  unless `episodes` gives them different prompts (different observations
-  of their environments' reset): then each completion has its own, and
-  `prompt_ids` holds one entry per completion.
+- Rows are grouped: prompt i's G completions are rows i*G .. i*G+G-1, as in the sampler and TRL.
+- One completion mask: `completion_mask` [n,C] is 1 on exactly the tokens the loss trains on
+  (generated tokens up to and including the first stop token; a truncated row is all 0 when
+  mask_truncated_completions is on). Lengths for metrics come from `completion_lengths`.
+- Completions reach reward functions as TRL passes them: strings for plain-text prompts, a
+  message list for conversational ones (special tokens skipped); the ids up to each row's end go
+  to `completion_ids`.
+- The sampling phase runs in eval mode, without gradient, with FSDP2 parameters gathered once
+  for the whole phase (`dist.gathered`).
+- The sampler's own log-probs are kept: `sampling_logps` [n,C] is each sampled token's log-prob
+  under the distribution it was drawn from (after temperature, top-k, top-p, min-p), what vLLM
+  returns with logprobs_mode="processed_logprobs"; TRL's importance-sampling correction compares
+  it with the trainer's.
+- A group's G completions share one prompt, encoded and prefilled once, unless `episodes` gives
+  them different prompts (different observations of their environments' reset): then each
+  completion has its own, and `prompt_ids` holds one entry per completion.
 """
 
 from dataclasses import dataclass
@@ -46,9 +41,9 @@ import torch
 
 from nanogrpo import dist
 from nanogrpo.extras.generation_kwargs import generation_settings
-from nanogrpo.sampler import generate
 from nanogrpo.extras.tool_rounds import continue_with_tools, pad_tool_rows
 from nanogrpo.extras.tools import tool_schema
+from nanogrpo.sampler import generate
 
 
 @dataclass(kw_only=True)
@@ -148,8 +143,9 @@ def sampling_kwargs(cfg, tok=None, kernels=None) -> dict:
     settings.update(generation_settings(getattr(cfg, "generation_kwargs", None)))
     if settings.get("stop_strings"):
         if tok is None:
-            raise ValueError("generation_kwargs' stop strings need the tokenizer: "
-                             "sampling_kwargs(cfg, tok)")
+            raise ValueError(
+                "generation_kwargs' stop strings need the tokenizer: sampling_kwargs(cfg, tok)"
+            )
         settings["decode"] = tok.decode
     return settings
 
@@ -189,11 +185,12 @@ def rollout(
     kernels=None,
 ) -> Rollout:
     """Sample `num_generations` completions for each row's prompt with the config's sampling
-    settings, calling `tools` ({name: function}, see resolve_tools) -> a Rollout (advantages and
-    log-probs not yet filled in). With `episodes` (environments.Episodes, one entry per
-    completion), each completion has the prompt and tools given there instead, and the Rollout's
-    extra_fields hold its environment for the reward functions. kernels: the draw and decoder to
-    sample with (trainer.Kernels; None = the course's).
+    settings, calling `tools` ({name: function}, from nanogrpo/extras/tools.py's resolve_tools)
+    -> a Rollout (advantages and log-probs not yet filled in). With `episodes`
+    (environments.Episodes, one entry per completion), each completion has the prompt and tools
+    given there instead, and the Rollout's extra_fields hold its environment for the reward
+    functions. kernels: the draw and decoder to sample with (trainer.Kernels; None = the
+    course's).
     """
     G = num_generations
     if episodes is None:
@@ -230,14 +227,32 @@ def rollout(
             logps = [x[: len(t)] for x, t in zip(out.logprobs.tolist(), token_ids)]
             truncated = out.truncated.tolist()
             masks, completions, truncated, calls, failures = continue_with_tools(
-                model, tok, prompt_of, token_ids, logps, texts, truncated, row_tools, cfg,
-                generator, settings,
+                model,
+                tok,
+                prompt_of,
+                token_ids,
+                logps,
+                texts,
+                truncated,
+                row_tools,
+                cfg,
+                generator,
+                settings,
             )
     model.train(was_training)
     if calling:  # rows of different lengths, tool-result tokens masked out
         completion_ids, model_mask, sampling_logps, truncated, turns, calls, failures = (
-            pad_tool_rows(token_ids, masks, logps, truncated, completions, calls, failures,
-                          tok.pad_token_id, out.completion_ids.device)
+            pad_tool_rows(
+                token_ids,
+                masks,
+                logps,
+                truncated,
+                completions,
+                calls,
+                failures,
+                tok.pad_token_id,
+                out.completion_ids.device,
+            )
         )
     else:
         completion_ids = out.completion_ids

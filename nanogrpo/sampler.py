@@ -1,50 +1,44 @@
 """Batched, KV-cached sampling of G completions per prompt: the rollout half of GRPO.
 
-Owns: `generate`, the logit filters (repetition penalty, suppressed
-tokens, temperature, top-k, top-p, min-p: pure functions [B,V] -> [B,V],
--inf = removed), the draw of one token (`sample_next_token`) and its
-per-row random numbers (`row_keys`, `uniforms`).
-Does not know about: tokenization (prompts, stop ids and the pad id come
-as ints), rewards, losses, or more than one process. Of the model it uses
-`hidden_states(..., cache=, cache_start=)`, `new_cache`, `lm_head`,
-`config`.
+Owns: `generate`, the logit filters (repetition penalty, temperature, top-k, top-p, min-p: pure
+functions [B,V] -> [B,V], -inf = removed; `suppress` sets banned tokens to -inf), the draw of one
+token (`sample_next_token`) and its per-row random numbers (`row_keys`, `uniforms`). Read
+`sample_next_token` first: temperature, then the filters in transformers' order, then an
+inverse-CDF draw.
 
-Read `sample_next_token` first: temperature, then the filters in
-transformers' order, then an inverse-CDF draw. Left out, and where it
-lives: the same draw without sorting the vocabulary and a compiled
-static-shape decode step (nanogrpo/fast/sampling.py; generate takes them
-as `sample_token` and `decoder`, the loop is the same); TRL's
-generation_kwargs, suppressed tokens, min_new_tokens and stop strings
-(nanogrpo/extras/generation_kwargs.py, reached through generate's
-`suppress_tokens`, `min_new_tokens`, `stop_strings` arguments).
+Left out, and where it lives: the same draw without sorting the vocabulary and a compiled
+static-shape decode step (nanogrpo/fast/sampling.py; generate takes them as `sample_token` and
+`decoder`, the loop is the same); TRL's generation_kwargs, the tokens suppress_tokens and
+min_new_tokens ban, and stop strings (nanogrpo/extras/generation_kwargs.py, reached through
+generate's `suppress_tokens`, `min_new_tokens`, `stop_strings` arguments).
+
+Does not know about: tokenization (prompts, stop ids and the pad id come as ints), rewards,
+losses, or more than one process.
+
+Of the model it uses `hidden_states(..., cache=, cache_start=)`, `new_cache`, `lm_head` and
+`config`, and model.py's `lm_head_linear`.
 
 Choices:
-- Prefill once, copy to G rows: the P distinct prompts, left-padded to
-  the longest, run once into a KV cache; `cache.select` copies prompt
-  i's rows into its G samples (rows i*G .. i*G+G-1).
-- Left padding + per-row positions: a token's RoPE position counts the
-  real tokens before it and a key mask hides the pads, so a short prompt
-  in a mixed batch is computed as if alone. A decode step is one batched
-  forward of [n,1] tokens: no Python loop over rows.
-- Finished rows are dropped (the eager `Decoder`): when a quarter of the
-  live rows have stopped, the batch is compacted; the loop ends when all
-  have stopped (a host sync: every step on CPU, every 8 on GPU).
-- Output width C is the longest completion: a batch that stops early
-  comes back narrower. The mask comes from the step of each row's first
-  stop id (inclusive), never from token values, so pad_id may equal an
-  eos id; stop ids inside the prompt play no part.
-- Suppressed tokens (suppress_tokens, and the stop ids before
-  min_new_tokens) are set to -inf in the decode loop, after the
-  repetition penalty and before the draw, as transformers orders its
-  processors: both draws see the same logits, and the log-probs are
-  those of the distribution without them.
-- Logits cover the real vocabulary only (the first `vocab_size` rows of
-  lm_head): padded embedding rows can never be sampled. Sampling math is
-  fp32 whatever the model dtype.
-- RNG: counter-based, per row (`row_keys`, `uniforms`): a row's samples depend only on
-  its prompt, the model and (seed_i, j), not on its batch mates or the
-  device. Without `seeds`, one seed per prompt is drawn from `generator`
-  (or torch's RNG).
+- Prefill once, copy to G rows: the P distinct prompts, left-padded to the longest, run once into
+  a KV cache; `cache.select` copies prompt i's rows into its G samples (rows i*G .. i*G+G-1).
+- Left padding + per-row positions: a token's RoPE position counts the real tokens before it and
+  a key mask hides the pads, so a short prompt in a mixed batch is computed as if alone. A decode
+  step is one batched forward of [n,1] tokens: no Python loop over rows.
+- Finished rows are dropped (the eager `Decoder`): once a quarter of the live rows have stopped,
+  the batch is compacted; the loop ends when all have stopped (a host sync: every step on CPU,
+  every 8 on GPU).
+- Output width C is the longest completion: a batch that stops early comes back narrower. The
+  mask comes from the step of each row's first stop id (inclusive), never from token values, so
+  pad_id may equal an eos id; stop ids inside the prompt play no part.
+- Suppressed tokens (suppress_tokens, and the stop ids before min_new_tokens) are set to -inf in
+  the decode loop, after the repetition penalty and before the draw, as transformers orders its
+  processors: both draws see the same logits, and the log-probs are those of the distribution
+  without them.
+- Logits cover the real vocabulary only (the first `vocab_size` rows of lm_head): padded
+  embedding rows can never be sampled. Sampling math is fp32 whatever the model dtype.
+- RNG: counter-based, per row (`row_keys`, `uniforms`): a row's samples depend only on its
+  prompt, the model and (seed_i, j), not on its batch mates or the device. Without `seeds`, one
+  seed per prompt is drawn from `generator` (or torch's RNG).
 """
 
 import math
@@ -239,8 +233,8 @@ def need(ok, name, value, rule):
 
 
 def check_sampling(temperature, top_k, top_p, min_p, repetition_penalty):
-    """The one rule for the sampling settings (generate and TrainConfig
-    both call it); ValueError if off."""
+    """The one rule for the sampling settings (generate, TrainConfig and
+    generation_kwargs' checks call it); ValueError if off."""
     need(temperature >= 0, "temperature", temperature, "must be >= 0 (0 means greedy)")
     need(top_k >= 0, "top_k", top_k, "must be >= 0 (0 means off)")
     need(0 < top_p <= 1, "top_p", top_p, "must be in (0, 1] (1 means off)")
@@ -275,8 +269,7 @@ def check_prompts(model, prompt_ids, num_samples, max_new_tokens, vocab_size, se
     longest = max(map(len, prompt_ids))
     limit = model.config.max_position_embeddings
     too_long = (
-        f"the longest prompt ({longest}) + max_new_tokens exceeds "
-        f"max_position_embeddings={limit}"
+        f"the longest prompt ({longest}) + max_new_tokens exceeds max_position_embeddings={limit}"
     )
     need(longest + max_new_tokens <= limit, "max_new_tokens", max_new_tokens, too_long)
     ok = seeds is None or len(seeds) == len(prompt_ids)
@@ -300,9 +293,9 @@ def lm_logits(model, h, vocab_size, chunk):
 
 
 class Decoder:
-    """The eager decode step: a cache of L + C slots, grown one slot per
-    step; finished rows are compacted away. fast_sampling.StaticDecoder
-    offers the same methods with fixed shapes, for torch.compile."""
+    """The eager decode step: a cache of L + C slots, filled one slot per
+    step; finished rows are compacted away. nanogrpo/fast/sampling.py's
+    StaticDecoder offers the same methods with fixed shapes, for torch.compile."""
 
     compacts = True  # drop finished rows from the batch
 
@@ -357,8 +350,8 @@ class Rows:
         )
 
 
-# generate's `progress` when it is given none: report.open_progress sets
-# it on rank 0 of a run whose output is a terminal (rollout passes none)
+# generate's `progress` when it is given none: nanogrpo/run/report.py's open_progress sets it (a
+# status line on rank 0 when stdout is a terminal, else None); rollout passes no `progress`
 on_decode_step = None
 
 
@@ -397,9 +390,9 @@ def generate(
     and repetition_penalty 1 are off. vocab_size: the tokenizer's real
     vocabulary (default model.config.vocab_size). seeds: P ints, one per
     prompt; else drawn from `generator` or torch's RNG.
-    sample_token: sample_next_token or fast_sampling's equal and faster
-    one. decoder: a decoder class, None = the eager `Decoder`;
-    fast_sampling.StaticDecoder runs a compiled static-shape step.
+    sample_token: sample_next_token or nanogrpo/fast/sampling.py's equal
+    and faster sample_next_token_fast. decoder: a decoder class, None =
+    the eager `Decoder`; that file's StaticDecoder compiles the step.
     progress: None, or a function progress(done, total, rows) called after
     every decode step (`done` of `total` positions sampled, `rows` rows
     decoding); None = the module's `on_decode_step`, which is None too
@@ -416,7 +409,7 @@ def generate(
     stop_strings = [stop_strings] if isinstance(stop_strings, str) else stop_strings
     check_limits(min_new_tokens, stop_strings, decode)
     dev = model.lm_head.weight.device
-    # CPU BLAS multiplies [n,D] by slices of 2048 vocab rows ~1.6x faster
+    # CPU BLAS multiplies [n,D] by slices of 2048 vocab rows faster than by the whole [V,D]
     chunk = 2048 if dev.type == "cpu" else vocab_size
     decoder = (decoder or Decoder)(model, vocab_size, chunk)
     P = len(prompt_ids)
@@ -429,7 +422,9 @@ def generate(
     stops = torch.tensor(stops, dtype=torch.long, device=dev)
     settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     # the settings beyond the sampling fields: nanogrpo/extras/generation_kwargs.py
-    banned = generation_kwargs.banned_tokens(suppress_tokens, stops, min_new_tokens, vocab_size, dev)
+    banned = generation_kwargs.banned_tokens(
+        suppress_tokens, stops, min_new_tokens, vocab_size, dev
+    )
     strings = None
     if stop_strings:
         strings = generation_kwargs.StopStrings(stop_strings, decode, P * G, max_new_tokens, dev)

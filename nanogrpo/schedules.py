@@ -1,108 +1,18 @@
-"""What each optimizer step is: the batch `Schedule` (TRL's arithmetic)
-and the learning rate (transformers' `get_scheduler`, step for step).
+"""What each optimizer step is: the batch `Schedule`, TRL's arithmetic.
 
-Owns: `batch_schedule` (per_device_train_batch_size, gradient
-accumulation, steps_per_generation, processes -> every derived count),
-`total_steps` (num_train_epochs as TRL counts it), the multiplier of
-the base learning rate at each optimizer step for TRL's
-`lr_scheduler_type` values (linear, cosine, constant,
-constant_with_warmup, cosine_with_min_lr) and the warmup length.
+Owns: `batch_schedule` (per_device_train_batch_size, gradient accumulation, steps_per_generation,
+processes -> every derived count) and `total_steps` (num_train_epochs as TRL counts it).
 
-Does not know about: optimizers (train.py wraps `lr_lambda` in a
-LambdaLR) or checkpoints; it reads a TrainConfig's batch fields.
+Leaves out: the learning rate at each step (nanogrpo/extras/lr_schedules.py: transformers'
+lr_scheduler_type values) and the rules that keep the counts whole (TrainConfig's validate, in
+nanogrpo/run/config.py).
 
-Choices (transformers' own): step s runs at base_lr x lr_lambda(s), so
-the first warmup step runs at lr 0; warmup_steps wins over warmup_ratio,
-and a ratio gives ceil(warmup_ratio x max_steps) steps.
+Does not know about: optimizers, checkpoints, or processes (world_size is a number it is given);
+it reads a TrainConfig's batch fields.
 """
 
 import math
 from dataclasses import dataclass
-from functools import partial
-
-SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup",
-             "cosine_with_min_lr")
-
-
-def warmup_length(max_steps: int, warmup_steps=0, warmup_ratio=0.0) -> int:
-    """transformers' TrainingArguments.get_warmup_steps. A warmup_steps
-    below 1 is a ratio, as transformers >= 5 reads it."""
-    if 0 < warmup_steps < 1:
-        return math.ceil(max_steps * warmup_steps)
-    if warmup_steps > 0:
-        return int(warmup_steps)
-    return math.ceil(max_steps * warmup_ratio)
-
-
-def warmup(step: int, warmup_steps: int) -> float:
-    return step / max(1, warmup_steps)
-
-
-def progress(step: int, warmup_steps: int, max_steps: int) -> float:
-    """The share of the decay done: 0 after warmup, 1 at max_steps."""
-    return (step - warmup_steps) / max(1, max_steps - warmup_steps)
-
-
-def constant(step, warmup_steps, max_steps) -> float:
-    return 1.0
-
-
-def constant_with_warmup(step, warmup_steps, max_steps) -> float:
-    if step < warmup_steps:
-        return warmup(step, warmup_steps)
-    return 1.0
-
-
-def linear(step, warmup_steps, max_steps) -> float:
-    if step < warmup_steps:
-        return warmup(step, warmup_steps)
-    left = (max_steps - step) / max(1, max_steps - warmup_steps)
-    return max(0.0, left)
-
-
-def cosine(step, warmup_steps, max_steps, num_cycles=0.5) -> float:
-    if step < warmup_steps:
-        return warmup(step, warmup_steps)
-    done = progress(step, warmup_steps, max_steps)
-    return max(0.0, 0.5 * (1 + math.cos(math.pi * num_cycles * 2 * done)))
-
-
-def cosine_with_min_lr(step, warmup_steps, max_steps, num_cycles=0.5,
-                       min_lr_rate=0.0) -> float:
-    """cosine, ending at min_lr_rate x the base rate instead of 0."""
-    if step < warmup_steps:
-        return warmup(step, warmup_steps)
-    done = progress(step, warmup_steps, max_steps)
-    factor = 0.5 * (1 + math.cos(math.pi * num_cycles * 2 * done))
-    factor = factor * (1 - min_lr_rate) + min_lr_rate
-    return max(0.0, factor)
-
-
-def lr_lambda(kind: str, warmup_steps: int, max_steps: int,
-              learning_rate: float, kwargs: dict | None = None):
-    """step -> multiplier of the base learning rate. kwargs: transformers'
-    lr_scheduler_kwargs (num_cycles; min_lr or min_lr_rate)."""
-    kwargs = dict(kwargs or {})
-    if kind not in SCHEDULES:
-        raise ValueError(f"lr_scheduler_type={kind!r} is not supported; "
-                         f"use one of {', '.join(SCHEDULES)}")
-    if kind == "cosine_with_min_lr":
-        if ("min_lr" in kwargs) == ("min_lr_rate" in kwargs):
-            raise ValueError(
-                "lr_scheduler_type='cosine_with_min_lr' needs exactly one "
-                "of min_lr or min_lr_rate in lr_scheduler_kwargs")
-        if "min_lr" in kwargs:
-            kwargs["min_lr_rate"] = kwargs.pop("min_lr") / learning_rate
-    allowed = {"cosine": {"num_cycles"},
-               "cosine_with_min_lr": {"num_cycles", "min_lr_rate"}}
-    unknown = set(kwargs) - allowed.get(kind, set())
-    if unknown:
-        raise ValueError(f"lr_scheduler_kwargs {sorted(unknown)} do not "
-                         f"apply to lr_scheduler_type={kind!r}")
-    fn = globals()[kind]
-    return partial(fn, warmup_steps=warmup_steps, max_steps=max_steps,
-                   **kwargs)
-
 
 # -----------------------------------------------------------------------------
 # The batch schedule
@@ -226,19 +136,25 @@ class Schedule:
         G = self.num_generations
         rows = [
             ("ranks", self.world_size),
-            ("prompts x completions per generation round (all ranks)",
-             f"{self.prompts_per_round} x {G} = {self.generation_batch_size}"),
-            ("completions per rank per round",
-             self.completions_per_round_per_rank),
-            (f"micro-batches per round per rank ({micro}; "
-             "steps_per_generation)", self.steps_per_generation),
+            (
+                "prompts x completions per generation round (all ranks)",
+                f"{self.prompts_per_round} x {G} = {self.generation_batch_size}",
+            ),
+            ("completions per rank per round", self.completions_per_round_per_rank),
+            (
+                f"micro-batches per round per rank ({micro}; steps_per_generation)",
+                self.steps_per_generation,
+            ),
             ("passes over each round (num_iterations)", self.num_iterations),
-            ("micro-batches per optimizer step (gradient_accumulation_steps)",
-             self.gradient_accumulation_steps),
-            ("completions per optimizer step (all ranks)",
-             self.completions_per_step),
-            ("rounds -> optimizer steps (a cycle; saves fall between)",
-             f"{self.rounds_per_cycle} -> {self.steps_per_cycle}"),
+            (
+                "micro-batches per optimizer step (gradient_accumulation_steps)",
+                self.gradient_accumulation_steps,
+            ),
+            ("completions per optimizer step (all ranks)", self.completions_per_step),
+            (
+                "rounds -> optimizer steps (a cycle; saves fall between)",
+                f"{self.rounds_per_cycle} -> {self.steps_per_cycle}",
+            ),
             ("old log-probs (off-policy)", old_logps),
         ]
         if not self.whole_groups_per_rank:

@@ -1,16 +1,19 @@
-"""What train.py's algorithm holds between rounds (`Trainer`) and how a
-run builds it (`setup`): the policy (and a reference model), tokenizer,
-optimizer and learning-rate schedule, reward functions, tools and the
-prompts, each checked before step 1.
+"""What train.py's algorithm holds between rounds (`Trainer`) and how a run builds it (`setup`):
+the policy (and a reference model), tokenizer, optimizer and learning-rate schedule, reward
+functions, tools and the prompts, each checked before step 1; and `Kernels`, the functions a
+round calls where nanogrpo/fast/ has faster equal ones.
 
-Owns: `Trainer`, `setup`, and the loaders it calls (`load_policy`,
-`make_optimizer`, `build_reward_funcs`, `load_data`). With
-environment_factory, setup makes the run's `Environments` (environments.py):
-their get_reward functions join the reward functions, their tools the
-prompts' checks.
+Owns: `Trainer`, `Kernels`, `setup`, and the loaders it calls (`load_policy`, `make_optimizer`,
+`build_reward_funcs`, `load_data`). With environment_factory, setup makes the run's
+`Environments` (extras/environments.py): their get_reward functions join the reward functions,
+their tools the prompts' checks.
 
-Does not know about: what a round does with them (train.py), resume
-(run.restore fills in the fields a checkpoint holds).
+Leaves out: loading weights (checkpoint/__init__.py), the faster kernels (fast/__init__.py's
+`kernels`, which train.py picks), and the run around the algorithm: resume, saving, stops,
+metrics (run/__init__.py, run/report.py).
+
+Does not know about: what a round does with them (train.py), or resume (run.restore fills in
+the fields a checkpoint holds).
 """
 
 import math
@@ -19,21 +22,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanogrpo import checkpoint
-from nanogrpo import dist
-from nanogrpo.extras import lora
-from nanogrpo.run.config import ConfigError, TrainConfig
-from nanogrpo.extras.custom_rollout import resolve_rollout_func
+from nanogrpo import checkpoint, dist
 from nanogrpo.data import PromptSampler, check_prompts
+from nanogrpo.extras import lora
+from nanogrpo.extras.custom_rollout import resolve_rollout_func
 from nanogrpo.extras.datasets import load_dataset
 from nanogrpo.extras.environments import Environments, placeholder_rows
+from nanogrpo.extras.lr_schedules import lr_lambda, warmup_length
+from nanogrpo.extras.tools import resolve_tools, tool_schema
 from nanogrpo.grpo import LossConfig
 from nanogrpo.logprobs import policy_logprobs, token_logprobs
 from nanogrpo.rewards import check_reward_columns, resolve_reward_funcs
+from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.sampler import sample_next_token
-from nanogrpo.schedules import Schedule, lr_lambda, warmup_length
+from nanogrpo.schedules import Schedule
 from nanogrpo.tokenizer import Tokenizer
-from nanogrpo.extras.tools import resolve_tools, tool_schema
+
 
 @dataclass(frozen=True)
 class Kernels:
@@ -68,57 +72,65 @@ class Trainer:
     tools: dict  # {name: function} the policy may call
     prompts: PromptSampler  # all ranks' prompts, resumable
     eval_rows: list | None
-    autocast: object  # bf16 autocast on CUDA, else a no-op
+    autocast: object  # bf16 autocast where the run computes in bf16 on one process, else a no-op
     step: int = 0  # optimizer steps done
     round: int = 0  # generation rounds done
     # the entropy bonus's coefficient (moves with use_adaptive_entropy) and
     # the last step's mean entropy (inf: none yet); both checkpointed
     entropy_coef: float = 0.0
     last_entropy: float = math.inf
-    # environment_factory's environments (environments.py), or None
+    # environment_factory's environments (extras/environments.py), or None
     environments: Environments | None = None
-    # the config's rollout_func, resolved (custom_rollout.py), or None
+    # the config's rollout_func, resolved (extras/custom_rollout.py), or None
     rollout_func: object = None
     # the sampling and scoring functions (train.py's `kernels` sets them)
     kernels: Kernels = field(default_factory=Kernels)
 
 
 def load_policy(path, cfg: TrainConfig, info, lora_settings=None):
-    """fp32 master weights (bf16 compute under autocast), FSDP2-sharded
-    on several ranks; with lora_settings, fresh LoRA adapters on it."""
-    model = checkpoint.load_model(path, dtype=cfg.weight_dtype(),
-                                  device=info.device, info=info,
-                                  mixed_precision=cfg.use_bf16(info.device),
-                                  lora_settings=lora_settings)
+    """The policy in the config's weight dtype (float32 unless model_init_kwargs
+    says otherwise; bf16 compute under autocast, or FSDP2's mixed precision
+    on several ranks, where it is sharded); with lora_settings, fresh LoRA
+    adapters on it."""
+    model = checkpoint.load_model(
+        path,
+        dtype=cfg.weight_dtype(),
+        device=info.device,
+        info=info,
+        mixed_precision=cfg.use_bf16(info.device),
+        lora_settings=lora_settings,
+    )
     model.cast_lm_head_to_fp32 = cfg.cast_lm_head_to_fp32
     return model
 
 
 def make_optimizer(model, cfg: TrainConfig, info):
     """AdamW (transformers' optim names) and its learning-rate schedule,
-    step for step transformers' get_scheduler (schedules.py)."""
+    step for step transformers' get_scheduler (extras/lr_schedules.py)."""
     # fused: one kernel for the whole step; FSDP2's sharded parameters
     # keep the default implementation
     fused = cfg.optim == "adamw_torch_fused" and info.world_size == 1
-    optimizer = torch.optim.AdamW(lora.trainable_parameters(model),
-                                  lr=cfg.learning_rate,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay,
-                                  eps=cfg.adam_epsilon,
-                                  fused=fused)
+    optimizer = torch.optim.AdamW(
+        lora.trainable_parameters(model),
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.weight_decay,
+        eps=cfg.adam_epsilon,
+        fused=fused,
+    )
     warmup = warmup_length(cfg.max_steps, cfg.warmup_steps, cfg.warmup_ratio)
-    multiplier = lr_lambda(cfg.lr_scheduler_type, warmup, cfg.max_steps,
-                           cfg.learning_rate, cfg.lr_scheduler_kwargs)
+    multiplier = lr_lambda(
+        cfg.lr_scheduler_type, warmup, cfg.max_steps, cfg.learning_rate, cfg.lr_scheduler_kwargs
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
     return optimizer, scheduler
 
 
 def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
-    """Model (+ reference), tokenizer, optimizer, rewards, data."""
+    """Model (+ reference), tokenizer, optimizer, rewards, data, each checked before step 1."""
     torch.manual_seed(cfg.seed + info.rank)
     tok = Tokenizer.from_pretrained(cfg.model)
-    model = load_policy(resume_from or cfg.model, cfg, info,
-                        cfg.lora_settings())
+    model = load_policy(resume_from or cfg.model, cfg, info, cfg.lora_settings())
     model.gradient_checkpointing = cfg.gradient_checkpointing
     check_context(cfg, model)
     peft = hasattr(model, "lora_config")  # use_peft, or an adapter dir
@@ -137,24 +149,32 @@ def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
         reward_funcs += owned
         weights = weights + [1.0] * len(owned)
     if not reward_funcs:  # TRL's message
-        raise ConfigError("No reward source provided. Pass `reward_funcs`, or an "
-                          "`environment_factory` whose environment defines a "
-                          "`get_reward` method.")
+        raise ConfigError(
+            "No reward source provided. Pass `reward_funcs`, or an "
+            "`environment_factory` whose environment defines a "
+            "`get_reward` method."
+        )
     sched = cfg.schedule(info.world_size)
-    rows, eval_rows = load_data(cfg, tok, model, reward_funcs, tools, envs,
-                                sched.prompts_per_round)
+    rows, eval_rows = load_data(cfg, tok, model, reward_funcs, tools, envs, sched.prompts_per_round)
     # max_steps=-1: num_train_epochs passes over the prompts, as TRL counts
     cfg.max_steps = cfg.total_steps(len(rows), info.world_size)
     optimizer, scheduler = make_optimizer(model, cfg, info)
     return Trainer(
-        cfg=cfg, info=info, sched=sched, tok=tok, model=model, ref=ref,
-        optimizer=optimizer, scheduler=scheduler,
+        cfg=cfg,
+        info=info,
+        sched=sched,
+        tok=tok,
+        model=model,
+        ref=ref,
+        optimizer=optimizer,
+        scheduler=scheduler,
         loss_cfg=LossConfig(**cfg.loss_config()),
         reward_funcs=reward_funcs,
         reward_weights=torch.tensor(weights, device=info.device),
         tools=tools,
-        prompts=PromptSampler(rows, sched.prompts_per_round, seed=cfg.seed,
-                              shuffle=cfg.shuffle_dataset),
+        prompts=PromptSampler(
+            rows, sched.prompts_per_round, seed=cfg.seed, shuffle=cfg.shuffle_dataset
+        ),
         eval_rows=eval_rows,
         autocast=dist.autocast(info, cfg.use_bf16(info.device)),
         entropy_coef=cfg.entropy_coef,
@@ -169,7 +189,8 @@ def check_context(cfg: TrainConfig, model):
         raise ConfigError(
             f"max_completion_length={cfg.max_completion_length}: the "
             f"model's context is {context} positions and the prompt needs "
-            "some; lower it")
+            "some; lower it"
+        )
 
 
 def build_reward_funcs(cfg: TrainConfig, info) -> list:
@@ -180,11 +201,12 @@ def build_reward_funcs(cfg: TrainConfig, info) -> list:
         soft_punish_cache=cfg.soft_punish_cache,
         batch_size=cfg.per_device_train_batch_size,
         reward_processing_classes=cfg.reward_processing_classes,
-        device=info.device, dtype=dtype)
+        device=info.device,
+        dtype=dtype,
+    )
 
 
-def load_data(cfg: TrainConfig, tok, model, reward_funcs, tools, envs=None,
-              num_placeholder_rows=1):
+def load_data(cfg: TrainConfig, tok, model, reward_funcs, tools, envs=None, num_placeholder_rows=1):
     """Training and eval rows, checked before step 1: each prompt fits
     the context (with the tools' schemas: with environments, those of its
     row's environment) and carries every column the reward functions read
@@ -195,32 +217,32 @@ def load_data(cfg: TrainConfig, tok, model, reward_funcs, tools, envs=None,
     if cfg.dataset is None:
         rows = placeholder_rows(num_placeholder_rows)
     else:
-        rows = load_dataset(cfg.dataset, split=cfg.dataset_split,
-                            seed=cfg.seed, needs_prompt=needs_prompt)
+        rows = load_dataset(
+            cfg.dataset, split=cfg.dataset_split, seed=cfg.seed, needs_prompt=needs_prompt
+        )
     eval_rows = None
     if cfg.eval_every():
-        eval_rows = load_dataset(cfg.eval_dataset, split=cfg.eval_split,
-                                 seed=cfg.seed,
-                                 needs_prompt=needs_prompt)[: cfg.eval_size]
+        eval_rows = load_dataset(
+            cfg.eval_dataset, split=cfg.eval_split, seed=cfg.seed, needs_prompt=needs_prompt
+        )[: cfg.eval_size]
     for warning in cfg.warnings():
         dist.print0(f"warning: {warning}")
     room = model.config.max_position_embeddings - cfg.max_completion_length
     schemas = [tool_schema(fn) for fn in tools.values()] or None
-    encode = dict(max_length=cfg.max_prompt_length,
-                  **(cfg.chat_template_kwargs or {}))
-    for source, checked in ((cfg.dataset, rows),
-                            (cfg.eval_dataset, eval_rows or [])):
+    encode = dict(max_length=cfg.max_prompt_length, **(cfg.chat_template_kwargs or {}))
+    for source, checked in ((cfg.dataset, rows), (cfg.eval_dataset, eval_rows or [])):
         prompts = checked
         if envs is not None:
             envs.check_rows(checked, source)
             schemas = envs.schemas_of
             prompts = [{**row, "prompt": envs.prompt_of(row)} for row in checked]
-        cut = check_prompts(prompts, source, tok, room, tools=schemas,
-                            **encode)
+        cut = check_prompts(prompts, source, tok, room, tools=schemas, **encode)
         if cut:
-            dist.print0(f"warning: {cut} of {len(checked)} prompts of "
-                        f"{source} are longer than max_prompt_length="
-                        f"{cfg.max_prompt_length} tokens: cut from the left")
+            dist.print0(
+                f"warning: {cut} of {len(checked)} prompts of "
+                f"{source} are longer than max_prompt_length="
+                f"{cfg.max_prompt_length} tokens: cut from the left"
+            )
         if cfg.rollout_func is None:
             check_reward_columns(reward_funcs, checked, source)
     return rows, eval_rows

@@ -18,8 +18,18 @@ def fixture_path(name: str) -> str:
 def tiny_config(**overrides):
     """A small random-model ModelConfig (Qwen2-shaped unless overridden)."""
     from nanogrpo.model import ModelConfig
-    kwargs = dict(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+
+    kwargs = dict(
+        model_type="qwen2",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     kwargs.update(overrides)
     return ModelConfig(**kwargs)
 

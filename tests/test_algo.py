@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
+from conftest import fixture_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import fixture_path
 from nanogrpo.extras.loss_terms import (
     applied_entropy_coef,
     entropy_window,
@@ -36,8 +36,14 @@ def t64(rows):
 
 def step(logps, adv, mask, cfg, sampling_logps=None, entropies=None, trainer_logps=None, **scale):
     """grpo_step on-policy without a reference; **scale: LossScale's fields."""
-    inputs = LossInputs(logps=logps, advantages=adv, completion_mask=mask, entropies=entropies,
-                        sampling_logps=sampling_logps, trainer_logps=trainer_logps)
+    inputs = LossInputs(
+        logps=logps,
+        advantages=adv,
+        completion_mask=mask,
+        entropies=entropies,
+        sampling_logps=sampling_logps,
+        trainer_logps=trainer_logps,
+    )
     return grpo_step(inputs, cfg, LossScale(**scale))
 
 
@@ -120,8 +126,11 @@ def test_parity_worst_errors(capsys):
         worst[group] = (seen[0] + 1, *(max(a, b) for a, b in zip(seen[1:], err)))
     with capsys.disabled():
         for group, (n, dl, dg, de) in sorted(worst.items()):
-            print(f"\n{group:8s} {n:3d} cases vs TRL: loss {dl:.1e}, d/dlogp {dg:.1e}, "
-                  f"d/dentropy {de:.1e}", end="")
+            print(
+                f"\n{group:8s} {n:3d} cases vs TRL: loss {dl:.1e}, d/dlogp {dg:.1e}, "
+                f"d/dentropy {de:.1e}",
+                end="",
+            )
     assert max(max(v[1:]) for v in worst.values()) < 1e-9
     assert sum(v[0] for v in worst.values()) == len(CASES)
 
@@ -130,24 +139,34 @@ def test_parity_worst_errors(capsys):
 # Validation
 
 
-@pytest.mark.parametrize("kw,field", [
-    (dict(vllm_importance_sampling_mode="token"), "vllm_importance_sampling_mode"),
-    (dict(vllm_importance_sampling_clip_min=3.0), "vllm_importance_sampling_clip_min"),
-    (dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=None),
-     "vllm_importance_sampling_clip_max"),
-    (dict(off_policy_mask_threshold=-0.1), "off_policy_mask_threshold"),
-    (dict(entropy_coef_min=0.5, entropy_coef_max=0.1), "entropy_coef_min"),
-    (dict(entropy_coef_delta=-0.01), "entropy_coef_delta"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(vllm_importance_sampling_mode="token"), "vllm_importance_sampling_mode"),
+        (dict(vllm_importance_sampling_clip_min=3.0), "vllm_importance_sampling_clip_min"),
+        (
+            dict(
+                vllm_importance_sampling_mode="token_truncate",
+                vllm_importance_sampling_clip_max=None,
+            ),
+            "vllm_importance_sampling_clip_max",
+        ),
+        (dict(off_policy_mask_threshold=-0.1), "off_policy_mask_threshold"),
+        (dict(entropy_coef_min=0.5, entropy_coef_max=0.1), "entropy_coef_min"),
+        (dict(entropy_coef_delta=-0.01), "entropy_coef_delta"),
+    ],
+)
 def test_loss_config_rejects(kw, field):
     with pytest.raises(ValueError, match=f"LossConfig.{field}=.*allowed"):
         LossConfig(**kw)
 
 
 def test_truncate_without_bounds_is_fine_when_the_correction_is_off():
-    LossConfig(vllm_importance_sampling_mode="token_truncate",
-               vllm_importance_sampling_clip_max=None,
-               vllm_importance_sampling_correction=False)
+    LossConfig(
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=None,
+        vllm_importance_sampling_correction=False,
+    )
 
 
 def test_vespo_refuses_a_sequence_level_correction():
@@ -178,9 +197,12 @@ def random_batch(seed, n, c, scale=0.3):
 
 
 @PROPS
-@given(seed=st.integers(0, 10**6), n=st.integers(1, 6), c=st.integers(1, 6),
-       mode=st.sampled_from(["token_truncate", "token_mask", "sequence_truncate",
-                             "sequence_mask"]))
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 6),
+    c=st.integers(1, 6),
+    mode=st.sampled_from(["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]),
+)
 def test_agreeing_engines_change_nothing(seed, n, c, mode):
     """Sampler log-probs equal to the trainer's: every weight is 1, so loss and gradient are
     those without the correction, in every mode."""
@@ -197,9 +219,12 @@ def test_agreeing_engines_change_nothing(seed, n, c, mode):
 
 
 @PROPS
-@given(seed=st.integers(0, 10**6), n=st.integers(1, 6), c=st.integers(1, 6),
-       mode=st.sampled_from(["token_truncate", "token_mask", "sequence_truncate",
-                             "sequence_mask"]))
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 6),
+    c=st.integers(1, 6),
+    mode=st.sampled_from(["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]),
+)
 def test_trainer_logps_stand_for_the_trainer_in_the_correction(seed, n, c, mode):
     """With trainer_logps equal to the sampler's, the weights are 1 whatever the update's own
     log-probs (noisy with dropout): loss and gradient are those without the correction."""
@@ -218,8 +243,13 @@ def test_trainer_logps_stand_for_the_trainer_in_the_correction(seed, n, c, mode)
 
 
 @PROPS
-@given(seed=st.integers(0, 10**6), n=st.integers(1, 6), c=st.integers(1, 6),
-       low=st.sampled_from([None, 0.5, 0.9]), high=st.sampled_from([None, 1.1, 3.0]))
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 6),
+    c=st.integers(1, 6),
+    low=st.sampled_from([None, 0.5, 0.9]),
+    high=st.sampled_from([None, 1.1, 3.0]),
+)
 def test_importance_weights_respect_their_bounds(seed, n, c, low, high):
     """truncate: every weight in [low, high]; mask: a weight is its ratio or 0, and 0 exactly
     where the ratio leaves [low, high]; masked positions weigh 1 at token level."""
@@ -228,9 +258,11 @@ def test_importance_weights_respect_their_bounds(seed, n, c, low, high):
         for how in ("truncate", "mask"):
             if how == "truncate" and low is None and high is None:
                 continue
-            cfg = LossConfig(vllm_importance_sampling_mode=f"{level}_{how}",
-                             vllm_importance_sampling_clip_min=low,
-                             vllm_importance_sampling_clip_max=high)
+            cfg = LossConfig(
+                vllm_importance_sampling_mode=f"{level}_{how}",
+                vllm_importance_sampling_clip_min=low,
+                vllm_importance_sampling_clip_max=high,
+            )
             w = sampler_importance_weights(logp, sampling, mask, cfg)
             diff = torch.where(mask, logp - sampling, 0)
             if level == "sequence":
@@ -249,8 +281,12 @@ def test_importance_weights_respect_their_bounds(seed, n, c, low, high):
 
 
 @PROPS
-@given(seed=st.integers(0, 10**6), n=st.integers(1, 8), c=st.integers(1, 6),
-       threshold=st.floats(0.0, 1.0))
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 8),
+    c=st.integers(1, 6),
+    threshold=st.floats(0.0, 1.0),
+)
 def test_opsm_keeps_every_non_negative_advantage(seed, n, c, threshold):
     """A sequence with A >= 0 is always kept; one with A < 0 is dropped exactly when its mean
     KL from the sampler exceeds the threshold; the sequences dropped get no gradient."""
@@ -259,8 +295,7 @@ def test_opsm_keeps_every_non_negative_advantage(seed, n, c, threshold):
     assert keep[adv >= 0].all()
     kl = torch.where(mask, sampling - logp, 0).sum(-1) / mask.sum(-1).clamp(min=1)
     assert torch.equal(keep[adv < 0], (kl <= threshold)[adv < 0])
-    cfg = LossConfig(off_policy_mask_threshold=threshold,
-                     vllm_importance_sampling_correction=False)
+    cfg = LossConfig(off_policy_mask_threshold=threshold, vllm_importance_sampling_correction=False)
     x = logp.clone().requires_grad_(True)
     loss, _ = step(x, adv, mask, cfg, sampling_logps=sampling)
     (grad,) = torch.autograd.grad(loss, x)
@@ -268,8 +303,13 @@ def test_opsm_keeps_every_non_negative_advantage(seed, n, c, threshold):
 
 
 @PROPS
-@given(seed=st.integers(0, 10**6), n=st.integers(1, 6), c=st.integers(1, 6),
-       coef=st.floats(-1.0, 1.0).filter(lambda v: v != 0), accum=st.integers(1, 4))
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 6),
+    c=st.integers(1, 6),
+    coef=st.floats(-1.0, 1.0).filter(lambda v: v != 0),
+    accum=st.integers(1, 4),
+)
 def test_entropy_gradient_is_minus_coef_over_tokens(seed, n, c, coef, accum):
     """d loss / d entropy = -coef / (active tokens x grad_accum) on every active token, 0
     elsewhere, whatever the loss type; the policy gradient is unchanged by the bonus."""
@@ -287,8 +327,12 @@ def test_entropy_gradient_is_minus_coef_over_tokens(seed, n, c, coef, accum):
 
 
 @PROPS
-@given(seed=st.integers(0, 10**6), n=st.integers(1, 6), c=st.integers(1, 6),
-       quantile=st.sampled_from([1.0, 0.5, 0.2]))
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 6),
+    c=st.integers(1, 6),
+    quantile=st.sampled_from([1.0, 0.5, 0.2]),
+)
 def test_entropy_window_covers_the_tokens_the_bonus_acts_on(seed, n, c, quantile):
     """entropy_window = [sum, count] over exactly the tokens whose entropy the bonus pulls on
     (all active ones, or the top-quantile ones); masked positions may hold NaN."""
@@ -309,8 +353,13 @@ def test_entropy_window_covers_the_tokens_the_bonus_acts_on(seed, n, c, quantile
 @given(coef=st.floats(0.0, 1.0), entropy=st.floats(0.0, 5.0), steps=st.integers(1, 30))
 def test_adaptive_coefficient_stays_in_bounds(coef, entropy, steps):
     """The coefficient moves one delta a step, toward the target's side, within its bounds."""
-    cfg = LossConfig(use_adaptive_entropy=True, entropy_coef_min=0.1, entropy_coef_max=0.4,
-                     entropy_coef_delta=0.05, entropy_target=1.0)
+    cfg = LossConfig(
+        use_adaptive_entropy=True,
+        entropy_coef_min=0.1,
+        entropy_coef_max=0.4,
+        entropy_coef_delta=0.05,
+        entropy_target=1.0,
+    )
     c = min(max(coef, 0.1), 0.4)
     for _ in range(steps):
         new = next_entropy_coef(cfg, c, entropy)

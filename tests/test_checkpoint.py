@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 import torch
+from conftest import assert_no_pickle, fixture_path, forbid_unpickling, tiny_config
 from safetensors.torch import load_file
 
-from conftest import assert_no_pickle, fixture_path, forbid_unpickling, tiny_config
 from nanogrpo.checkpoint import load_model, save_model
 from nanogrpo.checkpoint.hf_format import config_from_hf, config_to_hf
 from nanogrpo.model import Transformer
@@ -30,15 +30,27 @@ def test_save_load_round_trip_is_exact(family, tmp_path):
     assert again.config == model.config
     assert again.generation_config == model.generation_config
     save_model(model, out)  # overwrite in place, now single-file
-    assert (out / "model.safetensors").exists() and not (out / "model.safetensors.index.json").exists()
+    assert (out / "model.safetensors").exists() and not (
+        out / "model.safetensors.index.json"
+    ).exists()
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
 
 def test_saved_checkpoint_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")  # a dev-only check, skipped in CI
-    model = Transformer(tiny_config(model_type="llama", tie_word_embeddings=False,
-                                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}))
+    model = Transformer(
+        tiny_config(
+            model_type="llama",
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
+    )
     save_model(model, tmp_path / "m")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
     ids = torch.randint(0, 97, (2, 20))
@@ -79,17 +91,21 @@ def test_missing_config_json(tmp_path):
 
 def test_missing_and_unexpected_tensors(tmp_path):
     from safetensors.torch import save_file
+
     dst = _copy_fixture(tmp_path)
     state = load_file(dst / "model.safetensors")
     state.pop("model.layers.1.mlp.up_proj.weight")
     state["model.layers.1.mlp.extra.weight"] = torch.zeros(2)
     save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"missing tensors \['layers.1.mlp.up_proj.weight'\].*unexpected.*extra"):
+    with pytest.raises(
+        ValueError, match=r"missing tensors \['layers.1.mlp.up_proj.weight'\].*unexpected.*extra"
+    ):
         load_model(dst)
 
 
 def test_wrong_shape(tmp_path):
     from safetensors.torch import save_file
+
     dst = _copy_fixture(tmp_path)
     state = load_file(dst / "model.safetensors")
     state["model.norm.weight"] = torch.ones(31)
@@ -98,13 +114,19 @@ def test_wrong_shape(tmp_path):
         load_model(dst)
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported"),
-    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
-    ({"num_experts": 8}, "num_experts=8"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_type='yarn'"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"model_type": "gpt2"}, "model_type='gpt2' is not supported"),
+        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
+        ({"num_experts": 8}, "num_experts=8"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
+            "rope_type='yarn'",
+        ),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ],
+)
 def test_unsupported_configs(tmp_path, change, message):
     dst = _copy_fixture(tmp_path)
     cfg = json.load(open(dst / "config.json"))
@@ -124,13 +146,25 @@ def test_missing_weights_and_bad_path(tmp_path):
 
 
 def test_legacy_rope_layout_round_trip():
-    hf = {"model_type": "llama", "vocab_size": 50, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-          "num_attention_heads": 2, "rope_theta": 500000.0,
-          "rope_scaling": {"type": "linear", "factor": 4.0}, "torch_dtype": "bfloat16"}
+    hf = {
+        "model_type": "llama",
+        "vocab_size": 50,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"type": "linear", "factor": 4.0},
+        "torch_dtype": "bfloat16",
+    }
     cfg = config_from_hf(hf)
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     out = config_to_hf(cfg)
-    assert out["rope_theta"] == 500000.0 and out["rope_scaling"]["factor"] == 4.0 and out["torch_dtype"] == "bfloat16"
+    assert (
+        out["rope_theta"] == 500000.0
+        and out["rope_scaling"]["factor"] == 4.0
+        and out["torch_dtype"] == "bfloat16"
+    )
     assert config_from_hf(out) == cfg
 
 
@@ -149,16 +183,24 @@ def test_resume_never_unpickles_code(tmp_path, monkeypatch):
     (JSON and safetensors) and resuming never calls an unpickler."""
     from nanogrpo import dist
     from nanogrpo.run.checkpoints import load_trainer_state, save_checkpoint
+
     model = Transformer(tiny_config())
     opt = torch.optim.AdamW(model.parameters())
     model(torch.zeros(1, 3, dtype=torch.long)).sum().backward()
     opt.step()
     info = dist.DistInfo()
-    ckpt = save_checkpoint(tmp_path, 1, model, opt, None, {"step": 1, "history": [{"reward": 0.5}]}, {}, info)
+    ckpt = save_checkpoint(
+        tmp_path, 1, model, opt, None, {"step": 1, "history": [{"reward": 0.5}]}, {}, info
+    )
     files = [os.path.join(d, f) for d, _, names in os.walk(ckpt) for f in names]
     assert sorted(os.path.relpath(f, ckpt) for f in files) == [
-        "config.json", "model.safetensors", "train_config.json", "trainer/optimizer.json",
-        "trainer/optimizer.safetensors", "trainer/trainer_state.json"]
+        "config.json",
+        "model.safetensors",
+        "train_config.json",
+        "trainer/optimizer.json",
+        "trainer/optimizer.safetensors",
+        "trainer/trainer_state.json",
+    ]
     assert_no_pickle(files)
     forbid_unpickling(monkeypatch)
     fresh = torch.optim.AdamW(model.parameters())
@@ -174,12 +216,18 @@ def test_resume_never_unpickles_code(tmp_path, monkeypatch):
 
 def test_prune_keeps_the_newest_and_the_resume_source(tmp_path):
     from nanogrpo.run.checkpoints import prune_checkpoints
+
     names = [f"checkpoint-{i}" for i in (1, 2, 3, 4)]
     for n in names + ["checkpoint-other"]:
         os.makedirs(tmp_path / n)
     left = prune_checkpoints(tmp_path, names, 2, keep=str(tmp_path / "checkpoint-1"))
     assert left == ["checkpoint-1", "checkpoint-3", "checkpoint-4"]
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint-3", "checkpoint-4", "checkpoint-other"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "checkpoint-1",
+        "checkpoint-3",
+        "checkpoint-4",
+        "checkpoint-other",
+    ]
     assert prune_checkpoints(tmp_path, left, None) == left
 
 

@@ -31,10 +31,21 @@ def not_a_setting():
 def test_file_then_overrides(tmp_path):
     path = tmp_path / "run.py"
     path.write_text(CONFIG_FILE)
-    cfg = load_config([
-        "--config", str(path), "--learning_rate=2e-6", "--top-p", "0.9",
-        "--gradient_checkpointing", "--eval_dataset=None", "--resume_from_checkpoint=runs/a",
-        "--reward_weights=2,3", "--epsilon_high", "0.28"])
+    cfg = load_config(
+        [
+            "--config",
+            str(path),
+            "--learning_rate=2e-6",
+            "--top-p",
+            "0.9",
+            "--gradient_checkpointing",
+            "--eval_dataset=None",
+            "--resume_from_checkpoint=runs/a",
+            "--reward_weights=2,3",
+            "--epsilon_high",
+            "0.28",
+        ]
+    )
     assert cfg.learning_rate == 2e-6
     assert cfg.top_p == 0.9
     assert cfg.gradient_checkpointing is True
@@ -60,14 +71,14 @@ def test_bare_names_are_found_in_configs_dirs(tmp_path, monkeypatch):
         load_config(["--config=absent"])
 
 
-def test_a_stray_config_in_the_current_directory_never_replaces_a_builtin(
-        tmp_path, monkeypatch):
+def test_a_stray_config_in_the_current_directory_never_replaces_a_builtin(tmp_path, monkeypatch):
     """Security regression: `python train.py` (= --config tiny.py) run from
     a directory holding any tiny.py used to execute that file instead of the
     built-in default."""
     marker = tmp_path / "ran"
     (tmp_path / "tiny.py").write_text(
-        f"open({str(marker)!r}, 'w').write('pwned')\nmodel = 'm'\nmax_steps = 3\n")
+        f"open({str(marker)!r}, 'w').write('pwned')\nmodel = 'm'\nmax_steps = 3\n"
+    )
     monkeypatch.chdir(tmp_path)
     for name in ("tiny", "tiny.py"):
         # the built-in configs/tiny.py
@@ -81,25 +92,31 @@ def test_a_stray_config_in_the_current_directory_never_replaces_a_builtin(
 
 
 def test_unknown_keys_suggest_the_closest(tmp_path):
-    with pytest.raises(ConfigError, match="'learnng_rate' on the command "
-                       "line; did you mean learning_rate"):
+    with pytest.raises(
+        ConfigError, match="'learnng_rate' on the command line; did you mean learning_rate"
+    ):
         load_config(["--learnng_rate=1e-6"])
     (tmp_path / "c.py").write_text("num_generation = 4\n")
-    with pytest.raises(ConfigError, match=r"'num_generation' in config file "
-                       r".*c\.py; did you mean num_generations"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'num_generation' in config file "
+        r".*c\.py; did you mean num_generations",
+    ):
         load_config([f"--config={tmp_path / 'c.py'}"])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--learning_rate=fast"], "learning_rate='fast': expected float"),
-    (["--seed=1.5"], "seed='1.5': expected int"),
-    (["--gradient_checkpointing=maybe"],
-     "gradient_checkpointing='maybe': expected bool"),
-    (["--reward_weights=[1, 'a']"], "reward_weights"),
-    (["--reward_weights=[1,"], "not a Python literal"),
-    (["--max_steps"], "--max_steps needs a value"),
-    (["small.py"], "unexpected argument"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--learning_rate=fast"], "learning_rate='fast': expected float"),
+        (["--seed=1.5"], "seed='1.5': expected int"),
+        (["--gradient_checkpointing=maybe"], "gradient_checkpointing='maybe': expected bool"),
+        (["--reward_weights=[1, 'a']"], "reward_weights"),
+        (["--reward_weights=[1,"], "not a Python literal"),
+        (["--max_steps"], "--max_steps needs a value"),
+        (["small.py"], "unexpected argument"),
+    ],
+)
 def test_wrong_types(argv, message):
     with pytest.raises(ConfigError, match=message):
         load_config(argv)
@@ -107,33 +124,41 @@ def test_wrong_types(argv, message):
 
 def test_file_values_are_type_checked():
     assert convert("learning_rate", 1) == 1.0
-    wrong = [("max_steps", True), ("max_steps", 2.0),
-             ("gradient_checkpointing", 1), ("model", 3), ("init_model", [1])]
+    wrong = [
+        ("max_steps", True),
+        ("max_steps", 2.0),
+        ("gradient_checkpointing", 1),
+        ("model", 3),
+        ("init_model", [1]),
+    ]
     for key, value in wrong:
         with pytest.raises(ConfigError, match=key):
             convert(key, value)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    ({"per_device_train_batch_size": 3}, "per_device_train_batch_size"),
-    ({"num_generations": 1}, "num_generations"),
-    ({"temperature": -0.1}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"model_init_kwargs": {"dtype": "fp8"}}, "model_init_kwargs"),
-    ({"model_init_kwargs": {"attn_implementation": "sdpa"}}, "model_init_kwargs"),
-    ({"optim": "adamw_8bit"}, "optim"),
-    ({"steps_per_generation": 2, "generation_batch_size": 16}, "generation_batch_size"),
-    ({"device": "tpu"}, "device"),
-    ({"max_steps": 0}, "max_steps"),
-    ({"lr_scheduler_type": "polynomial"}, "lr_scheduler_type"),
-    ({"loss_type": "ppo"}, "loss_type"),
-    ({"loss_type": "luspo"}, "loss_type"),
-    ({"reward_weights": [1.0, 2.0]}, "reward_weights"),
-    ({"delta": 0.5}, "delta"),
-    ({"sync_ref_model": True}, "sync_ref_model"),
-    ({"scale_rewards": "true"}, "scale_rewards"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ({"per_device_train_batch_size": 3}, "per_device_train_batch_size"),
+        ({"num_generations": 1}, "num_generations"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"model_init_kwargs": {"dtype": "fp8"}}, "model_init_kwargs"),
+        ({"model_init_kwargs": {"attn_implementation": "sdpa"}}, "model_init_kwargs"),
+        ({"optim": "adamw_8bit"}, "optim"),
+        ({"steps_per_generation": 2, "generation_batch_size": 16}, "generation_batch_size"),
+        ({"device": "tpu"}, "device"),
+        ({"max_steps": 0}, "max_steps"),
+        ({"lr_scheduler_type": "polynomial"}, "lr_scheduler_type"),
+        ({"loss_type": "ppo"}, "loss_type"),
+        ({"loss_type": "luspo"}, "loss_type"),
+        ({"reward_weights": [1.0, 2.0]}, "reward_weights"),
+        ({"delta": 0.5}, "delta"),
+        ({"sync_ref_model": True}, "sync_ref_model"),
+        ({"scale_rewards": "true"}, "scale_rewards"),
+    ],
+)
 def test_inconsistent_settings(overrides, key):
     with pytest.raises(ConfigError, match=key):
         TrainConfig(**overrides).validate()
@@ -142,17 +167,20 @@ def test_inconsistent_settings(overrides, key):
 def test_every_range_rule_names_real_fields_and_rejects_just_outside():
     """Each RANGES rule: its fields exist, the default passes, and a value
     just outside is refused by name."""
-    outside = {"must be at least 1": 0, "must be >= 0 (0 = off)": -1,
-               "must be > 0": 0, "must be in [0, 1)": 1,
-               "must be in [0, 1]": 1.5}
+    outside = {
+        "must be at least 1": 0,
+        "must be >= 0 (0 = off)": -1,
+        "must be > 0": 0,
+        "must be in [0, 1)": 1,
+        "must be in [0, 1]": 1.5,
+    }
     for _, why, keys in config_module.RANGES:
         for key in keys:
             assert key in configurator.FIELD_TYPES
             with pytest.raises(ConfigError, match=rf"^{key}=.*{re.escape(why)}"):
                 TrainConfig(**{key: outside[why]}).validate()
     # None = off
-    TrainConfig(soft_punish_cache=None, max_grad_norm=None,
-                save_total_limit=None).validate()
+    TrainConfig(soft_punish_cache=None, max_grad_norm=None, save_total_limit=None).validate()
 
 
 def test_defaults_follow_trl_and_loss_config():
@@ -165,6 +193,7 @@ def test_defaults_follow_trl_and_loss_config():
     assert kwargs["max_completion_length"] == cfg.max_completion_length
 
     from nanogrpo.grpo import LossConfig
+
     for f in dataclasses.fields(LossConfig):  # one default for each loss setting
         assert getattr(TrainConfig(), f.name) == f.default, f.name
     assert LossConfig(**kwargs).loss_type == "dapo"
@@ -197,8 +226,12 @@ def test_min_p_has_one_rule():
 
 
 def test_to_dict_round_trips():
-    cfg = TrainConfig(reward_funcs=["accuracy"], init_model={"hidden_size": 8},
-                      resume_from_checkpoint="x", bf16=False)
+    cfg = TrainConfig(
+        reward_funcs=["accuracy"],
+        init_model={"hidden_size": 8},
+        resume_from_checkpoint="x",
+        bf16=False,
+    )
     saved = json.loads(json.dumps(dataclasses.asdict(cfg)))
     assert TrainConfig(**saved) == cfg
     assert cfg.use_bf16("cuda:0") is False
@@ -221,8 +254,7 @@ def test_a_new_dataset_does_not_inherit_the_files_eval_set(capsys):
     assert cfg.eval_dataset is None
     err = capsys.readouterr().err
     assert "eval_dataset='default' (another task) is not used" in err
-    cfg = load_config(["--config", "tiny.py", "--dataset=countdown",
-                       "--eval_dataset=countdown"])
+    cfg = load_config(["--config", "tiny.py", "--dataset=countdown", "--eval_dataset=countdown"])
     assert cfg.eval_dataset == "countdown"
     assert load_config(["--config", "tiny.py"]).eval_dataset == "default"
 
@@ -230,8 +262,11 @@ def test_a_new_dataset_does_not_inherit_the_files_eval_set(capsys):
 def test_temperature_zero_is_refused_for_training():
     """One rule (was in train.py's setup): training samples, so temperature
     must be > 0."""
-    with pytest.raises(ConfigError, match=r"temperature=0\.0: training "
-                       "samples, so it must be > 0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"temperature=0\.0: training "
+        "samples, so it must be > 0",
+    ):
         TrainConfig(temperature=0.0).validate()
     assert TrainConfig(temperature=0.1).validate().temperature == 0.1
 
@@ -249,8 +284,9 @@ def test_lora_rules_in_one_place():
         TrainConfig(beta=0.1, sync_ref_model=True, use_peft=True).validate()
 
 
-@pytest.mark.parametrize("text, resume", [
-    ("False", False), ("false", False), ("TRUE", True), ("runs/a", "runs/a")])
+@pytest.mark.parametrize(
+    "text, resume", [("False", False), ("false", False), ("TRUE", True), ("runs/a", "runs/a")]
+)
 def test_resume_text_in_a_config_file_is_a_bool(tmp_path, text, resume):
     """Regression: resume = "False" in a config file was a checkpoint path
     named False, which train.py read as "resume"."""
@@ -277,11 +313,18 @@ def test_eval_every_zero_with_an_eval_set_is_silent():
     assert cfg.warnings() == []
 
 
-@pytest.mark.parametrize("filters", [
-    {"top_k": 50}, {"top_p": 0.9}, {"min_p": 0.05},
-    # the same filters through TRL's generation_kwargs, and its token suppression
-    {"generation_kwargs": {"top_k": 50}}, {"generation_kwargs": {"suppress_tokens": [3]}},
-    {"generation_kwargs": {"min_new_tokens": 2}}])
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {"top_k": 50},
+        {"top_p": 0.9},
+        {"min_p": 0.05},
+        # the same filters through TRL's generation_kwargs, and its token suppression
+        {"generation_kwargs": {"top_k": 50}},
+        {"generation_kwargs": {"suppress_tokens": [3]}},
+        {"generation_kwargs": {"min_new_tokens": 2}},
+    ],
+)
 def test_sampling_filters_with_the_sampler_correction_warn(filters):
     """With top-k/p or min-p the correction's weights carry the mass the filters kept: said once
     at the start, and silent once the correction is off (configs/smollm.py)."""
@@ -296,8 +339,10 @@ def test_sampling_filters_with_the_sampler_correction_warn(filters):
 def test_vespo_needs_a_token_level_sampler_correction():
     """The sampler always returns its log-probs, so the rule TRL applies per step is checked at
     load: a sequence-level mode with loss_type='vespo' is one clear error."""
-    with pytest.raises(ConfigError, match="vllm_importance_sampling_mode='sequence_mask': "
-                                          "loss_type='vespo' folds token-level"):
+    with pytest.raises(
+        ConfigError,
+        match="vllm_importance_sampling_mode='sequence_mask': loss_type='vespo' folds token-level",
+    ):
         TrainConfig(loss_type="vespo").validate()
     TrainConfig(loss_type="vespo", vllm_importance_sampling_mode="token_mask").validate()
     TrainConfig(loss_type="vespo", vllm_importance_sampling_correction=False).validate()
@@ -393,7 +438,8 @@ def test_a_config_file_may_define_reward_functions_and_tools(tmp_path):
         "    return a + b\n"
         'reward_funcs = [correctness_reward, "accuracy"]\n'
         "tools = [add]\n"
-        "model = 'm'\n")
+        "model = 'm'\n"
+    )
     cfg = load_config(["--config", str(path)])
     assert cfg.reward_funcs[0].__name__ == "correctness_reward"
     assert cfg.reward_funcs[1] == "accuracy"
@@ -401,6 +447,7 @@ def test_a_config_file_may_define_reward_functions_and_tools(tmp_path):
     with pytest.raises(ConfigError, match="reward_funcs"):
         convert("reward_funcs", [3])  # a name or a function, nothing else
     from nanogrpo.run import config_record
+
     record = config_record(cfg)
     assert record["reward_funcs"] == ["correctness_reward (config file)", "accuracy"]
     json.dumps(record)
@@ -409,6 +456,7 @@ def test_a_config_file_may_define_reward_functions_and_tools(tmp_path):
 def test_the_trl_recipe_example_loads_in_trls_names():
     """examples/trl_recipe.py: a TRL recipe, inline reward functions, LoRA."""
     from conftest import ROOT
+
     cfg = load_config(["--config", os.path.join(ROOT, "examples", "trl_recipe.py")])
     assert cfg.lr_scheduler_type == "cosine" and cfg.warmup_ratio == 0.1
     assert [f.__name__ for f in cfg.reward_funcs] == ["correctness_reward", "reward_len"]
@@ -439,21 +487,33 @@ def test_without_config_one_rule_says_which_values_run(tmp_path, capsys):
     default = load_config(["--max_steps=3"])
     assert (default.model, default.learning_rate, default.max_steps) == ("out/tiny-init", 1e-3, 3)
     assert "note: no --config and no --model: the embedded default configs/tiny.py runs" in (
-        capsys.readouterr().out)
+        capsys.readouterr().out
+    )
     for name in ("--model", "--model_name_or_path"):
         mine = load_config([name, "my/model", "--dataset", "countdown"])
         assert mine.model == "my/model" and mine.dataset == "countdown"
         trl = TrainConfig()
-        for key in ("learning_rate", "max_completion_length", "output_dir", "init_model",
-                    "eval_dataset", "device", "seed"):
+        for key in (
+            "learning_rate",
+            "max_completion_length",
+            "output_dir",
+            "init_model",
+            "eval_dataset",
+            "device",
+            "seed",
+        ):
             assert getattr(mine, key) == getattr(trl, key), key
         assert "note: no --config: TrainConfig's defaults (TRL's) with your settings" in (
-            capsys.readouterr().out)
+            capsys.readouterr().out
+        )
     assert TrainConfig().model is None  # TRL's model_name_or_path: no default
     path = tmp_path / "mine.py"
     path.write_text("learning_rate = 1e-5\n")
-    with pytest.raises(ConfigError, match=r"^no model: set model = \.\.\. .* in your config "
-                                          r"file, or pass --model"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^no model: set model = \.\.\. .* in your config "
+        r"file, or pass --model",
+    ):
         load_config(["--config", str(path)])
     assert load_config(["--config", str(path), "--model", "m"]).learning_rate == 1e-5
     assert "note:" not in capsys.readouterr().out  # --config: the user said which
@@ -463,6 +523,7 @@ def test_help_shows_the_values_that_would_run(capsys):
     """Regression: --help listed TrainConfig's defaults (lr 1e-6) while a
     bare run trained with tiny.py's (1e-3); --help --config X ignored X."""
     from nanogrpo.run import main
+
     assert "--learning_rate=0.001" in configurator.help_text([])
     assert "the embedded default configs/tiny.py" in configurator.help_text([])
     trl = configurator.help_text(["--model", "m"])
@@ -487,13 +548,13 @@ def test_help_prints_every_field_once_with_its_help_under_group_titles():
         assert f.metadata["help"], f.name
         at = [n for n, line in enumerate(lines) if line.startswith(f"  --{f.name}=")][0]
         text = []
-        for line in lines[at + 1:]:
+        for line in lines[at + 1 :]:
             if not line.startswith("      "):
                 break
             text.append(line.strip())
         assert " ".join(text) == f.metadata["help"], f.name  # its help, nothing glued
         if "group" in f.metadata:  # a title on its own line, after a blank one
-            assert lines[at - 2:at] == ["", f"  {f.metadata['group']}:"], f.name
+            assert lines[at - 2 : at] == ["", f"  {f.metadata['group']}:"], f.name
     titles = [f.metadata["group"] for f in fields if "group" in f.metadata]
     assert "batch (TRL's arithmetic)" in titles and "tools (TRL's names)" in titles
 
@@ -522,7 +583,8 @@ def test_trl_script_names_and_a_yaml_config_as_trls_cli_reads(tmp_path, capsys, 
         "use_vllm: false\n"
         "vllm_mode: colocate\n"
         "gradient_checkpointing_kwargs: {use_reentrant: false}\n"
-        "env:\n  NANOGRPO_YAML_ENV: on\n")
+        "env:\n  NANOGRPO_YAML_ENV: on\n"
+    )
     cfg = load_config(["--config", str(recipe)])
     assert (cfg.model, cfg.dataset, cfg.dataset_split) == ("my/model", "gsm8k", "train")
     assert cfg.weight_dtype() == "bfloat16" and cfg.learning_rate == 1e-6
@@ -530,14 +592,30 @@ def test_trl_script_names_and_a_yaml_config_as_trls_cli_reads(tmp_path, capsys, 
     assert cfg.save_steps == 0 and cfg.per_device_train_batch_size == 16
     assert os.environ["NANOGRPO_YAML_ENV"] == "True"  # str(YAML's on), as TRL sets it
     err = capsys.readouterr().err
-    for key in ("remove_unused_columns", "dataloader_num_workers", "vllm_mode",
-                "gradient_checkpointing_kwargs", "dataset_config"):
+    for key in (
+        "remove_unused_columns",
+        "dataloader_num_workers",
+        "vllm_mode",
+        "gradient_checkpointing_kwargs",
+        "dataset_config",
+    ):
         assert f"note: {key}" in err and "changes nothing here" in err, key
     assert "save_strategy='no': save_steps=0" in err
     # the command line's TRL names win over the file's
-    cfg = load_config(["--config", str(recipe), "--torch_dtype", "float16", "--use_cpu",
-                       "--report_to", "none", "--dataset_test_split=eval",
-                       "--save_strategy=steps", "--save_steps=50"])
+    cfg = load_config(
+        [
+            "--config",
+            str(recipe),
+            "--torch_dtype",
+            "float16",
+            "--use_cpu",
+            "--report_to",
+            "none",
+            "--dataset_test_split=eval",
+            "--save_strategy=steps",
+            "--save_steps=50",
+        ]
+    )
     assert cfg.weight_dtype() == "float16" and cfg.device == "cpu"
     assert cfg.reporters() == [] and cfg.eval_split == "eval" and cfg.save_steps == 50
     assert TrainConfig(report_to=["wandb", "tensorboard"]).reporters() == ["wandb", "tensorboard"]
@@ -545,15 +623,18 @@ def test_trl_script_names_and_a_yaml_config_as_trls_cli_reads(tmp_path, capsys, 
     assert load_config(["--bf16"]).bf16 is True  # a bare flag, as TRL's parser takes it
 
 
-@pytest.mark.parametrize("arg, message", [
-    ("--save_strategy=epoch", "save_strategy='epoch': checkpoints come every save_steps"),
-    ("--load_in_4bit=true", "'load_in_4bit' on the command line: needs bitsandbytes"),
-    ("--use_dora", "not DoRA"),
-    ("--dataset_config=socratic", "dataset_config='socratic': nanogrpo reads one file"),
-    ("--model_revision=v2", "model_revision='v2': a hub id loads its main revision"),
-    ("--lora_task_type=SEQ_CLS", "nanogrpo trains causal LMs"),
-    ("--fp16=true", "use bf16=True"),
-])
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("--save_strategy=epoch", "save_strategy='epoch': checkpoints come every save_steps"),
+        ("--load_in_4bit=true", "'load_in_4bit' on the command line: needs bitsandbytes"),
+        ("--use_dora", "not DoRA"),
+        ("--dataset_config=socratic", "dataset_config='socratic': nanogrpo reads one file"),
+        ("--model_revision=v2", "model_revision='v2': a hub id loads its main revision"),
+        ("--lora_task_type=SEQ_CLS", "nanogrpo trains causal LMs"),
+        ("--fp16=true", "use bf16=True"),
+    ],
+)
 def test_trl_values_that_would_change_the_result_are_refused(arg, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(["--model", "m", arg])
@@ -568,11 +649,14 @@ def test_two_names_for_one_setting_in_one_place_must_agree(tmp_path):
     assert load_config(["--config", str(path)]).model == "a"
 
 
-@pytest.mark.parametrize("code, key, why", [
-    ("def cb():\n    pass\ncallbacks = [cb]\n", "callbacks", "no trainer callbacks"),
-    ("import json as fsdp\n", "fsdp", "FSDP2 under torchrun"),
-    ("def ds():\n    pass\ndeepspeed = ds\n", "deepspeed", "FSDP2 under torchrun"),
-])
+@pytest.mark.parametrize(
+    "code, key, why",
+    [
+        ("def cb():\n    pass\ncallbacks = [cb]\n", "callbacks", "no trainer callbacks"),
+        ("import json as fsdp\n", "fsdp", "FSDP2 under torchrun"),
+        ("def ds():\n    pass\ndeepspeed = ds\n", "deepspeed", "FSDP2 under torchrun"),
+    ],
+)
 def test_code_under_a_trl_name_is_refused_not_dropped(tmp_path, code, key, why):
     """Regression: read_config_file skipped every module, function and
     class, so `environment_factory = MyEnv` or `rollout_func = f` vanished
@@ -591,6 +675,7 @@ def test_helpers_of_a_config_file_stay_allowed(tmp_path):
     path.write_text(
         "import math\nfrom math import sqrt\nclass Helper:\n    pass\n"
         "def my_reward(completions, **kwargs):\n    return [sqrt(4.0) for _ in completions]\n"
-        "model = 'm'\nreward_funcs = [my_reward]\n")
+        "model = 'm'\nreward_funcs = [my_reward]\n"
+    )
     cfg = load_config(["--config", str(path)])
     assert cfg.reward_funcs[0](["a"]) == [2.0]

@@ -7,12 +7,25 @@ import pytest
 from nanogrpo.data import PromptSampler, check_rows, columns_of, is_conversational
 from nanogrpo.extras.builtin_rewards import check_equation
 from nanogrpo.extras.datasets import load_dataset, read_rows
-from nanogrpo.extras.tasks import DEFAULT_TASK_CHARS, addition, countdown, gsm8k_rows, make_default_task
+from nanogrpo.extras.tasks import (
+    DEFAULT_TASK_CHARS,
+    addition,
+    countdown,
+    gsm8k_rows,
+    make_default_task,
+)
 from nanogrpo.rewards import resolve_reward_funcs, score_completions
 
-STANDARD = [{"prompt": "2+2=", "answer": "4", "level": 1}, {"prompt": "3*3=", "answer": "9", "level": 2}]
-CONVERSATIONAL = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}],
-                   "answer": "4"}]
+STANDARD = [
+    {"prompt": "2+2=", "answer": "4", "level": 1},
+    {"prompt": "3*3=", "answer": "9", "level": 2},
+]
+CONVERSATIONAL = [
+    {
+        "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}],
+        "answer": "4",
+    }
+]
 
 
 def write_jsonl(path, rows):
@@ -27,7 +40,10 @@ def test_jsonl_and_json_files(tmp_path):
     assert is_conversational(load_dataset(str(tmp_path / "rows.json"))[0])
     columns = {"prompt": ["a", "b"], "answer": ["1", "2"]}
     (tmp_path / "cols.json").write_text(json.dumps(columns))
-    assert load_dataset(str(tmp_path / "cols.json")) == [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    assert load_dataset(str(tmp_path / "cols.json")) == [
+        {"prompt": "a", "answer": "1"},
+        {"prompt": "b", "answer": "2"},
+    ]
     assert len(load_dataset(write_jsonl(tmp_path / "d.jsonl", STANDARD), num_rows=1)) == 1
 
 
@@ -51,18 +67,30 @@ def test_extra_columns_reach_reward_functions(tmp_path):
     columns = {k: [v for v in vals for _ in range(G)] for k, vals in columns_of(rows).items()}
     assert list(columns) == ["answer", "level"]
     prompts = [r["prompt"] for r in rows for _ in range(G)]
-    r = score_completions(resolve_reward_funcs(["accuracy", spy]), prompts, ["4", "5", "9", "\\boxed{9}"], None, columns)
+    r = score_completions(
+        resolve_reward_funcs(["accuracy", spy]),
+        prompts,
+        ["4", "5", "9", "\\boxed{9}"],
+        None,
+        columns,
+    )
     assert r[:, 0].tolist() == [1, 0, 1, 1]
     assert seen == {"prompts": ["2+2=", "2+2=", "3*3=", "3*3="], "level": [1, 1, 2, 2]}
 
 
 def test_columns_of_fills_missing_keys():
-    assert columns_of([{"prompt": "a", "x": 1}, {"prompt": "b", "y": 2}]) == {"x": [1, None], "y": [None, 2]}
+    assert columns_of([{"prompt": "a", "x": 1}, {"prompt": "b", "y": 2}]) == {
+        "x": [1, None],
+        "y": [None, 2],
+    }
 
 
 def test_row_errors(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"question": "q", "answer": "a"}])
-    with pytest.raises(ValueError, match=r"bad\.jsonl, row 1: no 'prompt' column \(found \['answer', 'question'\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"bad\.jsonl, row 1: no 'prompt' column \(found \['answer', 'question'\]\)",
+    ):
         load_dataset(path)
     with pytest.raises(ValueError, match="mixes standard"):
         check_rows([STANDARD[0], CONVERSATIONAL[0]], "x")
@@ -78,25 +106,41 @@ def test_row_errors(tmp_path):
 def test_gsm8k_rows():
     [row] = gsm8k_rows([{"question": "How many?", "answer": "3 + 4 = 7\n#### 1,007"}])
     assert row["answer"] == "1007"
-    assert [m["role"] for m in row["prompt"]] == ["system", "user"] and row["prompt"][1]["content"] == "How many?"
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"] and row["prompt"][1][
+        "content"
+    ] == "How many?"
     assert "\\boxed" in row["prompt"][0]["content"]
 
 
 def test_default_task():
     rows = load_dataset("default", num_rows=50, seed=3)
-    assert rows == make_default_task(50, 3) and rows != load_dataset("default", split="test", num_rows=50, seed=3)
+    assert rows == make_default_task(50, 3) and rows != load_dataset(
+        "default", split="test", num_rows=50, seed=3
+    )
     for row in rows:
-        assert row["prompt"] == row["target"] + "=" and set(row["prompt"]) <= set(DEFAULT_TASK_CHARS)
-    assert make_default_task(1, 0, reverse=True)[0]["target"] == make_default_task(1, 0)[0]["target"][::-1]
+        assert row["prompt"] == row["target"] + "=" and set(row["prompt"]) <= set(
+            DEFAULT_TASK_CHARS
+        )
+    assert (
+        make_default_task(1, 0, reverse=True)[0]["target"]
+        == make_default_task(1, 0)[0]["target"][::-1]
+    )
 
 
 def test_countdown_rows_are_solvable():
     rows = countdown(40, seed=0)
     assert rows == countdown(40, seed=0) and is_conversational(rows[0])
     for row in rows:
-        assert 3 <= len(row["nums"]) <= 4 and all(1 <= n <= 100 for n in row["nums"]) and row["target"] > 0
+        assert (
+            3 <= len(row["nums"]) <= 4
+            and all(1 <= n <= 100 for n in row["nums"])
+            and row["target"] > 0
+        )
         assert check_equation(row["equation"], row["nums"], row["target"])
-        assert str(row["target"]) in row["prompt"][0]["content"] and "<answer>" in row["prompt"][0]["content"]
+        assert (
+            str(row["target"]) in row["prompt"][0]["content"]
+            and "<answer>" in row["prompt"][0]["content"]
+        )
     assert isinstance(countdown(1, 0, conversational=False)[0]["prompt"], str)
 
 
@@ -108,7 +152,9 @@ def addition_pair(row):
 def test_addition_answers_and_held_out_split():
     train_rows = load_dataset("addition", seed=5)
     test_rows = load_dataset("addition", split="test", seed=5)
-    assert train_rows == addition(10_000, 5) and train_rows != addition(10_000, 6)  # deterministic, seeded
+    assert train_rows == addition(10_000, 5) and train_rows != addition(
+        10_000, 6
+    )  # deterministic, seeded
     assert len(test_rows) == 128 and test_rows == addition(128, 5, split="test")
     for row in train_rows[:500] + test_rows:
         a, b = addition_pair(row)
@@ -116,12 +162,22 @@ def test_addition_answers_and_held_out_split():
         assert row["prompt"][0]["role"] == "system" and is_conversational(row)
     seen = {frozenset(addition_pair(r)) for r in train_rows}
     held_out = {frozenset(addition_pair(r)) for r in addition(1000, 0, split="test")}
-    assert not seen & held_out and len(seen) + len(held_out) == 25 * 26 // 2  # disjoint, and every pair somewhere
-    assert len({addition_pair(r) for r in test_rows}) == 128  # the eval prompts are distinct problems
-    assert held_out == {frozenset(addition_pair(r)) for r in addition(1000, 9, split="test")}  # seed-independent
-    scores = score_completions(resolve_reward_funcs(["accuracy"]), [r["prompt"] for r in test_rows[:2]],
-                               [[{"role": "assistant", "content": f"{sum(addition_pair(r))}"}] for r in test_rows[:2]],
-                               None, columns_of(test_rows[:2]))
+    assert (
+        not seen & held_out and len(seen) + len(held_out) == 25 * 26 // 2
+    )  # disjoint, and every pair somewhere
+    assert (
+        len({addition_pair(r) for r in test_rows}) == 128
+    )  # the eval prompts are distinct problems
+    assert held_out == {
+        frozenset(addition_pair(r)) for r in addition(1000, 9, split="test")
+    }  # seed-independent
+    scores = score_completions(
+        resolve_reward_funcs(["accuracy"]),
+        [r["prompt"] for r in test_rows[:2]],
+        [[{"role": "assistant", "content": f"{sum(addition_pair(r))}"}] for r in test_rows[:2]],
+        None,
+        columns_of(test_rows[:2]),
+    )
     assert scores[:, 0].tolist() == [1.0, 1.0]
 
 
@@ -149,16 +205,30 @@ def test_prompt_sampler_epochs_and_resume():
 def test_prompts_are_checked_at_load():
     from nanogrpo.data import check_prompts
     from nanogrpo.tokenizer import char_level_tokenizer
+
     tok = char_level_tokenizer("abcdefgh=")
-    check_prompts([{"prompt": "abc="}, {"prompt": [{"role": "user", "content": "ab="}]}][:1], "x", tok, 8)
-    with pytest.raises(ValueError, match=r"dataset x, row 1: the tokenizer has no token for \['z'\]"):
-        check_prompts([{"prompt": "abc="}, {"prompt": "abz="}], "x", tok, 8)  # z used to become eos silently
+    check_prompts(
+        [{"prompt": "abc="}, {"prompt": [{"role": "user", "content": "ab="}]}][:1], "x", tok, 8
+    )
+    with pytest.raises(
+        ValueError, match=r"dataset x, row 1: the tokenizer has no token for \['z'\]"
+    ):
+        check_prompts(
+            [{"prompt": "abc="}, {"prompt": "abz="}], "x", tok, 8
+        )  # z used to become eos silently
     with pytest.raises(ValueError, match="row 0: the prompt is 9 tokens, more than the 8"):
         check_prompts([{"prompt": "abcdefgh="}], "x", tok, 8)
     for empty in ("", "  ", [{"role": "user", "content": ""}]):
         with pytest.raises(ValueError, match="row 1: the prompt is empty"):
-            check_rows([{"prompt": "a"} if isinstance(empty, str) else {"prompt": [{"role": "user", "content": "a"}]},
-                        {"prompt": empty}], "x")
+            check_rows(
+                [
+                    {"prompt": "a"}
+                    if isinstance(empty, str)
+                    else {"prompt": [{"role": "user", "content": "a"}]},
+                    {"prompt": empty},
+                ],
+                "x",
+            )
 
 
 def test_a_tool_prompt_is_measured_with_its_tool_schemas():
@@ -166,10 +236,12 @@ def test_a_tool_prompt_is_measured_with_its_tool_schemas():
     them must stop the run at load, not mid-run."""
     import os
     import string
+
     from conftest import fixture_path
+
     from nanogrpo.data import check_prompts
-    from nanogrpo.tokenizer import char_level_tokenizer
     from nanogrpo.extras.tools import tool_schema
+    from nanogrpo.tokenizer import char_level_tokenizer
 
     def multiply(a: int, b: int) -> int:
         """Multiply two integers.
@@ -188,7 +260,9 @@ def test_a_tool_prompt_is_measured_with_its_tool_schemas():
     with_tools = len(tok.encode_prompt(rows[0]["prompt"], tools=schemas))
     assert with_tools > plain
     check_prompts(rows, "x", tok, plain)  # fits without the schemas
-    with pytest.raises(ValueError, match=f"row 0: the prompt is {with_tools} tokens, more than the {plain}"):
+    with pytest.raises(
+        ValueError, match=f"row 0: the prompt is {with_tools} tokens, more than the {plain}"
+    ):
         check_prompts(rows, "x", tok, plain, tools=schemas)
 
 

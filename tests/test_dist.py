@@ -12,11 +12,10 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+import torch.multiprocessing as mp
+from conftest import ROOT, fixture_path
 
 from nanogrpo import fast
-import torch.multiprocessing as mp
-
-from conftest import ROOT, fixture_path
 from nanogrpo.run.configurator import read_config_file
 
 
@@ -28,9 +27,13 @@ def free_port() -> int:
 
 def join_group(rank, world_size, port):
     """torchrun's environment for this spawned process, one thread."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)
 
 
@@ -42,17 +45,18 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
     join_group(rank, world_size, port)
     import train
     from nanogrpo import dist
-    from nanogrpo.run.config import TrainConfig
-    from nanogrpo.grpo import LossConfig
     from nanogrpo.checkpoint import load_model
-    from nanogrpo.rollout import Rollout
+
     # split off zero-advantage rows even for the fixture's small model
     from nanogrpo.fast import logprobs
+    from nanogrpo.grpo import LossConfig
+    from nanogrpo.rollout import Rollout
+    from nanogrpo.run.config import TrainConfig
+
     logprobs.SKIP_MIN_FLOPS["cpu"] = 0
     info = dist.setup("cpu")
     torch.manual_seed(0)  # a fresh adapter's A (rank 0's is broadcast)
-    model = load_model(fixture_path(family), info=info,
-                       lora_settings=lora_settings)
+    model = load_model(fixture_path(family), info=info, lora_settings=lora_settings)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(0)
@@ -75,31 +79,58 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
     n = N // world_size
     mine = slice(rank * n, (rank + 1) * n)
     local = Rollout(
-        rows=[], num_generations=2, prompt_ids=[], input_ids=ids[mine],
-        attention_mask=attention_mask[mine], completion_mask=mask[mine],
+        rows=[],
+        num_generations=2,
+        prompt_ids=[],
+        input_ids=ids[mine],
+        attention_mask=attention_mask[mine],
+        completion_mask=mask[mine],
         completion_lengths=mask[mine].sum(1).long(),
-        truncated=torch.zeros(n, dtype=torch.bool), prompts=[],
-        completions=[], completion_token_ids=[], advantages=advantages[mine],
+        truncated=torch.zeros(n, dtype=torch.bool),
+        prompts=[],
+        completions=[],
+        completion_token_ids=[],
+        advantages=advantages[mine],
         old_logps=old_logps[mine],
-        num_items=mask.sum())  # active tokens of the step on all ranks
+        num_items=mask.sum(),
+    )  # active tokens of the step on all ranks
     micro = [torch.arange(i, i + 2) for i in range(0, n, 2)]  # micro-batches of 2 rows
     cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, per_device_train_batch_size=2)
-    loss_cfg = LossConfig(loss_type="dapo", epsilon_high=0.28,
-                          use_adaptive_entropy=entropy, entropy_coef=0.05,
-                          entropy_target=100.0, entropy_coef_delta=0.01)
+    loss_cfg = LossConfig(
+        loss_type="dapo",
+        epsilon_high=0.28,
+        use_adaptive_entropy=entropy,
+        entropy_coef=0.05,
+        entropy_target=100.0,
+        entropy_coef_delta=0.01,
+    )
     from types import SimpleNamespace
+
     t = SimpleNamespace(  # the fields of train.Trainer an optimizer step reads
-        model=model, optimizer=optimizer, cfg=cfg, loss_cfg=loss_cfg,
-        info=info, autocast=nullcontext(),
+        model=model,
+        optimizer=optimizer,
+        cfg=cfg,
+        loss_cfg=loss_cfg,
+        info=info,
+        autocast=nullcontext(),
         tok=SimpleNamespace(vocab_size=None),
-        sched=SimpleNamespace(steps_per_generation=len(micro)), kernels=fast.kernels(),
+        sched=SimpleNamespace(steps_per_generation=len(micro)),
+        kernels=fast.kernels(),
         entropy_coef=loss_cfg.entropy_coef,
-        last_entropy=0.0)  # at or below the target: the bonus applies
+        last_entropy=0.0,
+    )  # at or below the target: the bonus applies
     metrics = train.optimizer_step(t, [(local, idx) for idx in micro])
     state = dist.full_state_dict(model)
     if info.is_main:
-        torch.save({"state": state, "grad_norm": metrics["grad_norm"],
-                    "entropy": t.last_entropy, "entropy_coef": t.entropy_coef}, out_path)
+        torch.save(
+            {
+                "state": state,
+                "grad_norm": metrics["grad_norm"],
+                "entropy": t.last_entropy,
+                "entropy_coef": t.entropy_coef,
+            },
+            out_path,
+        )
     dist.teardown()
     # Known, not ours to fix here: about 1 run in 10, a spawned gloo rank
     # aborts in C++ static destructors at interpreter exit ("terminate called
@@ -111,16 +142,26 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
 LORA = {"r": 4, "target_modules": "all-linear", "lora_dropout": 0.0}
 
 
-@pytest.mark.parametrize("family,lora,entropy", [
-    ("qwen2", None, False), ("llama3", None, False),  # tied and untied LM head
-    ("llama3", LORA, False),
-    ("qwen2", None, True)])  # the entropy's gradient and its all-process mean
+@pytest.mark.parametrize(
+    "family,lora,entropy",
+    [
+        ("qwen2", None, False),
+        ("llama3", None, False),  # tied and untied LM head
+        ("llama3", LORA, False),
+        ("qwen2", None, True),
+    ],
+)  # the entropy's gradient and its all-process mean
 def test_two_processes_match_one(tmp_path, family, lora, entropy):
     results = {}
     for world in (1, 2):
         out = tmp_path / f"w{world}.pt"
-        mp.start_processes(one_step, args=(world, free_port(), family, str(out), lora, entropy),
-                           nprocs=world, start_method="spawn", join=True)
+        mp.start_processes(
+            one_step,
+            args=(world, free_port(), family, str(out), lora, entropy),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
+        )
         results[world] = torch.load(out)
     assert results[1]["grad_norm"] == pytest.approx(results[2]["grad_norm"], rel=1e-5)
     assert results[1]["entropy"] == pytest.approx(results[2]["entropy"], rel=1e-6)
@@ -149,26 +190,27 @@ def forward_backward(rank, world_size, port, out_dir):
     join_group(rank, world_size, port)
     from nanogrpo import dist
     from nanogrpo.checkpoint import load_model
-    from nanogrpo.run.config import TrainConfig
     from nanogrpo.fast.logprobs import token_logprobs
+    from nanogrpo.run.config import TrainConfig
+
     info = dist.setup("cpu")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 300, (4, 10), generator=g)
     out = {}
     for dtype in ("float32", "bfloat16"):
         bf16 = TrainConfig(bf16=dtype == "bfloat16").use_bf16(info.device)
-        model = load_model(fixture_path("qwen2"), info=info,
-                           mixed_precision=bf16)
+        model = load_model(fixture_path("qwen2"), info=info, mixed_precision=bf16)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with dist.autocast(info, bf16):
                 logits = model(ids)  # [4,10,V]
-                logps, _ = token_logprobs(model, ids, torch.ones_like(ids),
-                                          torch.ones(4, 4))
+                logps, _ = token_logprobs(model, ids, torch.ones_like(ids), torch.ones(4, 4))
             (logps.sum() + logits.float().mean()).backward()
-        out[dtype] = {"logits": logits.detach().float(),
-                      "logits_dtype": str(logits.dtype),
-                      "warnings": [str(w.message) for w in caught]}
+        out[dtype] = {
+            "logits": logits.detach().float(),
+            "logits_dtype": str(logits.dtype),
+            "warnings": [str(w.message) for w in caught],
+        }
     torch.save(out, os.path.join(out_dir, f"w{world_size}-rank{rank}.pt"))
     dist.teardown()
     os._exit(0)  # as one_step
@@ -181,10 +223,14 @@ def test_bf16_is_one_rule_and_fsdp_returns_no_views(tmp_path):
     (token_logprobs' head returns h[:, -1], a view)."""
     results = {}
     for world in (1, 2):
-        mp.start_processes(forward_backward, args=(world, free_port(), str(tmp_path)),
-                           nprocs=world, start_method="spawn", join=True)
-        results[world] = [torch.load(tmp_path / f"w{world}-rank{r}.pt")
-                          for r in range(world)]
+        mp.start_processes(
+            forward_backward,
+            args=(world, free_port(), str(tmp_path)),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
+        )
+        results[world] = [torch.load(tmp_path / f"w{world}-rank{r}.pt") for r in range(world)]
     for dtype in ("float32", "bfloat16"):
         one = results[1][0][dtype]
         two = results[2][0][dtype]
@@ -205,13 +251,15 @@ def spanning_step(rank, world_size, port, out_path):
     rank's rewards gathered, advantages over whole groups (train.advantages_of), this rank's
     rows trained. Saves rank 0's view of the result."""
     join_group(rank, world_size, port)
-    import train
     from types import SimpleNamespace
+
+    import train
     from nanogrpo import dist
     from nanogrpo.checkpoint import load_model
-    from nanogrpo.run.config import TrainConfig
     from nanogrpo.grpo import LossConfig
     from nanogrpo.rollout import Rollout
+    from nanogrpo.run.config import TrainConfig
+
     info = dist.setup("cpu")
     model = load_model(fixture_path("qwen2"), info=info)
     # SGD: the update is the gradient itself (Adam's first step would blow up the rounding noise
@@ -225,27 +273,48 @@ def spanning_step(rank, world_size, port, out_path):
     rewards = torch.rand(N, 1, generator=g)
     n = N // world_size
     mine = slice(rank * n, (rank + 1) * n)
-    cfg = TrainConfig(per_device_train_batch_size=n, num_generations=G, max_grad_norm=1.0,
-                      temperature=0.9).validate(world_size)
+    cfg = TrainConfig(
+        per_device_train_batch_size=n, num_generations=G, max_grad_norm=1.0, temperature=0.9
+    ).validate(world_size)
     t = SimpleNamespace(  # the fields of train.Trainer that advantages and a step read
-        model=model, optimizer=optimizer, cfg=cfg, loss_cfg=LossConfig(loss_type="dapo"),
-        info=info, autocast=nullcontext(), tok=SimpleNamespace(vocab_size=None), kernels=fast.kernels(),
-        sched=cfg.schedule(world_size), reward_weights=torch.ones(1),
-        entropy_coef=0.0, last_entropy=float("inf"))
+        model=model,
+        optimizer=optimizer,
+        cfg=cfg,
+        loss_cfg=LossConfig(loss_type="dapo"),
+        info=info,
+        autocast=nullcontext(),
+        tok=SimpleNamespace(vocab_size=None),
+        kernels=fast.kernels(),
+        sched=cfg.schedule(world_size),
+        reward_weights=torch.ones(1),
+        entropy_coef=0.0,
+        last_entropy=float("inf"),
+    )
     gathered = dist.all_gather_rows(rewards[mine], info)
     advantages = train.advantages_of(t, gathered, G)
-    ro = Rollout(rows=[], num_generations=1, prompt_ids=[], input_ids=ids[mine],
-                 attention_mask=torch.ones_like(ids[mine]), completion_mask=mask[mine],
-                 completion_lengths=mask[mine].sum(1).long(),
-                 truncated=torch.zeros(n, dtype=torch.bool), prompts=[], completions=[],
-                 completion_token_ids=[], advantages=advantages,
-                 num_items=dist.all_reduce_sum(mask[mine].sum(), info))
+    ro = Rollout(
+        rows=[],
+        num_generations=1,
+        prompt_ids=[],
+        input_ids=ids[mine],
+        attention_mask=torch.ones_like(ids[mine]),
+        completion_mask=mask[mine],
+        completion_lengths=mask[mine].sum(1).long(),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        prompts=[],
+        completions=[],
+        completion_token_ids=[],
+        advantages=advantages,
+        num_items=dist.all_reduce_sum(mask[mine].sum(), info),
+    )
     metrics = train.optimizer_step(t, [(ro, torch.arange(n))])
     all_advantages = dist.all_gather_rows(advantages, info)
     state = dist.full_state_dict(model)
     if info.is_main:
-        torch.save({"state": state, "grad_norm": metrics["grad_norm"],
-                    "advantages": all_advantages}, out_path)
+        torch.save(
+            {"state": state, "grad_norm": metrics["grad_norm"], "advantages": all_advantages},
+            out_path,
+        )
     dist.teardown()
     os._exit(0)  # see one_step
 
@@ -256,8 +325,13 @@ def test_groups_that_span_processes_train_as_one_process(tmp_path):
     results = {}
     for world in (1, 2, 8):
         out = tmp_path / f"w{world}.pt"
-        mp.start_processes(spanning_step, args=(world, free_port(), str(out)),
-                           nprocs=world, start_method="spawn", join=True)
+        mp.start_processes(
+            spanning_step,
+            args=(world, free_port(), str(out)),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
+        )
         results[world] = torch.load(out)
     one = results[1]
     assert one["advantages"].abs().sum() > 0
@@ -271,25 +345,41 @@ def test_groups_that_span_processes_train_as_one_process(tmp_path):
 
 def Transformer_state(family):
     from nanogrpo.checkpoint import load_model
+
     return load_model(fixture_path(family)).state_dict()
 
 
 def torchrun(*args, timeout=300, pythonpath=None, nproc=2):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(nproc), os.path.join(ROOT, "train.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        os.path.join(ROOT, "train.py"),
+        *args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if pythonpath:  # where the ranks import a test's reward function from
         env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
-    return subprocess.run(cmd, capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def test_torchrun_tiny_train_save_resume(tmp_path):
     init = f"--init_model={read_config_file('tiny')['init_model']!r}"
-    common = ["--config", "tiny.py", f"--model={tmp_path}/init", init,
-              f"--output_dir={tmp_path}/run", "--gradient_accumulation_steps=2",
-              "--num_generations=4", "--per_device_train_batch_size=4",
-              "--max_completion_length=6", "--eval_strategy=no"]
+    common = [
+        "--config",
+        "tiny.py",
+        f"--model={tmp_path}/init",
+        init,
+        f"--output_dir={tmp_path}/run",
+        "--gradient_accumulation_steps=2",
+        "--num_generations=4",
+        "--per_device_train_batch_size=4",
+        "--max_completion_length=6",
+        "--eval_strategy=no",
+    ]
     first = torchrun(*common, "--max_steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "2 process(es)" in first.stdout
@@ -305,13 +395,19 @@ def test_torchrun_tiny_train_save_resume(tmp_path):
     from nanogrpo.checkpoint import load_model
     from nanogrpo.sampler import generate
     from nanogrpo.tokenizer import Tokenizer
+
     ckpt = tmp_path / "run" / "checkpoint"
     model = load_model(ckpt)
     tok = Tokenizer.from_pretrained(ckpt)
-    out = generate(model, [tok.encode("abcd=")], num_samples=2,
-                   max_new_tokens=6, stop_ids=tok.eos_token_ids,
-                   pad_id=tok.pad_token_id,
-                   generator=torch.Generator().manual_seed(0))
+    out = generate(
+        model,
+        [tok.encode("abcd=")],
+        num_samples=2,
+        max_new_tokens=6,
+        stop_ids=tok.eos_token_ids,
+        pad_id=tok.pad_token_id,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out.completion_ids.shape[0] == 2
 
 
@@ -322,14 +418,26 @@ def test_torchrun_dynamic_sampling_and_adaptive_entropy(tmp_path):
     # most groups of the untrained model score all 0: more batches are drawn
     (tmp_path / "starts_with_a.py").write_text(
         "def starts_with_a(completions, **kwargs):\n"
-        "    return [float(c.startswith('a')) for c in completions]\n")
-    done = torchrun("--config", "tiny.py", f"--model={tmp_path}/init", init,
-                    f"--output_dir={tmp_path}/run", "--gradient_accumulation_steps=2",
-                    "--num_generations=4", "--per_device_train_batch_size=4",
-                    "--max_completion_length=6", "--eval_strategy=no", "--max_steps=3",
-                    "--dynamic_sampling=true", "--reward_funcs=starts_with_a:starts_with_a",
-                    "--use_adaptive_entropy=true", "--entropy_target=5.0",
-                    pythonpath=str(tmp_path))
+        "    return [float(c.startswith('a')) for c in completions]\n"
+    )
+    done = torchrun(
+        "--config",
+        "tiny.py",
+        f"--model={tmp_path}/init",
+        init,
+        f"--output_dir={tmp_path}/run",
+        "--gradient_accumulation_steps=2",
+        "--num_generations=4",
+        "--per_device_train_batch_size=4",
+        "--max_completion_length=6",
+        "--eval_strategy=no",
+        "--max_steps=3",
+        "--dynamic_sampling=true",
+        "--reward_funcs=starts_with_a:starts_with_a",
+        "--use_adaptive_entropy=true",
+        "--entropy_target=5.0",
+        pythonpath=str(tmp_path),
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [m["step"] for m in lines] == [1, 2, 3]
@@ -340,21 +448,55 @@ def test_torchrun_dynamic_sampling_and_adaptive_entropy(tmp_path):
     assert [round(m["entropy_coef"], 6) for m in lines] == [0.005, 0.01, 0.015]
 
 
-@pytest.mark.parametrize("nproc,shape,prompts", [
-    (2, ["--per_device_train_batch_size=4", "--gradient_accumulation_steps=1",
-         "--num_generations=8"], 1),  # a group over both ranks
-    (2, ["--per_device_train_batch_size=6", "--gradient_accumulation_steps=2",
-         "--num_generations=8"], 3),  # rank 0: a group and a half
-    (8, ["--per_device_train_batch_size=4", "--gradient_accumulation_steps=2",
-         "--num_generations=16"], 4),  # the seeds' recipe shape on 8 GPUs
-])
+@pytest.mark.parametrize(
+    "nproc,shape,prompts",
+    [
+        (
+            2,
+            [
+                "--per_device_train_batch_size=4",
+                "--gradient_accumulation_steps=1",
+                "--num_generations=8",
+            ],
+            1,
+        ),  # a group over both ranks
+        (
+            2,
+            [
+                "--per_device_train_batch_size=6",
+                "--gradient_accumulation_steps=2",
+                "--num_generations=8",
+            ],
+            3,
+        ),  # rank 0: a group and a half
+        (
+            8,
+            [
+                "--per_device_train_batch_size=4",
+                "--gradient_accumulation_steps=2",
+                "--num_generations=16",
+            ],
+            4,
+        ),  # the seeds' recipe shape on 8 GPUs
+    ],
+)
 def test_torchrun_trains_shapes_whose_groups_span_processes(tmp_path, nproc, shape, prompts):
     """TRL-valid shapes nanogrpo refused (each process had to hold whole groups) train with TRL's
     prompts per round."""
     init = f"--init_model={read_config_file('tiny')['init_model']!r}"
-    done = torchrun("--config", "tiny.py", f"--model={tmp_path}/init", init,
-                    f"--output_dir={tmp_path}/run", *shape, "--max_completion_length=6",
-                    "--eval_strategy=no", "--max_steps=2", nproc=nproc, timeout=600)
+    done = torchrun(
+        "--config",
+        "tiny.py",
+        f"--model={tmp_path}/init",
+        init,
+        f"--output_dir={tmp_path}/run",
+        *shape,
+        "--max_completion_length=6",
+        "--eval_strategy=no",
+        "--max_steps=2",
+        nproc=nproc,
+        timeout=600,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert f"{nproc} process(es)" in done.stdout
     assert "groups span processes" in done.stdout

@@ -6,13 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_train import DYNAMIC, tiny
 
 import train
-from nanogrpo.run import report
 from nanogrpo.dist import DistInfo
 from nanogrpo.extras.dynamic_sampling import dynamic_sampling
 from nanogrpo.rollout import Rollout
-from test_train import DYNAMIC, tiny
+from nanogrpo.run import report
 
 G = 2
 
@@ -22,15 +22,21 @@ def drawn(tag, rewards, calls, failures, turns, P=2, C=3):
     n = len(rewards)
     ids = torch.randint(1, 50, (n, P + C), generator=torch.Generator().manual_seed(len(tag)))
     return Rollout(
-        rows=[{"prompt": f"{tag}-prompt{g}"} for g in range(n // G)], num_generations=G,
-        prompt_ids=[ids[g * G, :P].tolist() for g in range(n // G)], input_ids=ids,
-        attention_mask=torch.ones_like(ids), completion_mask=torch.ones(n, C),
-        completion_lengths=torch.full((n,), C), truncated=torch.zeros(n, dtype=torch.bool),
+        rows=[{"prompt": f"{tag}-prompt{g}"} for g in range(n // G)],
+        num_generations=G,
+        prompt_ids=[ids[g * G, :P].tolist() for g in range(n // G)],
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        completion_mask=torch.ones(n, C),
+        completion_lengths=torch.full((n,), C),
+        truncated=torch.zeros(n, dtype=torch.bool),
         prompts=[f"{tag}-prompt{r // G}" for r in range(n)],
         completions=[f"{tag}{r}" for r in range(n)],
         completion_token_ids=[ids[r, P:].tolist() for r in range(n)],
-        tool_calls=torch.tensor(calls), tool_failures=torch.tensor(failures),
-        turns=torch.tensor(turns)), torch.tensor(rewards)[:, None]
+        tool_calls=torch.tensor(calls),
+        tool_failures=torch.tensor(failures),
+        turns=torch.tensor(turns),
+    ), torch.tensor(rewards)[:, None]
 
 
 # batch a: group 0 has no spread, group 1 has; batch b: group 0 has, group 1 has not
@@ -44,8 +50,9 @@ def sample(max_batches):
     columns_b = {"id": list(B[0].completions), "only_b": [f"x{r}" for r in range(4)]}
     more = iter([(*B, columns_b)])
     columns_a = {"id": list(A[0].completions)}
-    return dynamic_sampling(*A, columns_a, lambda: next(more), torch.ones(1), max_batches,
-                            pad_id=0, info=DistInfo())
+    return dynamic_sampling(
+        *A, columns_a, lambda: next(more), torch.ones(1), max_batches, pad_id=0, info=DistInfo()
+    )
 
 
 def test_kept_completions_keep_their_columns_and_tool_counts():
@@ -57,9 +64,17 @@ def test_kept_completions_keep_their_columns_and_tool_counts():
     assert stats["dynamic_sampling/gen_batches"] == 2
     # TRL's definitions over the completions that train: 6 calls in 4, 4 of them failed
     assert report.tool_metrics(ro, DistInfo()) == {
-        "tools/call_frequency": 1.5, "tools/failure_frequency": 4 / 6, "tools/mean_turns": 2.0}
-    t = SimpleNamespace(info=DistInfo(), reward_weights=torch.ones(1), tools={"f": None},
-                        cfg=SimpleNamespace(num_generations=G), reward_funcs=[("r", None)])
+        "tools/call_frequency": 1.5,
+        "tools/failure_frequency": 4 / 6,
+        "tools/mean_turns": 2.0,
+    }
+    t = SimpleNamespace(
+        info=DistInfo(),
+        reward_weights=torch.ones(1),
+        tools={"f": None},
+        cfg=SimpleNamespace(num_generations=G),
+        reward_funcs=[("r", None)],
+    )
     assert report.generation_metrics(t, ro, rewards)["tools/call_frequency"] == 1.5
 
 

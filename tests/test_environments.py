@@ -13,23 +13,23 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT, fixture_path, tiny_config
+from test_dist import torchrun
 
 import train
-from conftest import ROOT, fixture_path, tiny_config
 from nanogrpo import checkpoint
 from nanogrpo import rollout as rollout_module
 from nanogrpo.extras import tool_rounds
-from nanogrpo.run.config import ConfigError, TrainConfig
-from nanogrpo.run.configurator import load_config, read_config_file
 from nanogrpo.extras.custom_rollout import checked_output, generate_rollout_completions, rollout_of
 from nanogrpo.extras.environments import Environments
+from nanogrpo.extras.tools import tool_suffix_ids
 from nanogrpo.model import Transformer
 from nanogrpo.rollout import rollout
 from nanogrpo.run import config_record
+from nanogrpo.run.config import ConfigError, TrainConfig
+from nanogrpo.run.configurator import load_config, read_config_file
 from nanogrpo.sampler import Generation
 from nanogrpo.tokenizer import char_level_tokenizer
-from nanogrpo.extras.tools import tool_suffix_ids
-from test_dist import torchrun
 
 TEMPLATE = open(os.path.join(fixture_path("tools"), "hermes_chatml.jinja")).read()
 CALL = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'
@@ -126,8 +126,11 @@ def counter_policy(context: str, j: int, k: int) -> str:
     if "Guess" in context:
         return CALL.format("guess", '{"word": "cat"}') if not results else "ok"
     if not results:
-        return CALL.format("increment", f'{{"by": {k}}}') if j % 2 == 0 else \
-            CALL.format("explode", "{}")
+        return (
+            CALL.format("increment", f'{{"by": {k}}}')
+            if j % 2 == 0
+            else CALL.format("explode", "{}")
+        )
     if len(results) == 1 and results[0].isdigit():
         return CALL.format("read", "{}")
     return "done " + results[-1]
@@ -138,8 +141,17 @@ def scripted(tok, policy, log=None):
     1..5 drawn from the call's generator (or its seeds), then the eos."""
     eos = tok.eos_token_id
 
-    def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, stop_ids=(), pad_id=0,
-                 seeds=None, generator=None, **kw):
+    def generate(
+        model,
+        prompt_ids,
+        num_samples=1,
+        max_new_tokens=256,
+        stop_ids=(),
+        pad_id=0,
+        seeds=None,
+        generator=None,
+        **kw,
+    ):
         n = len(prompt_ids) * num_samples
         if seeds is not None:
             draws = [s % 5 + 1 for s in seeds]
@@ -157,10 +169,11 @@ def scripted(tok, policy, log=None):
         ids = torch.full((n, C), pad_id)
         mask = torch.zeros(n, C, dtype=torch.bool)
         for i, r in enumerate(rows):
-            ids[i, :min(len(r), C)] = torch.tensor(r[:C])
-            mask[i, :min(len(r), C)] = True
+            ids[i, : min(len(r), C)] = torch.tensor(r[:C])
+            mask[i, : min(len(r), C)] = True
         truncated = torch.tensor([len(r) > C for r in rows])
         return Generation(ids, mask, torch.zeros(n, C), truncated)
+
     return generate
 
 
@@ -193,12 +206,17 @@ def test_each_completion_plays_its_own_environment_with_sync_async_and_failing_t
     assert ro.prompts[0] == [{"role": "user", "content": "count Start at 3."}]
     assert ro.prompts[3] == [{"role": "user", "content": "count Start at 10."}]
     # even rows: increment (sync) then read (async) on their own instance; odd rows: a failure
-    by = [json.loads(m["content"]) - s for m, s in
-          ((ro.completions[0][1], 3), (ro.completions[2][1], 10))]
+    by = [
+        json.loads(m["content"]) - s
+        for m, s in ((ro.completions[0][1], 3), (ro.completions[2][1], 10))
+    ]
     assert [e.value for e in instances] == [3 + by[0], 3, 10 + by[1], 10]
     assert ro.completions[0][3] == {"role": "tool", "name": "read", "content": str(3 + by[0])}
-    assert ro.completions[1][1] == {"role": "tool", "name": "explode",
-                                    "content": "{'error': 'kaboom'}"}
+    assert ro.completions[1][1] == {
+        "role": "tool",
+        "name": "explode",
+        "content": "{'error': 'kaboom'}",
+    }
     assert ro.completions[1][2]["content"] == "done {'error': 'kaboom'}"  # the run went on
     assert ro.tool_calls.tolist() == [2, 1, 2, 1] and ro.tool_failures.tolist() == [0, 1, 0, 1]
     # the environment's reward, and a reward function of TRL's that reads `environments`
@@ -218,12 +236,20 @@ def test_tool_results_are_never_trained_on_nor_counted_as_length(monkeypatch):
     tok, ro = run_rollout(monkeypatch, envs, counter_rows(3))
     turns = [m for m in ro.completions[0] if m["role"] == "assistant"]
     by = ro.extra_fields["environments"][0].value - 3
-    texts = [CALL.format("increment", '{"by": %d}' % by), CALL.format("read", "{}"),
-             turns[2]["content"]]
+    texts = [
+        CALL.format("increment", '{"by": %d}' % by),
+        CALL.format("read", "{}"),
+        turns[2]["content"],
+    ]
     model_ids = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in texts]
     results = [tool_suffix_ids(tok, [m]) for m in ro.completions[0] if m["role"] == "tool"]
-    expected = [1] * len(model_ids[0]) + [0] * len(results[0]) + [1] * len(model_ids[1]) + \
-        [0] * len(results[1]) + [1] * len(model_ids[2])
+    expected = (
+        [1] * len(model_ids[0])
+        + [0] * len(results[0])
+        + [1] * len(model_ids[1])
+        + [0] * len(results[1])
+        + [1] * len(model_ids[2])
+    )
     C = ro.completion_mask.shape[1]
     assert ro.completion_mask[0].tolist() == expected + [0] * (C - len(expected))
     assert ro.completion_lengths[0] == sum(map(len, model_ids))  # the model's tokens only
@@ -269,10 +295,20 @@ def test_different_observations_give_each_completion_its_prompt(monkeypatch):
 
 def test_a_dict_of_environments_routes_rows_and_shows_each_prompt_its_tools(monkeypatch):
     envs = Environments({"counter": Counter, "words": WordGame})
-    rows = [{"prompt": [{"role": "user", "content": "count"}], "environment": "counter",
-             "start": 1, "word": "-"},
-            {"prompt": [{"role": "user", "content": "Guess"}], "environment": "words",
-             "start": 0, "word": "cat"}]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "count"}],
+            "environment": "counter",
+            "start": 1,
+            "word": "-",
+        },
+        {
+            "prompt": [{"role": "user", "content": "Guess"}],
+            "environment": "words",
+            "start": 0,
+            "word": "cat",
+        },
+    ]
     tok, ro = run_rollout(monkeypatch, envs, rows)
     kinds = [type(e) for e in ro.extra_fields["environments"]]
     assert kinds == [Counter, Counter, WordGame, WordGame]
@@ -287,9 +323,12 @@ def test_a_dict_of_environments_routes_rows_and_shows_each_prompt_its_tools(monk
     assert [name for name, _ in envs.reward_funcs()] == ["Counter", "WordGame"]
     assert rewards[2:, 1].tolist() == [1.0, 1.0] and rewards[2:, 0].isnan().all()
     assert rewards[:2, 1].isnan().all() and not rewards[:2, 0].isnan().any()
-    with pytest.raises(ValueError, match=r"Example has `environment='chess'`, which is not among "
-                       r"the environments passed to `environment_factory`. Expected one of: "
-                       r"\['counter', 'words'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"Example has `environment='chess'`, which is not among "
+        r"the environments passed to `environment_factory`. Expected one of: "
+        r"\['counter', 'words'\]",
+    ):
         envs.start([{**rows[0], "environment": "chess"}], 2)
     with pytest.raises(ValueError, match="needs an `environment` column"):
         envs.start(counter_rows(1), 2)
@@ -299,6 +338,7 @@ def test_rows_without_a_prompt_get_trls_empty_one(tmp_path):
     """An environment may own the data: a row without `prompt` is TRL's empty user message, which
     reset's observation fills; the placeholder is not passed to reset."""
     from nanogrpo.extras.datasets import load_dataset
+
     path = write_rows(tmp_path / "rows.jsonl", [{"start": 3}, {"start": 4}])
     with pytest.raises(ValueError, match="row 0: no 'prompt' column"):
         load_dataset(path)
@@ -343,12 +383,14 @@ def write_chat_model(path, max_positions=2048):
     """A random tiny model whose tokenizer is printable characters with a tool-calling template."""
     tok = chat_tokenizer()
     torch.manual_seed(0)
-    model = Transformer(tiny_config(vocab_size=tok.vocab_size,
-                                    max_position_embeddings=max_positions))
+    model = Transformer(
+        tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=max_positions)
+    )
     gen = {"eos_token_id": [tok.eos_token_id], "pad_token_id": tok.pad_token_id}
     with checkpoint.atomic_dir(str(path)) as tmp:
-        checkpoint.write_model(tmp, model.config, model.state_dict(), tokenizer=tok,
-                               generation_config=gen)
+        checkpoint.write_model(
+            tmp, model.config, model.state_dict(), tokenizer=tok, generation_config=gen
+        )
     return str(path)
 
 
@@ -364,12 +406,25 @@ def scripted_run(tmp_path, monkeypatch, out="run", **settings):
     model = tmp_path / "model"
     if not model.exists():
         write_chat_model(model)
-    base = dict(model=str(model), device="cpu", bf16=False, dataset=None,
-                environment_factory=Counter, reward_funcs=[], num_generations=2,
-                per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                max_completion_length=400, max_steps=2, logging_steps=1, save_steps=0,
-                learning_rate=1e-3, gradient_checkpointing=False,
-                vllm_importance_sampling_correction=False, output_dir=str(tmp_path / out))
+    base = dict(
+        model=str(model),
+        device="cpu",
+        bf16=False,
+        dataset=None,
+        environment_factory=Counter,
+        reward_funcs=[],
+        num_generations=2,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        max_completion_length=400,
+        max_steps=2,
+        logging_steps=1,
+        save_steps=0,
+        learning_rate=1e-3,
+        gradient_checkpointing=False,
+        vllm_importance_sampling_correction=False,
+        output_dir=str(tmp_path / out),
+    )
     return train.train(TrainConfig(**{**base, **settings}))
 
 
@@ -395,8 +450,11 @@ def test_get_reward_alone_or_beside_reward_funcs_is_logged_under_the_class(tmp_p
     for m in beside:
         assert "rewards/Counter/mean" in m and m["rewards/calls/mean"] >= 1
         assert m["reward"] == pytest.approx(m["rewards/Counter/mean"] + m["rewards/calls/mean"])
-    with pytest.raises(ConfigError, match="No reward source provided. Pass `reward_funcs`, or an "
-                       "`environment_factory` whose environment defines a `get_reward` method."):
+    with pytest.raises(
+        ConfigError,
+        match="No reward source provided. Pass `reward_funcs`, or an "
+        "`environment_factory` whose environment defines a `get_reward` method.",
+    ):
         scripted_run(tmp_path, monkeypatch, out="none", environment_factory=NoReward)
 
 
@@ -407,8 +465,9 @@ def test_resume_is_exact_with_environments(tmp_path, monkeypatch):
     same = dict(dataset=rows, lr_scheduler_type="constant")
     full = scripted_run(tmp_path, monkeypatch, out="a", max_steps=4, **same)
     first = scripted_run(tmp_path, monkeypatch, out="b", max_steps=2, **same)
-    resumed = scripted_run(tmp_path, monkeypatch, out="b", max_steps=4,
-                           resume_from_checkpoint=True, **same)
+    resumed = scripted_run(
+        tmp_path, monkeypatch, out="b", max_steps=4, resume_from_checkpoint=True, **same
+    )
     assert untimed(first) == untimed(full[:2]) and untimed(resumed) == untimed(full)
     assert len({m["reward"] for m in full}) > 1  # the rounds differ
     a = checkpoint.load_model(tmp_path / "a" / "checkpoint").state_dict()
@@ -461,25 +520,49 @@ reward_funcs = [own_word]
 def test_a_trl_docs_environment_runs_from_a_config_file_on_one_and_two_processes(tmp_path):
     words = ["cat", "horse", "ox", "tiger", "emu", "yak", "lion", "goat"]
     rows = [{"prompt": [{"role": "user", "content": "Guess the word."}], "word": w} for w in words]
-    settings = dict(model=write_chat_model(tmp_path / "model", max_positions=1024),
-                    dataset=write_rows(tmp_path / "rows.jsonl", rows), device="cpu", bf16=False,
-                    num_generations=4, per_device_train_batch_size=4, max_completion_length=16,
-                    max_steps=2, logging_steps=1, save_steps=0, gradient_checkpointing=False)
+    settings = dict(
+        model=write_chat_model(tmp_path / "model", max_positions=1024),
+        dataset=write_rows(tmp_path / "rows.jsonl", rows),
+        device="cpu",
+        bf16=False,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_completion_length=16,
+        max_steps=2,
+        logging_steps=1,
+        save_steps=0,
+        gradient_checkpointing=False,
+    )
     config = tmp_path / "game.py"
     config.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()) + GAME)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    one = subprocess.run([sys.executable, "train.py", "--config", str(config),
-                          "--per_device_train_batch_size=8", f"--output_dir={tmp_path}/one"],
-                         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    one = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--config",
+            str(config),
+            "--per_device_train_batch_size=8",
+            f"--output_dir={tmp_path}/one",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
     assert one.returncode == 0, (one.stdout + one.stderr)[-3000:]
     two = torchrun("--config", str(config), f"--output_dir={tmp_path}/two")
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
     assert "2 process(es)" in two.stdout
-    runs = [[json.loads(line) for line in open(tmp_path / d / "metrics.jsonl")]
-            for d in ("one", "two")]
+    runs = [
+        [json.loads(line) for line in open(tmp_path / d / "metrics.jsonl")] for d in ("one", "two")
+    ]
     for a, b in zip(*runs):  # the same prompts a step: the same environment rewards
-        assert a["step"] == b["step"] and a["rewards/own_word/mean"] == 1.0 == b[
-            "rewards/own_word/mean"]  # each completion's environment was reset with its row
+        assert (
+            a["step"] == b["step"]
+            and a["rewards/own_word/mean"] == 1.0 == b["rewards/own_word/mean"]
+        )  # each completion's environment was reset with its row
         assert a["rewards/WordGame/mean"] == pytest.approx(b["rewards/WordGame/mean"])
     assert [m["step"] for m in runs[1]] == [1, 2]
     record = json.load(open(tmp_path / "one" / "checkpoint" / "train_config.json"))
@@ -493,24 +576,29 @@ def test_environment_factory_and_rollout_func_are_read_as_trl_passes_them(tmp_pa
     envs_file = tmp_path / "envs.py"
     envs_file.write_text("class Echo:\n    def reset(self, **kwargs):\n        return None\n")
     config = tmp_path / "c.py"
-    config.write_text("class MyEnv:\n    def reset(self, **kwargs):\n        return None\n"
-                      "def f(prompts, trainer):\n    return {}\n"
-                      "model = 'm'\nenvironment_factory = MyEnv\nrollout_func = None\n"
-                      "reward_funcs = []\n")
+    config.write_text(
+        "class MyEnv:\n    def reset(self, **kwargs):\n        return None\n"
+        "def f(prompts, trainer):\n    return {}\n"
+        "model = 'm'\nenvironment_factory = MyEnv\nrollout_func = None\n"
+        "reward_funcs = []\n"
+    )
     cfg = load_config(["--config", str(config)])
     assert cfg.environment_factory.__name__ == "MyEnv" and cfg.reward_funcs == []
     assert config_record(cfg)["environment_factory"] == "MyEnv (config file)"
     spec = f"{envs_file}:Echo"
     cfg = load_config(["--config", str(config), f"--environment_factory={spec}"])
     assert Environments(cfg.environment_factory).factories[None].__name__ == "Echo"
-    both = load_config(["--config", str(config),
-                        f"--environment_factory={{'a': '{spec}', 'b': '{spec}'}}"])
+    both = load_config(
+        ["--config", str(config), f"--environment_factory={{'a': '{spec}', 'b': '{spec}'}}"]
+    )
     assert list(Environments(both.environment_factory).factories) == ["a", "b"]
     assert config_record(both)["environment_factory"] == {"a": spec, "b": spec}
     with pytest.raises(ConfigError, match="rollout_func=.*leave tools and environment_factory"):
         TrainConfig(rollout_func=print, environment_factory=Counter).validate()
-    with pytest.raises(ConfigError, match="dataset=None: a dataset is required unless an "
-                       "environment_factory is provided"):
+    with pytest.raises(
+        ConfigError,
+        match="dataset=None: a dataset is required unless an environment_factory is provided",
+    ):
         TrainConfig(dataset=None).validate()
     with pytest.raises(ConfigError, match="max_steps=-1: must be > 0 without a dataset"):
         TrainConfig(dataset=None, environment_factory=Counter, reward_funcs=[]).validate()
@@ -531,8 +619,14 @@ def rollout_with_an_environment(prompts, trainer):
     tok = trainer.processing_class
     outputs = generate_rollout_completions(trainer, prompts)
     reply = tok.encode("=ab", add_special_tokens=False)  # the environment's tokens
-    out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [],
-           "env_reward": [], "task": "copy"}
+    out = {
+        "prompt_ids": [],
+        "completion_ids": [],
+        "logprobs": [],
+        "env_mask": [],
+        "env_reward": [],
+        "task": "copy",
+    }
     for o in outputs:
         out["prompt_ids"].append(o["prompt_ids"])
         out["completion_ids"].append(o["completion_ids"] + reply)
@@ -551,12 +645,23 @@ def from_env(completions, env_reward, task, **kwargs):
 def test_a_rollout_func_trains_and_its_fields_reach_the_rewards(tmp_path):
     ROLLOUTS.clear()
     init = f"--init_model={read_config_file('tiny')['init_model']!r}"
-    cfg = load_config(["--config", "tiny.py", f"--model={tmp_path}/init", init,
-                       f"--output_dir={tmp_path}/run", "--gradient_accumulation_steps=2",
-                       "--num_generations=4", "--per_device_train_batch_size=8",
-                       "--max_completion_length=6", "--eval_strategy=no", "--max_steps=2",
-                       f"--rollout_func={__name__}:rollout_with_an_environment",
-                       f"--reward_funcs={__name__}:from_env,default_task"])
+    cfg = load_config(
+        [
+            "--config",
+            "tiny.py",
+            f"--model={tmp_path}/init",
+            init,
+            f"--output_dir={tmp_path}/run",
+            "--gradient_accumulation_steps=2",
+            "--num_generations=4",
+            "--per_device_train_batch_size=8",
+            "--max_completion_length=6",
+            "--eval_strategy=no",
+            "--max_steps=2",
+            f"--rollout_func={__name__}:rollout_with_an_environment",
+            f"--reward_funcs={__name__}:from_env,default_task",
+        ]
+    )
     history = train.train(cfg)
     assert [m["step"] for m in history] == [1, 2] and [r["step"] for r in ROLLOUTS] == [0, 1]
     for m, call in zip(history, ROLLOUTS):
@@ -575,9 +680,13 @@ def test_env_mask_keeps_environment_tokens_out_of_the_loss():
     cfg = TrainConfig(mask_truncated_completions=True)
     rows = [{"prompt": "ab="}]
     eos = tok.eos_token_id
-    output = {"prompt_ids": [[1, 2, 9], [1, 2, 9]], "completion_ids": [[3, 4, 5, eos], [3, 4]],
-              "logprobs": [[-1.0] * 4, [-1.0] * 2], "env_mask": [[1, 0, 0, 1], [1, 0]],
-              "score": [0.5, 1.5]}
+    output = {
+        "prompt_ids": [[1, 2, 9], [1, 2, 9]],
+        "completion_ids": [[3, 4, 5, eos], [3, 4]],
+        "logprobs": [[-1.0] * 4, [-1.0] * 2],
+        "env_mask": [[1, 0, 0, 1], [1, 0]],
+        "score": [0.5, 1.5],
+    }
     ro = rollout_of(output, rows, 2, ["ab=", "ab="], tok, cfg, 64, "cpu")
     assert ro.completion_mask.tolist() == [[1, 0, 0, 1], [0, 0, 0, 0]]  # row 1 ends without eos
     assert ro.truncated.tolist() == [False, True]
@@ -587,22 +696,37 @@ def test_env_mask_keeps_environment_tokens_out_of_the_loss():
     assert ro.sampling_logps.tolist() == [[-1.0] * 4, [-1.0, -1.0, 0.0, 0.0]]
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"logprobs": "drop"}, r"rollout_func must return keys \['logprobs'\] in its output dict."),
-    ({"completion_ids": [[3]]}, r"returned 1 entries as 'completion_ids'; expected a list of 2"),
-    ({"logprobs": [[0.0], [0.0, 0.0]]}, r"logprobs\[0\] has 1 entries, completion_ids\[0\] 2"),
-    ({"env_mask": [[1, 1], [1]]}, r"env_mask\[1\] has 1 entries, completion_ids\[1\] 2"),
-    ({"env_mask": [[1, 2], [1, 1]]}, r"env_mask\[0\] must hold 0 and 1 only"),
-    ({"extra": [1.0, 2.0, 3.0]}, r"returned 3 values as 'extra'; a list field holds one per "
-                                 r"completion \(2\)"),
-    ({"completion_ids": [[3, 99], [3, 4]]}, r"token ids in \[0, 10\)"),
-    ({"prompt_ids": [[1] * 60, [1]]}, r"completion 0 is 60 prompt \+ 2 completion tokens, more "
-                                      r"than the model's 61 positions"),
-    ({"completions": [1, 2]}, r"'completions', a name the trainer passes"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"logprobs": "drop"}, r"rollout_func must return keys \['logprobs'\] in its output dict."),
+        (
+            {"completion_ids": [[3]]},
+            r"returned 1 entries as 'completion_ids'; expected a list of 2",
+        ),
+        ({"logprobs": [[0.0], [0.0, 0.0]]}, r"logprobs\[0\] has 1 entries, completion_ids\[0\] 2"),
+        ({"env_mask": [[1, 1], [1]]}, r"env_mask\[1\] has 1 entries, completion_ids\[1\] 2"),
+        ({"env_mask": [[1, 2], [1, 1]]}, r"env_mask\[0\] must hold 0 and 1 only"),
+        (
+            {"extra": [1.0, 2.0, 3.0]},
+            r"returned 3 values as 'extra'; a list field holds one per "
+            r"completion \(2\)",
+        ),
+        ({"completion_ids": [[3, 99], [3, 4]]}, r"token ids in \[0, 10\)"),
+        (
+            {"prompt_ids": [[1] * 60, [1]]},
+            r"completion 0 is 60 prompt \+ 2 completion tokens, more "
+            r"than the model's 61 positions",
+        ),
+        ({"completions": [1, 2]}, r"'completions', a name the trainer passes"),
+    ],
+)
 def test_a_wrong_rollout_func_output_names_the_field(change, message):
-    output = {"prompt_ids": [[1], [1]], "completion_ids": [[3, 4], [3, 4]],
-              "logprobs": [[0.0, 0.0], [0.0, 0.0]]}
+    output = {
+        "prompt_ids": [[1], [1]],
+        "completion_ids": [[3, 4], [3, 4]],
+        "logprobs": [[0.0, 0.0], [0.0, 0.0]],
+    }
     output.update({k: v for k, v in change.items() if v != "drop"})
     for k in [k for k, v in change.items() if v == "drop"]:
         del output[k]
@@ -614,8 +738,12 @@ def test_the_vault_demo_room_and_its_config():
     """examples/vault_game.py's VaultRoom scores what configs/vault.py trains on: success only for
     the code read from the note within two tries, partial credit for the moves toward it."""
     import importlib.util
+
     from conftest import ROOT
-    spec = importlib.util.spec_from_file_location("vault_game", os.path.join(ROOT, "examples", "vault_game.py"))
+
+    spec = importlib.util.spec_from_file_location(
+        "vault_game", os.path.join(ROOT, "examples", "vault_game.py")
+    )
     game = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(game)
     room = game.VaultRoom()
@@ -631,5 +759,6 @@ def test_the_vault_demo_room_and_its_config():
     room.open_vault("1"), room.open_vault("2")
     assert room.open_vault("0427").startswith("Wrong")  # a third try is too late
     from nanogrpo.run.configurator import load_config
+
     cfg = load_config(["--config", "vault.py"])
     assert cfg.environment_factory == "examples/vault_game.py:VaultRoom" and cfg.reward_funcs == []

@@ -6,18 +6,18 @@ unknown and refused keys fail at config load, and a tiny training run reads them
 
 import pytest
 import torch
-
 from conftest import tiny_config
+from test_sampler import PROMPTS, TOKENIZER_VOCAB, filtered, left_pad, load, sampling_args
+
 from nanogrpo import rollout as rollout_module
 from nanogrpo.extras import tool_rounds
-from nanogrpo.run.config import ConfigError, TrainConfig
+from nanogrpo.extras.generation_kwargs import generation_settings
 from nanogrpo.fast.sampling import sample_next_token_fast
 from nanogrpo.model import Transformer
 from nanogrpo.rollout import sampling_kwargs
-from nanogrpo.extras.generation_kwargs import generation_settings
+from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.sampler import Decoder, generate
 from nanogrpo.tokenizer import char_level_tokenizer
-from test_sampler import PAD, PROMPTS, TOKENIZER_VOCAB, filtered, left_pad, load, sampling_args
 
 
 def words(i):
@@ -58,8 +58,14 @@ def test_a_stop_string_spanning_two_tokens_ends_the_row():
     row = free.completion_ids[0].tolist()  # greedy: 309, 62, 62, 62, 309, ...
     stop = f"{row[3]}><{row[4]}"  # token 3's text but its "<", token 4's but its ">"
     assert stop not in "".join(f"<{i}>" for i in row[:4])
-    out = generate(model, PROMPTS, max_new_tokens=10, temperature=0, stop_strings=stop,
-                   decode=lambda ids: "".join(f"<{i}>" for i in ids))
+    out = generate(
+        model,
+        PROMPTS,
+        max_new_tokens=10,
+        temperature=0,
+        stop_strings=stop,
+        decode=lambda ids: "".join(f"<{i}>" for i in ids),
+    )
     assert out.completion_mask[0].tolist() == [True] * 5 + [False] * 5
     assert out.completion_ids[0, :5].tolist() == row[:5] and (out.completion_ids[0, 5:] == 0).all()
     assert out.truncated[0] and (out.logprobs[0, 5:] == 0).all()
@@ -74,9 +80,18 @@ def test_stop_strings_end_each_row_where_its_full_text_first_holds_one(decoder):
     in one block in either order."""
     model = load("qwen2")
     stops = ["acab", "bbcc"]
-    args = sampling_args(num_samples=6, max_new_tokens=24, temperature=1.3, top_k=0, top_p=1.0,
-                         min_p=0.0, repetition_penalty=1.0, stop_ids=[2, 0, *range(100, 130)],
-                         seeds=[3, 4, 5, 6], decoder=decoder)
+    args = sampling_args(
+        num_samples=6,
+        max_new_tokens=24,
+        temperature=1.3,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        stop_ids=[2, 0, *range(100, 130)],
+        seeds=[3, 4, 5, 6],
+        decoder=decoder,
+    )
     free = generate(model, PROMPTS, **args)
     out = generate(model, PROMPTS, stop_strings=stops, decode=decode, **args)
     C = args["max_new_tokens"]
@@ -107,11 +122,19 @@ def test_stop_strings_in_a_rollout_read_the_tokenizer():
     tok = char_level_tokenizer("abcdefgh=")
     torch.manual_seed(0)
     model = Transformer(tiny_config(vocab_size=tok.vocab_size))
-    cfg = TrainConfig(max_completion_length=20, generation_kwargs={"stop": ["ab"],
-                                                                   "stop_strings": "hh"})
-    out = generate(model, [tok.encode("abc=")], num_samples=16, stop_ids=tok.eos_token_ids,
-                   pad_id=tok.pad_token_id, seeds=[0], vocab_size=tok.vocab_size,
-                   **sampling_kwargs(cfg, tok))
+    cfg = TrainConfig(
+        max_completion_length=20, generation_kwargs={"stop": ["ab"], "stop_strings": "hh"}
+    )
+    out = generate(
+        model,
+        [tok.encode("abc=")],
+        num_samples=16,
+        stop_ids=tok.eos_token_ids,
+        pad_id=tok.pad_token_id,
+        seeds=[0],
+        vocab_size=tok.vocab_size,
+        **sampling_kwargs(cfg, tok),
+    )
     ended = 0
     for ids, mask in zip(out.completion_ids, out.completion_mask):
         text = tok.decode(ids[mask])
@@ -135,16 +158,23 @@ def recomputed_logprobs(model, out, args, banned_at):
     ids, mask = left_pad([p + c.tolist() for p, c in zip(prompts, out.completion_ids)])
     mask[:, -C:] &= out.completion_mask
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask)[:, -C - 1:-1, :TOKENIZER_VOCAB].float()
+        logits = model(ids, attention_mask=mask)[:, -C - 1 : -1, :TOKENIZER_VOCAB].float()
     want = torch.full((N, C), float("nan"))
     for t in range(C):
         L = ids.shape[1] - C + t
         seen = torch.where(mask[:, :L], ids[:, :L], -1)  # prompt + earlier tokens
         z = logits[:, t].clone()
         z[:, banned_at(t)] = float("-inf")
-        z = filtered(z, seen, args["temperature"], args["top_k"], args["top_p"], args["min_p"],
-                     args["repetition_penalty"])
-        logp = z.log_softmax(-1).gather(-1, out.completion_ids[:, t:t + 1]).squeeze(-1)
+        z = filtered(
+            z,
+            seen,
+            args["temperature"],
+            args["top_k"],
+            args["top_p"],
+            args["min_p"],
+            args["repetition_penalty"],
+        )
+        logp = z.log_softmax(-1).gather(-1, out.completion_ids[:, t : t + 1]).squeeze(-1)
         live = out.completion_mask[:, t]
         want[live, t] = logp[live]
     return want
@@ -156,8 +186,16 @@ def test_suppressed_tokens_are_never_sampled_and_the_logprobs_renormalise():
     model = load("qwen2")
     free = generate(model, PROMPTS, max_new_tokens=10, temperature=0, vocab_size=TOKENIZER_VOCAB)
     banned = sorted(set(free.completion_ids.flatten().tolist()))
-    args = sampling_args(num_samples=3, max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.9,
-                         min_p=0.02, repetition_penalty=1.3, seeds=[1, 2, 3, 4])
+    args = sampling_args(
+        num_samples=3,
+        max_new_tokens=12,
+        temperature=0.8,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.02,
+        repetition_penalty=1.3,
+        seeds=[1, 2, 3, 4],
+    )
     out = generate(model, PROMPTS, suppress_tokens=banned + [10_000], **args)  # 10_000: ignored
     assert not torch.isin(out.completion_ids[out.completion_mask], torch.tensor(banned)).any()
     want = recomputed_logprobs(model, out, args, lambda t: banned)
@@ -167,8 +205,13 @@ def test_suppressed_tokens_are_never_sampled_and_the_logprobs_renormalise():
     greedy = generate(model, PROMPTS, max_new_tokens=10, temperature=0, suppress_tokens=banned)
     assert not torch.isin(greedy.completion_ids, torch.tensor(banned)).any()
     with pytest.raises(ValueError, match="leave no token to sample"):
-        generate(model, PROMPTS, max_new_tokens=4, suppress_tokens=range(TOKENIZER_VOCAB),
-                 vocab_size=TOKENIZER_VOCAB)
+        generate(
+            model,
+            PROMPTS,
+            max_new_tokens=4,
+            suppress_tokens=range(TOKENIZER_VOCAB),
+            vocab_size=TOKENIZER_VOCAB,
+        )
 
 
 def test_min_new_tokens_holds_the_stop_ids_back():
@@ -177,8 +220,17 @@ def test_min_new_tokens_holds_the_stop_ids_back():
     log-probs of those steps are those of the distribution without the stop ids."""
     model = load("qwen2")
     stops = [0, 2, *range(40, 120)]  # ~20% of the vocabulary stops a row
-    args = sampling_args(num_samples=4, max_new_tokens=16, temperature=1.2, top_k=0, top_p=1.0,
-                         min_p=0.0, repetition_penalty=1.0, stop_ids=stops, seeds=[7, 8, 9, 10])
+    args = sampling_args(
+        num_samples=4,
+        max_new_tokens=16,
+        temperature=1.2,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        stop_ids=stops,
+        seeds=[7, 8, 9, 10],
+    )
     free = generate(model, PROMPTS, **args)
     assert (free.completion_mask.sum(1) <= 4).sum() >= 4  # without it, many rows end early
     out = generate(model, PROMPTS, min_new_tokens=4, **args)
@@ -195,10 +247,19 @@ def test_the_fast_draw_equals_the_plain_one_with_suppression(top_k, top_p, min_p
     """Suppression happens in the decode loop, before either draw: sample_next_token_fast (what
     training uses) stays equal to sample_next_token bit for bit, stop strings included."""
     model = load("qwen2")
-    args = sampling_args(num_samples=3, max_new_tokens=12, temperature=1.2, top_k=top_k,
-                         top_p=top_p, min_p=min_p, seeds=[11, 12, 13, 14],
-                         suppress_tokens=[252, 62, 14, 37],
-                         min_new_tokens=3, stop_strings=["cab"], decode=decode)
+    args = sampling_args(
+        num_samples=3,
+        max_new_tokens=12,
+        temperature=1.2,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seeds=[11, 12, 13, 14],
+        suppress_tokens=[252, 62, 14, 37],
+        min_new_tokens=3,
+        stop_strings=["cab"],
+        decode=decode,
+    )
     plain = generate(model, PROMPTS, **args)
     fast = generate(model, PROMPTS, sample_token=sample_next_token_fast, **args)
     assert torch.equal(plain.completion_ids, fast.completion_ids)
@@ -214,9 +275,21 @@ def test_overrides_win_over_the_fields_but_not_the_loss_temperature():
     """As TRL: generation_kwargs' sampling keys replace the fields' values in the sampler (None =
     off); the temperature the loss scores with stays the field's (train.py reads
     cfg.temperature)."""
-    cfg = TrainConfig(temperature=1.0, top_k=20, min_p=0.1, generation_kwargs={
-        "temperature": 0.5, "top_k": 3, "top_p": 0.8, "min_p": None, "repetition_penalty": 1.2,
-        "min_new_tokens": 2, "suppress_tokens": [5], "do_sample": True}).validate()
+    cfg = TrainConfig(
+        temperature=1.0,
+        top_k=20,
+        min_p=0.1,
+        generation_kwargs={
+            "temperature": 0.5,
+            "top_k": 3,
+            "top_p": 0.8,
+            "min_p": None,
+            "repetition_penalty": 1.2,
+            "min_new_tokens": 2,
+            "suppress_tokens": [5],
+            "do_sample": True,
+        },
+    ).validate()
     got = sampling_kwargs(cfg)
     assert (got["temperature"], got["top_k"], got["top_p"], got["min_p"]) == (0.5, 3, 0.8, 0.0)
     assert got["repetition_penalty"] == 1.2
@@ -225,23 +298,28 @@ def test_overrides_win_over_the_fields_but_not_the_loss_temperature():
     assert sampling_kwargs(TrainConfig(top_k=20))["top_k"] == 20  # none given: the fields
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"bad_words_ids": [[1]]},
-     "not a key nanogrpo's sampler reads; it reads \\['do_sample', 'min_new_tokens', 'min_p', "
-     "'repetition_penalty', 'stop', 'stop_strings', 'suppress_tokens', 'temperature', 'top_k', "
-     "'top_p'\\]"),
-    ({"num_beams": 4}, "no beam search"),
-    ({"do_sample": False}, "training samples: only True"),
-    ({"max_new_tokens": 64}, "set max_completion_length"),
-    ({"min_tokens": 3}, "use min_new_tokens"),
-    ({"temperature": 0}, "training samples, so it must be > 0"),
-    ({"top_p": 1.5}, "top_p=1.5: must be in \\(0, 1\\]"),
-    ({"top_k": 2.5}, "must be an int >= 0"),
-    ({"suppress_tokens": [-1]}, "token ids must be >= 0"),
-    ({"suppress_tokens": 7}, "must be a list of int"),
-    ({"stop_strings": [""]}, "stop strings must be non-empty"),
-    ({"min_new_tokens": -1}, "must be an int >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            {"bad_words_ids": [[1]]},
+            "not a key nanogrpo's sampler reads; it reads \\['do_sample', 'min_new_tokens', 'min_p', "
+            "'repetition_penalty', 'stop', 'stop_strings', 'suppress_tokens', 'temperature', 'top_k', "
+            "'top_p'\\]",
+        ),
+        ({"num_beams": 4}, "no beam search"),
+        ({"do_sample": False}, "training samples: only True"),
+        ({"max_new_tokens": 64}, "set max_completion_length"),
+        ({"min_tokens": 3}, "use min_new_tokens"),
+        ({"temperature": 0}, "training samples, so it must be > 0"),
+        ({"top_p": 1.5}, "top_p=1.5: must be in \\(0, 1\\]"),
+        ({"top_k": 2.5}, "must be an int >= 0"),
+        ({"suppress_tokens": [-1]}, "token ids must be >= 0"),
+        ({"suppress_tokens": 7}, "must be a list of int"),
+        ({"stop_strings": [""]}, "stop strings must be non-empty"),
+        ({"min_new_tokens": -1}, "must be an int >= 0"),
+    ],
+)
 def test_unknown_and_refused_keys_fail_at_config_load(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(generation_kwargs=kwargs).validate()
@@ -251,6 +329,7 @@ def test_a_tiny_training_run_samples_with_generation_kwargs(tmp_path, monkeypatc
     """train.py with --generation_kwargs from the command line: every rollout draws with them
     (the letter h, id 9, never appears; at least 2 tokens before the eos; top_k 5)."""
     from test_train import tiny
+
     import train
 
     seen = []
@@ -263,8 +342,9 @@ def test_a_tiny_training_run_samples_with_generation_kwargs(tmp_path, monkeypatc
     fake = recording
     monkeypatch.setattr(rollout_module, "generate", fake)
     monkeypatch.setattr(tool_rounds, "generate", fake)  # the tool rounds' calls
-    cfg = tiny(tmp_path, '--generation_kwargs={"suppress_tokens": [9], "min_new_tokens": 2, '
-                         '"top_k": 5}')
+    cfg = tiny(
+        tmp_path, '--generation_kwargs={"suppress_tokens": [9], "min_new_tokens": 2, "top_k": 5}'
+    )
     assert cfg.generation_kwargs == {"suppress_tokens": [9], "min_new_tokens": 2, "top_k": 5}
     history = train.train(cfg)
     assert [m["step"] for m in history] == [1, 2, 3] and len(seen) >= 3
@@ -279,8 +359,9 @@ def test_a_tiny_training_run_samples_with_generation_kwargs(tmp_path, monkeypatc
 
 def test_generation_settings_reads_none_as_off_and_joins_both_stop_names():
     assert generation_settings(None) == {}
-    got = generation_settings({"stop": "x", "stop_strings": ["y", "z"], "top_k": None,
-                               "do_sample": None})
+    got = generation_settings(
+        {"stop": "x", "stop_strings": ["y", "z"], "top_k": None, "do_sample": None}
+    )
     assert got == {"stop_strings": ["x", "y", "z"], "top_k": 0}
 
 
@@ -288,6 +369,7 @@ def test_a_training_run_stops_at_stop_strings(tmp_path):
     """stop_strings reach the sampler in a real run (the tokenizer decodes the tails): no trained
     completion runs past its first "a"."""
     from test_train import tiny
+
     import train
     from nanogrpo.rollout import Rollout
 

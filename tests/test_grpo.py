@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
+from conftest import fixture_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import fixture_path
 from nanogrpo.grpo import LOSS_TYPES, LossConfig, LossInputs, LossScale, group_advantages, grpo_step
 from nanogrpo.logprobs import kl_divergence
 
@@ -34,8 +34,14 @@ def t64(rows):
 
 def step(logps, old, ref, adv, mask, cfg, entropies=None, entropy_coef=None, **scale):
     """grpo_step on tensors in the order these tests write them; **scale: LossScale's fields."""
-    inputs = LossInputs(logps=logps, advantages=adv, completion_mask=mask, old_logps=old,
-                        ref_logps=ref, entropies=entropies)
+    inputs = LossInputs(
+        logps=logps,
+        advantages=adv,
+        completion_mask=mask,
+        old_logps=old,
+        ref_logps=ref,
+        entropies=entropies,
+    )
     return grpo_step(inputs, cfg, LossScale(**scale), entropy_coef=entropy_coef)
 
 
@@ -50,10 +56,14 @@ A1 = t64([0.7070067953, -0.7070067953, -0.7069401538, 0.7069401538])
 V2 = dict(beta=0.04, epsilon_high=0.28, max_completion_length=4)
 
 SPEC = [  # (loss_type, V1 loss, V2 loss)
-    ("grpo", 0.0, 0.0068970754), ("dr_grpo", 0.0003451531, 0.0566604388),
-    ("dapo", 0.0785415014, 0.1007296690), ("bnpo", 0.0785415014, 0.1007296690),
-    ("cispo", -0.0267067761, -0.0369424367), ("sapo", -0.0336653730, -0.0426685213),
-    ("luspo", 0.1767183781, 0.2266417552), ("vespo", -0.1335338806, -0.1780949657),
+    ("grpo", 0.0, 0.0068970754),
+    ("dr_grpo", 0.0003451531, 0.0566604388),
+    ("dapo", 0.0785415014, 0.1007296690),
+    ("bnpo", 0.0785415014, 0.1007296690),
+    ("cispo", -0.0267067761, -0.0369424367),
+    ("sapo", -0.0336653730, -0.0426685213),
+    ("luspo", 0.1767183781, 0.2266417552),
+    ("vespo", -0.1335338806, -0.1780949657),
 ]
 VARIANTS = [  # spec 10.3: (cfg on top of V2, grad_accum, loss)
     (dict(loss_type="cispo", epsilon_high=5.0), 1, -0.1313220869),
@@ -68,12 +78,15 @@ VARIANTS = [  # spec 10.3: (cfg on top of V2, grad_accum, loss)
 
 @pytest.mark.parametrize("loss_type,v1,v2", SPEC)
 def test_spec_v1_v2(loss_type, v1, v2):
-    loss, _ = grpo_step(LossInputs(logps=LOGP, advantages=A1, completion_mask=MASK),
-                        make_cfg(loss_type=loss_type))  # on-policy, no reference, scale=None
+    loss, _ = grpo_step(
+        LossInputs(logps=LOGP, advantages=A1, completion_mask=MASK), make_cfg(loss_type=loss_type)
+    )  # on-policy, no reference, scale=None
     assert abs(loss.item() - v1) < 1e-9
     loss, metrics = step(LOGP, OLD, REF, A1, MASK, make_cfg(loss_type=loss_type, **V2))
     assert abs(loss.item() - v2) < 1e-9
-    assert abs(metrics["kl"] - 0.011176) < 1e-6  # the spec prints it for grpo; it is the same for all
+    assert (
+        abs(metrics["kl"] - 0.011176) < 1e-6
+    )  # the spec prints it for grpo; it is the same for all
 
 
 @pytest.mark.parametrize("cfg,grad_accum,expected", VARIANTS)
@@ -100,8 +113,17 @@ def test_matches_trl_compute_loss(case):
     x = {k: None if v is None else t64(v) for k, v in case["inputs"].items()}
     call = dict(case["call"])
     logp = x["logp"].clone().requires_grad_(True)
-    loss, metrics = step(logp, x["old"], x["ref"], x["adv"], x["mask"], make_cfg(**case["cfg"]),
-                         entropies=x["ent"], steps_per_generation=call.pop("spg", None), **call)
+    loss, metrics = step(
+        logp,
+        x["old"],
+        x["ref"],
+        x["adv"],
+        x["mask"],
+        make_cfg(**case["cfg"]),
+        entropies=x["ent"],
+        steps_per_generation=call.pop("spg", None),
+        **call,
+    )
     (grad,) = torch.autograd.grad(loss, logp)
     assert abs(loss.item() - case["loss"]) < 1e-9
     assert (grad - t64(case["grad"])).abs().max().item() < 1e-9
@@ -114,14 +136,25 @@ def test_matches_trl_compute_loss(case):
 # Validation
 
 
-@pytest.mark.parametrize("kw,field", [
-    (dict(loss_type="ppo"), "loss_type"), (dict(epsilon=0.0), "epsilon"), (dict(epsilon_high=-1.0), "epsilon_high"),
-    (dict(delta=0.9), "delta"), (dict(beta=-0.1), "beta"), (dict(max_completion_length=0), "max_completion_length"),
-    (dict(importance_sampling_level="seq"), "importance_sampling_level"),
-    (dict(loss_type="luspo"), "importance_sampling_level"),
-    (dict(loss_type="vespo", importance_sampling_level="sequence"), "importance_sampling_level"),
-    (dict(top_entropy_quantile=1.5), "top_entropy_quantile"), (dict(sapo_temperature_neg=0.0), "sapo_temperature_neg"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(loss_type="ppo"), "loss_type"),
+        (dict(epsilon=0.0), "epsilon"),
+        (dict(epsilon_high=-1.0), "epsilon_high"),
+        (dict(delta=0.9), "delta"),
+        (dict(beta=-0.1), "beta"),
+        (dict(max_completion_length=0), "max_completion_length"),
+        (dict(importance_sampling_level="seq"), "importance_sampling_level"),
+        (dict(loss_type="luspo"), "importance_sampling_level"),
+        (
+            dict(loss_type="vespo", importance_sampling_level="sequence"),
+            "importance_sampling_level",
+        ),
+        (dict(top_entropy_quantile=1.5), "top_entropy_quantile"),
+        (dict(sapo_temperature_neg=0.0), "sapo_temperature_neg"),
+    ],
+)
 def test_loss_config_rejects(kw, field):
     with pytest.raises(ValueError, match=f"LossConfig.{field}=.*allowed"):
         LossConfig(**kw)
@@ -172,9 +205,15 @@ def random_cfg(loss_type, seed):
     g = torch.Generator().manual_seed(seed)
     seq = loss_type == "luspo" or (loss_type != "vespo" and torch.rand(1, generator=g) < 0.3)
     level = "sequence" if seq else "token"
-    return LossConfig(loss_type=loss_type, beta=float(torch.rand(1, generator=g) < 0.5) * 0.1, epsilon_high=0.28,
-                      delta=1.5 if torch.rand(1, generator=g) < 0.3 else None, importance_sampling_level=level,
-                      max_completion_length=16, use_bias_correction_kl=bool(torch.rand(1, generator=g) < 0.7))
+    return LossConfig(
+        loss_type=loss_type,
+        beta=float(torch.rand(1, generator=g) < 0.5) * 0.1,
+        epsilon_high=0.28,
+        delta=1.5 if torch.rand(1, generator=g) < 0.3 else None,
+        importance_sampling_level=level,
+        max_completion_length=16,
+        use_bias_correction_kl=bool(torch.rand(1, generator=g) < 0.7),
+    )
 
 
 def loss_and_grad(logp, *args, **kw):
@@ -185,13 +224,24 @@ def loss_and_grad(logp, *args, **kw):
 
 
 SPLIT_ALWAYS = ("dapo", "cispo", "vespo")  # global token mean: any split, any token counts
-SPLIT_EQUAL_ROWS = ("grpo", "sapo", "luspo", "dr_grpo")  # mean over sequences: equal micro-batch sizes
+SPLIT_EQUAL_ROWS = (
+    "grpo",
+    "sapo",
+    "luspo",
+    "dr_grpo",
+)  # mean over sequences: equal micro-batch sizes
 # bnpo normalizes by each micro-batch's own token count: exact only when those counts are equal.
 
 
 @PROPS
-@given(loss_type=st.sampled_from(LOSS_TYPES), seed=st.integers(0, 10**6), world=st.integers(1, 3),
-       accum=st.integers(1, 3), rows=st.integers(1, 3), c=st.integers(1, 6))
+@given(
+    loss_type=st.sampled_from(LOSS_TYPES),
+    seed=st.integers(0, 10**6),
+    world=st.integers(1, 3),
+    accum=st.integers(1, 3),
+    rows=st.integers(1, 3),
+    c=st.integers(1, 6),
+)
 def test_split_over_microbatches_and_ranks(loss_type, seed, world, accum, rows, c):
     """Summing micro-batch gradients on each rank, then averaging over ranks, gives the full-batch
     gradient (and loss): dapo/cispo/vespo with num_items = global token count; mean-over-sequence
@@ -207,8 +257,17 @@ def test_split_over_microbatches_and_ranks(loss_type, seed, world, accum, rows, 
     for r in range(world):
         for k in range(accum):
             i = slice((r * accum + k) * rows, (r * accum + k + 1) * rows)
-            l_, g_, _ = loss_and_grad(logp[i], old[i], ref[i], adv[i], mask[i], cfg, num_items=num_items,
-                                      grad_accum=accum, world_size=world)
+            l_, g_, _ = loss_and_grad(
+                logp[i],
+                old[i],
+                ref[i],
+                adv[i],
+                mask[i],
+                cfg,
+                num_items=num_items,
+                grad_accum=accum,
+                world_size=world,
+            )
             loss += l_ / world
             grad[i] += g_ / world  # DDP averages the ranks' gradients
     assert torch.allclose(loss, full_loss, atol=1e-12, rtol=1e-10)
@@ -226,20 +285,32 @@ def test_bnpo_split_differs_when_token_counts_differ():
 
 
 @PROPS
-@given(loss_type=st.sampled_from(LOSS_TYPES), seed=st.integers(0, 10**6), n=st.integers(1, 5), c=st.integers(1, 5),
-       pad=st.integers(1, 3), quantile=st.sampled_from([1.0, 0.5, 0.2]))
+@given(
+    loss_type=st.sampled_from(LOSS_TYPES),
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 5),
+    c=st.integers(1, 5),
+    pad=st.integers(1, 3),
+    quantile=st.sampled_from([1.0, 0.5, 0.2]),
+)
 def test_padding_with_nan_inf_changes_nothing(loss_type, seed, n, c, pad, quantile):
     logp, old, ref, adv, mask, ent = random_batch(seed, n, c)
     mask[0, 0] = True  # at least one active token
     cfg = random_cfg(loss_type, seed)
     cfg.top_entropy_quantile = quantile
     loss, grad, metrics = loss_and_grad(logp, old, ref, adv, mask, cfg, entropies=ent)
-    junk = torch.tensor([math.nan, math.inf, -math.inf], dtype=F64)[torch.arange(n * pad) % 3].view(n, pad)
+    junk = torch.tensor([math.nan, math.inf, -math.inf], dtype=F64)[torch.arange(n * pad) % 3].view(
+        n, pad
+    )
     cat = lambda x: torch.cat([torch.where(mask, x, junk[:, :1]), junk], dim=1)  # noqa: E731
     padded_mask = torch.cat([mask, torch.zeros(n, pad, dtype=torch.bool)], dim=1)
-    loss2, grad2, metrics2 = loss_and_grad(cat(logp), cat(old), cat(ref), adv, padded_mask, cfg, entropies=cat(ent))
+    loss2, grad2, metrics2 = loss_and_grad(
+        cat(logp), cat(old), cat(ref), adv, padded_mask, cfg, entropies=cat(ent)
+    )
     assert torch.allclose(loss, loss2, atol=1e-15, rtol=1e-13)
-    assert torch.allclose(torch.where(mask, grad, 0), torch.where(mask, grad2[:, :c], 0), atol=1e-15, rtol=1e-13)
+    assert torch.allclose(
+        torch.where(mask, grad, 0), torch.where(mask, grad2[:, :c], 0), atol=1e-15, rtol=1e-13
+    )
     assert torch.equal(grad2[:, c:], torch.zeros(n, pad, dtype=F64))
     assert not torch.isnan(grad2).any()
     assert metrics.keys() == metrics2.keys()
@@ -249,14 +320,24 @@ def expected_on_policy_grad(cfg, adv, mask):
     """d loss / d logp on-policy with beta = 0: -c * A_b * w[b,t], w the loss type's token weight."""
     m = mask.to(F64)
     n, tokens = m.shape[0], m.sum(-1, keepdim=True).clamp(min=1)
-    w = {"grpo": m / tokens / n, "sapo": m / tokens / n, "bnpo": m / m.sum().clamp(min=1),
-         "dr_grpo": m / (n * cfg.max_completion_length), "luspo": m / n}.get(cfg.loss_type, m / m.sum().clamp(min=1))
+    w = {
+        "grpo": m / tokens / n,
+        "sapo": m / tokens / n,
+        "bnpo": m / m.sum().clamp(min=1),
+        "dr_grpo": m / (n * cfg.max_completion_length),
+        "luspo": m / n,
+    }.get(cfg.loss_type, m / m.sum().clamp(min=1))
     c = min(1.0, cfg.epsilon_high) if cfg.loss_type == "cispo" else 1.0
     return -c * adv[:, None] * w
 
 
 @PROPS
-@given(loss_type=st.sampled_from(LOSS_TYPES), seed=st.integers(0, 10**6), n=st.integers(1, 5), c=st.integers(1, 6))
+@given(
+    loss_type=st.sampled_from(LOSS_TYPES),
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 5),
+    c=st.integers(1, 6),
+)
 def test_on_policy_gradient_is_minus_advantage(loss_type, seed, n, c):
     logp, _, _, adv, mask, _ = random_batch(seed, n, c)
     eps_high = [0.2, 0.28, 5.0][seed % 3]
@@ -275,8 +356,11 @@ def test_on_policy_gradient_is_minus_advantage(loss_type, seed, n, c):
 
 
 @PROPS
-@given(loss_type=st.sampled_from(("grpo", "dr_grpo", "dapo", "bnpo")), seed=st.integers(0, 10**6),
-       delta=st.sampled_from([None, 1.3, 2.0]))
+@given(
+    loss_type=st.sampled_from(("grpo", "dr_grpo", "dapo", "bnpo")),
+    seed=st.integers(0, 10**6),
+    delta=st.sampled_from([None, 1.3, 2.0]),
+)
 def test_clipped_tokens_get_zero_gradient(loss_type, seed, delta):
     logp, old, _, adv, mask, _ = random_batch(seed, 6, 5, scale=0.6)
     cfg = LossConfig(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, delta=delta)
@@ -295,8 +379,12 @@ def test_clipped_tokens_get_zero_gradient(loss_type, seed, delta):
 def test_kl_vanishes_when_policy_equals_reference(loss_type, seed, bias):
     logp, old, _, _, mask, _ = random_batch(seed, 4, 5)
     level = "sequence" if loss_type == "luspo" else "token"
-    cfg = LossConfig(loss_type=loss_type, beta=0.5, importance_sampling_level=level, use_bias_correction_kl=bias)
-    loss, grad, metrics = loss_and_grad(logp, old, logp.clone(), torch.zeros(4, dtype=F64), mask, cfg)
+    cfg = LossConfig(
+        loss_type=loss_type, beta=0.5, importance_sampling_level=level, use_bias_correction_kl=bias
+    )
+    loss, grad, metrics = loss_and_grad(
+        logp, old, logp.clone(), torch.zeros(4, dtype=F64), mask, cfg
+    )
     assert metrics["kl"] == 0.0 and loss.item() == 0.0
     assert grad.abs().max().item() < 1e-15
 
@@ -305,7 +393,10 @@ def test_kl_vanishes_when_policy_equals_reference(loss_type, seed, bias):
 @given(seed=st.integers(0, 10**6), kind=st.sampled_from(["k1", "k2", "k3"]))
 def test_kl_estimators(seed, kind):
     g = torch.Generator().manual_seed(seed)
-    logp, ref = -5 * torch.rand(50, generator=g, dtype=F64), -5 * torch.rand(50, generator=g, dtype=F64)
+    logp, ref = (
+        -5 * torch.rand(50, generator=g, dtype=F64),
+        -5 * torch.rand(50, generator=g, dtype=F64),
+    )
     kl = kl_divergence(logp, ref, kind)
     log_r = ref - logp
     expected = {"k1": -log_r, "k2": log_r**2 / 2, "k3": log_r.exp() - 1 - log_r}[kind]
@@ -336,20 +427,42 @@ def test_fully_masked_batch_gives_zero_connected_loss():
 def test_advantages_spec_values():
     r = torch.tensor([1.0, 0.0, 0.2, 0.8])
     a = group_advantages(r, 2)
-    assert torch.allclose(a, torch.tensor([0.7070067953, -0.7070067953, -0.7069401538, 0.7069401538]), atol=1e-6)
-    assert torch.allclose(group_advantages(r, 2, scale_rewards="batch"),
-                          torch.tensor([1.0499895, -1.0499895, -0.6299937, 0.6299937]), atol=1e-6)
-    assert torch.allclose(group_advantages(r, 2, scale_rewards="none"), torch.tensor([0.5, -0.5, -0.3, 0.3]), atol=1e-7)
+    assert torch.allclose(
+        a, torch.tensor([0.7070067953, -0.7070067953, -0.7069401538, 0.7069401538]), atol=1e-6
+    )
+    assert torch.allclose(
+        group_advantages(r, 2, scale_rewards="batch"),
+        torch.tensor([1.0499895, -1.0499895, -0.6299937, 0.6299937]),
+        atol=1e-6,
+    )
+    assert torch.allclose(
+        group_advantages(r, 2, scale_rewards="none"),
+        torch.tensor([0.5, -0.5, -0.3, 0.3]),
+        atol=1e-7,
+    )
     assert torch.equal(group_advantages(r, 2, scale_rewards=True), a)
-    assert torch.equal(group_advantages(r, 2, scale_rewards=False), group_advantages(r, 2, scale_rewards="none"))
+    assert torch.equal(
+        group_advantages(r, 2, scale_rewards=False), group_advantages(r, 2, scale_rewards="none")
+    )
     assert a.dtype == torch.float32
 
 
 def test_advantages_nan_handling():
     nan = math.nan
-    r = torch.tensor([[1.0, nan], [nan, nan], [0.0, 2.0],  # weighted sums 1, unscorable, 1: equal -> 0
-                      [nan, 1.0], [nan, nan], [nan, nan],  # a single scorable row: std is NaN -> 0
-                      [2.0, nan], [0.0, nan], [nan, 4.0]], dtype=F64)  # sums 2, 0, 2
+    r = torch.tensor(
+        [
+            [1.0, nan],
+            [nan, nan],
+            [0.0, 2.0],  # weighted sums 1, unscorable, 1: equal -> 0
+            [nan, 1.0],
+            [nan, nan],
+            [nan, nan],  # a single scorable row: std is NaN -> 0
+            [2.0, nan],
+            [0.0, nan],
+            [nan, 4.0],
+        ],
+        dtype=F64,
+    )  # sums 2, 0, 2
     a = group_advantages(r, 3, reward_weights=[1.0, 0.5])
     assert a[:6].eq(0).all()
     centred = torch.tensor([2 / 3, -4 / 3, 2 / 3], dtype=F64)
@@ -381,13 +494,22 @@ def test_advantages_errors():
         group_advantages(torch.zeros(4), 2, multi_objective_aggregation="mean")
 
 
-ADV_MODES = [("group", "sum_then_normalize"), ("batch", "sum_then_normalize"), ("none", "sum_then_normalize"),
-             ("group", "normalize_then_sum")]
+ADV_MODES = [
+    ("group", "sum_then_normalize"),
+    ("batch", "sum_then_normalize"),
+    ("none", "sum_then_normalize"),
+    ("group", "normalize_then_sum"),
+]
 
 
 @PROPS
-@given(seed=st.integers(0, 10**6), groups=st.integers(1, 4), G=st.integers(2, 5), K=st.integers(1, 3),
-       mode=st.sampled_from(ADV_MODES))
+@given(
+    seed=st.integers(0, 10**6),
+    groups=st.integers(1, 4),
+    G=st.integers(2, 5),
+    K=st.integers(1, 3),
+    mode=st.sampled_from(ADV_MODES),
+)
 def test_advantage_properties(seed, groups, G, K, mode):
     scale, agg = mode
     g = torch.Generator().manual_seed(seed)
@@ -395,7 +517,9 @@ def test_advantage_properties(seed, groups, G, K, mode):
     w = torch.rand(K, generator=g, dtype=F64) + 0.1
 
     def adv(x):
-        return group_advantages(x, G, reward_weights=w, scale_rewards=scale, multi_objective_aggregation=agg)
+        return group_advantages(
+            x, G, reward_weights=w, scale_rewards=scale, multi_objective_aggregation=agg
+        )
 
     a = adv(r)
     # zero-sum within each group (GRPO: the baseline is the group mean; GDPO: each z is group-centred)

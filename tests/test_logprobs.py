@@ -4,13 +4,13 @@ plain definition in logprobs.py, values and gradients, in float64 on a tiny rand
 
 import pytest
 import torch
+from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_config
+from nanogrpo.checkpoint import load_model
 from nanogrpo.fast.logprobs import token_logprobs
 from nanogrpo.logprobs import token_logprobs as token_logprobs_plain
-from nanogrpo.checkpoint import load_model
 from nanogrpo.model import Transformer
 
 PROMPT_LENS = [2, 5, 3]
@@ -31,13 +31,15 @@ def batch(completion_attention=1, seed=0):
     completion_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     completion_att = completion_mask | bool(completion_attention)
     attention = torch.cat([prompt_mask, completion_att], dim=1).long()
-    ids = torch.where(attention.bool() | (torch.arange(P + C) >= P), ids, 0)  # pad id 0 in the prompt pads
+    ids = torch.where(
+        attention.bool() | (torch.arange(P + C) >= P), ids, 0
+    )  # pad id 0 in the prompt pads
     return ids, attention, completion_mask
 
 
 def naive(model, ids, attention, completion_mask, temperature):
     """Full [N,L,V] logits, log_softmax, gather: the memory-hungry reference."""
-    logits = model(ids, attention_mask=attention)[:, P - 1:-1] / temperature  # [N,C,V]
+    logits = model(ids, attention_mask=attention)[:, P - 1 : -1] / temperature  # [N,C,V]
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, ids[:, P:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
@@ -57,11 +59,15 @@ MODEL = tiny_model()
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 512])
 @pytest.mark.parametrize("completion_attention", [0, 1])
-@pytest.mark.parametrize("keep_bytes", [0, 4 * V * 8, 2**30])  # recompute all, keep the first 4 tokens', keep all
+@pytest.mark.parametrize(
+    "keep_bytes", [0, 4 * V * 8, 2**30]
+)  # recompute all, keep the first 4 tokens', keep all
 def test_matches_naive_values_and_gradients(chunk_size, completion_attention, keep_bytes):
     ids, att, cmask = batch(completion_attention)
     T = 0.7
-    logp, ent = token_logprobs(MODEL, ids, att, cmask, temperature=T, chunk_size=chunk_size, keep_bytes=keep_bytes)
+    logp, ent = token_logprobs(
+        MODEL, ids, att, cmask, temperature=T, chunk_size=chunk_size, keep_bytes=keep_bytes
+    )
     ref_logp, ref_ent = naive(MODEL, ids, att, cmask, T)
     assert logp.dtype == torch.float64 and logp.shape == (3, C) and ent.shape == (3, C)
     assert torch.allclose(logp, ref_logp, atol=1e-12, rtol=0)
@@ -74,17 +80,32 @@ def test_matches_naive_values_and_gradients(chunk_size, completion_attention, ke
 
 
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 10**6), temperature=st.floats(0.3, 2.0), chunk_size=st.integers(1, 12),
-       keep_tokens=st.integers(0, 12))
+@given(
+    seed=st.integers(0, 10**6),
+    temperature=st.floats(0.3, 2.0),
+    chunk_size=st.integers(1, 12),
+    keep_tokens=st.integers(0, 12),
+)
 def test_matches_naive_random(seed, temperature, chunk_size, keep_tokens):
     ids, att, cmask = batch(seed % 2, seed)
-    cmask = cmask & (torch.rand(cmask.shape, generator=torch.Generator().manual_seed(seed)) < 0.8)  # holes too
-    logp, ent = token_logprobs(MODEL, ids, att, cmask, temperature=temperature, chunk_size=chunk_size,
-                               keep_bytes=keep_tokens * V * 8)
+    cmask = cmask & (
+        torch.rand(cmask.shape, generator=torch.Generator().manual_seed(seed)) < 0.8
+    )  # holes too
+    logp, ent = token_logprobs(
+        MODEL,
+        ids,
+        att,
+        cmask,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        keep_bytes=keep_tokens * V * 8,
+    )
     ref_logp, ref_ent = naive(MODEL, ids, att, cmask, temperature)
     assert torch.allclose(logp, ref_logp, atol=1e-12, rtol=0)
     assert torch.allclose(ent, ref_ent, atol=1e-12, rtol=0)
-    for g, g_ref in zip(param_grads(MODEL, logp, ent, seed), param_grads(MODEL, ref_logp, ref_ent, seed)):
+    for g, g_ref in zip(
+        param_grads(MODEL, logp, ent, seed), param_grads(MODEL, ref_logp, ref_ent, seed)
+    ):
         assert torch.allclose(g, g_ref, atol=1e-12, rtol=1e-9)
 
 
@@ -127,12 +148,15 @@ def test_rows_sharing_a_prompt_share_its_forward_exactly(completion_attention, k
     assert torch.allclose(logp, want[0], atol=1e-12) and torch.allclose(ent, want[1], atol=1e-12)
     for got, ref in zip(param_grads(model, logp, ent), param_grads(model, *want)):
         assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
-    one = token_logprobs(model, ids[:, :P + 1], att[:, :P + 1], cmask[:, :1])
+    one = token_logprobs(model, ids[:, : P + 1], att[:, : P + 1], cmask[:, :1])
     assert torch.allclose(one[0], want[0][:, :1], atol=1e-12)
     model.gradient_checkpointing = True
     logp_ckpt, ent_ckpt = token_logprobs(model.train(), ids, att, cmask)
     assert calls[-1] == (6, P + C) and torch.allclose(logp_ckpt, want[0], atol=1e-12)
-    for got, ref in zip(param_grads(model, logp_ckpt, ent_ckpt), param_grads(model, *naive(model, ids, att, cmask, 1))):
+    for got, ref in zip(
+        param_grads(model, logp_ckpt, ent_ckpt),
+        param_grads(model, *naive(model, ids, att, cmask, 1)),
+    ):
         assert torch.allclose(got, ref, atol=1e-12)
 
 
@@ -156,7 +180,9 @@ def test_rejects_bad_arguments():
         token_logprobs(MODEL, ids, att, cmask, chunk_size=0)
 
 
-@pytest.mark.parametrize("keep_tokens,kept", [(0, []), (3, [2]), (4, [2, 2]), (5, [2, 2]), (100, [2, 2, 2, 2, 1])])
+@pytest.mark.parametrize(
+    "keep_tokens,kept", [(0, []), (3, [2]), (4, [2, 2]), (5, [2, 2]), (100, [2, 2, 2, 2, 1])]
+)
 def test_probabilities_are_kept_for_backward_only_within_keep_bytes(keep_tokens, kept):
     """The first chunks that fit in keep_bytes save their [chunk,V] probabilities for backward; the rest save
     h and log Z only and recompute them (9 scored tokens in chunks of 2: 5 chunks, the last of 1 token)."""
@@ -180,7 +206,9 @@ def test_probabilities_are_kept_for_backward_only_within_keep_bytes(keep_tokens,
     MODEL.gradient_checkpointing = True  # trades compute for memory: nothing is kept
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            token_logprobs(MODEL.train(), ids, att, cmask, chunk_size=2, keep_bytes=keep_tokens * V * 8)
+            token_logprobs(
+                MODEL.train(), ids, att, cmask, chunk_size=2, keep_bytes=keep_tokens * V * 8
+            )
     finally:
         MODEL.gradient_checkpointing = False
     assert not any(V in s[-1:] for s in saved)
@@ -189,15 +217,28 @@ def test_probabilities_are_kept_for_backward_only_within_keep_bytes(keep_tokens,
 def test_scoring_matches_the_sampler_on_a_padded_vocabulary():
     # the qwen2 fixture has 400 embedding rows for a 384-token tokenizer, like Qwen2.5's padding
     from conftest import fixture_path
+
     from nanogrpo.rollout import join_prompt_completion
     from nanogrpo.sampler import generate
+
     model = load_model(fixture_path("qwen2"))
     prompts = [[5, 17, 250, 3], [99, 100]]
-    out = generate(model, prompts, num_samples=3, max_new_tokens=5, temperature=0.8, stop_ids={2}, pad_id=0,
-                   generator=torch.Generator().manual_seed(0), vocab_size=384)
+    out = generate(
+        model,
+        prompts,
+        num_samples=3,
+        max_new_tokens=5,
+        temperature=0.8,
+        stop_ids={2},
+        pad_id=0,
+        generator=torch.Generator().manual_seed(0),
+        vocab_size=384,
+    )
     ids, attention = join_prompt_completion(prompts, out.completion_ids, 0, 3)
     with torch.no_grad():
-        same, _ = token_logprobs(model, ids, attention, out.completion_mask, temperature=0.8, vocab_size=384)
+        same, _ = token_logprobs(
+            model, ids, attention, out.completion_mask, temperature=0.8, vocab_size=384
+        )
         full, _ = token_logprobs(model, ids, attention, out.completion_mask, temperature=0.8)
     assert torch.allclose(same, out.logprobs, atol=1e-5)
     assert (full - out.logprobs).abs().max() > 1e-3  # the padded rows carry mass in a random model
@@ -209,9 +250,19 @@ def test_the_fast_path_equals_the_plain_definition(temperature, vocab_size):
     logprobs.token_logprobs (full logits, log_softmax, gather), values and gradients, in float64; the
     plain one = the test's naive."""
     ids, att, cmask = batch(1)
-    plain = token_logprobs_plain(MODEL, ids, att, cmask, temperature=temperature, vocab_size=vocab_size)
-    fast = token_logprobs(MODEL, ids, att, cmask, temperature=temperature, vocab_size=vocab_size, chunk_size=2,
-                          keep_bytes=2 * V * 8)  # the first chunk kept, the others recomputed
+    plain = token_logprobs_plain(
+        MODEL, ids, att, cmask, temperature=temperature, vocab_size=vocab_size
+    )
+    fast = token_logprobs(
+        MODEL,
+        ids,
+        att,
+        cmask,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        chunk_size=2,
+        keep_bytes=2 * V * 8,
+    )  # the first chunk kept, the others recomputed
     for got, want in zip(fast, plain):
         assert torch.allclose(got, want, atol=1e-12)
     for got, want in zip(param_grads(MODEL, *fast), param_grads(MODEL, *plain)):
@@ -242,13 +293,23 @@ def test_entropy_gradient_equals_the_plain_definition(keep_bytes, temperature, c
     ids, att, cmask = batch(1)
     MODEL.gradient_checkpointing = checkpointing
     try:
-        logp, ent = token_logprobs(MODEL, ids, att, cmask, temperature=temperature, chunk_size=3,
-                                   keep_bytes=keep_bytes, entropy_grad=True)
+        logp, ent = token_logprobs(
+            MODEL,
+            ids,
+            att,
+            cmask,
+            temperature=temperature,
+            chunk_size=3,
+            keep_bytes=keep_bytes,
+            entropy_grad=True,
+        )
     finally:
         MODEL.gradient_checkpointing = False
     ref_logp, ref_ent = token_logprobs_plain(MODEL, ids, att, cmask, temperature=temperature)
     assert ent.requires_grad
-    for g, g_ref in zip(entropy_param_grads(MODEL, logp, ent), entropy_param_grads(MODEL, ref_logp, ref_ent)):
+    for g, g_ref in zip(
+        entropy_param_grads(MODEL, logp, ent), entropy_param_grads(MODEL, ref_logp, ref_ent)
+    ):
         assert torch.allclose(g, g_ref, atol=1e-12, rtol=1e-9)
 
 
@@ -260,6 +321,7 @@ def test_the_entropy_has_no_gradient_unless_asked():
 
 def test_an_entropy_bonus_frees_no_row():
     from nanogrpo.fast.logprobs import rows_without_gradient
+
     big = Transformer(tiny_config(vocab_size=V, hidden_size=64, intermediate_size=128))
     adv = torch.tensor([0.0, 1.0, 0.0, 0.0])
     assert rows_without_gradient(adv, 0.0, big, 4000).tolist() == [True, False, True, True]
@@ -271,12 +333,13 @@ def test_cast_lm_head_to_fp32_under_bf16_autocast():
     those of float32 logits of the (bf16) hidden states, in the chunked, the plain and the
     sampler's paths; without it they differ."""
     from nanogrpo.sampler import lm_logits
+
     torch.manual_seed(0)
     model = Transformer(tiny_config(vocab_size=V))
     ids, att, cmask = batch(1)
     T = 0.7
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        h = model.hidden_states(ids, attention_mask=att.bool())[:, P - 1:-1]  # [N,C,D] bf16
+        h = model.hidden_states(ids, attention_mask=att.bool())[:, P - 1 : -1]  # [N,C,D] bf16
         bf16_logp, _ = token_logprobs(model, ids, att, cmask, temperature=T)
         model.cast_lm_head_to_fp32 = True
         logp, _ = token_logprobs(model, ids, att, cmask, temperature=T)
@@ -308,12 +371,13 @@ def test_chunked_gradient_under_cpu_bf16_autocast_is_autograds(keep_bytes, entro
     both."""
     from nanogrpo.fast.logprobs import score_chunks
     from nanogrpo.model import lm_head_linear
+
     torch.manual_seed(0)
     model = Transformer(tiny_config(vocab_size=V))
     ids, att, cmask = batch(1)
     targets, T = ids[:, P:], 0.7
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        h0 = model.hidden_states(ids, attention_mask=att.bool())[:, P - 1:-1]  # [N,C,D]
+        h0 = model.hidden_states(ids, attention_mask=att.bool())[:, P - 1 : -1]  # [N,C,D]
     g = torch.Generator().manual_seed(1)
     u, v = torch.randn(cmask.shape, generator=g), torch.randn(cmask.shape, generator=g)
 
@@ -321,8 +385,9 @@ def test_chunked_gradient_under_cpu_bf16_autocast_is_autograds(keep_bytes, entro
         h = h0.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if chunked:
-                logp, ent = score_chunks(h, model.lm_head, targets, cmask, T, None, 512,
-                                         keep_bytes, entropy_grad)
+                logp, ent = score_chunks(
+                    h, model.lm_head, targets, cmask, T, None, 512, keep_bytes, entropy_grad
+                )
             else:  # the definition: full bf16 logits
                 logits = lm_head_linear(h, model.lm_head.weight).float()  # [N,C,V]
                 logp_all = torch.log_softmax(logits / T, -1)
@@ -359,12 +424,21 @@ def test_no_throwaway_forward_when_the_configuration_frees_no_row(beta, entropy_
     on any rank (beta != 0, an entropy bonus) that call is wasted and does not run: each model
     forward then has gradient, as with one rank."""
     from nanogrpo.fast.logprobs import policy_logprobs
+
     model = tiny_model()
     grad_on = []  # torch.is_grad_enabled() at each model forward
     model.register_forward_hook(lambda *_: grad_on.append(torch.is_grad_enabled()))
     ids, att, cmask = batch(1)
-    logps, ent = policy_logprobs(model, ids, att, cmask, torch.tensor([1.0, -1.0, 0.5]),
-                                 beta=beta, entropy_bonus=entropy_bonus, world_size=2)
+    logps, ent = policy_logprobs(
+        model,
+        ids,
+        att,
+        cmask,
+        torch.tensor([1.0, -1.0, 0.5]),
+        beta=beta,
+        entropy_bonus=entropy_bonus,
+        world_size=2,
+    )
     some_rank_may_free = beta == 0 and not entropy_bonus
     # two model calls a scoring (the shared prompt, then the completions)
     assert grad_on == [False] * 2 * some_rank_may_free + [True] * 2
@@ -383,17 +457,27 @@ def test_fast_policy_logprobs_equal_the_plain_definition(entropy_bonus, world_si
     zero-advantage rows are split off."""
     from nanogrpo import logprobs as plain
     from nanogrpo.fast import logprobs as fast
+
     monkeypatch.setitem(fast.SKIP_MIN_FLOPS, "cpu", 0)
     torch.manual_seed(0)
     model = Transformer(tiny_config(vocab_size=V)).double()
     grad_on = []  # torch.is_grad_enabled() at each model forward
     model.register_forward_hook(lambda *_: grad_on.append(torch.is_grad_enabled()))
-    ids, att, cmask = (torch.cat(parts) for parts in zip(batch(1, seed=0), batch(1, seed=1)))  # 6 rows
+    ids, att, cmask = (
+        torch.cat(parts) for parts in zip(batch(1, seed=0), batch(1, seed=1))
+    )  # 6 rows
     adv = torch.tensor([0.0, 1.5, 0.0, -0.5, 0.0, 0.0], dtype=torch.float64)
-    kwargs = {"beta": 0.0, "entropy_bonus": entropy_bonus, "world_size": world_size, "temperature": 0.7,
-              "vocab_size": V - 5}
+    kwargs = {
+        "beta": 0.0,
+        "entropy_bonus": entropy_bonus,
+        "world_size": world_size,
+        "temperature": 0.7,
+        "vocab_size": V - 5,
+    }
     got = fast.policy_logprobs(model, ids, att, cmask, adv, **kwargs)
-    assert (False in grad_on) == (not entropy_bonus)  # the split ran (no row is freed with the bonus)
+    assert (False in grad_on) == (
+        not entropy_bonus
+    )  # the split ran (no row is freed with the bonus)
     want = plain.policy_logprobs(model, ids, att, cmask, adv, **kwargs)
     for a, b in zip(got, want):
         assert a.shape == (6, C) and torch.allclose(a, b, atol=1e-12, rtol=0)

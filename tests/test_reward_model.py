@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 import train
 from nanogrpo.checkpoint import load_model, read_json, save_model
-from nanogrpo.run.config import ConfigError, TrainConfig
-from nanogrpo.model import ModelConfig, Transformer
 from nanogrpo.extras.reward_model import score_texts
+from nanogrpo.model import ModelConfig, Transformer
 from nanogrpo.rewards import RewardError, resolve_reward_funcs, score_completions
+from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.tokenizer import Tokenizer
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "reward_models")
@@ -37,14 +37,20 @@ def test_scores_equal_transformers(case):
     model_name, _, kind = case.partition("/")
     model_name, _, other = model_name.partition("+")
     tokenizer = rm("qwen2_rm") if other else None
-    [(name, fn)] = resolve_reward_funcs([rm(model_name)], reward_processing_classes=[tokenizer], batch_size=3)
+    [(name, fn)] = resolve_reward_funcs(
+        [rm(model_name)], reward_processing_classes=[tokenizer], batch_size=3
+    )
     assert name == model_name
     tok = Tokenizer.from_pretrained(tokenizer or rm(model_name))
     assert tok.pad_token_id == e["pad_token_id"]
     for text, ids, n in zip(e["texts"], e["input_ids"], e["lengths"]):
-        if kind == "chat":  # the reward tokenizer's own chat template over prompt + completion, no generation prompt
-            assert text in [tok.apply_chat_template(p + c, add_generation_prompt=False)
-                            for p, c in zip(e["prompts"], e["completions"])]
+        if (
+            kind == "chat"
+        ):  # the reward tokenizer's own chat template over prompt + completion, no generation prompt
+            assert text in [
+                tok.apply_chat_template(p + c, add_generation_prompt=False)
+                for p, c in zip(e["prompts"], e["completions"])
+            ]
         assert tok.encode(text, add_special_tokens=False) == ids[:n]
     scores = fn(prompts=e["prompts"], completions=e["completions"], completion_ids=[[1]] * 4)
     assert isinstance(scores, list) and all(isinstance(s, float) for s in scores)
@@ -58,12 +64,20 @@ def test_pooled_position_skips_trailing_pad_id():
     text = "The answer is 4."
     for name, skipped in (("llama_rm", True), ("qwen2_rm", False)):
         model, tok = load_model(rm(name)).eval(), Tokenizer.from_pretrained(rm(name))
-        a, b, c = score_texts(model, tok, [text, text + "<|im_end|>", text + "<|im_end|><|im_end|>"])
-        assert (max(abs(a - b), abs(a - c)) < 1e-5) if skipped else (min(abs(a - b), abs(b - c)) > 1e-3), name
+        a, b, c = score_texts(
+            model, tok, [text, text + "<|im_end|>", text + "<|im_end|><|im_end|>"]
+        )
+        assert (
+            (max(abs(a - b), abs(a - c)) < 1e-5)
+            if skipped
+            else (min(abs(a - b), abs(b - c)) > 1e-3)
+        ), name
 
 
 @settings(max_examples=10, deadline=None)
-@given(st.lists(st.text(alphabet="ab 2+=.?\n", max_size=12), min_size=1, max_size=7), st.integers(1, 8))
+@given(
+    st.lists(st.text(alphabet="ab 2+=.?\n", max_size=12), min_size=1, max_size=7), st.integers(1, 8)
+)
 def test_scores_do_not_depend_on_batching(texts, batch_size):
     model, tok = _qwen2()
     alone = [score_texts(model, tok, [t])[0] for t in texts]
@@ -94,8 +108,17 @@ def test_mixes_with_callables_weights_and_async():
 
 def _classifier(tmp_path, num_labels, name="two_labels"):
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(model_type="qwen2", vocab_size=400, hidden_size=16, intermediate_size=32,
-                                    num_hidden_layers=1, num_attention_heads=2, num_labels=num_labels))
+    model = Transformer(
+        ModelConfig(
+            model_type="qwen2",
+            vocab_size=400,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_labels=num_labels,
+        )
+    )
     save_model(model, tmp_path / name, tokenizer=Tokenizer.from_pretrained(rm("qwen2_rm")))
     return tmp_path / name
 
@@ -104,7 +127,9 @@ def test_num_labels_other_than_one_is_an_error_naming_the_checkpoint(tmp_path):
     path = _classifier(tmp_path, num_labels=2)
     assert read_json(path / "config.json")["architectures"] == ["Qwen2ForSequenceClassification"]
     assert load_model(path).score.weight.shape == (2, 16)
-    with pytest.raises(ValueError, match=r"two_labels.*Qwen2ForSequenceClassification with num_labels=2.*1 label"):
+    with pytest.raises(
+        ValueError, match=r"two_labels.*Qwen2ForSequenceClassification with num_labels=2.*1 label"
+    ):
         resolve_reward_funcs([str(path)])
 
 
@@ -112,7 +137,9 @@ def test_not_a_reward_model_and_bad_tokenizer_lists_are_clear_errors(tmp_path):
     """A causal LM, an empty directory, an unknown name, a wrong-length tokenizer list: errors that say why
     (a tokenizer given for a function that is not a reward model is ignored, as TRL ignores it)."""
     causal = os.path.join(os.path.dirname(HERE), "qwen2")  # a *ForCausalLM checkpoint
-    with pytest.raises(ValueError, match=r"qwen2'.*names Qwen2ForCausalLM.*a \*ForSequenceClassification"):
+    with pytest.raises(
+        ValueError, match=r"qwen2'.*names Qwen2ForCausalLM.*a \*ForSequenceClassification"
+    ):
         resolve_reward_funcs([causal])
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="empty'.*names None"):
@@ -121,12 +148,17 @@ def test_not_a_reward_model_and_bad_tokenizer_lists_are_clear_errors(tmp_path):
         resolve_reward_funcs(["nothing"])
     with pytest.raises(ValueError, match="reward_processing_classes: 1 entries, 2 functions"):
         resolve_reward_funcs([rm("qwen2_rm"), "format"], reward_processing_classes=[None])
-    assert resolve_reward_funcs(["format"], reward_processing_classes=[rm("qwen2_rm")])[0][0] == "format"  # as TRL
+    assert (
+        resolve_reward_funcs(["format"], reward_processing_classes=[rm("qwen2_rm")])[0][0]
+        == "format"
+    )  # as TRL
     with pytest.raises(ConfigError, match="reward_processing_classes"):
         TrainConfig(reward_processing_classes=[None, None]).validate()
     [(_, fn)] = resolve_reward_funcs([rm("qwen2_rm")])
     with pytest.raises(RewardError, match="qwen2_rm"):  # a string prompt with message completions
-        score_completions([("qwen2_rm", fn)], ["p"], [[{"role": "assistant", "content": "c"}]], [[1]], {})
+        score_completions(
+            [("qwen2_rm", fn)], ["p"], [[{"role": "assistant", "content": "c"}]], [[1]], {}
+        )
 
 
 def test_save_model_round_trips_a_classifier(tmp_path):
@@ -141,12 +173,20 @@ def test_save_model_round_trips_a_classifier(tmp_path):
     for key in ("architectures", "id2label", "tie_word_embeddings"):
         assert saved[key] == original[key], key
     a, b = model.state_dict(), load_model(tmp_path / "copy").state_dict()
-    assert "score.weight" in b and "lm_head.weight" not in b and all(torch.equal(a[k], b[k]) for k in a)
+    assert (
+        "score.weight" in b
+        and "lm_head.weight" not in b
+        and all(torch.equal(a[k], b[k]) for k in a)
+    )
     [(name, fn)] = resolve_reward_funcs([str(tmp_path / "copy") + "/"])
     e = EXPECTED["llama_rm/plain"]
     assert name == "copy"
-    torch.testing.assert_close(torch.tensor(fn(prompts=e["prompts"], completions=e["completions"])),
-                               torch.tensor(e["scores"]), rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(fn(prompts=e["prompts"], completions=e["completions"])),
+        torch.tensor(e["scores"]),
+        rtol=0,
+        atol=1e-4,
+    )
 
 
 def test_transformers_loads_a_saved_classifier(tmp_path):
@@ -167,12 +207,27 @@ def length_reward(completions, **kwargs):
 
 def test_training_with_a_reward_model_and_a_callable(tmp_path):
     """A short run of train.py: a reward model plus a callable, weighted; both are logged."""
-    from nanogrpo.run.configurator import load_config
     from test_train import INIT
-    cfg = load_config(["--config", "tiny.py", f"--model={tmp_path}/init", INIT, f"--output_dir={tmp_path}/run",
-                       "--gradient_accumulation_steps=1", "--num_generations=4", "--per_device_train_batch_size=8",
-                       "--max_completion_length=6", "--max_steps=2", "--learning_rate=1e-3",
-                       f"--reward_funcs={rm('qwen2_rm')},{__file__}:length_reward", "--reward_weights=0.5,1.0"])
+
+    from nanogrpo.run.configurator import load_config
+
+    cfg = load_config(
+        [
+            "--config",
+            "tiny.py",
+            f"--model={tmp_path}/init",
+            INIT,
+            f"--output_dir={tmp_path}/run",
+            "--gradient_accumulation_steps=1",
+            "--num_generations=4",
+            "--per_device_train_batch_size=8",
+            "--max_completion_length=6",
+            "--max_steps=2",
+            "--learning_rate=1e-3",
+            f"--reward_funcs={rm('qwen2_rm')},{__file__}:length_reward",
+            "--reward_weights=0.5,1.0",
+        ]
+    )
     history = train.train(cfg)
     assert [m["step"] for m in history] == [1, 2]
     lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

@@ -5,9 +5,15 @@ import math
 import pytest
 import torch
 
+from nanogrpo.extras.builtin_rewards import (
+    accuracy_reward,
+    check_equation,
+    countdown_reward,
+    default_task_reward,
+    format_reward,
+    soft_overlong_punishment,
+)
 from nanogrpo.extras.math_answers import extract_answer, last_boxed, parse_number
-from nanogrpo.extras.builtin_rewards import (accuracy_reward, check_equation, countdown_reward, default_task_reward,
-                                             format_reward, soft_overlong_punishment)
 from nanogrpo.rewards import RewardError, resolve_reward_funcs, score_completions
 
 
@@ -18,11 +24,28 @@ def as_messages(texts):
 # --- accuracy ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, value", [
-    ("1,000", 1000), ("$1,234.50", 1234.5), ("2.50", 2.5), ("-7", -7), ("50%", 50), ("50\\%", 50),
-    ("3/4", 0.75), ("\\frac{3}{4}", 0.75), ("\\dfrac34", 0.75), ("-\\frac{1}{2}", -0.5), ("\\frac{-3}{6}", -0.5),
-    (".5", 0.5), ("x = 12", 12), ("5 \\text{ cm}", 5), ("\u221212", -12), ("+3", 3), ("4.", 4),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("1,000", 1000),
+        ("$1,234.50", 1234.5),
+        ("2.50", 2.5),
+        ("-7", -7),
+        ("50%", 50),
+        ("50\\%", 50),
+        ("3/4", 0.75),
+        ("\\frac{3}{4}", 0.75),
+        ("\\dfrac34", 0.75),
+        ("-\\frac{1}{2}", -0.5),
+        ("\\frac{-3}{6}", -0.5),
+        (".5", 0.5),
+        ("x = 12", 12),
+        ("5 \\text{ cm}", 5),
+        ("\u221212", -12),
+        ("+3", 3),
+        ("4.", 4),
+    ],
+)
 def test_parse_number(text, value):
     assert parse_number(text) == pytest.approx(value)
 
@@ -43,8 +66,18 @@ def test_extraction_order_and_nested_braces():
 
 
 def test_accuracy_cases():
-    completions = ["so \\boxed{0.75}", "it is 3/4", "#### 1,000", "no answer here", "\\boxed{\\frac{5}{2}}",
-                   "\\boxed{6}", "The answer is $-4$.", "\\boxed{50\\%}", "\\boxed{x+1}", "\\boxed{7}"]
+    completions = [
+        "so \\boxed{0.75}",
+        "it is 3/4",
+        "#### 1,000",
+        "no answer here",
+        "\\boxed{\\frac{5}{2}}",
+        "\\boxed{6}",
+        "The answer is $-4$.",
+        "\\boxed{50\\%}",
+        "\\boxed{x+1}",
+        "\\boxed{7}",
+    ]
     answers = ["\\frac{3}{4}", "0.75", "1000", "5", "2.50", "7", "-4", "50", "x + 1", None]
     assert accuracy_reward(completions, answer=answers) == [1, 1, 1, 0, 1, 0, 1, 1, 1, None]
 
@@ -62,9 +95,14 @@ def test_accuracy_solution_column_and_conversational():
 
 
 def test_format_reward():
-    completions = ["<think>a\nb</think>\n<answer>5</answer>", "  <think></think><answer>x</answer>\n",
-                   "<think>a</think><answer>5</answer> trailing", "<answer>5</answer>",
-                   "<think>a<think>b</think><answer>5</answer>", "<think>a</think><answer>1</answer><answer>2</answer>"]
+    completions = [
+        "<think>a\nb</think>\n<answer>5</answer>",
+        "  <think></think><answer>x</answer>\n",
+        "<think>a</think><answer>5</answer> trailing",
+        "<answer>5</answer>",
+        "<think>a<think>b</think><answer>5</answer>",
+        "<think>a</think><answer>1</answer><answer>2</answer>",
+    ]
     assert format_reward(completions) == [1, 1, 0, 0, 0, 0]
     assert format_reward(as_messages(completions[:1])) == [1.0]
 
@@ -76,7 +114,9 @@ def test_soft_overlong_punishment():
     with pytest.raises(ValueError):
         soft_overlong_punishment(10, 0)
     [(name, resolved)] = resolve_reward_funcs(["soft_overlong"], max_completion_length=8)
-    assert name == "soft_overlong" and resolved(completion_ids=[[1] * 7]) == [-0.5]  # cache = 8 // 4
+    assert name == "soft_overlong" and resolved(completion_ids=[[1] * 7]) == [
+        -0.5
+    ]  # cache = 8 // 4
 
 
 def test_countdown_equations():
@@ -90,8 +130,16 @@ def test_countdown_equations():
     assert not check_equation("__import__('os').system('x')", [1], 1)
     assert not check_equation("7 / (3 - 3)", [7, 3, 3], 1)
     assert not check_equation("", [1], 1)
-    completions = ["<think>try</think>\n<answer>(5 - 1) * 3</answer>", "reasoning\n5 * 3 - 1 - 2", "<answer>5+3+1</answer>"]
-    assert countdown_reward(completions, nums=[[1, 3, 5]] * 3, target=[12, 12, 12]) == [1.0, 0.0, 0.0]
+    completions = [
+        "<think>try</think>\n<answer>(5 - 1) * 3</answer>",
+        "reasoning\n5 * 3 - 1 - 2",
+        "<answer>5+3+1</answer>",
+    ]
+    assert countdown_reward(completions, nums=[[1, 3, 5]] * 3, target=[12, 12, 12]) == [
+        1.0,
+        0.0,
+        0.0,
+    ]
 
 
 def test_default_task_reward():
@@ -100,11 +148,15 @@ def test_default_task_reward():
     scores = default_task_reward(completions, target=[target] * len(completions))
     assert scores[0] == 1.0
     assert all(0 <= s < 1 for s in scores[1:])
-    assert scores[1] > scores[3] > scores[4] > scores[5] == 0.0  # near misses beat permutations beat garbage
+    assert (
+        scores[1] > scores[3] > scores[4] > scores[5] == 0.0
+    )  # near misses beat permutations beat garbage
     assert scores[2] > scores[6]  # one extra char costs less than doubling
     assert default_task_reward(as_messages([" bhad\n"]), target=[target]) == [1.0]
     # with completion_ids, tokens that decode to nothing still count as length: stop, don't pad
-    stopped, padded = default_task_reward(["bhad", "bhad"], target=[target] * 2, completion_ids=[[0] * 5, [0] * 8])
+    stopped, padded = default_task_reward(
+        ["bhad", "bhad"], target=[target] * 2, completion_ids=[[0] * 5, [0] * 8]
+    )
     assert stopped == 1.0 and padded < 0.8
 
 
@@ -117,10 +169,19 @@ def column_reward(completions, expected, **kwargs):
 
 
 def test_resolve_names_callables_and_modules(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text("def length(completions, **kw):\n    return [len(c) for c in completions]\n")
+    (tmp_path / "my_rewards.py").write_text(
+        "def length(completions, **kw):\n    return [len(c) for c in completions]\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    resolved = resolve_reward_funcs(["accuracy", "my_rewards:length", f"{__file__}:column_reward", column_reward])
-    assert [name for name, _ in resolved] == ["accuracy", "length", "column_reward", "column_reward"]
+    resolved = resolve_reward_funcs(
+        ["accuracy", "my_rewards:length", f"{__file__}:column_reward", column_reward]
+    )
+    assert [name for name, _ in resolved] == [
+        "accuracy",
+        "length",
+        "column_reward",
+        "column_reward",
+    ]
     assert resolved[1][1](completions=["ab", "c"]) == [2, 1]
     assert resolve_reward_funcs("format")[0][0] == "format"
     with pytest.raises(ValueError, match=r"did you mean 'accuracy'.*countdown"):
@@ -135,8 +196,17 @@ def test_resolve_names_callables_and_modules(tmp_path, monkeypatch):
 
 # names that moved from rewards.py to extras/, and where they live now
 MOVED = {
-    "builtin_rewards": ["accuracy_reward", "format_reward", "soft_overlong_punishment", "countdown_reward",
-                        "check_equation", "default_task_score", "default_task_reward", "completion_text", "BUILTINS"],
+    "builtin_rewards": [
+        "accuracy_reward",
+        "format_reward",
+        "soft_overlong_punishment",
+        "countdown_reward",
+        "check_equation",
+        "default_task_score",
+        "default_task_reward",
+        "completion_text",
+        "BUILTINS",
+    ],
     "trainer_info": ["TrainerState", "trainer_state_of"],
 }
 
@@ -147,6 +217,7 @@ def test_moved_names_stay_importable_from_rewards(tmp_path):
     import importlib
 
     from nanogrpo import rewards
+
     for module, names in MOVED.items():
         home = importlib.import_module(f"nanogrpo.extras.{module}")
         for name in names:
@@ -155,11 +226,16 @@ def test_moved_names_stay_importable_from_rewards(tmp_path):
         "from nanogrpo.rewards import TrainerState, accuracy_reward, format_reward\n"
         "def both(completions, answer, trainer_state=None, **kw):\n"
         "    assert isinstance(trainer_state, TrainerState)\n"
-        "    return [a + f for a, f in zip(accuracy_reward(completions, answer=answer), format_reward(completions))]\n")
+        "    return [a + f for a, f in zip(accuracy_reward(completions, answer=answer), format_reward(completions))]\n"
+    )
     [(name, fn)] = resolve_reward_funcs([f"{tmp_path / 'user_rewards.py'}:both"])
     from nanogrpo.extras.trainer_info import TrainerState
-    assert fn(completions=["<think>x</think> <answer>\\boxed{3}</answer>", "2"], answer=["3", "3"],
-              trainer_state=TrainerState()) == [2.0, 0.0]
+
+    assert fn(
+        completions=["<think>x</think> <answer>\\boxed{3}</answer>", "2"],
+        answer=["3", "3"],
+        trainer_state=TrainerState(),
+    ) == [2.0, 0.0]
 
 
 def test_score_completions_matrix_columns_none_and_async():
@@ -180,13 +256,16 @@ def test_score_completions_matrix_columns_none_and_async():
     assert r[0, 2] == 1.0 and r[2, 2] < 1.0
 
 
-@pytest.mark.parametrize("returned, message", [
-    ([1.0], r"'bad' returned 1 values for 2 completions"),
-    ([1.0, "x"], r"'bad' returned 'x' \(str\) at index 1"),
-    ([1.0, [2.0]], r"at index 1"),
-    ([1.0, float("inf")], r"at index 1"),
-    (0.5, r"'bad' returned float"),
-])
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        ([1.0], r"'bad' returned 1 values for 2 completions"),
+        ([1.0, "x"], r"'bad' returned 'x' \(str\) at index 1"),
+        ([1.0, [2.0]], r"at index 1"),
+        ([1.0, float("inf")], r"at index 1"),
+        (0.5, r"'bad' returned float"),
+    ],
+)
 def test_score_completions_bad_outputs(returned, message):
     def bad(completions, **kwargs):
         return returned
@@ -208,11 +287,14 @@ def test_score_completions_errors_name_the_function():
     with pytest.raises(RewardError, match=r"'async_boom' raised ZeroDivisionError"):
         score_completions([async_boom], ["p"], ["a"], None, {})
     with pytest.raises(ValueError, match="column 'answer' has 1 values for 2"):
-        score_completions(resolve_reward_funcs(["accuracy"]), ["p", "q"], ["a", "b"], None, {"answer": ["1"]})
+        score_completions(
+            resolve_reward_funcs(["accuracy"]), ["p", "q"], ["a", "b"], None, {"answer": ["1"]}
+        )
 
 
 def test_total_reward_is_the_weighted_nan_aware_sum():
     from nanogrpo.grpo import total_reward
+
     nan = float("nan")
     r = torch.tensor([[1.0, 2.0], [nan, 3.0], [nan, nan]])
     total = total_reward(r, [0.5, 2.0])
@@ -224,8 +306,8 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
     """Regression: eval/reward counted a row no function scored as 0, training excluded it."""
     import train
     from nanogrpo import dist
-    from nanogrpo.run.config import TrainConfig
     from nanogrpo.rollout import Rollout
+    from nanogrpo.run.config import TrainConfig
 
     def fake_rollout(model, tok, rows, cfg, num_generations, *args):
         n = len(rows) * num_generations
@@ -249,8 +331,20 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
         return [1.0, None]
 
     from types import SimpleNamespace
-    t = SimpleNamespace(model=None, tok=None, eval_rows=[{"prompt": "a"}, {"prompt": "b"}], cfg=TrainConfig(),
-                        reward_funcs=[("half", half_scored)], reward_weights=None, info=dist.DistInfo(),
-                        autocast=None, tools=None, environments=None, rollout_func=None, kernels=None)
+
+    t = SimpleNamespace(
+        model=None,
+        tok=None,
+        eval_rows=[{"prompt": "a"}, {"prompt": "b"}],
+        cfg=TrainConfig(),
+        reward_funcs=[("half", half_scored)],
+        reward_weights=None,
+        info=dist.DistInfo(),
+        autocast=None,
+        tools=None,
+        environments=None,
+        rollout_func=None,
+        kernels=None,
+    )
     m = train.evaluate(t)
     assert m["eval/reward"] == 1.0

@@ -9,14 +9,14 @@ import sys
 
 import pytest
 import torch
-
 from conftest import fixture_path, tiny_config
+
 from nanogrpo import rollout as rollout_module
 from nanogrpo.extras import tool_rounds
-from nanogrpo.run.config import TrainConfig
+from nanogrpo.extras.tools import resolve_tools, tool_schema, tool_suffix_ids
 from nanogrpo.model import Transformer
 from nanogrpo.rollout import rollout
-from nanogrpo.extras.tools import resolve_tools, tool_schema, tool_suffix_ids
+from nanogrpo.run.config import TrainConfig
 from nanogrpo.sampler import Generation
 from nanogrpo.tokenizer import char_level_tokenizer
 
@@ -26,7 +26,9 @@ from test_tools import add, boom, sleepy, slow_add  # noqa: E402
 
 EXPECTED = json.load(open(os.path.join(fixture_path("tools"), "expected.json")))
 TEMPLATE = open(os.path.join(fixture_path("tools"), "hermes_chatml.jinja")).read()
-QWEN3 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "real", "tokenizer-qwen3")
+QWEN3 = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "real", "tokenizer-qwen3"
+)
 SCHEMAS = [signatures.multiply, signatures.search]
 
 
@@ -36,13 +38,16 @@ CALL = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'
 FIRST = {  # (question, sample) -> the first turn
     ("mul", 0): CALL.format("add", '{"a": 40, "b": 2}'),
     ("mul", 1): "I know: 42",
-    ("bad", 0): 'Hm<tool_call>{"name": "add", "arguments": {"a": 6,</tool_call>' + CALL.format("boom", '{"a": 1}')
+    ("bad", 0): 'Hm<tool_call>{"name": "add", "arguments": {"a": 6,</tool_call>'
+    + CALL.format("boom", '{"a": 1}')
     + CALL.format("sleepy", '{"seconds": 30}'),
     ("bad", 1): CALL.format("nope", "{}"),
 }
 AFTER = {  # the last tool result -> the next turn
-    "42": "Then" + CALL.format("slow_add", '{"a": 42, "b": 3}'), "45": "Answer 45",
-    "{'error': 'timed out after 0.2 s'}": "Sorry", "{'error': 'Tool nope not found.'}": "ok",
+    "42": "Then" + CALL.format("slow_add", '{"a": 42, "b": 3}'),
+    "45": "Answer 45",
+    "{'error': 'timed out after 0.2 s'}": "Sorry",
+    "{'error': 'Tool nope not found.'}": "ok",
 }
 
 
@@ -56,8 +61,23 @@ def scripted_generate(tok, log):
     """A stand-in for sampler.generate that writes the scripted turns (then the eos) for every row."""
     eos = tok.eos_token_id
 
-    def generate(model, prompt_ids, num_samples=1, max_new_tokens=256, stop_ids=(), pad_id=0, seeds=None, **kw):
-        log.append({"rows": len(prompt_ids) * num_samples, "max_new_tokens": max_new_tokens, "seeds": seeds})
+    def generate(
+        model,
+        prompt_ids,
+        num_samples=1,
+        max_new_tokens=256,
+        stop_ids=(),
+        pad_id=0,
+        seeds=None,
+        **kw,
+    ):
+        log.append(
+            {
+                "rows": len(prompt_ids) * num_samples,
+                "max_new_tokens": max_new_tokens,
+                "seeds": seeds,
+            }
+        )
         rows = []
         for p in prompt_ids:
             context = tok.decode(p, skip_special_tokens=False)
@@ -72,10 +92,11 @@ def scripted_generate(tok, log):
         ids = torch.full((len(rows), C), pad_id)
         mask = torch.zeros(len(rows), C, dtype=torch.bool)
         for i, r in enumerate(rows):
-            ids[i, :min(len(r), C)] = torch.tensor(r[:C])
-            mask[i, :min(len(r), C)] = True
+            ids[i, : min(len(r), C)] = torch.tensor(r[:C])
+            mask[i, : min(len(r), C)] = True
         truncated = torch.tensor([len(r) > C for r in rows])
         return Generation(ids, mask, torch.zeros(len(rows), C), truncated)
+
     return generate
 
 
@@ -88,7 +109,11 @@ def run_script(monkeypatch, **overrides):
     model = Transformer(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096))
     rows = [{"prompt": [{"role": "user", "content": q}]} for q in ("mul", "bad")]
     tools = resolve_tools([add, boom, slow_add, sleepy])
-    return tok, rollout(model, tok, rows, cfg, 2, torch.Generator().manual_seed(0), tools=tools), log
+    return (
+        tok,
+        rollout(model, tok, rows, cfg, 2, torch.Generator().manual_seed(0), tools=tools),
+        log,
+    )
 
 
 def enc(tok, text):
@@ -103,27 +128,48 @@ def test_two_call_conversation(monkeypatch):
     tok, ro, log = run_script(monkeypatch)
     # row 0: add (sync) -> slow_add (async) -> answer; its ids are the turns and the tool results between them
     turn1, turn2, turn3 = enc(tok, FIRST[("mul", 0)]), enc(tok, AFTER["42"]), enc(tok, AFTER["45"])
-    res1, res2 = tool_suffix_ids(tok, [reply("add", "42")]), tool_suffix_ids(tok, [reply("slow_add", "45")])
+    res1, res2 = (
+        tool_suffix_ids(tok, [reply("add", "42")]),
+        tool_suffix_ids(tok, [reply("slow_add", "45")]),
+    )
     assert ro.completion_token_ids[0] == turn1 + res1 + turn2 + res2 + turn3
     C = ro.completion_mask.shape[1]
-    expected_mask = [1] * len(turn1) + [0] * len(res1) + [1] * len(turn2) + [0] * len(res2) + [1] * len(turn3)
+    expected_mask = (
+        [1] * len(turn1) + [0] * len(res1) + [1] * len(turn2) + [0] * len(res2) + [1] * len(turn3)
+    )
     assert ro.completion_mask[0].tolist() == expected_mask + [0] * (C - len(expected_mask))
     assert ro.completion_lengths[0] == len(turn1) + len(turn2) + len(turn3)  # model tokens only
     P = ro.input_ids.shape[1] - C  # the log-prob pass sees exactly the sampled sequence
-    assert ro.input_ids[0, P:P + len(ro.completion_token_ids[0])].tolist() == ro.completion_token_ids[0]
+    assert (
+        ro.input_ids[0, P : P + len(ro.completion_token_ids[0])].tolist()
+        == ro.completion_token_ids[0]
+    )
     assert ro.attention_mask[0, P:].all()
     add_call = {"type": "function", "function": {"name": "add", "arguments": {"a": 40, "b": 2}}}
-    slow_call = {"type": "function", "function": {"name": "slow_add", "arguments": {"a": 42, "b": 3}}}
-    assert ro.completions[0] == [{"role": "assistant", "content": "", "tool_calls": [add_call]}, reply("add", "42"),
-                                 {"role": "assistant", "content": "Then", "tool_calls": [slow_call]},
-                                 reply("slow_add", "45"), {"role": "assistant", "content": "Answer 45"}]
+    slow_call = {
+        "type": "function",
+        "function": {"name": "slow_add", "arguments": {"a": 42, "b": 3}},
+    }
+    assert ro.completions[0] == [
+        {"role": "assistant", "content": "", "tool_calls": [add_call]},
+        reply("add", "42"),
+        {"role": "assistant", "content": "Then", "tool_calls": [slow_call]},
+        reply("slow_add", "45"),
+        {"role": "assistant", "content": "Answer 45"},
+    ]
     # the whole sequence is what the chat template makes of the conversation (TRL's prefix-preserving contract)
     prompt = [{"role": "user", "content": "mul"}]
     schemas = [tool_schema(f) for f in (add, boom, slow_add, sleepy)]
-    full = tok.encode(tok.apply_chat_template(prompt + ro.completions[0], tools=schemas, add_generation_prompt=False),
-                      add_special_tokens=False)
-    assert full[:len(ro.prompt_ids[0])] == ro.prompt_ids[0]
-    assert full[len(ro.prompt_ids[0]):] == ro.completion_token_ids[0] + tok.encode("\n", add_special_tokens=False)
+    full = tok.encode(
+        tok.apply_chat_template(
+            prompt + ro.completions[0], tools=schemas, add_generation_prompt=False
+        ),
+        add_special_tokens=False,
+    )
+    assert full[: len(ro.prompt_ids[0])] == ro.prompt_ids[0]
+    assert full[len(ro.prompt_ids[0]) :] == ro.completion_token_ids[0] + tok.encode(
+        "\n", add_special_tokens=False
+    )
     # row 1: no call. Rows 2-3: malformed + exception + timeout, then an unknown tool
     assert ro.completions[1] == [{"role": "assistant", "content": "I know: 42"}]
     malformed, raised, timed_out = (m["content"] for m in ro.completions[2][1:4])
@@ -159,8 +205,12 @@ def test_budget_drops_a_round_of_results(monkeypatch):
 def test_budget_cuts_the_continuation(monkeypatch, mask_truncated):
     tok = chat_tokenizer()
     n1 = len(enc(tok, FIRST[("mul", 0)])) + len(tool_suffix_ids(tok, [reply("add", "42")]))
-    _, ro, log = run_script(monkeypatch, max_completion_length=n1 + 3, mask_truncated_completions=mask_truncated)
-    assert len(ro.completion_token_ids[0]) == n1 + 3 and ro.truncated[0]  # 3 model tokens after the results
+    _, ro, log = run_script(
+        monkeypatch, max_completion_length=n1 + 3, mask_truncated_completions=mask_truncated
+    )
+    assert (
+        len(ro.completion_token_ids[0]) == n1 + 3 and ro.truncated[0]
+    )  # 3 model tokens after the results
     assert ro.completion_token_ids[0][-3:] == enc(tok, AFTER["42"])[:3]
     assert ro.completion_lengths[0] == n1 + 3 - len(tool_suffix_ids(tok, [reply("add", "42")]))
     assert ro.completion_mask[0].sum() == (0 if mask_truncated else ro.completion_lengths[0])
@@ -175,13 +225,18 @@ def test_tools_need_conversational_prompts(monkeypatch):
 
 def test_logprobs_and_update_run_on_a_tool_rollout(monkeypatch):
     """The trainer's log-prob pass and a GRPO step take the rollout as it is; tool tokens get no gradient."""
-    from nanogrpo.grpo import LossConfig, LossInputs, LossScale, grpo_step
     from nanogrpo.fast.logprobs import token_logprobs
+    from nanogrpo.grpo import LossConfig, LossInputs, LossScale, grpo_step
+
     tok, ro, _ = run_script(monkeypatch)
-    model = Transformer(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096, num_hidden_layers=1))
+    model = Transformer(
+        tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096, num_hidden_layers=1)
+    )
     rows = [0, 1]  # the first prompt's two rows: one with two tool rounds, one without
     mask = ro.completion_mask[rows]
-    cols = slice(-mask.shape[1] - 8, None)  # the prompt's tail is context enough here (and keeps the test fast)
+    cols = slice(
+        -mask.shape[1] - 8, None
+    )  # the prompt's tail is context enough here (and keeps the test fast)
     logps, _ = token_logprobs(model, ro.input_ids[rows, cols], ro.attention_mask[rows, cols], mask)
     logps.retain_grad()
     inputs = LossInputs(logps=logps, advantages=torch.tensor([1.0, -1.0]), completion_mask=mask)
@@ -197,15 +252,23 @@ def test_sampling_logps_are_the_generations_logprobs():
     """Without tools, sampling_logps is generate's own `logprobs` for the same seeds."""
     from nanogrpo.rollout import sampling_kwargs
     from nanogrpo.sampler import generate
+
     tok = chat_tokenizer()
     model = Transformer(tiny_config(vocab_size=tok.vocab_size))
     cfg = TrainConfig(max_completion_length=16, temperature=0.7, top_k=5, top_p=0.9)
     rows = [{"prompt": "abc"}, {"prompt": "hello world"}]
     ro = rollout(model, tok, rows, cfg, 3, torch.Generator().manual_seed(0))
-    out = generate(model, ro.prompt_ids, num_samples=3, stop_ids=tok.eos_token_ids,
-                   pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0),
-                   vocab_size=tok.vocab_size, **sampling_kwargs(cfg))
-    assert torch.equal(ro.input_ids[:, -out.completion_ids.shape[1]:], out.completion_ids)
+    out = generate(
+        model,
+        ro.prompt_ids,
+        num_samples=3,
+        stop_ids=tok.eos_token_ids,
+        pad_id=tok.pad_token_id,
+        generator=torch.Generator().manual_seed(0),
+        vocab_size=tok.vocab_size,
+        **sampling_kwargs(cfg),
+    )
+    assert torch.equal(ro.input_ids[:, -out.completion_ids.shape[1] :], out.completion_ids)
     assert ro.sampling_logps.dtype == torch.float32
     assert torch.equal(ro.sampling_logps, out.logprobs)
     assert (ro.sampling_logps[ro.completion_mask == 0] == 0).all()
@@ -219,6 +282,7 @@ def sampled_after_tools(tok, temperature):
     from nanogrpo import sampler
     from nanogrpo.fast.logprobs import token_logprobs
     from nanogrpo.rollout import join_prompt_completion
+
     script = scripted_generate(tok, [])
 
     def generate(model, prompt_ids, num_samples=1, seeds=None, **kw):
@@ -230,6 +294,7 @@ def sampled_after_tools(tok, temperature):
         mask = out.completion_mask
         logps, _ = token_logprobs(model, ids, attention, mask, temperature=temperature)
         return Generation(out.completion_ids, out.completion_mask, logps, out.truncated)
+
     return generate
 
 
@@ -240,14 +305,17 @@ def test_sampling_logps_through_tool_rounds(monkeypatch):
     trainer's (the first turns are scripted, their log-probs the model's by construction; what is
     tested is the later rounds, sampled for real after the tool results)."""
     from nanogrpo.fast.logprobs import token_logprobs
+
     tok, T = chat_tokenizer(), 0.7
     fake = sampled_after_tools(tok, T)
     monkeypatch.setattr(rollout_module, "generate", fake)
     monkeypatch.setattr(tool_rounds, "generate", fake)  # the tool rounds' calls
     nope = "{'error': 'Tool nope not found.'}"
     calls = [(0, ("mul", 0), "add", "42"), (3, ("bad", 1), "nope", nope)]
-    lengths = {r: len(enc(tok, FIRST[key])) + len(tool_suffix_ids(tok, [reply(name, res)]))
-               for r, key, name, res in calls}  # each calling row's first turn and results
+    lengths = {
+        r: len(enc(tok, FIRST[key])) + len(tool_suffix_ids(tok, [reply(name, res)]))
+        for r, key, name, res in calls
+    }  # each calling row's first turn and results
     M = max(lengths.values()) + 10  # both rows' results fit; the longer row has room for 10 tokens
     cfg = TrainConfig(max_completion_length=M, tool_timeout=0.2, temperature=T, top_k=0, top_p=1.0)
     model = Transformer(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096))
@@ -283,6 +351,7 @@ def tiny_rollout(prompts, max_completion_length, G=2, seed=0):
 def assert_same_rollout(a, b):
     """Every field equal (tensors: same dtype, shape and values)."""
     import dataclasses
+
     for f in dataclasses.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, torch.Tensor):
@@ -302,8 +371,9 @@ def unpadded(ro, r):
 
 
 def test_concat_rollouts_repads_and_scores_the_same():
-    from nanogrpo.fast.logprobs import token_logprobs
     from nanogrpo.extras.dynamic_sampling import concat_rollouts
+    from nanogrpo.fast.logprobs import token_logprobs
+
     tok, model, short = tiny_rollout(["ab", "hello"], 8)
     _, _, long = tiny_rollout(["a much longer prompt, this one"], 20, seed=1)
     assert short.input_ids.shape[1] - 8 < long.input_ids.shape[1] - 20  # widths differ: prompts
@@ -316,7 +386,7 @@ def test_concat_rollouts_repads_and_scores_the_same():
         for x, y in zip(unpadded(both, k), unpadded(ro, r)):
             assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
         n = len(ro.completion_token_ids[r])
-        assert (both.input_ids[k, P + n:] == tok.pad_token_id).all()
+        assert (both.input_ids[k, P + n :] == tok.pad_token_id).all()
         assert both.attention_mask[k, P:].all()  # every completion slot, as join_prompt_completion
         assert not both.completion_mask[k, n:].any() and not both.sampling_logps[k, n:].any()
         for name in ("prompts", "completions", "completion_token_ids"):
@@ -337,12 +407,14 @@ def test_concat_rollouts_repads_and_scores_the_same():
 
 def test_concat_of_one_rollout_is_that_rollout():
     from nanogrpo.extras.dynamic_sampling import concat_rollouts
+
     tok, _, ro = tiny_rollout(["ab", "hello"], 8)
     assert_same_rollout(concat_rollouts([ro], tok.pad_token_id), ro)
 
 
 def test_select_groups_takes_the_groups_rows():
     from nanogrpo.extras.dynamic_sampling import select_groups
+
     _, _, ro = tiny_rollout(["ab", "hello", "xyz!"], 6, G=3)
     one = select_groups(ro, [1])
     rows = slice(3, 6)  # group 1: rows G .. 2G-1
@@ -353,7 +425,8 @@ def test_select_groups_takes_the_groups_rows():
         assert getattr(one, name) == getattr(ro, name)[rows], name
     assert one.rows == [ro.rows[1]] and one.prompt_ids == [ro.prompt_ids[1]] and one.turns is None
     assert one.num_generations == 3 and one.num_tokens() == len(ro.prompt_ids[1]) * 3 + int(
-        ro.completion_lengths[rows].sum())
+        ro.completion_lengths[rows].sum()
+    )
     # in the order given
     assert select_groups(ro, [2, 0]).prompts == ro.prompts[6:] + ro.prompts[:3]
 
@@ -362,6 +435,7 @@ def test_split_and_joined_tool_rollout_has_the_same_rows(monkeypatch):
     """A tool rollout's groups picked apart and joined again: the same rows (turns and tool counts
     included), the same widths. A picked group counts its own completions' calls only."""
     from nanogrpo.extras.dynamic_sampling import concat_rollouts, select_groups
+
     tok, ro, _ = run_script(monkeypatch)
     again = concat_rollouts([select_groups(ro, [0]), select_groups(ro, [1])], tok.pad_token_id)
     assert_same_rollout(again, ro)
@@ -371,6 +445,7 @@ def test_split_and_joined_tool_rollout_has_the_same_rows(monkeypatch):
 
 def test_select_and_concat_refuse():
     from nanogrpo.extras.dynamic_sampling import concat_rollouts, select_groups
+
     tok, _, ro = tiny_rollout(["ab", "hello"], 6)
     _, _, three = tiny_rollout(["ab"], 6, G=3)
     with pytest.raises(ValueError, match="num_generations"):
@@ -388,6 +463,7 @@ def test_select_and_concat_refuse():
 
 def test_a_rollout_without_tools_joins_with_no_calls_and_one_turn_a_row(monkeypatch):
     from nanogrpo.extras.dynamic_sampling import concat_rollouts
+
     _, _, plain = tiny_rollout(["ab", "hello"], 6)
     tok, tools, _ = run_script(monkeypatch)  # a scripted sampler from here on
     assert plain.tool_calls is None and plain.tool_failures is None and plain.turns is None

@@ -5,11 +5,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ROOT
+from test_train import tiny
 
 import sample
 import train
-from conftest import ROOT
-from test_train import tiny
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +21,21 @@ def out_dir(tmp_path_factory):
 
 
 def sample_args(model, *more):
-    return ["--model", str(model), "--prompt", "abcd=", "--num_samples", "2", "--max_new_tokens",
-            "6", "--device", "cpu", "--dtype", "float32", *more]
+    return [
+        "--model",
+        str(model),
+        "--prompt",
+        "abcd=",
+        "--num_samples",
+        "2",
+        "--max_new_tokens",
+        "6",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        *more,
+    ]
 
 
 def test_sampling_from_an_output_dir(out_dir, capsys):
@@ -49,8 +62,12 @@ def test_the_newest_checkpoint_of_an_output_dir(tmp_path):
 
 
 def test_a_bad_model_path_is_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "sample.py", "--model", str(tmp_path / "missing"),
-                           "--prompt", "abcd="], capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "sample.py", "--model", str(tmp_path / "missing"), "--prompt", "abcd="],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.splitlines() == [
         f"sample.py: error: no such directory: '{tmp_path / 'missing'}' (and it is not a hub id "
@@ -59,12 +76,17 @@ def test_a_bad_model_path_is_one_line(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("args,said", [
-    (["--reward", "default_task"],  # no --column target=...: the function raises
-     "reward function 'default_task' raised TypeError: "),
-    (["--reward", "defualt_task"], "unknown reward function 'defualt_task' (did you mean"),
-    (["--prompt", "abcd=" * 13], "the prompt (65 tokens) fills the model's whole context"),
-])
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (
+            ["--reward", "default_task"],  # no --column target=...: the function raises
+            "reward function 'default_task' raised TypeError: ",
+        ),
+        (["--reward", "defualt_task"], "unknown reward function 'defualt_task' (did you mean"),
+        (["--prompt", "abcd=" * 13], "the prompt (65 tokens) fills the model's whole context"),
+    ],
+)
 def test_reward_and_prompt_errors_are_one_line(out_dir, capsys, args, said):
     capsys.readouterr()
     assert sample.cli(sample_args(out_dir, *args)) == 2

@@ -8,20 +8,37 @@ import os
 
 import pytest
 import torch
+from conftest import FAMILIES, fixture_path, tiny_config
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import FAMILIES, fixture_path, tiny_config
-from nanogrpo.fast import sampling as fast_sampling
 from nanogrpo.checkpoint import load_model
-from nanogrpo.model import KVCache, Transformer
+from nanogrpo.fast import sampling as fast_sampling
 from nanogrpo.fast.sampling import StaticDecoder, filter_candidates, sample_next_token_fast
-from nanogrpo.sampler import (apply_min_p, apply_repetition_penalty, apply_temperature, apply_top_k, apply_top_p,
-                              generate, sample_from, sample_next_token)
-from nanogrpo.sampler import uniforms
+from nanogrpo.model import KVCache, Transformer
+from nanogrpo.sampler import (
+    apply_min_p,
+    apply_repetition_penalty,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    generate,
+    sample_from,
+    sample_next_token,
+    uniforms,
+)
 
-TOKENIZER_VOCAB, EOS, PAD = 384, [2, 0], 0  # tests/fixtures/tokenizer: 384 real ids, eos {2, 0}, pad 0 == eos
-PROMPTS = [[5, 17, 99, 2, 31, 8, 200], [44], [150, 151, 152, 9], [7, 7, 7, 7, 7, 7, 7, 7, 7, 300, 12]]
+TOKENIZER_VOCAB, EOS, PAD = (
+    384,
+    [2, 0],
+    0,
+)  # tests/fixtures/tokenizer: 384 real ids, eos {2, 0}, pad 0 == eos
+PROMPTS = [
+    [5, 17, 99, 2, 31, 8, 200],
+    [44],
+    [150, 151, 152, 9],
+    [7, 7, 7, 7, 7, 7, 7, 7, 7, 300, 12],
+]
 _models = {}
 
 
@@ -43,7 +60,9 @@ def filtered(logits, seen, temperature, top_k, top_p, min_p, penalty):
     logits = apply_repetition_penalty(logits, seen, penalty)
     if temperature == 0:
         return logits
-    return apply_min_p(apply_top_p(apply_top_k(apply_temperature(logits, temperature), top_k), top_p), min_p)
+    return apply_min_p(
+        apply_top_p(apply_top_k(apply_temperature(logits, temperature), top_k), top_p), min_p
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -62,13 +81,24 @@ def test_cached_decode_matches_full_forward(family):
     with torch.no_grad():
         full = model(full_ids, attention_mask=full_mask)  # [3, L+4, V], positions from the mask
         cache = model.new_cache(3, L + 4)
-        cached = [model(ids, attention_mask=valid, positions=(valid.cumsum(1) - 1).clamp(min=0), cache=cache)[:, -1]]
+        cached = [
+            model(
+                ids, attention_mask=valid, positions=(valid.cumsum(1) - 1).clamp(min=0), cache=cache
+            )[:, -1]
+        ]
         key_valid = torch.cat([valid, torch.ones(3, 4, dtype=torch.bool)], 1)
         for t in range(4):
-            cached.append(model(steps[:, t:t + 1], attention_mask=key_valid[:, :L + t + 1],
-                                positions=(lens + t)[:, None], cache=cache, cache_start=L + t)[:, 0])
+            cached.append(
+                model(
+                    steps[:, t : t + 1],
+                    attention_mask=key_valid[:, : L + t + 1],
+                    positions=(lens + t)[:, None],
+                    cache=cache,
+                    cache_start=L + t,
+                )[:, 0]
+            )
     # full_ids are left-padded to L+4, so prompt end and decode steps line up with columns L-1 .. L+3
-    assert torch.allclose(torch.stack(cached, 1), full[:, L - 1:], atol=1e-5, rtol=1e-4)
+    assert torch.allclose(torch.stack(cached, 1), full[:, L - 1 :], atol=1e-5, rtol=1e-4)
 
 
 # -----------------------------------------------------------------------------
@@ -81,8 +111,16 @@ EXPECTED = json.load(open(os.path.join(fixture_path("generate_expected.json"))))
 def test_greedy_matches_transformers(family):
     case, model = EXPECTED["families"][family], load(family)
     for key, penalty in (("greedy", 1.0), ("greedy_penalty", EXPECTED["repetition_penalty"])):
-        out = generate(model, case["prompts"], num_samples=2, max_new_tokens=EXPECTED["max_new_tokens"],
-                       temperature=0, repetition_penalty=penalty, stop_ids=case["stop_ids"], pad_id=PAD)
+        out = generate(
+            model,
+            case["prompts"],
+            num_samples=2,
+            max_new_tokens=EXPECTED["max_new_tokens"],
+            temperature=0,
+            repetition_penalty=penalty,
+            stop_ids=case["stop_ids"],
+            pad_id=PAD,
+        )
         for i, want in enumerate(case[key]):
             for row in (2 * i, 2 * i + 1):
                 got = out.completion_ids[row][out.completion_mask[row]].tolist()
@@ -95,8 +133,18 @@ def test_greedy_matches_transformers(family):
 
 
 def sampling_args(**overrides):
-    args = dict(num_samples=3, max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.9, min_p=0.02,
-                repetition_penalty=1.3, stop_ids=[2, 0, *range(100, 130)], pad_id=PAD, vocab_size=TOKENIZER_VOCAB)
+    args = dict(
+        num_samples=3,
+        max_new_tokens=12,
+        temperature=0.8,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.02,
+        repetition_penalty=1.3,
+        stop_ids=[2, 0, *range(100, 130)],
+        pad_id=PAD,
+        vocab_size=TOKENIZER_VOCAB,
+    )
     args.update(overrides)
     return args
 
@@ -129,12 +177,23 @@ def test_logprobs_equal_recomputation(family, temperature):
     ids, mask = left_pad([p + c.tolist() for p, c in zip(prompts, out.completion_ids)])
     mask[:, -C:] &= out.completion_mask
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask)[:, -C - 1:-1, :TOKENIZER_VOCAB].float()  # predicts completion tokens
+        logits = model(ids, attention_mask=mask)[
+            :, -C - 1 : -1, :TOKENIZER_VOCAB
+        ].float()  # predicts completion tokens
     for t in range(C):
-        seen = torch.where(mask[:, :ids.shape[1] - C + t], ids[:, :ids.shape[1] - C + t], -1)  # prompt + earlier tokens
-        z = filtered(logits[:, t], seen, temperature, args["top_k"], args["top_p"], args["min_p"],
-                     args["repetition_penalty"])
-        want = z.log_softmax(-1).gather(-1, out.completion_ids[:, t:t + 1]).squeeze(-1)
+        seen = torch.where(
+            mask[:, : ids.shape[1] - C + t], ids[:, : ids.shape[1] - C + t], -1
+        )  # prompt + earlier tokens
+        z = filtered(
+            logits[:, t],
+            seen,
+            temperature,
+            args["top_k"],
+            args["top_p"],
+            args["min_p"],
+            args["repetition_penalty"],
+        )
+        want = z.log_softmax(-1).gather(-1, out.completion_ids[:, t : t + 1]).squeeze(-1)
         live = out.completion_mask[:, t]
         assert torch.allclose(out.logprobs[live, t], want[live], atol=2e-4)
         assert torch.isfinite(want[live]).all()  # never a filtered-out token
@@ -146,8 +205,20 @@ def test_logprobs_equal_recomputation(family, temperature):
 def test_stops_masks_and_truncation():
     model = load("qwen2")
     stops = [0, 2, *range(40, 120)]  # pad (0) is also a stop id; ~20% of the vocabulary stops a row
-    out = generate(model, PROMPTS, **sampling_args(num_samples=4, max_new_tokens=20, temperature=1.2, stop_ids=stops,
-                                                   top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0))
+    out = generate(
+        model,
+        PROMPTS,
+        **sampling_args(
+            num_samples=4,
+            max_new_tokens=20,
+            temperature=1.2,
+            stop_ids=stops,
+            top_k=0,
+            top_p=1.0,
+            min_p=0.0,
+            repetition_penalty=1.0,
+        ),
+    )
     ids, mask = out.completion_ids, out.completion_mask
     N, C = ids.shape
     length = mask.sum(1)
@@ -156,7 +227,9 @@ def test_stops_masks_and_truncation():
     is_stop = torch.isin(ids, torch.tensor(stops)) & mask
     for r in range(N):
         n = int(length[r])
-        assert is_stop[r].sum() == (0 if out.truncated[r] else 1)  # exactly one stop, the last real token
+        assert is_stop[r].sum() == (
+            0 if out.truncated[r] else 1
+        )  # exactly one stop, the last real token
         if out.truncated[r]:
             assert n == 20
         else:
@@ -165,7 +238,9 @@ def test_stops_masks_and_truncation():
     assert out.truncated.any() or C < 20
     assert (~out.truncated).sum() >= N // 2  # the stop ids fire
     assert out.completion_ids.dtype == torch.long and out.logprobs.dtype == torch.float32
-    x = torch.ones(N, C, requires_grad=True)  # outputs are ordinary tensors: they may enter autograd
+    x = torch.ones(
+        N, C, requires_grad=True
+    )  # outputs are ordinary tensors: they may enter autograd
     torch.where(out.completion_mask, x * out.logprobs, 0).sum().backward()
 
 
@@ -173,19 +248,29 @@ def test_pad_equal_to_eos_keeps_the_eos_in_the_mask():
     model = load("qwen2")
     free = generate(model, PROMPTS, max_new_tokens=8, temperature=0)
     row = free.completion_ids[0].tolist()
-    eos = next(t for i, t in enumerate(row) if i >= 2 and t not in row[:i])  # first produced at step i
+    eos = next(
+        t for i, t in enumerate(row) if i >= 2 and t not in row[:i]
+    )  # first produced at step i
     out = generate(model, PROMPTS, max_new_tokens=8, temperature=0, stop_ids=[eos], pad_id=eos)
     n = row.index(eos) + 1
-    assert out.completion_mask[0].tolist() == [True] * n + [False] * (out.completion_ids.shape[1] - n)
-    assert out.completion_ids[0, :n].tolist() == row[:n] and (out.completion_ids[0, n:] == eos).all()
+    assert out.completion_mask[0].tolist() == [True] * n + [False] * (
+        out.completion_ids.shape[1] - n
+    )
+    assert (
+        out.completion_ids[0, :n].tolist() == row[:n] and (out.completion_ids[0, n:] == eos).all()
+    )
     assert not out.truncated[0]
 
 
 def test_stop_id_inside_prompt_is_irrelevant():
     model = load("qwen2")
     free = generate(model, [[9, 8, 7]], max_new_tokens=6, temperature=0)
-    first = int(free.completion_ids[0, 0])  # make the greedy first token a stop id inside the prompt too
-    out = generate(model, [[first, 9, first, 8, 7]], max_new_tokens=6, temperature=0, stop_ids=[first])
+    first = int(
+        free.completion_ids[0, 0]
+    )  # make the greedy first token a stop id inside the prompt too
+    out = generate(
+        model, [[first, 9, first, 8, 7]], max_new_tokens=6, temperature=0, stop_ids=[first]
+    )
     again = generate(model, [[first, 9, first, 8, 7]], max_new_tokens=6, temperature=0)
     stop_at = (again.completion_ids[0] == first).nonzero()
     want = int(stop_at[0]) + 1 if len(stop_at) else 6
@@ -196,18 +281,35 @@ def test_all_rows_stop_early_gives_narrow_output_and_compacts(monkeypatch):
     model = load("qwen2")
     calls = []
     select = KVCache.select
-    monkeypatch.setattr(KVCache, "select", lambda self, rows: calls.append(len(rows)) or select(self, rows))
-    out = generate(model, PROMPTS, **sampling_args(num_samples=4, max_new_tokens=40, temperature=1.0, top_k=0,
-                                                   top_p=1.0, min_p=0.0, stop_ids=range(0, 200)))
+    monkeypatch.setattr(
+        KVCache, "select", lambda self, rows: calls.append(len(rows)) or select(self, rows)
+    )
+    out = generate(
+        model,
+        PROMPTS,
+        **sampling_args(
+            num_samples=4,
+            max_new_tokens=40,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            min_p=0.0,
+            stop_ids=range(0, 200),
+        ),
+    )
     assert out.completion_ids.shape[1] < 40 and not out.truncated.any()
-    assert calls[0] == 16 and len(calls) >= 2 and calls[-1] < 16  # prefill copied to 16 rows, then compacted
+    assert (
+        calls[0] == 16 and len(calls) >= 2 and calls[-1] < 16
+    )  # prefill copied to 16 rows, then compacted
 
 
 def test_padded_vocab_never_sampled():
     model = Transformer(tiny_config(vocab_size=97, tie_word_embeddings=False))
     with torch.no_grad():
         model.lm_head.weight[90:] *= 50  # the padded rows would dominate every distribution
-    out = generate(model, [[1, 2, 3], [4]], num_samples=8, max_new_tokens=10, vocab_size=90, temperature=1.5)
+    out = generate(
+        model, [[1, 2, 3], [4]], num_samples=8, max_new_tokens=10, vocab_size=90, temperature=1.5
+    )
     assert out.completion_ids.max() < 90
     greedy = generate(model, [[1, 2, 3]], max_new_tokens=10, vocab_size=90, temperature=0)
     assert greedy.completion_ids.max() < 90
@@ -225,24 +327,40 @@ def test_seeds_and_generators():
     torch.manual_seed(3)
     assert torch.equal(d.completion_ids, generate(model, PROMPTS, **args).completion_ids)
     G = args["num_samples"]  # the G samples of one prompt differ from each other
-    assert (a.completion_ids[0] != a.completion_ids[1]).any() and (a.completion_ids[G] != a.completion_ids[G + 1]).any()
+    assert (a.completion_ids[0] != a.completion_ids[1]).any() and (
+        a.completion_ids[G] != a.completion_ids[G + 1]
+    ).any()
 
 
 def test_bf16_model():
     model = Transformer(tiny_config()).to(torch.bfloat16)
-    out = generate(model, [[1, 2, 3], [4, 5]], num_samples=2, max_new_tokens=5, seeds=[0, 1], top_p=0.9)
+    out = generate(
+        model, [[1, 2, 3], [4, 5]], num_samples=2, max_new_tokens=5, seeds=[0, 1], top_p=0.9
+    )
     assert out.logprobs.dtype == torch.float32 and torch.isfinite(out.logprobs).all()
     assert out.completion_ids.shape == (4, 5)
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -1}, "top_k"), ({"min_p": -0.1}, "min_p"), ({"min_p": 1.1}, "min_p"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"num_samples": 0}, "num_samples"),
-    ({"prompt_ids": []}, "prompt_ids"), ({"prompt_ids": [[1, 2], []]}, "prompt_ids"),
-    ({"prompt_ids": [[1, 400]]}, "prompt_ids"), ({"max_new_tokens": 250}, "max_new_tokens"),
-    ({"max_new_tokens": 0}, "max_new_tokens"), ({"vocab_size": 401}, "vocab_size"), ({"seeds": [1, 2]}, "seeds"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"num_samples": 0}, "num_samples"),
+        ({"prompt_ids": []}, "prompt_ids"),
+        ({"prompt_ids": [[1, 2], []]}, "prompt_ids"),
+        ({"prompt_ids": [[1, 400]]}, "prompt_ids"),
+        ({"max_new_tokens": 250}, "max_new_tokens"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"vocab_size": 401}, "vocab_size"),
+        ({"seeds": [1, 2]}, "seeds"),
+    ],
+)
 def test_invalid_arguments(kwargs, name):
     args = {"prompt_ids": [[1] * 10], "max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=name):
@@ -252,7 +370,9 @@ def test_invalid_arguments(kwargs, name):
 # -----------------------------------------------------------------------------
 # Filters and the sampling draw against naive references
 
-ties = st.sampled_from([-3.0, -1.5, -0.5, 0.0, 0.25, 1.0, 2.0, 4.5])  # repeated values make ties likely
+ties = st.sampled_from(
+    [-3.0, -1.5, -0.5, 0.0, 0.25, 1.0, 2.0, 4.5]
+)  # repeated values make ties likely
 values = st.lists(ties | st.floats(-8, 8, width=32), min_size=1, max_size=12)
 
 
@@ -296,7 +416,9 @@ def test_min_p(xs, min_p):
 @given(values, st.floats(0.1, 3.0), st.data())
 def test_repetition_penalty_and_temperature(xs, penalty, data):
     seen_ids = data.draw(st.lists(st.integers(-1, len(xs) - 1), max_size=6))
-    want = [(x / penalty if x > 0 else x * penalty) if i in seen_ids else x for i, x in enumerate(xs)]
+    want = [
+        (x / penalty if x > 0 else x * penalty) if i in seen_ids else x for i, x in enumerate(xs)
+    ]
     logits = torch.tensor([xs])
     by_ids = apply_repetition_penalty(logits, torch.tensor([seen_ids + [-1]]), penalty)[0]
     mask = torch.tensor([[i in seen_ids for i in range(len(xs))]])
@@ -310,10 +432,14 @@ def test_repetition_penalty_and_temperature(xs, penalty, data):
 @given(values, st.integers(0, 5), st.floats(0.05, 1.0))
 def test_filtered_tokens_are_never_sampled(xs, k, p):
     logits = apply_top_p(apply_top_k(torch.tensor([xs]), k), p).expand(512, -1)
-    u = torch.cat([torch.tensor([0.0, 1 - 2**-52], dtype=torch.float64), uniforms(torch.arange(510), 0)])
+    u = torch.cat(
+        [torch.tensor([0.0, 1 - 2**-52], dtype=torch.float64), uniforms(torch.arange(510), 0)]
+    )
     ids, logp = sample_from(logits, u)
     assert torch.isfinite(logits[0, ids]).all()
-    assert torch.allclose(logp, logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1), atol=1e-5)
+    assert torch.allclose(
+        logp, logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1), atol=1e-5
+    )
 
 
 def test_sampling_frequencies_match_probabilities():
@@ -351,22 +477,34 @@ def logit_rows(draw):
     return x
 
 
-p_values = st.sampled_from([1.0, 0.95, 0.9, 0.5, 1e-6, 1 - 1e-7, 0.999999, 0.3]) | st.floats(1e-4, 1.0)
+p_values = st.sampled_from([1.0, 0.95, 0.9, 0.5, 1e-6, 1 - 1e-7, 0.999999, 0.3]) | st.floats(
+    1e-4, 1.0
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(logit_rows(), st.sampled_from([0, 0, 1, 3, 50, 100, 5000]), p_values,
-       st.sampled_from([0.0, 0.0, 0.01, 0.5, 1.0]))
+@given(
+    logit_rows(),
+    st.sampled_from([0, 0, 1, 3, 50, 100, 5000]),
+    p_values,
+    st.sampled_from([0.0, 0.0, 0.01, 0.5, 1.0]),
+)
 def test_fast_filters_equal_the_reference(logits, top_k, top_p, min_p):
     want = apply_min_p(apply_top_p(apply_top_k(logits, top_k), top_p), min_p)  # [B,V]
     vals, ids = filter_candidates(logits, top_k, top_p, min_p)
-    got = torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax")  # amax: -inf padding
+    got = torch.full_like(logits, float("-inf")).scatter_reduce_(
+        1, ids, vals, "amax"
+    )  # amax: -inf padding
     assert torch.equal(got, want)
     B = logits.shape[0]
-    u = torch.cat([torch.tensor([0.0, 1 - 2**-52], dtype=torch.float64), uniforms(torch.arange(30), 1)])  # [32]
+    u = torch.cat(
+        [torch.tensor([0.0, 1 - 2**-52], dtype=torch.float64), uniforms(torch.arange(30), 1)]
+    )  # [32]
     rows = torch.arange(B).repeat_interleave(len(u))
     tok, logp = sample_next_token_fast(logits[rows], u.repeat(B), 1.0, top_k, top_p, min_p)
-    want_tok, want_logp = sample_from(want[rows], u.repeat(B))  # the same token for the same uniform
+    want_tok, want_logp = sample_from(
+        want[rows], u.repeat(B)
+    )  # the same token for the same uniform
     assert torch.equal(tok, want_tok) and torch.equal(logp, want_logp)
     plain_tok, plain_logp = sample_next_token(logits[rows], u.repeat(B), 1.0, top_k, top_p, min_p)
     assert torch.equal(plain_tok, want_tok) and torch.equal(plain_logp, want_logp)
@@ -376,8 +514,12 @@ def test_fast_filters_take_few_candidates_on_a_peaked_row():
     logits = torch.randn(8, 32000) * 6
     vals, ids = filter_candidates(logits, 0, 0.95, 0.0)
     assert vals.shape[1] < 4096 and torch.equal(
-        torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax"), apply_top_p(logits, 0.95))
-    assert (ids[:, 1:] > ids[:, :-1]).logical_or(vals[:, 1:] == float("-inf")).all()  # vocabulary order, then padding
+        torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax"),
+        apply_top_p(logits, 0.95),
+    )
+    assert (
+        (ids[:, 1:] > ids[:, :-1]).logical_or(vals[:, 1:] == float("-inf")).all()
+    )  # vocabulary order, then padding
     logits[3] = torch.randn(32000) * 0.5  # one flat row: the whole vocabulary, as the reference
     vals, ids = filter_candidates(logits, 0, 0.95, 0.0)
     assert vals.shape[1] == 32000 and torch.equal(vals, apply_top_p(logits, 0.95))
@@ -386,11 +528,19 @@ def test_fast_filters_take_few_candidates_on_a_peaked_row():
 def test_nucleus_bins_hold_the_nucleus_without_waste():
     """The histogram guess of the candidates: every kept token, and not many more."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, 32000, generator=g) * torch.empty(64, 1).uniform_(2.0, 7.0, generator=g)
+    logits = torch.randn(64, 32000, generator=g) * torch.empty(64, 1).uniform_(
+        2.0, 7.0, generator=g
+    )
     kept = apply_top_p(logits, 0.95) > float("-inf")  # [64,V], from a few tokens to thousands a row
     guess = fast_sampling._nucleus_bins((logits - logits.amax(dim=-1, keepdim=True)).exp(), 0.95)
-    assert kept.sum(1).max() > 1000 and (guess >= kept).all() and (guess.sum(1) <= 2 * kept.sum(1)).all()
-    assert guess.sum() < 1.3 * kept.sum()  # measured 1.15: the bin where the mass reaches p, no bin below it
+    assert (
+        kept.sum(1).max() > 1000
+        and (guess >= kept).all()
+        and (guess.sum(1) <= 2 * kept.sum(1)).all()
+    )
+    assert (
+        guess.sum() < 1.3 * kept.sum()
+    )  # measured 1.15: the bin where the mass reaches p, no bin below it
 
 
 def test_a_short_guess_is_redone(monkeypatch):
@@ -401,7 +551,9 @@ def test_a_short_guess_is_redone(monkeypatch):
     for min_p in (0.0, 0.01):
         vals, ids = filter_candidates(logits, 0, 0.9, min_p)
         want = apply_min_p(apply_top_p(logits, 0.9), min_p)
-        assert torch.equal(torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax"), want)
+        assert torch.equal(
+            torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax"), want
+        )
 
 
 # -----------------------------------------------------------------------------
@@ -414,30 +566,52 @@ def test_compiled_decode_equals_eager_and_never_recompiles(monkeypatch):
     data). The aot_eager backend traces what inductor would compile, in seconds; inductor's own C++ build
     takes minutes on a cold CPU box, so its speed and output are checked by bench/bench_sampler.py --compile."""
     torch._dynamo.reset()
-    step = torch.compile(fast_sampling._decode_step, backend="aot_eager", dynamic=False, fullgraph=True)
+    step = torch.compile(
+        fast_sampling._decode_step, backend="aot_eager", dynamic=False, fullgraph=True
+    )
     monkeypatch.setattr(fast_sampling, "_COMPILED", {None: step})
     model = Transformer(tiny_config())
-    args = dict(num_samples=3, max_new_tokens=6, seeds=[1, 2], top_p=0.9, temperature=1.3, stop_ids=[3, 4, 5])
+    args = dict(
+        num_samples=3,
+        max_new_tokens=6,
+        seeds=[1, 2],
+        top_p=0.9,
+        temperature=1.3,
+        stop_ids=[3, 4, 5],
+    )
     for prompts in ([[1, 2, 3], [4, 5]], [[9, 8, 7, 6, 5, 4, 3], [4, 5, 9, 9]]):
         with torch._dynamo.config.patch(error_on_recompile=prompts[0][0] == 9):
             fast = generate(model, prompts, decoder=StaticDecoder, **args)
         want = generate(model, prompts, **args)
-        assert torch.equal(fast.completion_ids, want.completion_ids) and torch.equal(fast.truncated, want.truncated)
+        assert torch.equal(fast.completion_ids, want.completion_ids) and torch.equal(
+            fast.truncated, want.truncated
+        )
         assert torch.equal(fast.completion_mask, want.completion_mask)
         assert torch.allclose(fast.logprobs, want.logprobs, atol=1e-5)
     assert not want.truncated.all() and want.truncated.any()  # some rows stop, some run on masked
 
 
-@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (5, 0.9, 0.0), (0, 0.95, 0.05), (20, 0.8, 0.5)])
+@pytest.mark.parametrize(
+    "top_k,top_p,min_p", [(0, 1.0, 0.0), (5, 0.9, 0.0), (0, 0.95, 0.05), (20, 0.8, 0.5)]
+)
 def test_generate_with_the_fast_draw_equals_the_plain_one(top_k, top_p, min_p):
     """generate(sample_token=sample_next_token_fast), what training uses, = the plain sample_next_token."""
     model = load("qwen2")
-    args = sampling_args(num_samples=3, max_new_tokens=12, temperature=1.2, top_k=top_k, top_p=top_p, min_p=min_p,
-                         seeds=[11, 12, 13, 14])
+    args = sampling_args(
+        num_samples=3,
+        max_new_tokens=12,
+        temperature=1.2,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seeds=[11, 12, 13, 14],
+    )
     plain = generate(model, PROMPTS, **args)
     fast = generate(model, PROMPTS, sample_token=sample_next_token_fast, **args)
     assert torch.equal(plain.completion_ids, fast.completion_ids)
-    assert torch.equal(plain.logprobs, fast.logprobs) and torch.equal(plain.completion_mask, fast.completion_mask)
+    assert torch.equal(plain.logprobs, fast.logprobs) and torch.equal(
+        plain.completion_mask, fast.completion_mask
+    )
 
 
 def test_min_p_tighter_than_top_p_needs_no_retry(monkeypatch):
@@ -469,12 +643,23 @@ def sampled_and_scored(top_k, sample_token, seed=0):
     rollout joins them, the Generation, the trainer's log-probs [N,C])."""
     from nanogrpo.fast.logprobs import token_logprobs
     from nanogrpo.rollout import join_prompt_completion
+
     torch.manual_seed(seed)
     model = Transformer(tiny_config()).eval()
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (5, 12, 1, 8)]
-    out = generate(model, prompts, num_samples=4, max_new_tokens=24, temperature=0.7, top_k=top_k,
-                   stop_ids=[2], pad_id=0, seeds=[1, 2, 3, 4], sample_token=sample_token)
+    out = generate(
+        model,
+        prompts,
+        num_samples=4,
+        max_new_tokens=24,
+        temperature=0.7,
+        top_k=top_k,
+        stop_ids=[2],
+        pad_id=0,
+        seeds=[1, 2, 3, 4],
+        sample_token=sample_token,
+    )
     ids, attention = join_prompt_completion(prompts, out.completion_ids, 0, 4)
     with torch.no_grad():
         trainer, _ = token_logprobs(model, ids, attention, out.completion_mask, temperature=0.7)
@@ -501,7 +686,7 @@ def test_ratio_with_top_k_is_the_kept_mass():
     model, ids, attention, out, trainer = sampled_and_scored(3, sample_next_token_fast)
     C, mask = out.completion_ids.shape[1], out.completion_mask
     with torch.no_grad():
-        logits = model(ids, attention_mask=attention)[:, -C - 1:-1].float() / 0.7  # [N,C,V]
+        logits = model(ids, attention_mask=attention)[:, -C - 1 : -1].float() / 0.7  # [N,C,V]
     kept = logits.softmax(-1).topk(3, dim=-1).values.sum(-1)  # [N,C] mass of the top 3
     ratio = (trainer - out.logprobs).exp()  # [N,C]
     assert torch.allclose(ratio[mask], kept[mask], atol=1e-5, rtol=0)

@@ -2,20 +2,35 @@
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from nanogrpo import schedules
+import train
+from nanogrpo.data import PromptSampler
+from nanogrpo.dist import DistInfo
+from nanogrpo.extras import lr_schedules
+from nanogrpo.run.config import ConfigError, TrainConfig
 
-CASES = json.load(open(os.path.join(os.path.dirname(__file__), "fixtures", "trl", "schedules.json")))["cases"]
+CASES = json.load(
+    open(os.path.join(os.path.dirname(__file__), "fixtures", "trl", "schedules.json"))
+)["cases"]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c['kind']}-{c['max_steps']}-{c['warmup']}" for c in CASES])
+@pytest.mark.parametrize(
+    "case", CASES, ids=[f"{c['kind']}-{c['max_steps']}-{c['warmup']}" for c in CASES]
+)
 def test_every_step_runs_at_transformers_rate(case):
-    warmup = schedules.warmup_length(case["max_steps"], case["warmup_steps"], case["warmup_ratio"])
+    warmup = lr_schedules.warmup_length(
+        case["max_steps"], case["warmup_steps"], case["warmup_ratio"]
+    )
     assert warmup == case["warmup"]
-    fn = schedules.lr_lambda(case["kind"], warmup, case["max_steps"], case["learning_rate"], case["kwargs"])
+    fn = lr_schedules.lr_lambda(
+        case["kind"], warmup, case["max_steps"], case["learning_rate"], case["kwargs"]
+    )
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=case["learning_rate"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
@@ -28,35 +43,35 @@ def test_every_step_runs_at_transformers_rate(case):
 
 
 def test_the_first_warmup_step_runs_at_zero_and_a_ratio_rounds_up():
-    assert schedules.warmup_length(10, warmup_ratio=0.15) == 2  # ceil(1.5)
-    assert schedules.lr_lambda("linear", 2, 10, 1.0)(0) == 0.0
+    assert lr_schedules.warmup_length(10, warmup_ratio=0.15) == 2  # ceil(1.5)
+    assert lr_schedules.lr_lambda("linear", 2, 10, 1.0)(0) == 0.0
 
 
 def test_bad_schedules_are_named():
     with pytest.raises(ValueError, match="lr_scheduler_type='polynomial' is not supported"):
-        schedules.lr_lambda("polynomial", 0, 10, 1.0)
+        lr_schedules.lr_lambda("polynomial", 0, 10, 1.0)
     with pytest.raises(ValueError, match="needs exactly one of min_lr or min_lr_rate"):
-        schedules.lr_lambda("cosine_with_min_lr", 0, 10, 1.0)
-    with pytest.raises(ValueError, match=r"\['num_cycles'\] do not apply to lr_scheduler_type='linear'"):
-        schedules.lr_lambda("linear", 0, 10, 1.0, {"num_cycles": 2})
+        lr_schedules.lr_lambda("cosine_with_min_lr", 0, 10, 1.0)
+    with pytest.raises(
+        ValueError, match=r"\['num_cycles'\] do not apply to lr_scheduler_type='linear'"
+    ):
+        lr_schedules.lr_lambda("linear", 0, 10, 1.0, {"num_cycles": 2})
 
 
 # -----------------------------------------------------------------------------
 # The batch schedule: TRL's shapes, groups that span processes
 
-from types import SimpleNamespace
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import train
-from nanogrpo.run.config import ConfigError, TrainConfig
-from nanogrpo.data import PromptSampler
-from nanogrpo.dist import DistInfo
-
-SHAPES = json.load(open(os.path.join(os.path.dirname(__file__), "fixtures", "trl", "batch_shapes.json")))["cases"]
-BATCH_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
-              "generation_batch_size", "num_generations")
+SHAPES = json.load(
+    open(os.path.join(os.path.dirname(__file__), "fixtures", "trl", "batch_shapes.json"))
+)["cases"]
+BATCH_KEYS = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "steps_per_generation",
+    "generation_batch_size",
+    "num_generations",
+)
 TRL_REASONS = {  # the words of each of TRL's refusals that nanogrpo's must contain
     "divisible by the global batch size": "divisible by the global batch size",
     "divisible by num_generations": "divisible by num_generations",
@@ -64,9 +79,15 @@ TRL_REASONS = {  # the words of each of TRL's refusals that nanogrpo's must cont
 }
 
 
-@pytest.mark.parametrize("case", SHAPES, ids=lambda c: "P{processes}-b{per_device_train_batch_size}-"
-                         "ga{gradient_accumulation_steps}-spg{steps_per_generation}-"
-                         "gbs{generation_batch_size}-G{num_generations}".format(**c))
+@pytest.mark.parametrize(
+    "case",
+    SHAPES,
+    ids=lambda c: (
+        "P{processes}-b{per_device_train_batch_size}-"
+        "ga{gradient_accumulation_steps}-spg{steps_per_generation}-"
+        "gbs{generation_batch_size}-G{num_generations}".format(**c)
+    ),
+)
 def test_every_batch_shape_runs_or_is_refused_as_trl_does(case):
     """tests/fixtures/trl/batch_shapes.json: GRPOConfig's own derivation (or refusal) of 400
     shapes on 1, 2, 3 and 8 processes. A shape TRL accepts gets TRL's counts; one it refuses is
@@ -74,7 +95,9 @@ def test_every_batch_shape_runs_or_is_refused_as_trl_does(case):
     P = case["processes"]
     cfg = TrainConfig(**{k: case[k] for k in BATCH_KEYS})
     if "error" in case["trl"]:
-        reason = next(ours for theirs, ours in TRL_REASONS.items() if theirs in case["trl"]["error"])
+        reason = next(
+            ours for theirs, ours in TRL_REASONS.items() if theirs in case["trl"]["error"]
+        )
         with pytest.raises(ConfigError, match=reason):
             cfg.validate(P)
         return
@@ -88,45 +111,74 @@ def test_every_batch_shape_runs_or_is_refused_as_trl_does(case):
 def test_the_issues_shapes_and_the_seeds_recipe_on_8_processes():
     """The seeds' recipe (4 per device, accumulation 2, G 16) on 8 processes: 64 completions a
     round = 4 prompts, each group over two processes."""
-    s = TrainConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                    num_generations=16).validate(8).schedule(8)
+    s = (
+        TrainConfig(
+            per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=16
+        )
+        .validate(8)
+        .schedule(8)
+    )
     assert (s.prompts_per_round, s.completions_per_round_per_rank) == (4, 8)
     assert not s.whole_groups_per_rank
     assert [s.rank_share(r) for r in (0, 1, 2, 7)] == [[(0, 8)], [(0, 8)], [(1, 8)], [(3, 8)]]
     # 2 processes x 6, accumulation 2, G 8: 3 prompts, rank 0 holds a group and a half
-    s = TrainConfig(per_device_train_batch_size=6, gradient_accumulation_steps=2,
-                    num_generations=8).validate(2).schedule(2)
+    s = (
+        TrainConfig(per_device_train_batch_size=6, gradient_accumulation_steps=2, num_generations=8)
+        .validate(2)
+        .schedule(2)
+    )
     assert s.prompts_per_round == 3
     assert s.rank_share(0) == [(0, 8), (1, 4)] and s.rank_share(1) == [(1, 4), (2, 8)]
     # 1 x 4, accumulation 1, steps_per_generation 2, G 8: a round of 1 prompt feeds 2 steps; with
     # max_steps=-1 an epoch of 10 prompts is 20 steps (it divided by zero)
-    cfg = TrainConfig(per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                      steps_per_generation=2, num_generations=8, max_steps=-1,
-                      num_train_epochs=1).validate()
+    cfg = TrainConfig(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        steps_per_generation=2,
+        num_generations=8,
+        max_steps=-1,
+        num_train_epochs=1,
+    ).validate()
     assert cfg.schedule().prompts_per_round == 1 and cfg.total_steps(10) == 20
-    table = TrainConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                        num_generations=16).validate(8).schedule(8).table()
+    table = (
+        TrainConfig(
+            per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=16
+        )
+        .validate(8)
+        .schedule(8)
+        .table()
+    )
     assert "4 x 16 = 64" in table and "groups span processes" in table
 
 
 def test_dynamic_sampling_needs_whole_groups_on_each_process():
     with pytest.raises(ConfigError, match="dynamic_sampling.*whole groups"):
-        TrainConfig(per_device_train_batch_size=4, num_generations=8,
-                    dynamic_sampling=True).validate(2)
+        TrainConfig(
+            per_device_train_batch_size=4, num_generations=8, dynamic_sampling=True
+        ).validate(2)
     TrainConfig(per_device_train_batch_size=8, num_generations=8, dynamic_sampling=True).validate(2)
 
 
 def test_num_train_epochs_counts_steps_as_trl():
     """max_steps=-1: ceil(epochs x the optimizer steps one pass over the prompts feeds, TRL's
     len(dataloader) // accumulation); max_steps > 0 wins."""
-    cfg = TrainConfig(per_device_train_batch_size=8, num_generations=8,
-                      gradient_accumulation_steps=2, num_train_epochs=1.5).validate()
+    cfg = TrainConfig(
+        per_device_train_batch_size=8,
+        num_generations=8,
+        gradient_accumulation_steps=2,
+        num_train_epochs=1.5,
+    ).validate()
     assert cfg.total_steps(100) == 75  # 2 prompts a round, a round a step
     assert TrainConfig(num_iterations=2, num_train_epochs=1).total_steps(10) == 20
     assert TrainConfig(max_steps=7).total_steps(100) == 7
     # a step over 3 rounds of 1 prompt: 10 prompts feed 3 whole steps
-    spans = TrainConfig(per_device_train_batch_size=4, gradient_accumulation_steps=6,
-                        steps_per_generation=2, num_generations=8, num_train_epochs=1).validate()
+    spans = TrainConfig(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=6,
+        steps_per_generation=2,
+        num_generations=8,
+        num_train_epochs=1,
+    ).validate()
     assert spans.total_steps(10) == 3
 
 
@@ -136,9 +188,14 @@ def simulate_cycle(cfg, world_size, rank):
     -> (the (row, copies) rollouts sampled, the micro-batches of each step as (round, row))."""
     sched = cfg.schedule(world_size)
     rows = [{"prompt": f"p{i}"} for i in range(10 * sched.prompts_per_round)]
-    t = SimpleNamespace(cfg=cfg, sched=sched, step=0, round=0,
-                        info=DistInfo(rank=rank, local_rank=rank, world_size=world_size, device="cpu"),
-                        prompts=PromptSampler(rows, sched.prompts_per_round, shuffle=False))
+    t = SimpleNamespace(
+        cfg=cfg,
+        sched=sched,
+        step=0,
+        round=0,
+        info=DistInfo(rank=rank, local_rank=rank, world_size=world_size, device="cpu"),
+        prompts=PromptSampler(rows, sched.prompts_per_round, shuffle=False),
+    )
     sampled, steps = [], []
 
     def sample_round(t, rnd):
@@ -162,20 +219,31 @@ def simulate_cycle(cfg, world_size, rank):
 
 
 @settings(max_examples=60, deadline=None)
-@given(world_size=st.sampled_from([1, 2, 3, 8]), per_device=st.integers(1, 12),
-       GA=st.integers(1, 4), spg_factor=st.integers(1, 4), mu=st.integers(1, 3),
-       G=st.sampled_from([2, 3, 4, 8, 16]))
-def test_completions_sampled_are_completions_trained_and_trls_count(world_size, per_device, GA,
-                                                                    spg_factor, mu, G):
+@given(
+    world_size=st.sampled_from([1, 2, 3, 8]),
+    per_device=st.integers(1, 12),
+    GA=st.integers(1, 4),
+    spg_factor=st.integers(1, 4),
+    mu=st.integers(1, 3),
+    G=st.sampled_from([2, 3, 4, 8, 16]),
+)
+def test_completions_sampled_are_completions_trained_and_trls_count(
+    world_size, per_device, GA, spg_factor, mu, G
+):
     """Over random shapes TRL accepts, simulated on every rank: the ranks' shares of a round are
     TRL's prompt-major list of generation_batch_size completions cut in consecutive slices; each
     pass trains every sampled completion once; a cycle's steps take whole micro-batches."""
     spg = spg_factor
     if (per_device * world_size * spg) % G:
         return  # TRL refuses it (test_every_batch_shape_runs_or_is_refused_as_trl_does)
-    cfg = TrainConfig(per_device_train_batch_size=per_device, gradient_accumulation_steps=GA,
-                      steps_per_generation=spg, num_generations=G, num_iterations=mu,
-                      max_steps=10**6).validate(world_size)
+    cfg = TrainConfig(
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=GA,
+        steps_per_generation=spg,
+        num_generations=G,
+        num_iterations=mu,
+        max_steps=10**6,
+    ).validate(world_size)
     everyone = []
     for rank in range(world_size):
         sched, t, sampled, steps = simulate_cycle(cfg, world_size, rank)
@@ -186,7 +254,9 @@ def test_completions_sampled_are_completions_trained_and_trls_count(world_size, 
             assert sum(copies for _, copies in share) == n  # sampled on this rank
             trained = [i for step in steps for r, i in step if r == rnd]
             assert sorted(trained) == sorted(list(range(n)) * mu)  # each row mu times
-        everyone.append([prompt for _, share in sampled[:1] for prompt, c in share for _ in range(c)])
+        everyone.append(
+            [prompt for _, share in sampled[:1] for prompt, c in share for _ in range(c)]
+        )
     # the ranks' slices, in rank order, are the round's prompts each repeated G times
     round_list = [p for rank in everyone for p in rank]
     prompts = [f"p{i}" for i in range(sched.prompts_per_round)]
@@ -197,8 +267,9 @@ def test_completions_sampled_are_completions_trained_and_trls_count(world_size, 
 def test_small_config_runs_on_any_number_of_gpus_as_its_comment_says():
     """configs/small.py: 64 completions a step per GPU on any count; 32 / GPUs accumulation
     steps give its 512."""
-    from nanogrpo.run.configurator import read_config_file
     from nanogrpo.run.config import TrainConfig
+    from nanogrpo.run.configurator import read_config_file
+
     settings = {k: v for k, v in read_config_file("small").items() if k in BATCH_KEYS}
     for gpus in range(1, 9):
         s = TrainConfig(**settings).validate(gpus).schedule(gpus)

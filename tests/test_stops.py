@@ -11,16 +11,16 @@ import threading
 import time
 
 import pytest
+from conftest import ROOT
+from test_train import strip_timing, tiny
 
 import train
-from conftest import ROOT
 from nanogrpo.run.configurator import read_config_file
-from test_train import strip_timing, tiny
 
 # A reward function that, on call STOP_AT of rank STOP_RANK, does STOP_ACTION:
 # self:SIG (the signal to its own process), group:SIG (to torchrun's process
 # group, as a terminal's Ctrl-C), hang (in the reward function) or raise.
-REWARD = '''
+REWARD = """
 import os
 import signal
 import time
@@ -45,7 +45,7 @@ def length(completions, **kwargs):
         if action == "raise":
             raise ValueError("the reward broke")
     return [float(len(c)) for c in completions]
-'''
+"""
 # rounds of one generation and two optimizer steps: a stop waits for the cycle's end
 CYCLES_OF_2 = ["--max_steps=6", "--num_iterations=2", "--loss_type=grpo"]
 
@@ -54,11 +54,21 @@ def args(tmp_path, out: str, *more) -> list[str]:
     """The embedded default made small, scored by REWARD, its outputs in tmp_path/out."""
     (tmp_path / "stop_reward.py").write_text(REWARD)
     init = f"--init_model={read_config_file('tiny')['init_model']!r}"
-    return ["--config", "tiny.py", f"--model={tmp_path}/init", init,
-            f"--output_dir={tmp_path}/{out}", "--gradient_accumulation_steps=2",
-            "--num_generations=4", "--per_device_train_batch_size=4",
-            "--max_completion_length=6", "--eval_strategy=no", "--logging_steps=1",
-            "--reward_funcs=stop_reward:length", *more]
+    return [
+        "--config",
+        "tiny.py",
+        f"--model={tmp_path}/init",
+        init,
+        f"--output_dir={tmp_path}/{out}",
+        "--gradient_accumulation_steps=2",
+        "--num_generations=4",
+        "--per_device_train_batch_size=4",
+        "--max_completion_length=6",
+        "--eval_strategy=no",
+        "--logging_steps=1",
+        "--reward_funcs=stop_reward:length",
+        *more,
+    ]
 
 
 def launch(tmp_path, argv, nproc=1, timeout=150, **stop) -> tuple[int, str, float]:
@@ -66,13 +76,28 @@ def launch(tmp_path, argv, nproc=1, timeout=150, **stop) -> tuple[int, str, floa
     stop: STOP_* settings of REWARD. -> (exit status, stdout and stderr as they came, end time)."""
     cmd = [sys.executable, "train.py", *argv]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(nproc), "train.py", *argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            "train.py",
+            *argv,
+        ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.update({f"STOP_{key.upper()}": str(value) for key, value in stop.items()})
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)
+    p = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -116,8 +141,9 @@ def uninterrupted(tmp_path_factory):
 def test_a_signal_to_torchrun_saves_the_last_step(tmp_path, uninterrupted, sig, name):
     """Ctrl-C or SIGTERM to torchrun (its process group, as a terminal's Ctrl-C): torchrun passes it
     to each rank; they stop together where the cycle ends, save it and say how to continue."""
-    rc, out, _ = launch(tmp_path, args(tmp_path, "run", *CYCLES_OF_2), nproc=2, at=2,
-                        action=f"group:{sig}")
+    rc, out, _ = launch(
+        tmp_path, args(tmp_path, "run", *CYCLES_OF_2), nproc=2, at=2, action=f"group:{sig}"
+    )
     assert f"{name}: stopping after step 4: saving it then" in out, out[-3000:]
     assert f"{name}: stopped at step 4/6: saved" in out
     assert "Continue with:\n  torchrun --nproc_per_node 2 train.py" in out
@@ -138,30 +164,43 @@ def test_a_hung_rank_ends_the_run_within_ddp_timeout(tmp_path):
     assert rc != 0
     assert 10 <= end - float(mark.read_text()) < 20, out[-3000:]
     ours = out.split("ChildFailedError")[0]  # what comes before torchrun's summary
-    assert "train.py: error: rank 0: at step 2, rank 1 stopped answering (ddp_timeout=10 s): " \
-           "Timed out" in ours, out[-3000:]
-    assert "train.py: rank 1: ended at step 2 after another rank failed; it was in length " \
-           "(stop_reward.py:" in ours
+    assert (
+        "train.py: error: rank 0: at step 2, rank 1 stopped answering (ddp_timeout=10 s): "
+        "Timed out" in ours
+    ), out[-3000:]
+    assert (
+        "train.py: rank 1: ended at step 2 after another rank failed; it was in length "
+        "(stop_reward.py:" in ours
+    )
     assert "[rank" not in ours  # no rank's traceback
 
 
 def test_the_error_of_a_rank_that_raises_is_read_first(tmp_path):
     """Rank 1's reward function raises: its error is the first error line, then rank 0 says in one
     line that rank 1 is gone; no rank prints a traceback."""
-    rc, out, _ = launch(tmp_path, args(tmp_path, "run", "--max_steps=4"), nproc=2, at=2, rank=1,
-                        action="raise")
+    rc, out, _ = launch(
+        tmp_path, args(tmp_path, "run", "--max_steps=4"), nproc=2, at=2, rank=1, action="raise"
+    )
     assert rc != 0
-    errors = [line for line in out.splitlines()
-              if line.startswith("train.py:") or "Traceback" in line or "Error:" in line]
-    assert errors[0] == ("train.py: error: rank 1, at step 2: reward function 'length' raised "
-                         "ValueError: the reward broke"), out[-3000:]
-    assert errors[1].startswith("train.py: error: rank 0: at step 2, rank 1 is gone (it failed or "
-                                "was killed): Connection closed by peer")
+    errors = [
+        line
+        for line in out.splitlines()
+        if line.startswith("train.py:") or "Traceback" in line or "Error:" in line
+    ]
+    assert errors[0] == (
+        "train.py: error: rank 1, at step 2: reward function 'length' raised "
+        "ValueError: the reward broke"
+    ), out[-3000:]
+    assert errors[1].startswith(
+        "train.py: error: rank 0: at step 2, rank 1 is gone (it failed or "
+        "was killed): Connection closed by peer"
+    )
     assert "[rank" not in out.split("ChildFailedError")[0]
 
 
-def test_a_second_ctrl_c_stops_at_once_and_handlers_live_only_in_a_run(tmp_path, monkeypatch,
-                                                                       capsys):
+def test_a_second_ctrl_c_stops_at_once_and_handlers_live_only_in_a_run(
+    tmp_path, monkeypatch, capsys
+):
     """The first Ctrl-C asks for a stop where the cycle ends; a second stops now (saving what is
     exact, as before). A run off the main thread, where no handler can be set, trains as usual."""
     calls, score = [], train.reward_rollout
@@ -183,8 +222,11 @@ def test_a_second_ctrl_c_stops_at_once_and_handlers_live_only_in_a_run(tmp_path,
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     monkeypatch.undo()
     history = []
-    thread = threading.Thread(target=lambda: history.extend(
-        train.train(tiny(tmp_path, "--max_steps=1", "--overwrite_output_dir=true"))))
+    thread = threading.Thread(
+        target=lambda: history.extend(
+            train.train(tiny(tmp_path, "--max_steps=1", "--overwrite_output_dir=true"))
+        )
+    )
     thread.start()
     thread.join()
     assert [m["step"] for m in history] == [1]

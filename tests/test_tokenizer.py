@@ -4,8 +4,8 @@ import json
 import os
 
 import pytest
-
 from conftest import fixture_path
+
 from nanogrpo.tokenizer import Tokenizer
 
 EXPECTED = json.load(open(os.path.join(fixture_path("tokenizer"), "expected.json")))
@@ -28,19 +28,23 @@ def test_decode(tok, case):
 
 @pytest.mark.parametrize("case", EXPECTED["chat"], ids=lambda c: c["messages"][-1]["content"][:10])
 def test_chat_template(tok, case):
-    text = tok.apply_chat_template(case["messages"], add_generation_prompt=case["add_generation_prompt"],
-                                   tools=case["tools"])
+    text = tok.apply_chat_template(
+        case["messages"], add_generation_prompt=case["add_generation_prompt"], tools=case["tools"]
+    )
     assert text == case["text"]
 
 
 def test_eos_and_pad(tok):
-    assert tok.eos_token_ids == set(EXPECTED["eos_token_ids"])  # tokenizer eos + generation_config's
+    assert tok.eos_token_ids == set(
+        EXPECTED["eos_token_ids"]
+    )  # tokenizer eos + generation_config's
     assert tok.pad_token_id == EXPECTED["pad_token_id"]
     assert tok.vocab_size == 384
 
 
 def test_template_errors(tok):
     import jinja2
+
     with pytest.raises(jinja2.exceptions.TemplateError, match="unknown role tool"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
 
@@ -77,28 +81,49 @@ def test_messages_seen_as_transformers_shows_them(tok):
     """None values are dropped (an OpenAI-style tool call has content None) and reasoning under
     `reasoning_content`, `thinking` or `reasoning` reaches the template under the first two names.
     Expected string rendered by transformers 5.23 (apply_chat_template with this chat_template)."""
-    template = ("{% for m in messages %}{{ m.role }}:{{ m.content if m.content is defined else '(none)' }}"
-                "{% if m.reasoning_content is defined %} r={{ m.reasoning_content }}{% endif %}"
-                "{% if m.thinking is defined %} t={{ m.thinking }}{% endif %}"
-                "{% if m.tool_calls %} calls={{ m.tool_calls | length }}{% endif %};{% endfor %}")
-    messages = [{"role": "user", "content": "hi", "reasoning_content": None},
-                {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
-                                                                       "function": {"name": "f", "arguments": {}}}]},
-                {"role": "assistant", "content": "4", "reasoning": "2+2"},
-                {"role": "assistant", "content": "5", "thinking": "2+3", "reasoning_content": "two plus three"}]
+    template = (
+        "{% for m in messages %}{{ m.role }}:{{ m.content if m.content is defined else '(none)' }}"
+        "{% if m.reasoning_content is defined %} r={{ m.reasoning_content }}{% endif %}"
+        "{% if m.thinking is defined %} t={{ m.thinking }}{% endif %}"
+        "{% if m.tool_calls %} calls={{ m.tool_calls | length }}{% endif %};{% endfor %}"
+    )
+    messages = [
+        {"role": "user", "content": "hi", "reasoning_content": None},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}],
+        },
+        {"role": "assistant", "content": "4", "reasoning": "2+2"},
+        {
+            "role": "assistant",
+            "content": "5",
+            "thinking": "2+3",
+            "reasoning_content": "two plus three",
+        },
+    ]
     t2 = Tokenizer(tok.tokenizer, tok.config, chat_template=template)
     assert t2.apply_chat_template(messages, add_generation_prompt=False) == (
-        "user:hi;assistant:(none) calls=1;assistant:4 r=2+2 t=2+2;assistant:5 r=two plus three t=2+3;")
-    assert messages[0] == {"role": "user", "content": "hi", "reasoning_content": None}  # the caller's are untouched
+        "user:hi;assistant:(none) calls=1;assistant:4 r=2+2 t=2+2;assistant:5 r=two plus three t=2+3;"
+    )
+    assert messages[0] == {
+        "role": "user",
+        "content": "hi",
+        "reasoning_content": None,
+    }  # the caller's are untouched
 
 
 def test_decode_completions_cuts_each_row_at_its_mask():
     import torch
 
     from nanogrpo.tokenizer import char_level_tokenizer
+
     tok = char_level_tokenizer("ab=")
     a, b, eq = (tok.encode(c) for c in "ab=")
     ids = torch.tensor([a + b + [0], eq + [0, 0]])  # right-padded with the eos/pad id 0
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
     rows, texts = tok.decode_completions(ids, mask)
-    assert rows == [a + b + [0], eq + [0]] and texts == ["ab", "="]  # eos kept in ids, skipped in text
+    assert rows == [a + b + [0], eq + [0]] and texts == [
+        "ab",
+        "=",
+    ]  # eos kept in ids, skipped in text

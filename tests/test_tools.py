@@ -11,12 +11,18 @@ import os
 import sys
 
 import pytest
+from conftest import fixture_path
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import fixture_path
 from nanogrpo.extras import tools as tools_module
-from nanogrpo.extras.tools import parse_tool_calls, resolve_tools, run_tools, tool_schema, tool_suffix_ids
+from nanogrpo.extras.tools import (
+    parse_tool_calls,
+    resolve_tools,
+    run_tools,
+    tool_schema,
+    tool_suffix_ids,
+)
 from nanogrpo.tokenizer import Tokenizer
 
 sys.path.insert(0, fixture_path("tools"))
@@ -24,7 +30,9 @@ import signatures  # noqa: E402
 
 EXPECTED = json.load(open(os.path.join(fixture_path("tools"), "expected.json")))
 TEMPLATE = open(os.path.join(fixture_path("tools"), "hermes_chatml.jinja")).read()
-QWEN3 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "real", "tokenizer-qwen3")
+QWEN3 = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "real", "tokenizer-qwen3"
+)
 SCHEMAS = [signatures.multiply, signatures.search]
 
 
@@ -71,16 +79,22 @@ def test_qwen3_renders_tools_as_transformers(name):
     tok = qwen3_tokenizer()
     messages, gen = EXPECTED["conversations"][name]
     schemas = [tool_schema(f) for f in SCHEMAS]
-    assert tok.apply_chat_template(messages, tools=schemas, add_generation_prompt=gen) == \
-        EXPECTED["qwen3"]["renderings"][name]
+    assert (
+        tok.apply_chat_template(messages, tools=schemas, add_generation_prompt=gen)
+        == EXPECTED["qwen3"]["renderings"][name]
+    )
     tok.chat_template, tok._template = TEMPLATE, None
-    assert tok.apply_chat_template(messages, tools=schemas, add_generation_prompt=gen) == \
-        EXPECTED["hermes"]["renderings"][name]
+    assert (
+        tok.apply_chat_template(messages, tools=schemas, add_generation_prompt=gen)
+        == EXPECTED["hermes"]["renderings"][name]
+    )
 
 
 def test_tool_suffix_ids_are_trls():
     tok = qwen3_tokenizer()
-    assert EXPECTED["qwen3"]["prefix_preserving"] is False  # TRL swaps in its own template; we stop and say so
+    assert (
+        EXPECTED["qwen3"]["prefix_preserving"] is False
+    )  # TRL swaps in its own template; we stop and say so
     with pytest.raises(ValueError, match="does not preserve prefixes"):
         tool_suffix_ids(tok, EXPECTED["replies"][0])
     tok.chat_template, tok._template = TEMPLATE, None
@@ -91,25 +105,51 @@ def test_tool_suffix_ids_are_trls():
 
 # --- parsing -------------------------------------------------------------------------------------
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-                    | st.text(max_size=6), lambda inner: st.lists(inner, max_size=3)
-                    | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
-CALLS = st.lists(st.fixed_dictionaries({"name": st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True),
-                                        "arguments": st.dictionaries(st.text(max_size=5), JSON, max_size=3)}),
-                 max_size=3)
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+CALLS = st.lists(
+    st.fixed_dictionaries(
+        {
+            "name": st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True),
+            "arguments": st.dictionaries(st.text(max_size=5), JSON, max_size=3),
+        }
+    ),
+    max_size=3,
+)
 
 
 @settings(max_examples=60, deadline=None)
 @given(content=st.text(max_size=20), calls=CALLS, spacing=st.sampled_from(["", "\n", " \n "]))
 def test_parse_tool_calls_round_trip(content, calls, spacing):
-    text = content + "".join(f"<tool_call>{spacing}{json.dumps(c)}{spacing}</tool_call>" for c in calls)
-    assume("<tool_call>" not in content and "</tool_call>" not in json.dumps(calls))  # the format cannot quote its tags
+    text = content + "".join(
+        f"<tool_call>{spacing}{json.dumps(c)}{spacing}</tool_call>" for c in calls
+    )
+    assume(
+        "<tool_call>" not in content and "</tool_call>" not in json.dumps(calls)
+    )  # the format cannot quote its tags
     assert parse_tool_calls(text) == calls
     assert tools_module.parse_hermes(text)[0] == (content.rstrip() if calls else text.rstrip())
 
 
-@pytest.mark.parametrize("body", ['{"name": "f", "arguments": {"a": 1}', '{"arguments": {}}', '[1, 2]',
-                                  '{"name": "f", "arguments": [1]}', 'not json'])
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"name": "f", "arguments": {"a": 1}',
+        '{"arguments": {}}',
+        "[1, 2]",
+        '{"name": "f", "arguments": [1]}',
+        "not json",
+    ],
+)
 def test_malformed_call_is_a_failed_call(body):
     (call,) = parse_tool_calls(f"x<tool_call>{body}</tool_call>")
     assert call["name"] == "unknown" and "malformed tool call" in call["error"]
@@ -118,8 +158,9 @@ def test_malformed_call_is_a_failed_call(body):
 
 
 def test_arguments_as_a_json_string():
-    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>') == \
-        [{"name": "f", "arguments": {"a": 1}}]
+    assert parse_tool_calls(
+        '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    ) == [{"name": "f", "arguments": {"a": 1}}]
 
 
 # --- running tools -------------------------------------------------------------------------------
@@ -167,14 +208,26 @@ async def sleepy(seconds: float) -> str:
 
 def test_run_tools_results_and_failures():
     tools = resolve_tools([add, boom, slow_add, sleepy])
-    rows = [[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "slow_add", "arguments": {"a": 3, "b": 4}}],
-            [{"name": "boom", "arguments": {"a": 5}}, {"name": "nope", "arguments": {}},
-             {"name": "sleepy", "arguments": {"seconds": 30}}, {"name": "add", "arguments": {"c": 1}}]]
+    rows = [
+        [
+            {"name": "add", "arguments": {"a": 1, "b": 2}},
+            {"name": "slow_add", "arguments": {"a": 3, "b": 4}},
+        ],
+        [
+            {"name": "boom", "arguments": {"a": 5}},
+            {"name": "nope", "arguments": {}},
+            {"name": "sleepy", "arguments": {"seconds": 30}},
+            {"name": "add", "arguments": {"c": 1}},
+        ],
+    ]
     out = run_tools(rows, tools, timeout=0.2)
     assert out[0] == [("add", 3, False), ("slow_add", 7, False)]
     assert [failed for _, _, failed in out[1]] == [True] * 4
     assert out[1][0][1] == {"error": "boom 5"} and out[1][1][1] == {"error": "Tool nope not found."}
-    assert out[1][2][1] == {"error": "timed out after 0.2 s"} and "unexpected keyword" in out[1][3][1]["error"]
+    assert (
+        out[1][2][1] == {"error": "timed out after 0.2 s"}
+        and "unexpected keyword" in out[1][3][1]["error"]
+    )
 
 
 def test_async_tools_run_concurrently():
@@ -192,15 +245,22 @@ def test_async_tools_run_concurrently():
         await events.setdefault(other, asyncio.Event()).wait()
         return name
 
-    calls = [[{"name": "ping", "arguments": {"name": "a", "other": "b"}}],
-             [{"name": "ping", "arguments": {"name": "b", "other": "a"}}]]
-    assert run_tools(calls, {"ping": ping}, timeout=5.0) == [[("ping", "a", False)], [("ping", "b", False)]]
+    calls = [
+        [{"name": "ping", "arguments": {"name": "a", "other": "b"}}],
+        [{"name": "ping", "arguments": {"name": "b", "other": "a"}}],
+    ]
+    assert run_tools(calls, {"ping": ping}, timeout=5.0) == [
+        [("ping", "a", False)],
+        [("ping", "b", False)],
+    ]
 
 
 def test_resolve_tools_from_config_strings(tmp_path):
     path = tmp_path / "mytools.py"
-    path.write_text('def twice(x: int) -> int:\n    """Twice.\n\n    Args:\n        x: A number.\n    """\n'
-                    '    return 2 * x\n')
+    path.write_text(
+        'def twice(x: int) -> int:\n    """Twice.\n\n    Args:\n        x: A number.\n    """\n'
+        "    return 2 * x\n"
+    )
     assert resolve_tools([f"{path}:twice"])["twice"](4) == 8
     with pytest.raises(ValueError, match="tool .* no function 'thrice'"):
         resolve_tools([f"{path}:thrice"])

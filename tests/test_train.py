@@ -8,26 +8,45 @@ import pytest
 import torch
 
 import train
-from nanogrpo import fast
+from nanogrpo import fast, run
+from nanogrpo.checkpoint import load_model
+from nanogrpo.fast.logprobs import token_logprobs
+from nanogrpo.rewards import RewardError
 from nanogrpo.run import report
-from nanogrpo import run
 from nanogrpo.run.config import ConfigError
 from nanogrpo.run.configurator import load_config, read_config_file
-from nanogrpo.fast.logprobs import token_logprobs
-from nanogrpo.checkpoint import load_model
-from nanogrpo.rewards import RewardError
 from nanogrpo.tokenizer import Tokenizer
 
-TIMING = ("step_time", "tokens_per_sec", "time/sample", "time/score", "time/logprobs", "time/update",
-          "time/dynamic_sampling")
+TIMING = (
+    "step_time",
+    "tokens_per_sec",
+    "time/sample",
+    "time/score",
+    "time/logprobs",
+    "time/update",
+    "time/dynamic_sampling",
+)
 INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"  # build tiny.py's random model elsewhere
 
 
 def tiny(tmp_path, *overrides):
     """The embedded default config, made small, with its init checkpoint and outputs under tmp_path."""
-    return load_config(["--config", "tiny.py", f"--model={tmp_path}/init", INIT, f"--output_dir={tmp_path}/run",
-                        "--gradient_accumulation_steps=2", "--num_generations=4", "--per_device_train_batch_size=8",
-                        "--max_completion_length=6", "--eval_strategy=no", "--max_steps=3", *overrides])
+    return load_config(
+        [
+            "--config",
+            "tiny.py",
+            f"--model={tmp_path}/init",
+            INIT,
+            f"--output_dir={tmp_path}/run",
+            "--gradient_accumulation_steps=2",
+            "--num_generations=4",
+            "--per_device_train_batch_size=8",
+            "--max_completion_length=6",
+            "--eval_strategy=no",
+            "--max_steps=3",
+            *overrides,
+        ]
+    )
 
 
 def strip_timing(history):
@@ -35,35 +54,93 @@ def strip_timing(history):
 
 
 def test_smoke_metrics_and_checkpoint(tmp_path, capsys):
-    cfg = tiny(tmp_path, "--eval_strategy=steps", "--eval_steps=2", "--eval_size=8", "--log_completions=true")
+    cfg = tiny(
+        tmp_path,
+        "--eval_strategy=steps",
+        "--eval_steps=2",
+        "--eval_size=8",
+        "--log_completions=true",
+    )
     history = train.train(cfg)
     assert [m["step"] for m in history] == [1, 2, 3]
     lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert strip_timing(lines) == strip_timing(history)
-    for key in ("step", "reward", "reward_std", "rewards/default_task/mean", "entropy", "clip_ratio/region_mean",
-                "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std", "loss",
-                "grad_norm", "learning_rate", "tokens_per_sec", "num_tokens",
-                "completions/mean_terminated_length", "completions/max_terminated_length",
-                "time/sample", "time/score", "time/logprobs", "time/update"):
+    for key in (
+        "step",
+        "reward",
+        "reward_std",
+        "rewards/default_task/mean",
+        "entropy",
+        "clip_ratio/region_mean",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "frac_reward_zero_std",
+        "loss",
+        "grad_norm",
+        "learning_rate",
+        "tokens_per_sec",
+        "num_tokens",
+        "completions/mean_terminated_length",
+        "completions/max_terminated_length",
+        "time/sample",
+        "time/score",
+        "time/logprobs",
+        "time/update",
+    ):
         assert key in lines[0], key
-    assert lines[0]["num_tokens"] < lines[1]["num_tokens"] < lines[2]["num_tokens"]  # cumulative, as TRL
+    assert (
+        lines[0]["num_tokens"] < lines[1]["num_tokens"] < lines[2]["num_tokens"]
+    )  # cumulative, as TRL
     assert "kl" not in lines[0]  # beta = 0: no reference model, no kl
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in lines)
     assert "eval/reward" in lines[1] and "eval/pass@1" in lines[2]
     out = capsys.readouterr().out
-    assert "step    3/3 | reward" in out and "eta" in out and "done: 3 steps" in out and "-> '" in out
+    assert (
+        "step    3/3 | reward" in out and "eta" in out and "done: 3 steps" in out and "-> '" in out
+    )
     ckpt = tmp_path / "run" / "checkpoint"
     model = load_model(ckpt)  # HF format, loadable with the same code as any checkpoint
     tok = Tokenizer.from_pretrained(ckpt)
     assert model.generation_config["eos_token_id"] == [0] and tok.eos_token_ids == {0}
     assert not [p for p in os.listdir(tmp_path / "run") if ".tmp" in p]
     import sample  # sample.py on the trained checkpoint, scored by the task's reward
-    sample.main(["--model", str(ckpt), "--prompt", "abcd=", "--num_samples", "2", "--max_new_tokens", "6",
-                 "--reward", "default_task", "--column", "target=abcd", "--device", "cpu", "--dtype", "float32"])
+
+    sample.main(
+        [
+            "--model",
+            str(ckpt),
+            "--prompt",
+            "abcd=",
+            "--num_samples",
+            "2",
+            "--max_new_tokens",
+            "6",
+            "--reward",
+            "default_task",
+            "--column",
+            "target=abcd",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ]
+    )
     out = capsys.readouterr().out
     assert "prompt (5 tokens): 'abcd='" in out and out.count("default_task=") == 2
-    sample.main(["--model", str(ckpt), "--prompt", "abcd=", "--num_samples", "1", "--device", "cpu",
-                 "--dtype", "float32"])  # default max_new_tokens=128 > the tiny 64-position context: capped
+    sample.main(
+        [
+            "--model",
+            str(ckpt),
+            "--prompt",
+            "abcd=",
+            "--num_samples",
+            "1",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ]
+    )  # default max_new_tokens=128 > the tiny 64-position context: capped
     assert "--- sample 0" in capsys.readouterr().out
 
 
@@ -72,25 +149,37 @@ def starts_with_a(completions, **kwargs):
     return [float(c.startswith("a")) for c in completions]
 
 
-ADAPTIVE = ["--use_adaptive_entropy=true", "--entropy_target=5.0", "--entropy_coef=0.01",
-            "--entropy_coef_delta=0.02"]
+ADAPTIVE = [
+    "--use_adaptive_entropy=true",
+    "--entropy_target=5.0",
+    "--entropy_coef=0.01",
+    "--entropy_coef_delta=0.02",
+]
 DYNAMIC = ["--dynamic_sampling=true", f"--reward_funcs={__name__}:starts_with_a"]
 
 
-@pytest.mark.parametrize("split,args", [
-    (3, ["--beta=0.04"]),  # on-policy, with a reference model: 3 + resume + 3
-    (4, ["--num_iterations=2", "--loss_type=grpo"]),  # off-policy rounds of 2 steps: resume at a round boundary
-    (3, ADAPTIVE),  # the adaptive entropy coefficient is checkpointed
-    (3, DYNAMIC),  # so is the prompt order that dynamic sampling consumed
-    (4, [*DYNAMIC, "--num_iterations=2"]),  # rounds of 2 steps over the groups kept
-    # a step over parts of two rounds (accumulation 3, rounds of 2 micro-batches): cycles of 3
-    # rounds and 2 steps, resumed where a cycle ends
-    (2, ["--gradient_accumulation_steps=3", "--steps_per_generation=2", "--num_generations=8"]),
-])
+@pytest.mark.parametrize(
+    "split,args",
+    [
+        (3, ["--beta=0.04"]),  # on-policy, with a reference model: 3 + resume + 3
+        (
+            4,
+            ["--num_iterations=2", "--loss_type=grpo"],
+        ),  # off-policy rounds of 2 steps: resume at a round boundary
+        (3, ADAPTIVE),  # the adaptive entropy coefficient is checkpointed
+        (3, DYNAMIC),  # so is the prompt order that dynamic sampling consumed
+        (4, [*DYNAMIC, "--num_iterations=2"]),  # rounds of 2 steps over the groups kept
+        # a step over parts of two rounds (accumulation 3, rounds of 2 micro-batches): cycles of 3
+        # rounds and 2 steps, resumed where a cycle ends
+        (2, ["--gradient_accumulation_steps=3", "--steps_per_generation=2", "--num_generations=8"]),
+    ],
+)
 def test_resume_is_exact(tmp_path, split, args):
     full = train.train(tiny(tmp_path / "a", "--max_steps=6", *args))
     first = train.train(tiny(tmp_path / "b", f"--max_steps={split}", *args))
-    resumed = train.train(tiny(tmp_path / "b", "--resume_from_checkpoint=true", "--max_steps=6", *args))
+    resumed = train.train(
+        tiny(tmp_path / "b", "--resume_from_checkpoint=true", "--max_steps=6", *args)
+    )
     assert len(full) == 6
     assert strip_timing(first) == strip_timing(full[:split])
     assert strip_timing(resumed) == strip_timing(full)
@@ -117,7 +206,10 @@ def test_crash_while_saving_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     assert [m["step"] for m in history] == [1, 2, 3]
     # save_total_limit=None (TRL's default) keeps every checkpoint; no half-written one is left
     assert sorted(p for p in os.listdir(tmp_path / "run") if p.startswith("checkpoint")) == [
-        "checkpoint", "checkpoint-2", "checkpoint-3"]
+        "checkpoint",
+        "checkpoint-2",
+        "checkpoint-3",
+    ]
 
 
 def test_save_total_limit_prunes_only_this_runs_checkpoints(tmp_path):
@@ -127,18 +219,41 @@ def test_save_total_limit_prunes_only_this_runs_checkpoints(tmp_path):
     train.train(tiny(tmp_path, "--max_steps=2", "--save_steps=1", "--save_total_limit=1"))
     run = tmp_path / "run"
     assert sorted(p for p in os.listdir(run) if p.startswith("checkpoint")) == [
-        "checkpoint", "checkpoint-2", "checkpoint-99-mine"]
-    train.train(tiny(tmp_path, "--max_steps=4", "--save_steps=1", "--save_total_limit=1", "--resume_from_checkpoint=true"))
+        "checkpoint",
+        "checkpoint-2",
+        "checkpoint-99-mine",
+    ]
+    train.train(
+        tiny(
+            tmp_path,
+            "--max_steps=4",
+            "--save_steps=1",
+            "--save_total_limit=1",
+            "--resume_from_checkpoint=true",
+        )
+    )
     # the resume source (checkpoint-2) is kept; checkpoint-3 went when checkpoint-4 came
     assert sorted(p for p in os.listdir(run) if p.startswith("checkpoint")) == [
-        "checkpoint", "checkpoint-2", "checkpoint-4", "checkpoint-99-mine"]
+        "checkpoint",
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-99-mine",
+    ]
 
 
 def test_learning_default_task(tmp_path):
     # the embedded default's batch and learning rate (1e-3) for the first 80 of its 400 steps (~20 s): the
     # last 10 steps clearly beat the first 10 (measured at step 80 for seeds 1, 2 and 1337: +0.20, +0.23, +0.24)
-    history = train.train(tiny(tmp_path, "--max_steps=80", "--gradient_accumulation_steps=2", "--num_generations=8",
-                               "--per_device_train_batch_size=64", "--max_completion_length=8"))
+    history = train.train(
+        tiny(
+            tmp_path,
+            "--max_steps=80",
+            "--gradient_accumulation_steps=2",
+            "--num_generations=8",
+            "--per_device_train_batch_size=64",
+            "--max_completion_length=8",
+        )
+    )
     start = sum(m["reward"] for m in history[:10]) / 10
     end = sum(m["reward"] for m in history[-10:]) / 10
     assert end > start + 0.1, (start, end)
@@ -158,7 +273,9 @@ def column_reward(prompts, completions, completion_ids, difficulty, **kwargs):
 
 def test_reward_function_errors_name_the_function(tmp_path):
     cfg = tiny(tmp_path, f"--reward_funcs={__name__}:bad_length_reward")
-    with pytest.raises(RewardError, match="bad_length_reward.*returned 1 values for 16 completions"):
+    with pytest.raises(
+        RewardError, match="bad_length_reward.*returned 1 values for 16 completions"
+    ):
         train.train(cfg)
 
 
@@ -178,18 +295,31 @@ def test_config_errors():
 
 def test_conversational_jsonl_with_extra_columns(tmp_path):
     from nanogrpo.tokenizer import char_level_tokenizer
-    rows = [{"prompt": [{"role": "user", "content": "abc" + "abcdefgh"[i] + "="}], "difficulty": i} for i in range(8)]
+
+    rows = [
+        {"prompt": [{"role": "user", "content": "abc" + "abcdefgh"[i] + "="}], "difficulty": i}
+        for i in range(8)
+    ]
     with open(tmp_path / "data.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    cfg = tiny(tmp_path, f"--dataset={tmp_path}/data.jsonl", f"--reward_funcs={__name__}:column_reward",
-               "--max_steps=1")
+    cfg = tiny(
+        tmp_path,
+        f"--dataset={tmp_path}/data.jsonl",
+        f"--reward_funcs={__name__}:column_reward",
+        "--max_steps=1",
+    )
     run.ensure_tiny_checkpoint(cfg, train.dist.DistInfo())
-    config = dict(char_level_tokenizer("abcdefgh=").config, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    config = dict(
+        char_level_tokenizer("abcdefgh=").config,
+        chat_template="{% for m in messages %}{{ m.content }}{% endfor %}",
+    )
     json.dump(config, open(os.path.join(cfg.model, "tokenizer_config.json"), "w"))
     SEEN.clear()
     history = train.train(cfg)
     prompts, completions, completion_ids, difficulty = SEEN[0]
-    assert len(prompts) == len(completions) == len(completion_ids) == len(difficulty) == 16  # 4 prompts x G=4
+    assert (
+        len(prompts) == len(completions) == len(completion_ids) == len(difficulty) == 16
+    )  # 4 prompts x G=4
     for i, (p, c, d) in enumerate(zip(prompts, completions, difficulty)):
         assert p == prompts[i // 4 * 4]  # a prompt's G completions are consecutive
         assert d == "abcdefgh".index(p[-1]["content"][3])  # its own row's column value
@@ -201,9 +331,15 @@ def test_a_stale_init_model_is_rebuilt_not_reused(tmp_path):
     """Regression: out/tiny-init was reused after init_model or the tokenizer characters changed."""
     run.ensure_tiny_checkpoint(tiny(tmp_path), train.dist.DistInfo())
     assert load_model(tmp_path / "init").config.hidden_size == 64
-    run.ensure_tiny_checkpoint(tiny(tmp_path, "--init_model={'hidden_size': 32, 'intermediate_size': 64, "
-                                      "'num_hidden_layers': 1, 'num_attention_heads': 2}",
-                                      "--init_tokenizer_chars=abc="), train.dist.DistInfo())
+    run.ensure_tiny_checkpoint(
+        tiny(
+            tmp_path,
+            "--init_model={'hidden_size': 32, 'intermediate_size': 64, "
+            "'num_hidden_layers': 1, 'num_attention_heads': 2}",
+            "--init_tokenizer_chars=abc=",
+        ),
+        train.dist.DistInfo(),
+    )
     model, tok = load_model(tmp_path / "init"), Tokenizer.from_pretrained(tmp_path / "init")
     assert model.config.hidden_size == 32 and tok.vocab_size == 5
 
@@ -224,12 +360,16 @@ def test_every_eval_row_counts_once_on_any_world_size(num_rows, world_size):
 
 def test_a_second_run_never_overwrites_the_first(tmp_path):
     train.train(tiny(tmp_path, "--max_steps=1"))
-    with pytest.raises(ConfigError, match="holds a run.*--resume_from_checkpoint=true.*--overwrite_output_dir=true"):
+    with pytest.raises(
+        ConfigError, match="holds a run.*--resume_from_checkpoint=true.*--overwrite_output_dir=true"
+    ):
         train.train(tiny(tmp_path, "--max_steps=1"))
     assert os.path.isdir(tmp_path / "run" / "checkpoint-1")  # untouched by the refused run
     os.makedirs(tmp_path / "run" / "checkpoint-7-mine")
     train.train(tiny(tmp_path, "--max_steps=2", "--overwrite_output_dir=true"))
-    kept = sorted(set(os.listdir(tmp_path / "run")) - {"reward.png"})  # the curve is drawn when matplotlib is there
+    kept = sorted(
+        set(os.listdir(tmp_path / "run")) - {"reward.png"}
+    )  # the curve is drawn when matplotlib is there
     assert kept == ["checkpoint", "checkpoint-2", "checkpoint-7-mine", "metrics.jsonl", "run.lock"]
 
 
@@ -237,10 +377,18 @@ def test_model_paths_that_are_not_checkpoints_are_errors(tmp_path):
     user_file = tmp_path / "notes.txt"
     user_file.write_text("mine")
     with pytest.raises(NotADirectoryError, match="is a file"):
-        train.train(load_config(["--config", "tiny.py", f"--model={user_file}", f"--output_dir={tmp_path}/run"]))
+        train.train(
+            load_config(
+                ["--config", "tiny.py", f"--model={user_file}", f"--output_dir={tmp_path}/run"]
+            )
+        )
     assert user_file.read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["notes.txt", "run"]
-    assert os.listdir(tmp_path / "run") == ["run.lock"]  # taken before the model loads: nothing else
-    cfg = load_config(["--config", "tiny.py", f"--model={tmp_path}/missing", f"--output_dir={tmp_path}/run"])
+    assert os.listdir(tmp_path / "run") == [
+        "run.lock"
+    ]  # taken before the model loads: nothing else
+    cfg = load_config(
+        ["--config", "tiny.py", f"--model={tmp_path}/missing", f"--output_dir={tmp_path}/run"]
+    )
     assert cfg.init_model is None  # the file's init_model builds only at the file's own model path
     with pytest.raises(FileNotFoundError, match="no such directory"):
         train.train(cfg)
@@ -249,16 +397,23 @@ def test_model_paths_that_are_not_checkpoints_are_errors(tmp_path):
 
 def test_reward_columns_are_checked_at_load(tmp_path):
     with open(tmp_path / "data.jsonl", "w") as f:
-        f.writelines(json.dumps({"prompt": "abc=", "target": "abc"} if i != 3 else {"prompt": "abd="}) + "\n"
-                     for i in range(8))
-    with pytest.raises(ValueError, match=r"'default_task' needs the column\(s\) \['target'\], which row 3"):
+        f.writelines(
+            json.dumps({"prompt": "abc=", "target": "abc"} if i != 3 else {"prompt": "abd="}) + "\n"
+            for i in range(8)
+        )
+    with pytest.raises(
+        ValueError, match=r"'default_task' needs the column\(s\) \['target'\], which row 3"
+    ):
         train.train(tiny(tmp_path, f"--dataset={tmp_path}/data.jsonl"))
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")  # stopped before step 1
 
 
 def test_a_prompt_longer_than_the_context_is_named_at_load(tmp_path):
     with open(tmp_path / "data.jsonl", "w") as f:
-        f.writelines(json.dumps({"prompt": "ab" * (30 if i == 5 else 2) + "=", "target": "ab"}) + "\n" for i in range(8))
+        f.writelines(
+            json.dumps({"prompt": "ab" * (30 if i == 5 else 2) + "=", "target": "ab"}) + "\n"
+            for i in range(8)
+        )
     with pytest.raises(ValueError, match="row 5: the prompt is 61 tokens"):
         train.train(tiny(tmp_path, f"--dataset={tmp_path}/data.jsonl"))
     with pytest.raises(ConfigError, match="max_completion_length=64: the model's context is 64"):
@@ -271,7 +426,15 @@ def test_a_failing_evaluation_keeps_what_was_trained(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train, "evaluate", broken)
     with pytest.raises(RuntimeError, match="eval broke"):
-        train.train(tiny(tmp_path, "--eval_strategy=steps", "--eval_steps=2", "--save_steps=0", "--max_steps=4"))
+        train.train(
+            tiny(
+                tmp_path,
+                "--eval_strategy=steps",
+                "--eval_steps=2",
+                "--save_steps=0",
+                "--max_steps=4",
+            )
+        )
     assert os.path.isdir(tmp_path / "run" / "checkpoint-2")
     assert [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
 
@@ -292,9 +455,14 @@ def test_ctrl_c_saves_and_the_resumed_run_is_exact(tmp_path, monkeypatch, capsys
     out = capsys.readouterr().out
     assert "interrupted at step 2/4: saved" in out and "--resume_from_checkpoint=true" in out
     monkeypatch.setattr(train, "reward_rollout", score)
-    resumed = train.train(tiny(tmp_path / "b", "--max_steps=4", "--save_steps=0", "--resume_from_checkpoint=true"))
+    resumed = train.train(
+        tiny(tmp_path / "b", "--max_steps=4", "--save_steps=0", "--resume_from_checkpoint=true")
+    )
     assert strip_timing(resumed) == strip_timing(full)
-    a, b = load_model(tmp_path / "a" / "run" / "checkpoint"), load_model(tmp_path / "b" / "run" / "checkpoint")
+    a, b = (
+        load_model(tmp_path / "a" / "run" / "checkpoint"),
+        load_model(tmp_path / "b" / "run" / "checkpoint"),
+    )
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
 
 
@@ -310,15 +478,26 @@ def constant(completions, **kwargs):
     return [1.0] * len(completions)
 
 
-@pytest.mark.parametrize("func,steps,warning", [
-    ("unscored", 1, "no completion got a reward this round"), ("huge", 1, "overflow float32"),
-    ("constant", 10, "identical for 10 rounds")])
+@pytest.mark.parametrize(
+    "func,steps,warning",
+    [
+        ("unscored", 1, "no completion got a reward this round"),
+        ("huge", 1, "overflow float32"),
+        ("constant", 10, "identical for 10 rounds"),
+    ],
+)
 def test_rewards_that_cannot_teach_are_warned_about(tmp_path, capsys, func, steps, warning):
-    history = train.train(tiny(tmp_path, f"--reward_funcs={__name__}:{func}", f"--max_steps={steps}"))
-    assert f"warning: " in capsys.readouterr().out.split(warning)[0][-200:]
+    history = train.train(
+        tiny(tmp_path, f"--reward_funcs={__name__}:{func}", f"--max_steps={steps}")
+    )
+    assert "warning: " in capsys.readouterr().out.split(warning)[0][-200:]
     if func == "unscored":  # NaN is written as null, never as a number
         line = open(tmp_path / "run" / "metrics.jsonl").read()
-        assert "NaN" not in line and json.loads(line)["reward"] is None and history[0]["reward"] is None
+        assert (
+            "NaN" not in line
+            and json.loads(line)["reward"] is None
+            and history[0]["reward"] is None
+        )
 
 
 def test_resume_reports_what_it_does(tmp_path, capsys):
@@ -326,7 +505,9 @@ def test_resume_reports_what_it_does(tmp_path, capsys):
     assert "no checkpoint in" in capsys.readouterr().out
     train.train(tiny(tmp_path, "--max_steps=2", "--resume_from_checkpoint=true"))
     assert "nothing to do: the checkpoint is at step 2 and max_steps=2" in capsys.readouterr().out
-    train.train(tiny(tmp_path, "--max_steps=3", "--resume_from_checkpoint=true", "--learning_rate=0.5"))
+    train.train(
+        tiny(tmp_path, "--max_steps=3", "--resume_from_checkpoint=true", "--learning_rate=0.5")
+    )
     out = capsys.readouterr().out
     assert "note: learning_rate was 0.001 in the checkpoint's run; 0.5 is ignored" in out
     # what the checkpoint records is what the run used: the restored optimizer's rate
@@ -337,8 +518,12 @@ def test_resume_reports_what_it_does(tmp_path, capsys):
 def test_resuming_with_another_model_names_both(tmp_path):
     train.train(tiny(tmp_path, "--max_steps=1"))
     other = tmp_path / "other"
-    with pytest.raises(ConfigError, match="trained from model=.*init.*not .*other.*resume without --model"):
-        train.train(tiny(tmp_path, "--max_steps=2", "--resume_from_checkpoint=true", f"--model={other}"))
+    with pytest.raises(
+        ConfigError, match="trained from model=.*init.*not .*other.*resume without --model"
+    ):
+        train.train(
+            tiny(tmp_path, "--max_steps=2", "--resume_from_checkpoint=true", f"--model={other}")
+        )
 
 
 def test_an_out_dir_that_cannot_hold_a_run_is_one_clear_error(tmp_path):
@@ -370,13 +555,21 @@ def fails_on_third_call(completions, **kwargs):
 def test_a_reward_function_that_raises_keeps_the_last_completed_step(tmp_path, capsys):
     fails_on_third_call.calls = 0
     with pytest.raises(RewardError, match="reward broke"):
-        train.train(tiny(tmp_path, f"--reward_funcs={__name__}:fails_on_third_call", "--max_steps=4",
-                         "--save_steps=0"))
+        train.train(
+            tiny(
+                tmp_path,
+                f"--reward_funcs={__name__}:fails_on_third_call",
+                "--max_steps=4",
+                "--save_steps=0",
+            )
+        )
     assert "stopped by an error at step 2/4: saved" in capsys.readouterr().out
     assert os.path.realpath(tmp_path / "run" / "checkpoint").endswith("checkpoint-2")
 
 
-def test_ctrl_c_during_a_save_never_claims_a_checkpoint_that_is_not_there(tmp_path, monkeypatch, capsys):
+def test_ctrl_c_during_a_save_never_claims_a_checkpoint_that_is_not_there(
+    tmp_path, monkeypatch, capsys
+):
     real = train.run.trainer_state.save_checkpoint
     calls = []
 
@@ -404,7 +597,11 @@ def test_round_seeds_never_repeat_after_a_round_cut_short(tmp_path, monkeypatch)
         return real(cfg, rnd, rank, salt)
 
     monkeypatch.setattr(train, "round_seed", recording)
-    args = ["--steps_per_generation=2", "--per_device_train_batch_size=8", "--gradient_accumulation_steps=1"]
+    args = [
+        "--steps_per_generation=2",
+        "--per_device_train_batch_size=8",
+        "--gradient_accumulation_steps=1",
+    ]
     train.train(tiny(tmp_path, "--max_steps=3", *args))  # round 1 is cut after one of its two steps
     train.train(tiny(tmp_path, "--max_steps=5", "--resume_from_checkpoint=true", *args))
     assert seen == [0, 1, 2]
@@ -432,67 +629,138 @@ def test_several_processes_never_save_after_a_stop():
 def test_report_to(tmp_path, monkeypatch):
     import sys
     import types
+
     logged = []
-    fake = types.SimpleNamespace(init=lambda **kw: None, log=lambda m, step: logged.append((step, m)))
+    fake = types.SimpleNamespace(
+        init=lambda **kw: None, log=lambda m, step: logged.append((step, m))
+    )
     monkeypatch.setitem(sys.modules, "trackio", fake)
     train.train(tiny(tmp_path, "--max_steps=2", "--report_to=trackio"))
     assert [s for s, _ in logged] == [1, 2]
-    assert {"train/reward", "train/loss", "train/learning_rate", "train/completions/mean_length"} <= set(logged[0][1])
+    assert {
+        "train/reward",
+        "train/loss",
+        "train/learning_rate",
+        "train/completions/mean_length",
+    } <= set(logged[0][1])
     monkeypatch.setitem(sys.modules, "trackio", None)  # not installed
-    with pytest.raises(ConfigError, match="report_to='trackio', but trackio cannot be imported.*pip install trackio"):
-        train.train(tiny(tmp_path, "--max_steps=2", "--report_to=trackio", "--overwrite_output_dir=true"))
+    with pytest.raises(
+        ConfigError,
+        match="report_to='trackio', but trackio cannot be imported.*pip install trackio",
+    ):
+        train.train(
+            tiny(tmp_path, "--max_steps=2", "--report_to=trackio", "--overwrite_output_dir=true")
+        )
 
 
 def test_command_line_help_errors_and_the_reward_curve_hint(tmp_path, monkeypatch):
     import subprocess
     import sys
+
     from conftest import ROOT
-    done = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0 and "--learning_rate=0.001" in done.stdout and "optimizer and learning-rate schedule (transformers' names):" in done.stdout
+
+    done = subprocess.run(
+        [sys.executable, "train.py", "--help"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert (
+        done.returncode == 0
+        and "--learning_rate=0.001" in done.stdout
+        and "optimizer and learning-rate schedule (transformers' names):" in done.stdout
+    )
     from dataclasses import fields
+
     from nanogrpo.run.config import TrainConfig
-    keys = [line.split("=")[0].strip() for line in done.stdout.splitlines() if line.startswith("  --")]
+
+    keys = [
+        line.split("=")[0].strip() for line in done.stdout.splitlines() if line.startswith("  --")
+    ]
     assert keys == [f"--{f.name}" for f in fields(TrainConfig)]  # every setting, once, in order
-    assert not [line for line in done.stdout.splitlines() if line.strip().startswith(("def ", "raise ", "--def"))]
-    bad = subprocess.run([sys.executable, "train.py", "--max_steps=0"], capture_output=True, text=True, cwd=ROOT)
+    assert not [
+        line
+        for line in done.stdout.splitlines()
+        if line.strip().startswith(("def ", "raise ", "--def"))
+    ]
+    bad = subprocess.run(
+        [sys.executable, "train.py", "--max_steps=0"], capture_output=True, text=True, cwd=ROOT
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.startswith("train.py: error: max_steps=0: must be > 0, or -1 for num_train_epochs")
+    assert bad.stderr.startswith(
+        "train.py: error: max_steps=0: must be > 0, or -1 for num_train_epochs"
+    )
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert report.plot_rewards(tiny(tmp_path)).startswith("pip install matplotlib, then: python bench/plot.py")
+    assert report.plot_rewards(tiny(tmp_path)).startswith(
+        "pip install matplotlib, then: python bench/plot.py"
+    )
 
 
 def test_printed_samples_show_a_tool_conversation_whole():
     """A tool-calling completion prints its call, the tool's result and the answer, not only the first turn."""
-    messages = [{"role": "assistant", "content": "", "tool_calls": [
-                    {"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 34}}}]},
-                {"role": "tool", "name": "multiply", "content": "408"},
-                {"role": "assistant", "content": "408"}]
-    assert report.conversation_text(messages) == '[call multiply {"a": 12, "b": 34}] [tool: 408] 408'
+    messages = [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "multiply", "arguments": {"a": 12, "b": 34}},
+                }
+            ],
+        },
+        {"role": "tool", "name": "multiply", "content": "408"},
+        {"role": "assistant", "content": "408"},
+    ]
+    assert (
+        report.conversation_text(messages) == '[call multiply {"a": 12, "b": 34}] [tool: 408] 408'
+    )
     assert report.conversation_text([{"role": "assistant", "content": "hi"}]) == "hi"
 
 
 def _rollout_batch(advantages, P=5, C=6, seed=0):
     """Rows in pairs that share a prompt (groups of 2), random completions of random lengths."""
     from nanogrpo.rollout import Rollout
+
     g = torch.Generator().manual_seed(seed)
     N = len(advantages)
     ids = torch.randint(0, 300, (N, P + C), generator=g)
     ids[1::2, :P] = ids[::2, :P]
     mask = (torch.arange(C)[None] < torch.randint(1, C + 1, (N,), generator=g)[:, None]).float()
-    return Rollout(rows=[], num_generations=2, prompt_ids=[], input_ids=ids, attention_mask=torch.ones_like(ids),
-                   completion_mask=mask, completion_lengths=mask.sum(1).long(), truncated=torch.zeros(N, dtype=bool),
-                   prompts=[], completions=[], completion_token_ids=[], advantages=torch.tensor(advantages),
-                   old_logps=-torch.rand(N, C, generator=g) * 3, num_items=mask.sum())
+    return Rollout(
+        rows=[],
+        num_generations=2,
+        prompt_ids=[],
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        completion_mask=mask,
+        completion_lengths=mask.sum(1).long(),
+        truncated=torch.zeros(N, dtype=bool),
+        prompts=[],
+        completions=[],
+        completion_token_ids=[],
+        advantages=torch.tensor(advantages),
+        old_logps=-torch.rand(N, C, generator=g) * 3,
+        num_items=mask.sum(),
+    )
 
 
 def trainer_for(model, optimizer, cfg, loss_cfg):
     """The fields of train.Trainer that an optimizer step reads."""
     from types import SimpleNamespace
+
     from nanogrpo.dist import DistInfo
-    return SimpleNamespace(model=model, optimizer=optimizer, cfg=cfg, loss_cfg=loss_cfg, info=DistInfo(),
-                           autocast=torch.autocast("cpu", enabled=False), tok=SimpleNamespace(vocab_size=None),
-                           sched=SimpleNamespace(steps_per_generation=2), kernels=fast.kernels(),
-                           entropy_coef=loss_cfg.entropy_coef, last_entropy=math.inf)
+
+    return SimpleNamespace(
+        model=model,
+        optimizer=optimizer,
+        cfg=cfg,
+        loss_cfg=loss_cfg,
+        info=DistInfo(),
+        autocast=torch.autocast("cpu", enabled=False),
+        tok=SimpleNamespace(vocab_size=None),
+        sched=SimpleNamespace(steps_per_generation=2),
+        kernels=fast.kernels(),
+        entropy_coef=loss_cfg.entropy_coef,
+        last_entropy=math.inf,
+    )
 
 
 class RecordingAdamW(torch.optim.AdamW):
@@ -511,15 +779,23 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
     round where every advantage is 0, where every parameter still gets its (zero) gradient and AdamW still steps.
     (The fixture model is far below the size where skipping pays, so the floor is lowered to 0 here.)"""
     from nanogrpo.fast import logprobs
+
     monkeypatch.setitem(logprobs.SKIP_MIN_FLOPS, "cpu", 0)
     calls = []
-    monkeypatch.setattr(logprobs, "token_logprobs", lambda *a, **k: calls.append(torch.is_grad_enabled()) or
-                        token_logprobs(*a, **k))
+    monkeypatch.setattr(
+        logprobs,
+        "token_logprobs",
+        lambda *a, **k: calls.append(torch.is_grad_enabled()) or token_logprobs(*a, **k),
+    )
     from conftest import fixture_path
-    from nanogrpo.run.config import TrainConfig
-    from nanogrpo.dist import DistInfo
+
     from nanogrpo.grpo import LossConfig, LossInputs, LossScale, grpo_step
-    rounds = [_rollout_batch([0.0, 0.0, 1.0, -1.0, 0.0, 0.0, 0.5, 0.0]), _rollout_batch([0.0] * 8, seed=1)]
+    from nanogrpo.run.config import TrainConfig
+
+    rounds = [
+        _rollout_batch([0.0, 0.0, 1.0, -1.0, 0.0, 0.0, 0.5, 0.0]),
+        _rollout_batch([0.0] * 8, seed=1),
+    ]
     cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, per_device_train_batch_size=4)
     loss_cfg = LossConfig(loss_type=loss_type, beta=beta, top_entropy_quantile=0.5)
     micro = [torch.arange(0, 4), torch.arange(4, 8)]
@@ -531,19 +807,34 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
         for ro in rounds:
             if beta:
                 with torch.no_grad():
-                    ro.ref_logps = token_logprobs(ref_model, ro.input_ids, ro.attention_mask, ro.completion_mask,
-                                                  temperature=0.9)[0]
+                    ro.ref_logps = token_logprobs(
+                        ref_model,
+                        ro.input_ids,
+                        ro.attention_mask,
+                        ro.completion_mask,
+                        temperature=0.9,
+                    )[0]
             if skip:
                 t = trainer_for(model, optimizer, cfg, loss_cfg)
                 history.append(train.optimizer_step(t, [(ro, idx) for idx in micro]))
             else:
                 sums = {}
                 for idx in micro:  # the plain loop: every row with its gradient
-                    logps, entropies = token_logprobs(model, ro.input_ids[idx], ro.attention_mask[idx],
-                                                      ro.completion_mask[idx], temperature=0.9)
-                    inputs = LossInputs(logps=logps, advantages=ro.advantages[idx],
-                                        completion_mask=ro.completion_mask[idx], old_logps=ro.old_logps[idx],
-                                        ref_logps=None if beta == 0 else ro.ref_logps[idx], entropies=entropies)
+                    logps, entropies = token_logprobs(
+                        model,
+                        ro.input_ids[idx],
+                        ro.attention_mask[idx],
+                        ro.completion_mask[idx],
+                        temperature=0.9,
+                    )
+                    inputs = LossInputs(
+                        logps=logps,
+                        advantages=ro.advantages[idx],
+                        completion_mask=ro.completion_mask[idx],
+                        old_logps=ro.old_logps[idx],
+                        ref_logps=None if beta == 0 else ro.ref_logps[idx],
+                        entropies=entropies,
+                    )
                     scale = LossScale(num_items=ro.num_items, grad_accum=2, steps_per_generation=2)
                     loss, metrics = grpo_step(inputs, loss_cfg, scale)
                     loss.backward()
@@ -554,7 +845,9 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
                 optimizer.zero_grad(set_to_none=True)
                 history.append(sums)
             grads.append(torch.cat([g.flatten() for group in optimizer.grads for g in group]))
-        assert all(s["step"] == 2 for s in optimizer.state.values())  # every parameter stepped twice
+        assert all(
+            s["step"] == 2 for s in optimizer.state.values()
+        )  # every parameter stepped twice
         results.append((history, grads))
     (h_skip, g_skip), (h_plain, g_plain) = results
     assert (h_skip[1]["loss"] == 0) == (beta == 0)  # the second round has no advantage at all
@@ -573,34 +866,73 @@ def test_small_models_do_not_split_off_rows_without_advantage():
     """Below SKIP_MIN_FLOPS (the embedded tiny model, the fixtures) the extra forward call costs more than the
     backward it would save: zero-advantage rows keep their gradient and one forward runs."""
     from conftest import fixture_path
+
     from nanogrpo.fast import logprobs
+
     model, ro = load_model(fixture_path("qwen2")), _rollout_batch([0.0, 0.0, 1.0, -1.0])
     free = logprobs.rows_without_gradient(ro.advantages, 0.0, model, ro.input_ids.shape[1])
     assert not free.any()
-    logps, _ = logprobs.policy_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, ro.advantages,
-                                        beta=0.0, entropy_bonus=False)
-    assert logps.requires_grad and logps.grad_fn.name().startswith("IndexPut")  # token_logprobs' own scatter
+    logps, _ = logprobs.policy_logprobs(
+        model,
+        ro.input_ids,
+        ro.attention_mask,
+        ro.completion_mask,
+        ro.advantages,
+        beta=0.0,
+        entropy_bonus=False,
+    )
+    assert logps.requires_grad and logps.grad_fn.name().startswith(
+        "IndexPut"
+    )  # token_logprobs' own scatter
     saved = 4 * sum(p.numel() for p in model.parameters()) * 2 * ro.input_ids.shape[1]
     assert saved < logprobs.SKIP_MIN_FLOPS["cpu"]  # the backward the split would save
+
+
 def test_eval_every_zero_is_silent_and_an_eval_without_data_is_named(tmp_path, capsys):
     train.train(tiny(tmp_path, "--max_steps=1", "--eval_strategy=no"))
     assert "warning" not in capsys.readouterr().out
-    train.train(tiny(tmp_path, "--max_steps=1", "--eval_strategy=steps", "--eval_dataset=None",
-                     "--overwrite_output_dir=true"))
-    assert "warning: eval_strategy='steps' without an eval_dataset: no evaluation" in capsys.readouterr().out
+    train.train(
+        tiny(
+            tmp_path,
+            "--max_steps=1",
+            "--eval_strategy=steps",
+            "--eval_dataset=None",
+            "--overwrite_output_dir=true",
+        )
+    )
+    assert (
+        "warning: eval_strategy='steps' without an eval_dataset: no evaluation"
+        in capsys.readouterr().out
+    )
 
 
 def test_a_reward_file_with_a_syntax_error_is_one_line(tmp_path):
     import subprocess
     import sys
+
     from conftest import ROOT
+
     bad = tmp_path / "myreward.py"
     bad.write_text("def reward(completions, **kw):\n    return [1.0 for c in completions\n")
-    done = subprocess.run([sys.executable, "train.py", "--config", "tiny.py", f"--reward_funcs={bad}:reward",
-                           f"--output_dir={tmp_path}/o", f"--model={tmp_path}/init", INIT],
-                          capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--config",
+            "tiny.py",
+            f"--reward_funcs={bad}:reward",
+            f"--output_dir={tmp_path}/o",
+            f"--model={tmp_path}/init",
+            INIT,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.startswith(f"train.py: error: reward function '{bad}:reward': {bad}, line 2:")
+    assert done.stderr.startswith(
+        f"train.py: error: reward function '{bad}:reward': {bad}, line 2:"
+    )
 
 
 def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra(tmp_path, capsys):
@@ -630,8 +962,18 @@ def test_trainer_state_is_read_by_attribute_as_transformers_trainer_state(tmp_pa
 
     def warmup(completions, trainer_state, **kwargs):
         s = trainer_state
-        seen.append((s.global_step, s.max_steps, s.epoch, s.num_train_epochs, s.logging_steps,
-                     s.is_world_process_zero, s.log_history, s.best_metric))
+        seen.append(
+            (
+                s.global_step,
+                s.max_steps,
+                s.epoch,
+                s.num_train_epochs,
+                s.logging_steps,
+                s.is_world_process_zero,
+                s.log_history,
+                s.best_metric,
+            )
+        )
         return [1.0 if trainer_state.global_step < 1 else 0.0 for _ in completions]
 
     cfg = tiny(tmp_path, "--max_steps=2", "--logging_steps=1")
@@ -647,8 +989,10 @@ def test_trainer_state_counts_epochs_in_optimizer_steps_as_transformers():
     """8 prompts, 4 per round, a round per step: 2 steps an epoch, so step 3
     is halfway through the second epoch, and 5 steps reach into a third."""
     from types import SimpleNamespace
+
     from nanogrpo.dist import DistInfo
     from nanogrpo.extras.trainer_info import trainer_state_of
+
     cfg = tiny("unused", "--max_steps=5", "--logging_steps=4", "--eval_steps=6", "--save_steps=7")
     cfg.validate(1)
     t = SimpleNamespace(cfg=cfg, step=3, prompts=SimpleNamespace(rows=[{}] * 8), info=DistInfo())
@@ -662,6 +1006,7 @@ def test_trainer_state_counts_epochs_in_optimizer_steps_as_transformers():
 def test_log_metric_twice_in_a_round_logs_the_mean_and_log_extra_the_last(tmp_path, capsys):
     """TRL appends each log_metric value and logs their mean; log_extra's
     table keeps one batch of rows: the last call's column."""
+
     def twice(completions, log_metric, log_extra, **kwargs):
         log_metric("my/metric", 1.0)
         log_metric("my/metric", 3.0)
@@ -681,6 +1026,7 @@ def test_push_to_hub_uploads_each_checkpoint_without_its_optimizer(tmp_path, mon
     """push_to_hub goes through huggingface-hub's upload API: checked here by
     what would be uploaded (no network)."""
     import huggingface_hub
+
     calls = []
 
     class FakeApi:
@@ -693,8 +1039,15 @@ def test_push_to_hub_uploads_each_checkpoint_without_its_optimizer(tmp_path, mon
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     monkeypatch.setenv("HF_TOKEN", "hf_test")  # a token is checked for before step 1
-    train.train(tiny(tmp_path, "--max_steps=2", "--save_steps=1", "--push_to_hub=true",
-                     "--hub_model_id=me/tiny-grpo"))
+    train.train(
+        tiny(
+            tmp_path,
+            "--max_steps=2",
+            "--save_steps=1",
+            "--push_to_hub=true",
+            "--hub_model_id=me/tiny-grpo",
+        )
+    )
     uploads = [c for c in calls if c[0] == "upload"]
     assert [c[2] for c in uploads] == ["checkpoint-1", "checkpoint-2"]
     assert all(c[1] == "me/tiny-grpo" and c[4] == ["trainer/*"] for c in uploads)
@@ -712,19 +1065,30 @@ def test_a_warning_when_most_completions_hit_max_completion_length(tmp_path, cap
 def test_num_generations_eval_and_max_prompt_length(tmp_path, capsys):
     """num_generations_eval samples each eval prompt that many times;
     max_prompt_length cuts prompts from the left and says how many."""
-    cfg = tiny(tmp_path, "--max_steps=1", "--eval_strategy=steps", "--eval_steps=1",
-               "--eval_size=6", "--num_generations_eval=3", "--max_prompt_length=3")
+    cfg = tiny(
+        tmp_path,
+        "--max_steps=1",
+        "--eval_strategy=steps",
+        "--eval_steps=1",
+        "--eval_size=6",
+        "--num_generations_eval=3",
+        "--max_prompt_length=3",
+    )
     info = train.dist.setup("cpu")
     _, cfg = train.run.start(cfg, info)  # builds the tiny init checkpoint
     t = train.setup(cfg, info)
-    assert "warning: 10000 of 10000 prompts of default are longer than max_prompt_length=3" \
+    assert (
+        "warning: 10000 of 10000 prompts of default are longer than max_prompt_length=3"
         in capsys.readouterr().out
+    )
     prompt_ids = t.tok.encode_prompt(t.eval_rows[0]["prompt"], max_length=3)
     assert len(prompt_ids) == 3
     assert prompt_ids == t.tok.encode_prompt(t.eval_rows[0]["prompt"])[-3:]
     seen = []
     score = train.reward_rollout
-    train.reward_rollout = lambda ro, funcs, *a: seen.append(len(ro.completions)) or score(ro, funcs)
+    train.reward_rollout = lambda ro, funcs, *a: (
+        seen.append(len(ro.completions)) or score(ro, funcs)
+    )
     try:
         metrics = train.evaluate(t)
     finally:
@@ -741,15 +1105,22 @@ def test_each_algorithm_option_runs_and_logs_trls_metrics(tmp_path):
     # the first step applies no bonus (no entropy measured yet); each step moves it one delta
     assert [round(m["entropy_coef"], 6) for m in history] == [0.03, 0.05, 0.07, 0.09]
     for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
-        history = train.train(tiny(tmp_path / mode, f"--vllm_importance_sampling_mode={mode}",
-                                   "--off_policy_mask_threshold=0.5", "--max_steps=2"))
+        history = train.train(
+            tiny(
+                tmp_path / mode,
+                f"--vllm_importance_sampling_mode={mode}",
+                "--off_policy_mask_threshold=0.5",
+                "--max_steps=2",
+            )
+        )
         for m in history:
             # fp32 on CPU: the sampler and the trainer agree to float rounding
             assert m["sampling/sampling_logp_difference/max"] < 1e-4
             assert 1 - 1e-3 < m["sampling/importance_sampling_ratio/min"] <= 1
             assert 1 <= m["sampling/importance_sampling_ratio/max"] < 1 + 1e-3
-    history = train.train(tiny(tmp_path / "off", "--vllm_importance_sampling_correction=false",
-                               "--max_steps=1"))
+    history = train.train(
+        tiny(tmp_path / "off", "--vllm_importance_sampling_correction=false", "--max_steps=1")
+    )
     assert not [k for k in history[0] if k.startswith("sampling/")]
 
 
@@ -776,8 +1147,15 @@ def test_dynamic_sampling_trains_only_groups_with_spread(tmp_path, monkeypatch):
 
 
 def test_dynamic_sampling_fills_the_round_at_its_bound(tmp_path, capsys):
-    history = train.train(tiny(tmp_path, "--dynamic_sampling=true", "--max_num_gen_batches=2",
-                               f"--reward_funcs={__name__}:constant", "--max_steps=2"))
+    history = train.train(
+        tiny(
+            tmp_path,
+            "--dynamic_sampling=true",
+            "--max_num_gen_batches=2",
+            f"--reward_funcs={__name__}:constant",
+            "--max_steps=2",
+        )
+    )
     for m in history:
         assert m["dynamic_sampling/groups_kept"] == 0
         assert m["dynamic_sampling/groups_drawn"] == 8
@@ -792,8 +1170,10 @@ def test_an_entropy_bonus_alone_moves_the_entropy_its_way(coef):
     """Every advantage 0: the step's only gradient is the bonus's, -coef x d(mean entropy), so one
     small SGD step raises the batch's entropy for coef > 0 and lowers it for coef < 0."""
     from conftest import fixture_path
-    from nanogrpo.run.config import TrainConfig
+
     from nanogrpo.grpo import LossConfig
+    from nanogrpo.run.config import TrainConfig
+
     ro = _rollout_batch([0.0] * 8)
     ro.old_logps = None
     model = load_model(fixture_path("qwen2"))
@@ -804,13 +1184,15 @@ def test_an_entropy_bonus_alone_moves_the_entropy_its_way(coef):
 
     def mean_entropy():
         with torch.no_grad():
-            _, ent = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask,
-                                    temperature=0.9)
+            _, ent = token_logprobs(
+                model, ro.input_ids, ro.attention_mask, ro.completion_mask, temperature=0.9
+            )
         return (ent * ro.completion_mask).sum() / ro.completion_mask.sum()
 
     before = mean_entropy()
-    metrics = train.optimizer_step(trainer_for(model, optimizer, cfg, loss_cfg),
-                                   [(ro, idx) for idx in micro])
+    metrics = train.optimizer_step(
+        trainer_for(model, optimizer, cfg, loss_cfg), [(ro, idx) for idx in micro]
+    )
     after = mean_entropy()
     assert metrics["entropy_coef"] == coef
     assert metrics["grad_norm"] > 0
@@ -845,9 +1227,16 @@ def test_lora_dropout_does_not_reach_the_sampler_correction(tmp_path):
     """The update's forward drops adapter inputs, the sampler's does not: the correction compares
     the sampler with the policy it ran (an eval-mode forward), so in fp32 its weights stay 1 to
     float rounding instead of weighing completions by dropout noise."""
-    history = train.train(tiny(tmp_path, "--use_peft=true", "--lora_dropout=0.3",
-                               "--lora_modules_to_save=embed_tokens,lm_head",
-                               "--learning_rate=1e-2", "--max_steps=4"))
+    history = train.train(
+        tiny(
+            tmp_path,
+            "--use_peft=true",
+            "--lora_dropout=0.3",
+            "--lora_modules_to_save=embed_tokens,lm_head",
+            "--learning_rate=1e-2",
+            "--max_steps=4",
+        )
+    )
     for m in history:
         assert m["sampling/sampling_logp_difference/max"] < 1e-3
         assert 1 - 1e-3 < m["sampling/importance_sampling_ratio/min"] <= 1
@@ -860,8 +1249,10 @@ def test_sampling_metrics_are_over_the_whole_step_as_trl(mode):
     and three that agree in another give a mean difference of 1/4 (a mean of micro-batch means
     gave 1/2); the correction's mean weight is over the step's sequences or tokens likewise."""
     from conftest import fixture_path
-    from nanogrpo.run.config import TrainConfig
+
     from nanogrpo.grpo import LossConfig
+    from nanogrpo.run.config import TrainConfig
+
     ro = _rollout_batch([1.0, -1.0])
     ro.completion_mask = torch.zeros_like(ro.completion_mask)
     ro.completion_mask[0, :1] = 1  # micro-batch 1: one token

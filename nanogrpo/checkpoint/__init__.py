@@ -29,8 +29,8 @@ from functools import partial
 import torch
 
 from nanogrpo import dist
-from nanogrpo.extras import lora
 from nanogrpo.checkpoint.hf_format import config_from_hf, config_to_hf, from_hf_names, to_hf_names
+from nanogrpo.extras import lora
 from nanogrpo.model import ModelConfig, Transformer
 
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
@@ -48,13 +48,16 @@ def resolve_path(path_or_hub_id) -> str:
     if os.path.isdir(path):
         return path
     if os.path.exists(path):
-        raise NotADirectoryError(f"{path!r} is a file; a checkpoint is a "
-                                 "directory (config.json, *.safetensors)")
+        raise NotADirectoryError(
+            f"{path!r} is a file; a checkpoint is a directory (config.json, *.safetensors)"
+        )
     looks_local = path.startswith((".", "/", "~")) or path.count("/") != 1
     if looks_local or os.path.isdir(path.split("/")[0]):
-        raise FileNotFoundError(f"no such directory: {path!r} (and it is not "
-                                "a hub id like 'Qwen/Qwen2.5-0.5B')")
+        raise FileNotFoundError(
+            f"no such directory: {path!r} (and it is not a hub id like 'Qwen/Qwen2.5-0.5B')"
+        )
     from huggingface_hub import snapshot_download
+
     return snapshot_download(path, allow_patterns=HUB_FILES)
 
 
@@ -65,8 +68,7 @@ def read_json(path) -> dict:
         with open(path) as f:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON (truncated or corrupt?): "
-                         f"{e}") from None
+        raise ValueError(f"{path} is not valid JSON (truncated or corrupt?): {e}") from None
 
 
 def write_json(path, obj):
@@ -75,9 +77,13 @@ def write_json(path, obj):
 
 
 DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
     "float64": torch.float64,
 }
 
@@ -99,6 +105,7 @@ def read_safetensors(path, dtype=None, device="cpu", file=None) -> dict:
     """Every tensor of a checkpoint directory (one file or shards), or of its
     `file`, as `dtype` on `device`."""
     from safetensors import SafetensorError, safe_open
+
     index = os.path.join(path, "model.safetensors.index.json")
     if file is None and os.path.exists(index):
         files = sorted(set(read_json(index)["weight_map"].values()))
@@ -115,16 +122,17 @@ def read_safetensors(path, dtype=None, device="cpu", file=None) -> dict:
                 for key in f.keys():
                     state[key] = f.get_tensor(key).to(device=device, dtype=dtype)
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"{file} cannot be read (truncated or corrupt?): "
-                             f"{e}") from None
+            raise ValueError(f"{file} cannot be read (truncated or corrupt?): {e}") from None
     return state
 
 
-def write_safetensors(out_dir, state: dict, max_shard_bytes: int = SHARD_BYTES,
-                      name="model.safetensors"):
+def write_safetensors(
+    out_dir, state: dict, max_shard_bytes: int = SHARD_BYTES, name="model.safetensors"
+):
     """`name` (model.safetensors), or shards of at most max_shard_bytes +
     model.safetensors.index.json."""
     from safetensors.torch import save_file
+
     shards = [{}]
     size = 0  # bytes in the last shard
     for key, tensor in state.items():
@@ -143,8 +151,7 @@ def write_safetensors(out_dir, state: dict, max_shard_bytes: int = SHARD_BYTES,
         save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
     if n > 1:
         total = sum(t.numel() * t.element_size() for t in state.values())
-        weight_map = {key: fname for fname, shard in zip(names, shards)
-                      for key in shard}
+        weight_map = {key: fname for fname, shard in zip(names, shards) for key in shard}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write_json(os.path.join(out_dir, "model.safetensors.index.json"), index)
 
@@ -170,8 +177,7 @@ def atomic_dir(out_dir):
             os.rename(tmp, out_dir)
             shutil.rmtree(tmp + ".old")
         elif os.path.lexists(out_dir):
-            raise FileExistsError(f"{out_dir} exists and is not a directory; "
-                                  "not replacing it")
+            raise FileExistsError(f"{out_dir} exists and is not a directory; not replacing it")
         else:
             os.rename(tmp, out_dir)
     except BaseException as e:
@@ -184,14 +190,22 @@ def _remove_partial(tmp, target, error):
     that says so."""
     shutil.rmtree(tmp, ignore_errors=True)
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        raise OSError(errno.ENOSPC, f"no space left on device while writing "
-                      f"{target}; the partial copy was removed, the previous "
-                      "one is intact") from error
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on device while writing "
+            f"{target}; the partial copy was removed, the previous "
+            "one is intact",
+        ) from error
 
 
-def load_model(path_or_hub_id, dtype=torch.float32, device="cpu",
-               info: dist.DistInfo | None = None, mixed_precision: bool = False,
-               lora_settings: dict | None = None) -> Transformer:
+def load_model(
+    path_or_hub_id,
+    dtype=torch.float32,
+    device="cpu",
+    info: dist.DistInfo | None = None,
+    mixed_precision: bool = False,
+    lora_settings: dict | None = None,
+) -> Transformer:
     """Load an HF checkpoint (local dir or hub id) straight into `dtype` on
     `device`; `lora_settings` (lora.apply_lora's keywords) put a fresh LoRA
     adapter on it. A directory with adapter_config.json is a PEFT adapter:
@@ -229,8 +243,9 @@ def load_model(path_or_hub_id, dtype=torch.float32, device="cpu",
     if lora_settings:
         lora.apply_lora(model, **lora_settings)
         if sharded and model.lora_config["modules_to_save"]:
-            raise ValueError("lora_modules_to_save is not supported with FSDP2 "
-                             "(more than one process) yet")
+            raise ValueError(
+                "lora_modules_to_save is not supported with FSDP2 (more than one process) yet"
+            )
         if main:  # the adapter's tensors, or a fresh adapter (rank 0's, broadcast when sharded)
             full = {**base, **_adapter_tensors(model, adapter, dtype, where)}
     if sharded:
@@ -261,9 +276,15 @@ def _adapter_tensors(model, adapter, dtype, where) -> dict:
     return lora.from_peft_state(read_safetensors(adapter, dtype, where, file), model)
 
 
-def write_model(out_dir, cfg: ModelConfig, state: dict, generation_config=None,
-                tokenizer=None, max_shard_bytes: int = SHARD_BYTES,
-                adapter: dict | None = None):
+def write_model(
+    out_dir,
+    cfg: ModelConfig,
+    state: dict,
+    generation_config=None,
+    tokenizer=None,
+    max_shard_bytes: int = SHARD_BYTES,
+    adapter: dict | None = None,
+):
     """Write config.json, safetensors, generation_config.json and the
     tokenizer into the directory out_dir; `state`: a full state dict, our
     names. With `adapter` (adapter_config.json's dict): only its tensors, as
@@ -290,8 +311,9 @@ def write_model(out_dir, cfg: ModelConfig, state: dict, generation_config=None,
         tokenizer.save_pretrained(out_dir)
 
 
-def save_model(model, out_dir, tokenizer=None, generation_config=None,
-               max_shard_bytes: int = SHARD_BYTES):
+def save_model(
+    model, out_dir, tokenizer=None, generation_config=None, max_shard_bytes: int = SHARD_BYTES
+):
     """Save `model` (plain or FSDP2-sharded: every rank calls it, rank 0
     writes) as an HF checkpoint directory, atomically. With LoRA adapters:
     the adapter, in PEFT's files (merge_lora first for a full checkpoint)."""

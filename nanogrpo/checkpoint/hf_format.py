@@ -15,8 +15,7 @@ from dataclasses import fields
 from nanogrpo.model import SUPPORTED_MODEL_TYPES, ModelConfig, Transformer
 
 # config.json's architectures: the family's prefix + ForCausalLM etc.
-ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2",
-                 "qwen3": "Qwen3"}
+ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 # config.json's keys that ModelConfig holds under another layout
 OWN_LAYOUT = ("extra", "rope_theta", "rope_scaling", "num_labels")
 
@@ -49,8 +48,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
             kwargs["num_labels"] = len(hf["id2label"])
         else:
             kwargs["num_labels"] = hf.get("num_labels") or 2
-    return ModelConfig(**kwargs, rope_theta=float(theta),
-                       rope_scaling=scaling, extra=dict(hf))
+    return ModelConfig(**kwargs, rope_theta=float(theta), rope_scaling=scaling, extra=dict(hf))
 
 
 def check_supported(hf: dict):
@@ -58,26 +56,34 @@ def check_supported(hf: dict):
     model_type = hf.get("model_type")
     families = ", ".join(SUPPORTED_MODEL_TYPES)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"config.json: model_type={model_type!r} is not "
-                         f"supported; supported: {families}")
+        raise ValueError(
+            f"config.json: model_type={model_type!r} is not supported; supported: {families}"
+        )
     for key in ("num_local_experts", "num_experts", "n_routed_experts"):
         if hf.get(key):
-            raise ValueError(f"config.json: {key}={hf[key]} (mixture of "
-                             f"experts) is not supported; only dense "
-                             f"{families} models are")
+            raise ValueError(
+                f"config.json: {key}={hf[key]} (mixture of "
+                f"experts) is not supported; only dense "
+                f"{families} models are"
+            )
     window = hf.get("sliding_window")
     if window and (model_type == "mistral" or hf.get("use_sliding_window")):
-        raise ValueError(f"config.json: sliding_window={window} (sliding-"
-                         "window attention) is not supported; only full "
-                         "attention is (set sliding_window to null)")
+        raise ValueError(
+            f"config.json: sliding_window={window} (sliding-"
+            "window attention) is not supported; only full "
+            "attention is (set sliding_window to null)"
+        )
     layer_types = hf.get("layer_types") or []
     bad_layers = [t for t in layer_types if t != "full_attention"]
     if bad_layers:
-        raise ValueError(f"config.json: layer_types contains {bad_layers[0]!r}; "
-                         "only 'full_attention' is supported")
+        raise ValueError(
+            f"config.json: layer_types contains {bad_layers[0]!r}; "
+            "only 'full_attention' is supported"
+        )
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r} is not "
-                         "supported; only 'silu' (SwiGLU)")
+        raise ValueError(
+            f"config.json: hidden_act={hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)"
+        )
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -138,15 +144,18 @@ def from_hf_names(state: dict, model: Transformer) -> dict:
     missing = sorted(set(expected) - set(ours) - implied)
     unexpected = sorted(set(ours) - set(expected))
     if missing or unexpected:
-        raise ValueError("checkpoint does not match its config.json: "
-                         f"missing tensors {_first(missing)}; "
-                         f"unexpected tensors {_first(unexpected)}")
+        raise ValueError(
+            "checkpoint does not match its config.json: "
+            f"missing tensors {_first(missing)}; "
+            f"unexpected tensors {_first(unexpected)}"
+        )
     for name, tensor in ours.items():
         shape = tuple(tensor.shape)
         want = tuple(expected[name].shape)
         if shape != want:
-            raise ValueError(f"checkpoint tensor {name} has shape {shape}, "
-                             f"config.json implies {want}")
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {shape}, config.json implies {want}"
+            )
     if tied and "lm_head.weight" in expected:  # (a classifier has no LM head)
         ours["lm_head.weight"] = ours["embed_tokens.weight"]
     return ours

@@ -51,8 +51,14 @@ from nanogrpo.sampler import generate
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
 # generate_rollout_completions' overrides: vLLM's names -> sampler.generate's
-OVERRIDES = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_k": "top_k",
-             "top_p": "top_p", "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+OVERRIDES = {
+    "max_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
 
 
 def resolve_rollout_func(spec):
@@ -125,14 +131,17 @@ def generate_rollout_completions(trainer, prompts: list, *, generation_overrides
     tok = trainer.processing_class
     unknown = sorted(set(generation_overrides or {}) - set(OVERRIDES))
     if unknown:
-        raise ValueError(f"generation_overrides: {unknown} are not read here; "
-                         f"use {sorted(OVERRIDES)}")
+        raise ValueError(
+            f"generation_overrides: {unknown} are not read here; use {sorted(OVERRIDES)}"
+        )
     overrides = {OVERRIDES[k]: v for k, v in (generation_overrides or {}).items()}
     encode = dict(max_length=cfg.max_prompt_length, **(cfg.chat_template_kwargs or {}))
     prompt_ids = [tok.encode_prompt(p, **encode) for p in prompts]
     out = trainer.generate(prompt_ids, **overrides)
-    return [{**o, "prompt_ids": p, "text": tok.decode(o["completion_ids"])}
-            for p, o in zip(prompt_ids, out)]
+    return [
+        {**o, "prompt_ids": p, "text": tok.decode(o["completion_ids"])}
+        for p, o in zip(prompt_ids, out)
+    ]
 
 
 # -----------------------------------------------------------------------------
@@ -150,8 +159,16 @@ def custom_rollout(t, rows: list[dict], copies: int, generator) -> Rollout:
     with torch.no_grad(), dist.gathered(t.model), autocast:
         output = t.rollout_func(copy.deepcopy(prompts), trainer)
     t.model.train(was_training)
-    return rollout_of(output, rows, copies, prompts, t.tok, t.cfg,
-                      t.model.config.max_position_embeddings, t.info.device)
+    return rollout_of(
+        output,
+        rows,
+        copies,
+        prompts,
+        t.tok,
+        t.cfg,
+        t.model.config.max_position_embeddings,
+        t.info.device,
+    )
 
 
 def as_lists(output: dict, name: str, n: int) -> list[list]:
@@ -160,8 +177,10 @@ def as_lists(output: dict, name: str, n: int) -> list[list]:
     values = output[name]
     if not isinstance(values, (list, tuple)) or len(values) != n:
         got = f"{len(values)} entries" if isinstance(values, (list, tuple)) else repr(values)[:60]
-        raise ValueError(f"rollout_func returned {got} as {name!r}; expected a list of {n}: "
-                         "one per entry of prompts (each entry is one completion)")
+        raise ValueError(
+            f"rollout_func returned {got} as {name!r}; expected a list of {n}: "
+            "one per entry of prompts (each entry is one completion)"
+        )
     return [x.tolist() if hasattr(x, "tolist") else list(x) for x in values]
 
 
@@ -169,8 +188,10 @@ def checked_output(output, n: int, vocab_size: int, context: int) -> tuple:
     """What a rollout_func returned for n completions, checked.
     -> (prompt_ids, completion_ids, logprobs or None, env_mask, extra fields {name: [n]})."""
     if not isinstance(output, dict):
-        raise ValueError(f"rollout_func returned {type(output).__name__}: expected a dict with "
-                         f"{list(REQUIRED)} (and optionally env_mask and fields for rewards)")
+        raise ValueError(
+            f"rollout_func returned {type(output).__name__}: expected a dict with "
+            f"{list(REQUIRED)} (and optionally env_mask and fields for rewards)"
+        )
     missing = sorted(set(REQUIRED) - output.keys())
     if missing:  # TRL's message
         raise ValueError(f"rollout_func must return keys {missing} in its output dict.")
@@ -183,15 +204,21 @@ def checked_output(output, n: int, vocab_size: int, context: int) -> tuple:
     for i in range(n):
         p, c = prompt_ids[i], completion_ids[i]
         if not p or not all(isinstance(x, int) and 0 <= x < vocab_size for x in p + c):
-            raise ValueError(f"rollout_func: prompt_ids[{i}] must be a non-empty list, and it and "
-                             f"completion_ids[{i}] token ids in [0, {vocab_size})")
+            raise ValueError(
+                f"rollout_func: prompt_ids[{i}] must be a non-empty list, and it and "
+                f"completion_ids[{i}] token ids in [0, {vocab_size})"
+            )
         if len(p) + len(c) > context:
-            raise ValueError(f"rollout_func: completion {i} is {len(p)} prompt + {len(c)} "
-                             f"completion tokens, more than the model's {context} positions")
+            raise ValueError(
+                f"rollout_func: completion {i} is {len(p)} prompt + {len(c)} "
+                f"completion tokens, more than the model's {context} positions"
+            )
         for name, values in (("logprobs", logprobs), ("env_mask", env_mask)):
             if values is not None and len(values[i]) != len(c):
-                raise ValueError(f"rollout_func: {name}[{i}] has {len(values[i])} entries, "
-                                 f"completion_ids[{i}] {len(c)}: one per completion token")
+                raise ValueError(
+                    f"rollout_func: {name}[{i}] has {len(values[i])} entries, "
+                    f"completion_ids[{i}] {len(c)}: one per completion token"
+                )
         if any(m not in (0, 1) for m in env_mask[i]):
             raise ValueError(f"rollout_func: env_mask[{i}] must hold 0 and 1 only")
     extra = {}
@@ -199,12 +226,16 @@ def checked_output(output, n: int, vocab_size: int, context: int) -> tuple:
         if name in REQUIRED or name == "env_mask":
             continue
         if name in TRAINER_ARGUMENTS:
-            raise ValueError(f"rollout_func returned {name!r}, a name the trainer passes to "
-                             "reward functions itself: rename the field")
+            raise ValueError(
+                f"rollout_func returned {name!r}, a name the trainer passes to "
+                "reward functions itself: rename the field"
+            )
         extra[name] = values if isinstance(values, list) else [values] * n
         if len(extra[name]) != n:
-            raise ValueError(f"rollout_func returned {len(values)} values as {name!r}; a list "
-                             f"field holds one per completion ({n}); any other value is shared")
+            raise ValueError(
+                f"rollout_func returned {len(values)} values as {name!r}; a list "
+                f"field holds one per completion ({n}); any other value is shared"
+            )
     return prompt_ids, completion_ids, logprobs, env_mask, extra
 
 
@@ -213,26 +244,30 @@ def rollout_of(output, rows, copies, prompts, tok, cfg, context, device) -> Roll
     completion (prompt_ids holds n entries)."""
     n = len(prompts)
     prompt_ids, completion_ids, logprobs, env_mask, extra = checked_output(
-        output, n, tok.vocab_size, context)
+        output, n, tok.vocab_size, context
+    )
     C = max(1, max(map(len, completion_ids)))
     pad = tok.pad_token_id
 
     def padded(rows_, fill, dtype):  # n lists -> [n, C]
-        return torch.tensor([x + [fill] * (C - len(x)) for x in rows_], dtype=dtype,
-                            device=device)
+        return torch.tensor([x + [fill] * (C - len(x)) for x in rows_], dtype=dtype, device=device)
 
     ids = padded(completion_ids, pad, torch.long)  # [n,C]
     model_mask = padded(env_mask, 0, torch.bool)  # [n,C]: the model's tokens
     stops = set(tok.eos_token_ids) | {pad}
-    truncated = torch.tensor([bool(x) and x[-1] not in stops for x in completion_ids],
-                             device=device)
+    truncated = torch.tensor(
+        [bool(x) and x[-1] not in stops for x in completion_ids], device=device
+    )
     mask = model_mask.float()
     if cfg.mask_truncated_completions:
         mask = mask * (~truncated).float()[:, None]
     input_ids, attention_mask = join_prompt_completion(prompt_ids, ids, pad, 1)
     texts = tok.batch_decode(completion_ids)
-    completions = texts if isinstance(prompts[0], str) else \
-        [[{"role": "assistant", "content": text}] for text in texts]
+    completions = (
+        texts
+        if isinstance(prompts[0], str)
+        else [[{"role": "assistant", "content": text}] for text in texts]
+    )
     return Rollout(
         rows=rows,
         num_generations=copies,

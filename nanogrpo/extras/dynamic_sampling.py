@@ -62,7 +62,7 @@ def dynamic_sampling(ro, rewards, columns, draw, weights, max_batches, pad_id, i
             ro, rewards, columns = draw()
         spread = groups_with_spread(rewards, weights, G)  # [need]
         drawn += need
-        keep = spread.nonzero()[:, 0][:need - have].tolist()
+        keep = spread.nonzero()[:, 0][: need - have].tolist()
         pieces.append(_groups(ro, rewards, columns, keep))
         have += len(keep)
         missing = torch.tensor(float(need - have), device=info.device)
@@ -71,15 +71,18 @@ def dynamic_sampling(ro, rewards, columns, draw, weights, max_batches, pad_id, i
     counts = torch.tensor([float(have), float(drawn)], device=info.device)
     kept, drawn = dist.all_reduce_sum(counts, info).tolist()
     if have < need:  # the bound: equal-reward groups fill the round
-        fill = (~spread).nonzero()[:, 0][:need - have].tolist()
+        fill = (~spread).nonzero()[:, 0][: need - have].tolist()
         pieces[-1] = _groups(ro, rewards, columns, keep + fill)
     kept_rollouts = [p[0] for p in pieces if p[0].rows]
     ro = concat_rollouts(kept_rollouts, pad_id)
     rewards = torch.cat([p[1] for p in pieces])
     names = dict.fromkeys(name for _, _, logged in pieces for name in logged)  # as first logged
-    columns = {name: [v for piece, _, logged in pieces
-                      for v in logged.get(name, [None] * len(piece.prompts))]
-               for name in names}
+    columns = {
+        name: [
+            v for piece, _, logged in pieces for v in logged.get(name, [None] * len(piece.prompts))
+        ]
+        for name in names
+    }
     metrics = {
         "dynamic_sampling/groups_drawn": drawn,
         "dynamic_sampling/groups_kept": kept,
@@ -207,8 +210,11 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
     per_prompt = all(len(ro.prompt_ids) == len(ro.rows) for ro in rollouts)
     names = dict.fromkeys(name for ro in rollouts for name in ro.extra_fields or {})
     extra_fields = {
-        name: [v for ro in rollouts
-               for v in (ro.extra_fields or {}).get(name, [None] * len(ro.completions))]
+        name: [
+            v
+            for ro in rollouts
+            for v in (ro.extra_fields or {}).get(name, [None] * len(ro.completions))
+        ]
         for name in names
     }
 
@@ -216,16 +222,19 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         values = [getattr(ro, name) for ro in rollouts]
         if all(x is None for x in values):
             return None
-        return torch.cat([
-            torch.full_like(ro.completion_lengths, fill) if x is None else x
-            for ro, x in zip(rollouts, values)
-        ])
+        return torch.cat(
+            [
+                torch.full_like(ro.completion_lengths, fill) if x is None else x
+                for ro, x in zip(rollouts, values)
+            ]
+        )
 
     return Rollout(
         rows=[r for ro in rollouts for r in ro.rows],
         num_generations=G,
-        prompt_ids=[p for ro in rollouts
-                    for p in (ro.prompt_ids if per_prompt else ro.row_prompt_ids())],
+        prompt_ids=[
+            p for ro in rollouts for p in (ro.prompt_ids if per_prompt else ro.row_prompt_ids())
+        ],
         input_ids=torch.cat(input_ids),
         attention_mask=torch.cat(attention_mask),
         completion_mask=torch.cat([_fit(ro.completion_mask, C, 0) for ro in rollouts]),
@@ -238,9 +247,7 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         tool_failures=per_row("tool_failures", 0),
         turns=per_row("turns", 1),
         sampling_logps=(
-            torch.cat([_fit(ro.sampling_logps, C, 0.0) for ro in rollouts])
-            if with_logps
-            else None
+            torch.cat([_fit(ro.sampling_logps, C, 0.0) for ro in rollouts]) if with_logps else None
         ),
         extra_fields=extra_fields or None,
     )

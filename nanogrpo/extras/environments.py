@@ -40,8 +40,8 @@ Choices (TRL 1.16's GRPOTrainer, name for name):
 import inspect
 from dataclasses import dataclass
 
-from nanogrpo.rewards import import_function
 from nanogrpo.extras.tools import tool_schema
+from nanogrpo.rewards import import_function
 
 # TRL's prompt of a row without one: the environment's reset() writes it
 EMPTY_PROMPT = [{"role": "user", "content": ""}]
@@ -68,8 +68,10 @@ def resolve_factory(spec):
         return spec
     if isinstance(spec, str) and ":" in spec:
         return import_function(spec, kind="environment_factory")
-    raise ValueError(f"environment_factory={spec!r}: give a class, 'module:Class', "
-                     "'path/to/file.py:Class', or a dict of those by environment name")
+    raise ValueError(
+        f"environment_factory={spec!r}: give a class, 'module:Class', "
+        "'path/to/file.py:Class', or a dict of those by environment name"
+    )
 
 
 def placeholder_rows(num_rows: int) -> list[dict]:
@@ -82,19 +84,25 @@ def methods_of(instance) -> list:
     """The instance's tools: its class's public functions but reset and get_reward, bound to it,
     in name order (TRL lists them with inspect.getmembers on the class)."""
     names = [name for name, _ in inspect.getmembers(type(instance), inspect.isfunction)]
-    return [getattr(instance, name) for name in names
-            if name not in NOT_TOOLS and not name.startswith("_")]
+    return [
+        getattr(instance, name)
+        for name in names
+        if name not in NOT_TOOLS and not name.startswith("_")
+    ]
 
 
 def env_reward(env_type):
     """get_reward of the completions whose environment is exactly `env_type` (None for the others,
     unscored), as a reward function; async when get_reward is. -> (the class's name, function)."""
     if inspect.iscoroutinefunction(env_type.get_reward):
+
         async def get_reward(environments, **kwargs):
             return [await e.get_reward() if type(e) is env_type else None for e in environments]
     else:
+
         def get_reward(environments, **kwargs):
             return [e.get_reward() if type(e) is env_type else None for e in environments]
+
     return env_type.__name__, get_reward
 
 
@@ -105,8 +113,10 @@ def with_observation(prompt: list, observation) -> list:
     if observation is None:
         return prompt
     if not isinstance(observation, str):
-        raise TypeError(f"reset() returned {type(observation).__name__} {observation!r:.60}: "
-                        "it returns a string (appended to the last message) or None")
+        raise TypeError(
+            f"reset() returned {type(observation).__name__} {observation!r:.60}: "
+            "it returns a string (appended to the last message) or None"
+        )
     last = prompt[-1]
     return prompt[:-1] + [{**last, "content": (last["content"] or "") + observation}]
 
@@ -135,13 +145,17 @@ class Environments:
         instance = make()
         cls = type(instance)
         if not callable(getattr(instance, "reset", None)):
-            raise ValueError("Each environment instance returned by `environment_factory` must "
-                             f"define a callable `reset` ({cls.__name__} does not).")
+            raise ValueError(
+                "Each environment instance returned by `environment_factory` must "
+                f"define a callable `reset` ({cls.__name__} does not)."
+            )
         methods = methods_of(instance)
         clash = sorted({m.__name__ for m in methods} & set(self.tools))
         if clash:
-            raise ValueError(f"environment {cls.__name__}: its methods {clash} have the names "
-                             "of tools the config lists: rename one")
+            raise ValueError(
+                f"environment {cls.__name__}: its methods {clash} have the names "
+                "of tools the config lists: rename one"
+            )
         try:
             schemas = [tool_schema(f) for f in self.tools.values()]
             schemas += [tool_schema(m) for m in methods]
@@ -163,14 +177,17 @@ class Environments:
         if not self.multi:
             return None
         if "environment" not in row:
-            raise ValueError("A `dict` `environment_factory` (multiple environments) needs an "
-                             "`environment` column in every row to route it to its "
-                             f"environment; this row has {sorted(row)}")
+            raise ValueError(
+                "A `dict` `environment_factory` (multiple environments) needs an "
+                "`environment` column in every row to route it to its "
+                f"environment; this row has {sorted(row)}"
+            )
         name = row["environment"]
         if name not in self.factories:
             raise ValueError(
                 f"Example has `environment={name!r}`, which is not among the environments "
-                f"passed to `environment_factory`. Expected one of: {list(self.factories)}.")
+                f"passed to `environment_factory`. Expected one of: {list(self.factories)}."
+            )
         return name
 
     def prompt_of(self, row: dict):
@@ -187,8 +204,10 @@ class Environments:
         for i, row in enumerate(rows):
             self.name_of(row)
             if isinstance(self.prompt_of(row), str):
-                raise ValueError(f"dataset {source}, row {i}: environment_factory needs "
-                                 "conversational prompts (message lists), not strings")
+                raise ValueError(
+                    f"dataset {source}, row {i}: environment_factory needs "
+                    "conversational prompts (message lists), not strings"
+                )
 
     def start(self, rows: list[dict], copies: int) -> Episodes:
         """An instance for each of the `copies` completions of each row, reset with its row, and
@@ -211,8 +230,10 @@ class Environments:
             observation = env.reset(**kwargs)
             if inspect.isawaitable(observation):
                 observation.close()
-                raise TypeError(f"{type(env).__name__}.reset is async: TRL calls reset without "
-                                "awaiting it, so it must be a plain method")
+                raise TypeError(
+                    f"{type(env).__name__}.reset is async: TRL calls reset without "
+                    "awaiting it, so it must be a plain method"
+                )
             prompts.append(with_observation(self.prompt_of(row), observation))
         tools = [{**self.tools, **{m.__name__: m for m in methods_of(env)}} for env in instances]
         schemas = [self.schemas[name] for name in names]

@@ -23,7 +23,6 @@ import torch
 
 from nanogrpo import sampler
 
-
 # -----------------------------------------------------------------------------
 # What limits a row: suppressed tokens, stop strings
 
@@ -56,8 +55,7 @@ def banned_tokens(suppress_tokens, stops, min_new_tokens, V, device):
     for mask in (always, early if min_new_tokens else None):
         if mask is not None and bool(mask.all()):
             raise ValueError(
-                "suppress_tokens (with the stop ids before min_new_tokens) "
-                "leave no token to sample"
+                "suppress_tokens (with the stop ids before min_new_tokens) leave no token to sample"
             )
     return Banned(always=always, early=early, min_new_tokens=min_new_tokens)
 
@@ -114,7 +112,6 @@ class StopStrings:
         self.checked = t + 1
 
 
-
 # -----------------------------------------------------------------------------
 # TRL's generation_kwargs
 
@@ -145,10 +142,7 @@ OFF = dict(
     min_new_tokens=0,
     stop_strings=[],
 )
-LENGTH = (
-    "set max_completion_length (it also bounds the tool rounds and is "
-    "dr_grpo's constant)"
-)
+LENGTH = "set max_completion_length (it also bounds the tool rounds and is dr_grpo's constant)"
 STOP_IDS = "rows stop at the tokenizer's eos ids; stop_strings ends them on text"
 # keys of TRL's backends that generate cannot honour, and why
 GENERATION_KWARGS_REFUSED = {

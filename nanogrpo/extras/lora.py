@@ -53,8 +53,7 @@ class LoRALinear(nn.Linear):
     x [..., in] -> [..., out]; lora_A.weight [r, in], lora_B.weight [out, r]."""
 
     def __init__(self, base: nn.Linear, r: int, scaling: float, dropout: float):
-        super().__init__(base.in_features, base.out_features, bias=False,
-                         device="meta")
+        super().__init__(base.in_features, base.out_features, bias=False, device="meta")
         # the same Parameters: nothing is copied
         self.weight = base.weight
         self.bias = base.bias
@@ -106,31 +105,32 @@ def _targets(model, target_modules) -> list[str]:
     (HF name) or ending in `.entry`; "all-linear" is every linear of the
     blocks (never lm_head); another string is a regular expression for the
     full HF name."""
-    names = [n for n, m in model.named_modules()
-             if isinstance(m, nn.Linear) and n.startswith("layers.")]
+    names = [
+        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("layers.")
+    ]
     valid = ", ".join(BLOCK_LINEARS)
     if target_modules is None:
         target_modules = DEFAULT_TARGETS
     if isinstance(target_modules, str):
         if target_modules.lower() == "all-linear":
             return names
-        chosen = [n for n in names
-                  if re.fullmatch(target_modules, "model." + n)]
+        chosen = [n for n in names if re.fullmatch(target_modules, "model." + n)]
         if not chosen:
             raise ValueError(
                 f"lora_target_modules={target_modules!r} (a regular "
                 f"expression) matches no layer; valid names: {valid} or "
-                "'all-linear'")
+                "'all-linear'"
+            )
         return chosen
     chosen = set()
     for t in target_modules:
-        hit = [n for n in names
-               if "model." + n == t or ("model." + n).endswith("." + t)]
+        hit = [n for n in names if "model." + n == t or ("model." + n).endswith("." + t)]
         if not hit:
             raise ValueError(
                 f"lora_target_modules: {t!r} names no linear layer of the "
                 f"blocks; valid names: {valid} (or 'all-linear'; lm_head goes "
-                "in lora_modules_to_save)")
+                "in lora_modules_to_save)"
+            )
         chosen.update(hit)
     return [n for n in names if n in chosen]
 
@@ -141,29 +141,39 @@ def _modules_to_save(model, modules_to_save) -> list[str]:
     for name in modules_to_save or []:
         short = name.split(".")[-1]
         if short not in SAVABLE:
-            raise ValueError(f"lora_modules_to_save: {name!r} is not "
-                             f"supported; valid names: {', '.join(SAVABLE)}")
+            raise ValueError(
+                f"lora_modules_to_save: {name!r} is not "
+                f"supported; valid names: {', '.join(SAVABLE)}"
+            )
         out.append(short)
     if model.config.tie_word_embeddings and len(set(out)) == 1:
         raise ValueError(
             f"lora_modules_to_save={list(modules_to_save)}: this model ties "
             "embed_tokens and lm_head (tie_word_embeddings=True), so they are "
             "one matrix; name both to train it (['embed_tokens', 'lm_head']), "
-            "or neither")
+            "or neither"
+        )
     return sorted(set(out))
 
 
-def apply_lora(model, r: int = 16, lora_alpha: float = 32,
-               lora_dropout: float = 0.05, target_modules=None,
-               modules_to_save=None, use_rslora: bool = False):
+def apply_lora(
+    model,
+    r: int = 16,
+    lora_alpha: float = 32,
+    lora_dropout: float = 0.05,
+    target_modules=None,
+    modules_to_save=None,
+    use_rslora: bool = False,
+):
     """Replace the targeted linears of `model`'s blocks by LoRALinear (in
     place, weights shared) and freeze everything but the adapters and
     `modules_to_save`. On a meta-device model (checkpoint.py's loader)
     nothing is initialised; otherwise A and B start as PEFT's. Records the
     settings as `model.lora_config` (PEFT's field names). Returns the model."""
     if lora_layers(model):
-        raise ValueError("this model already has LoRA adapters; merge_lora "
-                         "it first to add new ones")
+        raise ValueError(
+            "this model already has LoRA adapters; merge_lora it first to add new ones"
+        )
     if not isinstance(r, int) or r < 1:
         raise ValueError(f"lora_r={r!r}: the adapter rank must be an integer >= 1")
     if not lora_alpha > 0:
@@ -214,8 +224,7 @@ def mark_trainable(model, base_state: dict | None = None):
         if key not in copies:  # tied embeddings: one frozen copy for both names
             copies[key] = base_state[name + ".weight"].detach().clone()
         module = getattr(model, name)
-        module.register_buffer("lora_original_weight", copies[key],
-                               persistent=False)
+        module.register_buffer("lora_original_weight", copies[key], persistent=False)
     return model
 
 
@@ -263,9 +272,11 @@ def disable_adapters(model):
     with PEFT). No copy of the weights is made."""
     layers = list(lora_layers(model).values())
     # (module, its trained weight) of each modules_to_save
-    swapped = [(m, m._parameters["weight"])
-               for m in (model.embed_tokens, model.lm_head)
-               if hasattr(m, "lora_original_weight")]
+    swapped = [
+        (m, m._parameters["weight"])
+        for m in (model.embed_tokens, model.lm_head)
+        if hasattr(m, "lora_original_weight")
+    ]
     for m in layers:
         m.adapter_enabled = False
     for m, _ in swapped:
@@ -295,10 +306,8 @@ def merge_lora(model):
     keep their trained weights. Every parameter is trainable again. Returns
     the model."""
     for name, m in lora_layers(model).items():
-        linear = nn.Linear(m.in_features, m.out_features,
-                           bias=m.bias is not None, device="meta")
-        weight = merged_weight(m.weight, m.lora_A.weight, m.lora_B.weight,
-                               m.scaling)
+        linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+        weight = merged_weight(m.weight, m.lora_A.weight, m.lora_B.weight, m.scaling)
         linear.weight = nn.Parameter(weight)
         linear.bias = m.bias
         _replace(model, name, linear)
@@ -347,8 +356,11 @@ def adapter_state(state: dict, settings: dict) -> dict:
     dict (our names): every lora_A/lora_B, and the weight of each
     modules_to_save module. Contiguous, no shared storage."""
     saved = settings["modules_to_save"]
-    return {to_peft_name(k): v.detach().clone().contiguous()
-            for k, v in state.items() if is_adapter_key(k, saved)}
+    return {
+        to_peft_name(k): v.detach().clone().contiguous()
+        for k, v in state.items()
+        if is_adapter_key(k, saved)
+    }
 
 
 def from_peft_state(tensors: dict, model) -> dict:
@@ -357,30 +369,38 @@ def from_peft_state(tensors: dict, model) -> dict:
     tensors, and names a shape mismatch."""
     ours = {from_peft_name(k): v for k, v in tensors.items()}
     saved = model.lora_config["modules_to_save"]
-    expected = {k: v for k, v in model.state_dict().items()
-                if is_adapter_key(k, saved)}
+    expected = {k: v for k, v in model.state_dict().items() if is_adapter_key(k, saved)}
     missing = sorted(set(expected) - set(ours))
     unexpected = sorted(set(ours) - set(expected))
     if missing or unexpected:
         raise ValueError(
             "adapter does not match its adapter_config.json and the base "
             f"model: missing tensors {missing[:6]}, unexpected tensors "
-            f"{unexpected[:6]}")
+            f"{unexpected[:6]}"
+        )
     for k, v in ours.items():
         shape = tuple(v.shape)
         want = tuple(expected[k].shape)
         if shape != want:
-            raise ValueError(f"adapter tensor {k} has shape {shape}, the base "
-                             f"model and r imply {want}")
+            raise ValueError(
+                f"adapter tensor {k} has shape {shape}, the base model and r imply {want}"
+            )
     return ours
 
 
 # PEFT's LoraConfig fields we do not implement, at the value that means "off"
 UNSUPPORTED = {
-    "use_dora": False, "lora_bias": False, "bias": "none",
-    "fan_in_fan_out": False, "layers_to_transform": None, "rank_pattern": {},
-    "alpha_pattern": {}, "layer_replication": None, "target_parameters": None,
-    "trainable_token_indices": None, "exclude_modules": None,
+    "use_dora": False,
+    "lora_bias": False,
+    "bias": "none",
+    "fan_in_fan_out": False,
+    "layers_to_transform": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "layer_replication": None,
+    "target_parameters": None,
+    "trainable_token_indices": None,
+    "exclude_modules": None,
 }
 
 
@@ -416,16 +436,16 @@ def settings_from_peft_config(cfg: dict, where: str = ".") -> dict:
     errors naming the field."""
     file = f"{where}/adapter_config.json"
     if cfg.get("peft_type") != "LORA":
-        raise ValueError(f"{file}: peft_type={cfg.get('peft_type')!r}; only "
-                         "LORA is supported")
+        raise ValueError(f"{file}: peft_type={cfg.get('peft_type')!r}; only LORA is supported")
     if not cfg.get("base_model_name_or_path"):
-        raise ValueError(f"{file}: base_model_name_or_path is empty, so the "
-                         "base model is unknown; write the base checkpoint's "
-                         "path or hub id there")
+        raise ValueError(
+            f"{file}: base_model_name_or_path is empty, so the "
+            "base model is unknown; write the base checkpoint's "
+            "path or hub id there"
+        )
     for key, default in UNSUPPORTED.items():
         if cfg.get(key, default) not in (default, None, [], {}, False):
-            raise ValueError(f"{file}: {key}={cfg[key]!r} is not supported by "
-                             "nanogrpo's LoRA")
+            raise ValueError(f"{file}: {key}={cfg[key]!r} is not supported by nanogrpo's LoRA")
     return {
         "r": cfg["r"],
         "lora_alpha": cfg["lora_alpha"],

@@ -46,8 +46,9 @@ def reward_model(
             f"reward model {path!r}: config.json names {arch} with num_labels={labels}; a reward "
             "model is a *ForSequenceClassification with 1 label (TRL loads it with num_labels=1)"
         )
-    model, tok = load_model(local, dtype=dtype, device=device).eval(), Tokenizer.from_pretrained(
-        tokenizer or local
+    model, tok = (
+        load_model(local, dtype=dtype, device=device).eval(),
+        Tokenizer.from_pretrained(tokenizer or local),
     )
     if tok.pad_token_id is None:
         raise ValueError(

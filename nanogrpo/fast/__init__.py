@@ -1,18 +1,16 @@
 """Speed tricks: each computes what a course function computes, faster.
 
-Owns: `kernels`, the fast set of the functions a round calls
-(trainer.Kernels): the draw without sorting the vocabulary and the
-compiled static-shape decode step (sampling.py), the LM head in chunks,
-each prompt's forward shared by its rows and no backward for rows without
-advantage (logprobs.py). train.py chooses between them and the course's in
-one place (`kernels`); `plain=True` trains with the course's.
+Owns: `kernels`, the fast set of the functions a round calls (trainer.Kernels): the draw without
+sorting the vocabulary and the compiled static-shape decode step (fast/sampling.py), the LM head
+in chunks, each prompt's forward shared by its rows and no backward for rows without advantage
+(fast/logprobs.py). train.py chooses between them and the course's in one place (its `kernels`);
+`plain=True` trains with the course's.
 
-Does not know about: rewards, losses, optimizers, files, or what a run
-does around the algorithm.
+Does not know about: rewards, losses, optimizers, files, or what a run does around the
+algorithm. From trainer.py it takes the `Kernels` record only.
 
-Each trick is held equal to its course function by a test
-(tests/test_sampler.py, tests/test_logprobs.py), and the two paths'
-training trajectories by tests/test_train.py.
+Each trick is held equal to its course function by a test (tests/test_sampler.py,
+tests/test_logprobs.py), and the two paths' training trajectories by tests/test_train.py.
 """
 
 from nanogrpo.fast import logprobs

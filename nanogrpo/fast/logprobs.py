@@ -1,4 +1,4 @@
-"""The log-probs' speed tricks, each equal to its plain version in nanogrpo/logprobs.py.
+"""The log-probs' speed tricks, each equal to its plain version in logprobs.py.
 
 `token_logprobs` computes nanogrpo.logprobs.token_logprobs' numbers and
 `policy_logprobs` nanogrpo.logprobs.policy_logprobs' (same arguments;
@@ -21,12 +21,16 @@ three tricks:
 The entropy carries a gradient only when asked (entropy_grad=True: TRL's
 entropy bonus); the plain version's always has one.
 
-Does not know about: losses, sampling, or how the model is built beyond
-its call `model(input_ids, attention_mask=, positions=, cache=,
-cache_start=, head=fn)` (fn(hidden after the final norm, lm_head)
-replaces the logits, inside forward, so FSDP2 keeps the LM head gathered
-while it runs), `new_cache`, `gradient_checkpointing` and
-`cast_lm_head_to_fp32` (the LM head's matmul in float32).
+Does not know about: losses, sampling, or torch.distributed (world_size
+is a number it is given: with several ranks every rank makes the same
+calls, so the model's FSDP2 collectives stay in step).
+
+Of the model it uses its call `model(input_ids, attention_mask=,
+positions=, cache=, cache_start=, head=fn)` (fn(hidden after the final
+norm, lm_head) replaces the logits, inside forward, so FSDP2 keeps the LM
+head gathered while it runs), `new_cache`, `gradient_checkpointing` and
+`cast_lm_head_to_fp32` (the LM head's matmul in float32, with model.py's
+`lm_head_linear`).
 """
 
 import torch
@@ -66,8 +70,11 @@ class ChunkLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, temperature, keep, entropy_grad=False, fp32=False):
         device = h.device.type
-        ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
-                            dtype=torch.get_autocast_dtype(device))  # for backward
+        ctx.autocast = dict(
+            device_type=device,
+            enabled=torch.is_autocast_enabled(device),
+            dtype=torch.get_autocast_dtype(device),
+        )  # for backward
         # [n,V], a fresh tensor: changed in place below
         shifted = _tempered_logits(h, weight, temperature, fp32)
         top = shifted.amax(dim=-1, keepdim=True)  # [n,1]

@@ -1,21 +1,18 @@
 """The sampler's speed tricks, each equal to its plain version in sampler.py.
 
-- `sample_next_token_fast`: sampler.sample_next_token without sorting
-  the vocabulary. The filters are decided on a few candidates per row
-  (the power-of-two probability bins that hold the nucleus) and the draw
-  runs over them alone, in vocabulary order, so it adds the same numbers
-  in the same order: equal bit for bit on CPU (on GPU up to the parallel
-  cumsum's rounding). Filters + draw at top_p 0.95, batch 32: 9.8 -> 5.3
-  ms at V = 32k, 101 -> 37 ms at V = 152k. Suppressed tokens
-  (suppress_tokens, min_new_tokens) reach both draws as -inf logits: the
-  decode loop sets them before either runs.
-- `StaticDecoder`: the decode step as one torch.compile'd graph of fixed
-  shapes: L + C cache slots rounded up to a multiple of 128 (kept on the
-  model between rounds), finished rows masked rather than compacted,
-  stops checked every 8 steps. Rounds whose prompt lengths share a bucket
+- `sample_next_token_fast`: sampler.sample_next_token without sorting the vocabulary. The filters
+  are decided on a few candidates per row (the power-of-two probability bins that hold the
+  nucleus) and the draw runs over them alone, in vocabulary order, so it adds the same numbers in
+  the same order: equal bit for bit on CPU (on GPU up to the parallel cumsum's rounding). It
+  saves top-p's sort of the whole [B,V] logits, a cost that grows with the vocabulary
+  (docs/results.md has the figures). Suppressed tokens (suppress_tokens, min_new_tokens) reach
+  both draws as -inf logits: the decode loop sets them before either runs.
+- `StaticDecoder`: the decode step as one torch.compile'd graph of fixed shapes: L + C cache
+  slots rounded up to a multiple of 128 (kept on the model between rounds), finished rows masked
+  rather than compacted, stops checked every 8 steps. Rounds whose prompt lengths share a bucket
   never recompile; on CUDA the step replays as a CUDA graph.
 
-Does not know about: anything but a decode step's tensors.
+Does not know about: tokenization, rewards, losses, or processes: only a decode step's tensors.
 """
 
 import math

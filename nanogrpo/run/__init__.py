@@ -33,15 +33,14 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from nanogrpo import checkpoint
-from nanogrpo import dist
+from nanogrpo import checkpoint, dist
 from nanogrpo.extras import lora
-from nanogrpo.run import report
-from nanogrpo.run import checkpoints as trainer_state
-from nanogrpo.run.config import ConfigError, TrainConfig
-from nanogrpo.run.configurator import help_text, load_config
 from nanogrpo.model import ModelConfig, Transformer
 from nanogrpo.rewards import RewardError
+from nanogrpo.run import checkpoints as trainer_state
+from nanogrpo.run import report
+from nanogrpo.run.config import ConfigError, TrainConfig
+from nanogrpo.run.configurator import help_text, load_config
 from nanogrpo.tokenizer import char_level_tokenizer
 
 # Settings a resumed run takes from its checkpoint, whatever is passed.
@@ -59,8 +58,14 @@ ADAPTER_RESTORED = {
     "lora_dropout": "the checkpoint's adapter",
     "disable_dropout": "the checkpoint's adapter",
 }
-ADAPTER_SHAPE = ["use_peft", "lora_r", "lora_alpha", "lora_target_modules",
-                 "lora_modules_to_save", "use_rslora"]
+ADAPTER_SHAPE = [
+    "use_peft",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+    "lora_modules_to_save",
+    "use_rslora",
+]
 # Files train.py writes into out_dir: a fresh run refuses to replace them.
 RUN_FILES = r"metrics\.jsonl|checkpoint(-\d+)?(\.tmp)?"
 # What a save killed before its rename leaves (trainer_state.save_checkpoint)
@@ -126,8 +131,9 @@ def check_out_dir(out_dir: str):
     writing a file in it, or in the nearest folder above it that exists:
     nothing is created, so ranks checking at once cannot race."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ConfigError(f"output_dir={out_dir!r} is a file, not a directory: "
-                          "choose another --output_dir")
+        raise ConfigError(
+            f"output_dir={out_dir!r} is a file, not a directory: choose another --output_dir"
+        )
     path = os.path.abspath(out_dir)
     while not os.path.exists(path):
         path = os.path.dirname(path)
@@ -137,8 +143,9 @@ def check_out_dir(out_dir: str):
             pass
         os.remove(probe)
     except OSError as e:
-        raise ConfigError(f"output_dir={out_dir!r} cannot be written "
-                          f"({e.strerror}): choose another --output_dir") from None
+        raise ConfigError(
+            f"output_dir={out_dir!r} cannot be written ({e.strerror}): choose another --output_dir"
+        ) from None
 
 
 def claim_out_dir(run: Run):
@@ -178,12 +185,15 @@ def lock_out_dir(run: Run) -> str | None:
         f.seek(0)
         holder = f.read().strip() or "its pid is not written yet"
         f.close()
-        return (f"output_dir={out_dir!r} is in use by another run ({holder}): "
-                "wait for it to end, or choose another --output_dir")
+        return (
+            f"output_dir={out_dir!r} is in use by another run ({holder}): "
+            "wait for it to end, or choose another --output_dir"
+        )
     f.truncate(0)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {started}: "
-            f"{shlex.join(run.command)}\n")
+    f.write(
+        f"pid {os.getpid()} on {socket.gethostname()}, since {started}: {shlex.join(run.command)}\n"
+    )
     f.flush()
     _held_locks[path] = f
     weakref.finalize(run, f.close)
@@ -217,7 +227,8 @@ def find_checkpoint(cfg: TrainConfig) -> str | None:
             raise FileNotFoundError(
                 f"resume_from_checkpoint={resume!r} holds no trainer state "
                 f"({problem}): point it at an out_dir/checkpoint-<step> "
-                "written by train.py, or use --resume_from_checkpoint=true")
+                "written by train.py, or use --resume_from_checkpoint=true"
+            )
         return resume
     out_dir = cfg.output_dir
     passed = []  # checkpoints that cannot be resumed
@@ -234,9 +245,11 @@ def find_checkpoint(cfg: TrainConfig) -> str | None:
             f"resume_from_checkpoint=true: no checkpoint in {out_dir} can be "
             f"resumed ({', '.join(passed)} lack files): start over with "
             "--overwrite_output_dir=true (deletes them), or choose another "
-            "--output_dir")
-    dist.print0(f"resume_from_checkpoint=true: no checkpoint in {out_dir} yet, "
-                "so this run starts fresh")
+            "--output_dir"
+        )
+    dist.print0(
+        f"resume_from_checkpoint=true: no checkpoint in {out_dir} yet, so this run starts fresh"
+    )
     return None
 
 
@@ -261,8 +274,10 @@ def note_link(out_dir: str, chosen: str):
     if os.path.realpath(link) == os.path.realpath(chosen):
         return
     gone = "" if os.path.exists(link) else ", which is gone"
-    dist.print0(f"note: {link} points at {os.readlink(link)}{gone}: "
-                f"resuming from {chosen}, the newest that can be resumed")
+    dist.print0(
+        f"note: {link} points at {os.readlink(link)}{gone}: "
+        f"resuming from {chosen}, the newest that can be resumed"
+    )
 
 
 def restored_config(saved: dict, cfg: TrainConfig) -> TrainConfig:
@@ -275,7 +290,8 @@ def restored_config(saved: dict, cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(
             f"this checkpoint was trained from model={saved['model']!r}, "
             f"not {cfg.model!r}: resume without --model, or start a new "
-            "run in another --output_dir")
+            "run in another --output_dir"
+        )
     now = json.loads(json.dumps(config_record(cfg)))  # tuples as lists, as saved
     restored = {}
     skip = ("resume_from_checkpoint", "max_steps")
@@ -307,7 +323,8 @@ def check_adapter_shape(saved: dict, now: dict, changed: list):
     raise ConfigError(
         f"{given}, but the checkpoint's run trained with {had}, and a resumed "
         f"run continues what it trained: drop {flags} to resume it, or start "
-        "a new run in another --output_dir")
+        "a new run in another --output_dir"
+    )
 
 
 def config_record(cfg: TrainConfig) -> dict:
@@ -338,8 +355,7 @@ def clear_out_dir(cfg: TrainConfig, info):
     found nothing saved to continue."""
     names = []  # rank 0 looks and decides: another rank could look after it deleted
     if info.is_main and os.path.isdir(cfg.output_dir):
-        names = sorted(n for n in os.listdir(cfg.output_dir)
-                       if re.fullmatch(RUN_FILES, n))
+        names = sorted(n for n in os.listdir(cfg.output_dir) if re.fullmatch(RUN_FILES, n))
     names = dist.broadcast_object(names)
     if not names:
         return
@@ -351,10 +367,10 @@ def clear_out_dir(cfg: TrainConfig, info):
             f"output_dir={cfg.output_dir!r} holds a run ({', '.join(names[:4])}): "
             "continue it with --resume_from_checkpoint=true, start over with "
             "--overwrite_output_dir=true (deletes them), or choose "
-            "another --output_dir")
+            "another --output_dir"
+        )
     if unsaved and not cfg.overwrite_output_dir:
-        dist.print0(f"note: replacing {', '.join(names)}: nothing there "
-                    "can be resumed")
+        dist.print0(f"note: replacing {', '.join(names)}: nothing there can be resumed")
     if info.is_main:
         for name in names:
             remove(os.path.join(cfg.output_dir, name))
@@ -395,8 +411,7 @@ def tiny_checkpoint_due(path: str, recipe: dict) -> bool:
         return False  # not written here: left alone
     if checkpoint.read_json(marker) == recipe:
         return False
-    print(f"{path} was built from another init_model, "
-          "init_tokenizer_chars or seed: rebuilding it")
+    print(f"{path} was built from another init_model, init_tokenizer_chars or seed: rebuilding it")
     return True
 
 
@@ -410,9 +425,13 @@ def write_tiny_checkpoint(path: str, recipe: dict):
         "pad_token_id": tok.pad_token_id,
     }
     with checkpoint.atomic_dir(path) as tmp:
-        checkpoint.write_model(tmp, model.config, model.state_dict(),
-                               tokenizer=tok,
-                               generation_config=generation_config)
+        checkpoint.write_model(
+            tmp,
+            model.config,
+            model.state_dict(),
+            tokenizer=tok,
+            generation_config=generation_config,
+        )
         checkpoint.write_json(os.path.join(tmp, "init.json"), recipe)
 
 
@@ -423,8 +442,7 @@ def write_tiny_checkpoint(path: str, recipe: dict):
 def restore(run: Run, t):
     """Load the trainer state of run.resume_from into t (a Trainer)."""
     cfg = run.cfg
-    state = trainer_state.load_trainer_state(run.resume_from, t.model,
-                                          t.optimizer, run.info)
+    state = trainer_state.load_trainer_state(run.resume_from, t.model, t.optimizer, run.info)
     t.step = state["step"]
     cycles = t.step // t.sched.steps_per_cycle  # a checkpoint without it
     t.round = state.get("round", cycles * t.sched.rounds_per_cycle)
@@ -437,13 +455,16 @@ def restore(run: Run, t):
         t.last_entropy = math.inf if last is None else last
     saved_by = state.get("world_size", run.info.world_size)
     if saved_by != run.info.world_size:
-        dist.print0(f"note: {run.resume_from} was saved by {saved_by} "
-                    f"process(es), this run has {run.info.world_size}: the "
-                    "optimizer state is the same, each step's batch is not "
-                    "(per_device_train_batch_size stays, as in TRL)")
+        dist.print0(
+            f"note: {run.resume_from} was saved by {saved_by} "
+            f"process(es), this run has {run.info.world_size}: the "
+            "optimizer state is the same, each step's batch is not "
+            "(per_device_train_batch_size stays, as in TRL)"
+        )
     run.history = state["history"]
-    run.written = [n for n in state.get("checkpoints", [])
-                   if os.path.isdir(os.path.join(cfg.output_dir, n))]
+    run.written = [
+        n for n in state.get("checkpoints", []) if os.path.isdir(os.path.join(cfg.output_dir, n))
+    ]
     # the `checkpoint` link moves on: keep what it pointed at
     run.resume_source = os.path.realpath(run.resume_from)
     dist.print0(f"resumed from {run.resume_from} at step {t.step}")
@@ -477,11 +498,13 @@ def announce(t):
     per_cycle = t.sched.steps_per_cycle
     if t.cfg.max_steps % per_cycle:
         # the round's samples are not checkpointed
-        dist.print0(f"warning: max_steps={t.cfg.max_steps} ends inside a "
-                    f"cycle of {per_cycle} optimizer steps: the last one is "
-                    "cut short, and a run resumed from its checkpoint starts "
-                    "a new round (not what an uninterrupted run would do); "
-                    f"use a multiple of {per_cycle} to resume exactly")
+        dist.print0(
+            f"warning: max_steps={t.cfg.max_steps} ends inside a "
+            f"cycle of {per_cycle} optimizer steps: the last one is "
+            "cut short, and a run resumed from its checkpoint starts "
+            "a new round (not what an uninterrupted run would do); "
+            f"use a multiple of {per_cycle} to resume exactly"
+        )
 
 
 def save(run: Run, t):
@@ -503,13 +526,14 @@ def save(run: Run, t):
         "checkpoints": run.written + [name],
         "world_size": run.info.world_size,
     }
-    trainer_state.save_checkpoint(cfg.output_dir, t.step, t.model, t.optimizer,
-                               t.tok, state, config_record(cfg), run.info)
+    trainer_state.save_checkpoint(
+        cfg.output_dir, t.step, t.model, t.optimizer, t.tok, state, config_record(cfg), run.info
+    )
     run.written.append(name)
     if run.info.is_main:
         run.written = trainer_state.prune_checkpoints(
-            cfg.output_dir, run.written, cfg.save_total_limit,
-            keep=run.resume_source)
+            cfg.output_dir, run.written, cfg.save_total_limit, keep=run.resume_source
+        )
         if cfg.push_to_hub:
             push_to_hub(cfg, os.path.join(cfg.output_dir, name), t.step)
 
@@ -529,10 +553,13 @@ def hub_problem(cfg: TrainConfig) -> str | None:
 
     fix = "or set --push_to_hub=false"
     if not get_token():
-        return ("push_to_hub=true but no Hugging Face token is set: log in "
-                f"with `hf auth login` or set HF_TOKEN, {fix}")
+        return (
+            "push_to_hub=true but no Hugging Face token is set: log in "
+            f"with `hf auth login` or set HF_TOKEN, {fix}"
+        )
     repo = hub_repo(cfg)
     outcome = []  # the exception create_repo raised, or None
+
     # huggingface-hub's requests have no timeout: a thread bounds the wait
     def create():
         try:
@@ -545,15 +572,19 @@ def hub_problem(cfg: TrainConfig) -> str | None:
     thread.start()
     thread.join(HUB_TIMEOUT)
     if not outcome:
-        return (f"push_to_hub=true: the hub did not answer in {HUB_TIMEOUT} s "
-                f"(creating the repo {repo!r}): check the network, {fix}")
+        return (
+            f"push_to_hub=true: the hub did not answer in {HUB_TIMEOUT} s "
+            f"(creating the repo {repo!r}): check the network, {fix}"
+        )
     error = outcome[0]
     if error is None:
         return None
     why = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return (f"push_to_hub=true: the hub repo {repo!r} cannot be created "
-            f"({why}): check the network and the token (`hf auth login`, "
-            f"HF_TOKEN), {fix}")
+    return (
+        f"push_to_hub=true: the hub repo {repo!r} cannot be created "
+        f"({why}): check the network and the token (`hf auth login`, "
+        f"HF_TOKEN), {fix}"
+    )
 
 
 def push_to_hub(cfg: TrainConfig, folder: str, step: int):
@@ -564,9 +595,12 @@ def push_to_hub(cfg: TrainConfig, folder: str, step: int):
 
     api = HfApi()
     repo = hub_repo(cfg)
-    api.upload_folder(repo_id=repo, folder_path=folder,
-                      commit_message=f"nanogrpo: step {step}",
-                      ignore_patterns=["trainer/*"])
+    api.upload_folder(
+        repo_id=repo,
+        folder_path=folder,
+        commit_message=f"nanogrpo: step {step}",
+        ignore_patterns=["trainer/*"],
+    )
 
 
 def save_merged(run: Run, t):
@@ -577,8 +611,7 @@ def save_merged(run: Run, t):
         merged = lora.merged_state_dict(state, t.model.lora_config)
         path = os.path.join(run.cfg.output_dir, "merged")
         with checkpoint.atomic_dir(path) as tmp:
-            checkpoint.write_model(tmp, t.model.config, merged,
-                                   t.model.generation_config, t.tok)
+            checkpoint.write_model(tmp, t.model.config, merged, t.model.generation_config, t.tok)
     dist.barrier()
 
 
@@ -639,16 +672,17 @@ def save_on_stop(run: Run, t, why: str):
     latest = os.path.join(cfg.output_dir, "checkpoint")
     reason = unsaveable(run, t)
     if reason:
-        dist.print0(f"\n{where}: not saved ({reason}); "
-                    f"the latest checkpoint is {latest}")
+        dist.print0(f"\n{where}: not saved ({reason}); the latest checkpoint is {latest}")
         return
     report.log(run)  # a finished round's records, if stopped in its evaluation
     if not saved(run, t.step):
         if run.cycle_begin is not None:
             t.prompts.load_state_dict(run.cycle_begin)
         save(run, t)
-    dist.print0(f"\n{where}: saved {cfg.output_dir}/checkpoint-{t.step}. "
-                f"Continue with:\n  {resume_command(run)}")
+    dist.print0(
+        f"\n{where}: saved {cfg.output_dir}/checkpoint-{t.step}. "
+        f"Continue with:\n  {resume_command(run)}"
+    )
 
 
 def unsaveable(run: Run, t) -> str | None:
@@ -664,8 +698,7 @@ def unsaveable(run: Run, t) -> str | None:
 
 def resume_command(run: Run) -> str:
     """The command that continues this run from its latest checkpoint."""
-    args = [a for a in run.command
-            if not a.startswith(("--resume", "--overwrite_output_dir"))]
+    args = [a for a in run.command if not a.startswith(("--resume", "--overwrite_output_dir"))]
     launcher = "python"
     if run.info.sharded:
         per_node = os.environ.get("LOCAL_WORLD_SIZE", run.info.world_size)
@@ -690,8 +723,7 @@ def rank_error(run: Run, t, e: Exception) -> Exception | None:
         e.add_note(f"{where}, at step {current_step(run, t)}")
         dist.tell_peers(f"{where}: {type(e).__name__}: {e}")
         return None
-    line = (f"{where}: at step {current_step(run, t)}, {what}: "
-            f"{dist.first_sentence(str(e))}")
+    line = f"{where}: at step {current_step(run, t)}, {what}: {dist.first_sentence(str(e))}"
     dist.tell_peers(line)
     return RankFailure(line)
 
@@ -776,8 +808,10 @@ def stopping_line(run: Run, t, signum: int) -> str:
         end = min(cycle_end, run.cfg.max_steps)
     line = f"\n{name}: stopping after step {end}: saving it then"
     if run.info.sharded:
-        return line + (" (a signalled torchrun kills its processes after "
-                       "--shutdown-timeout seconds: 30 unless set)")
+        return line + (
+            " (a signalled torchrun kills its processes after "
+            "--shutdown-timeout seconds: 30 unless set)"
+        )
     return line + "; Ctrl-C again stops at once"
 
 
@@ -797,10 +831,13 @@ def end_now(run: Run, t, frame):
     where = ""
     if frame is not None:
         code = frame.f_code
-        where = (f"; it was in {code.co_name} "
-                 f"({os.path.basename(code.co_filename)}:{frame.f_lineno})")
-    say(f"train.py: rank {run.info.rank}: ended at step {current_step(run, t)} "
-        f"after another rank failed{where}")
+        where = (
+            f"; it was in {code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})"
+        )
+    say(
+        f"train.py: rank {run.info.rank}: ended at step {current_step(run, t)} "
+        f"after another rank failed{where}"
+    )
     os._exit(128 + signal.SIGTERM)  # not sys.exit: it could wait on threads
 
 
@@ -818,8 +855,10 @@ def stop_if_signalled(run: Run, t):
     else:
         if not saved(run, t.step):
             save(run, t)
-        dist.print0(f"{where}: saved {cfg.output_dir}/checkpoint-{t.step}. "
-                    f"Continue with:\n  {resume_command(run)}")
+        dist.print0(
+            f"{where}: saved {cfg.output_dir}/checkpoint-{t.step}. "
+            f"Continue with:\n  {resume_command(run)}"
+        )
     dist.teardown()
     raise Stopped(signum)
 
@@ -857,8 +896,11 @@ def main(argv: list[str], train) -> int:
             raise
         # several processes: rank_error's note names the rank and step
         where = "".join(f"{note}: " for note in getattr(e, "__notes__", []))
-        print(f"train.py: error: {where}{e}\n(the traceback: add --debug)",
-              file=sys.stderr, flush=True)
+        print(
+            f"train.py: error: {where}{e}\n(the traceback: add --debug)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     return 0
 

@@ -27,13 +27,19 @@ from contextlib import suppress
 
 import torch
 
-from nanogrpo import checkpoint
-from nanogrpo import dist
+from nanogrpo import checkpoint, dist
 
 
-def save_checkpoint(out_dir, step: int, model, optimizer, tokenizer,
-                    trainer_state: dict, train_config: dict,
-                    info: dist.DistInfo) -> str:
+def save_checkpoint(
+    out_dir,
+    step: int,
+    model,
+    optimizer,
+    tokenizer,
+    trainer_state: dict,
+    train_config: dict,
+    info: dist.DistInfo,
+) -> str:
     """Write out_dir/checkpoint-<step> (the policy or its LoRA adapter,
     tokenizer, train_config.json, trainer/: optimizer, `trainer_state`) under
     a temporary name, rename it, then swap the `checkpoint` link to it."""
@@ -45,9 +51,14 @@ def save_checkpoint(out_dir, step: int, model, optimizer, tokenizer,
         os.makedirs(os.path.join(tmp, "trainer"))
     try:
         if info.is_main:
-            checkpoint.write_model(tmp, model.config, state,
-                        generation_config=model.generation_config,
-                        tokenizer=tokenizer, adapter=adapter)
+            checkpoint.write_model(
+                tmp,
+                model.config,
+                state,
+                generation_config=model.generation_config,
+                tokenizer=tokenizer,
+                adapter=adapter,
+            )
             checkpoint.write_json(os.path.join(tmp, "train_config.json"), train_config)
             state_file = os.path.join(tmp, "trainer", "trainer_state.json")
             checkpoint.write_json(state_file, trainer_state)
@@ -74,8 +85,9 @@ def _point_link(link, target):
     os.replace(link + ".tmp", link)
 
 
-def prune_checkpoints(out_dir, written: list[str], limit: int | None,
-                      keep: str | None = None) -> list[str]:
+def prune_checkpoints(
+    out_dir, written: list[str], limit: int | None, keep: str | None = None
+) -> list[str]:
     """Delete the oldest checkpoints of `written` (names this run wrote,
     oldest first) beyond the newest `limit` (None = keep all); `keep` (the
     resume source) is never deleted. Returns what remains."""
@@ -94,8 +106,12 @@ def prune_checkpoints(out_dir, written: list[str], limit: int | None,
 
 # What a checkpoint holds, beside the model's files: all of it is needed
 # to resume.
-RUN_STATE_FILES = ["train_config.json", "trainer/trainer_state.json",
-                   "trainer/optimizer.json", "trainer/optimizer.safetensors"]
+RUN_STATE_FILES = [
+    "train_config.json",
+    "trainer/trainer_state.json",
+    "trainer/optimizer.json",
+    "trainer/optimizer.safetensors",
+]
 # the one-process optimizer file of older checkpoints: tensors and plain
 # numbers, read with torch.load(weights_only=True), which runs no code
 LEGACY_OPTIMIZER = "trainer/optimizer.pt"
@@ -136,8 +152,8 @@ def save_optimizer(path, model, optimizer, info: dist.DistInfo):
     "layers.0.mlp.up_proj.weight.exp_avg"), optimizer.json its
     param_groups and any field that is not a tensor."""
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_optimizer_state_dict(model, optimizer, options=options)
     if not info.is_main:
@@ -171,8 +187,8 @@ def load_optimizer(path, model, optimizer, info: dist.DistInfo):
     """Fill `optimizer` from save_optimizer's files in `path`, saved by any
     number of processes. Under FSDP2 rank 0 reads them and each tensor is
     broadcast and cut into this run's shards (every rank calls it)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     state = {"state": {}, "param_groups": None}  # ranks > 0: rank 0 sends
     if info.is_main:
         state = read_optimizer(path)
@@ -181,8 +197,7 @@ def load_optimizer(path, model, optimizer, info: dist.DistInfo):
         saved.update({k: group[k] for k in IMPLEMENTATION if k in group})
     options = None
     if info.sharded:
-        options = StateDictOptions(full_state_dict=True,
-                                   broadcast_from_rank0=True)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_optimizer_state_dict(model, optimizer, state, options=options)
 
 
@@ -194,8 +209,10 @@ def load_trainer_state(ckpt_dir, model, optimizer, info: dist.DistInfo) -> dict:
     if os.path.exists(os.path.join(path, "optimizer.json")) or not os.path.exists(legacy):
         load_optimizer(path, model, optimizer, info)
     elif info.sharded:
-        raise ValueError(f"{ckpt_dir} holds a one-process optimizer in the older format "
-                         f"({LEGACY_OPTIMIZER}): resume it on one process")
+        raise ValueError(
+            f"{ckpt_dir} holds a one-process optimizer in the older format "
+            f"({LEGACY_OPTIMIZER}): resume it on one process"
+        )
     else:
         optimizer.load_state_dict(torch.load(legacy, weights_only=True))
     return checkpoint.read_json(os.path.join(path, "trainer_state.json"))

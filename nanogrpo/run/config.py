@@ -20,13 +20,13 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-from nanogrpo.extras.loss_terms import VESPO_NEEDS_TOKENS
-from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, LossConfig
-from nanogrpo.extras.tools import TOOL_CALL_PARSERS
 from nanogrpo.extras.generation_kwargs import generation_settings
+from nanogrpo.extras.loss_terms import VESPO_NEEDS_TOKENS
+from nanogrpo.extras.lr_schedules import SCHEDULES
+from nanogrpo.extras.tools import TOOL_CALL_PARSERS
+from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, LossConfig
 from nanogrpo.sampler import check_sampling
-from nanogrpo.schedules import SCHEDULES, Schedule, batch_schedule
-from nanogrpo.schedules import total_steps
+from nanogrpo.schedules import Schedule, batch_schedule, total_steps
 
 
 class ConfigError(ValueError):
@@ -50,13 +50,21 @@ AT_LEAST_1 = """per_device_train_batch_size gradient_accumulation_steps num_iter
     num_generations_eval num_completions_to_print max_num_gen_batches""".split()
 RANGES = [
     (lambda v: v >= 1, "must be at least 1", AT_LEAST_1),
-    (lambda v: v >= 0, "must be >= 0 (0 = off)",
-     ["learning_rate", "weight_decay", "warmup_steps", "save_steps"]),
-    (lambda v: v > 0, "must be > 0",
-     ["lora_alpha", "max_grad_norm", "tool_timeout", "num_train_epochs",
-      "ddp_timeout"]),
-    (lambda v: 0 <= v < 1, "must be in [0, 1)",
-     ["adam_beta1", "adam_beta2", "warmup_ratio", "lora_dropout"]),
+    (
+        lambda v: v >= 0,
+        "must be >= 0 (0 = off)",
+        ["learning_rate", "weight_decay", "warmup_steps", "save_steps"],
+    ),
+    (
+        lambda v: v > 0,
+        "must be > 0",
+        ["lora_alpha", "max_grad_norm", "tool_timeout", "num_train_epochs", "ddp_timeout"],
+    ),
+    (
+        lambda v: 0 <= v < 1,
+        "must be in [0, 1)",
+        ["adam_beta1", "adam_beta2", "warmup_ratio", "lora_dropout"],
+    ),
     (lambda v: 0 <= v <= 1, "must be in [0, 1]", ["ref_model_mixup_alpha"]),
 ]
 REPORTERS = ("none", "tensorboard", "wandb", "trackio")
@@ -88,258 +96,318 @@ class TrainConfig:
     transformers' TrainingArguments) wherever TRL has the setting."""
 
     model: str | None = setting(
-        None, "checkpoint dir or hub id (TRL's model_name_or_path); none by default: "
-        "a config file or --model names it", group="model")
+        None,
+        "checkpoint dir or hub id (TRL's model_name_or_path); none by default: "
+        "a config file or --model names it",
+        group="model",
+    )
     init_model: dict | None = setting(
-        None, "ModelConfig fields: create a random model at `model` if it does not exist")
+        None, "ModelConfig fields: create a random model at `model` if it does not exist"
+    )
     init_tokenizer_chars: str = setting(
-        "abcdefgh=", "with init_model: the characters of its char-level tokenizer")
+        "abcdefgh=", "with init_model: the characters of its char-level tokenizer"
+    )
     model_init_kwargs: dict | None = setting(
-        None, '{"dtype": "bfloat16"} loads the weights in that dtype (TRL\'s); '
-        "None = float32")
+        None, '{"dtype": "bfloat16"} loads the weights in that dtype (TRL\'s); None = float32'
+    )
     bf16: bool | None = setting(
-        None, "compute in bfloat16 (autocast, or FSDP2 mixed precision; fp32 weights). "
-        "None: on CUDA yes, on CPU no (TRL's None means yes; bf16 is slow on CPU)")
+        None,
+        "compute in bfloat16 (autocast, or FSDP2 mixed precision; fp32 weights). "
+        "None: on CUDA yes, on CPU no (TRL's None means yes; bf16 is slow on CPU)",
+    )
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
     seed: int = setting(42, "seeds init, prompt order and sampling")
-    gradient_checkpointing: bool = setting(
-        True, "recompute activations in backward to save memory")
-    disable_dropout: bool = setting(
-        False, "set every dropout probability (LoRA's) to 0")
+    gradient_checkpointing: bool = setting(True, "recompute activations in backward to save memory")
+    disable_dropout: bool = setting(False, "set every dropout probability (LoRA's) to 0")
 
     use_peft: bool = setting(
-        False, "train LoRA adapters (nanogrpo/lora.py) instead of every weight; base frozen",
-        group="LoRA (TRL's ModelConfig names)")
+        False,
+        "train LoRA adapters (nanogrpo/lora.py) instead of every weight; base frozen",
+        group="LoRA (TRL's ModelConfig names)",
+    )
     lora_r: int = setting(16, "adapter rank")
     lora_alpha: int = setting(32, "adapter scaling = lora_alpha / lora_r")
     lora_dropout: float = setting(0.05, "dropout on each adapter's input")
     lora_target_modules: list[str] | str | None = setting(
-        None, 'None = q_proj, v_proj (PEFT\'s default); "all-linear"')
+        None, 'None = q_proj, v_proj (PEFT\'s default); "all-linear"'
+    )
     lora_modules_to_save: list[str] | None = setting(
-        None, "trained in full and saved with the adapter: embed_tokens, lm_head")
-    use_rslora: bool = setting(
-        False, "rank-stabilized scaling lora_alpha / sqrt(lora_r)")
+        None, "trained in full and saved with the adapter: embed_tokens, lm_head"
+    )
+    use_rslora: bool = setting(False, "rank-stabilized scaling lora_alpha / sqrt(lora_r)")
     merge_adapter: bool = setting(
-        False, "at the end, also write the adapter merged into a full HF checkpoint "
-        "(output_dir/merged)")
+        False,
+        "at the end, also write the adapter merged into a full HF checkpoint (output_dir/merged)",
+    )
 
     dataset: str | None = setting(
-        "default", "see data.load_dataset: file, hf://datasets/..., gsm8k, default, "
+        "default",
+        "see data.load_dataset: file, hf://datasets/..., gsm8k, default, "
         "countdown; None: no dataset, only with environment_factory (its reset() writes "
-        "each prompt; set max_steps)", group="data")
-    dataset_split: str | None = setting(
-        None, 'split for gsm8k / procedural tasks (None = "train")')
-    eval_dataset: str | None = setting(
-        None, "same forms as dataset; None = no evaluation")
+        "each prompt; set max_steps)",
+        group="data",
+    )
+    dataset_split: str | None = setting(None, 'split for gsm8k / procedural tasks (None = "train")')
+    eval_dataset: str | None = setting(None, "same forms as dataset; None = no evaluation")
     eval_split: str | None = setting("test", "split of eval_dataset")
     eval_size: int = setting(256, "evaluate on the first this-many eval prompts")
     shuffle_dataset: bool = setting(True, "a new prompt order every epoch")
     max_prompt_length: int | None = setting(
-        None, "prompt tokens kept, cut from the left with a warning; None = all")
+        None, "prompt tokens kept, cut from the left with a warning; None = all"
+    )
     chat_template_kwargs: dict | None = setting(
-        None, 'extra variables of the chat template, e.g. {"enable_thinking": False}')
+        None, 'extra variables of the chat template, e.g. {"enable_thinking": False}'
+    )
 
     reward_funcs: list = setting(
         help="built-in names, module:function, a reward model, or functions defined "
-        "in the config file itself", factory=lambda: ["default_task"], group="rewards")
-    reward_weights: list[float] | None = setting(
-        None, "one per reward function; None = all 1.0")
+        "in the config file itself",
+        factory=lambda: ["default_task"],
+        group="rewards",
+    )
+    reward_weights: list[float] | None = setting(None, "one per reward function; None = all 1.0")
     reward_processing_classes: list[str | None] | None = setting(
-        None, "per reward model: its tokenizer; None = its own")
+        None, "per reward model: its tokenizer; None = its own"
+    )
     soft_punish_cache: int | None = setting(
-        None, "soft_overlong reward's window (None = max_completion_length // 4)")
+        None, "soft_overlong reward's window (None = max_completion_length // 4)"
+    )
 
     num_generations: int = setting(
-        8, "completions per prompt (G), at least 2", group="batch (TRL's arithmetic)")
+        8, "completions per prompt (G), at least 2", group="batch (TRL's arithmetic)"
+    )
     per_device_train_batch_size: int = setting(
-        8, "completions per forward/backward on one process; an optimizer step trains on "
+        8,
+        "completions per forward/backward on one process; an optimizer step trains on "
         "per_device_train_batch_size x gradient_accumulation_steps x processes "
-        "completions, a multiple of num_generations")
-    gradient_accumulation_steps: int = setting(
-        1, "forward/backwards summed per optimizer step")
+        "completions, a multiple of num_generations",
+    )
+    gradient_accumulation_steps: int = setting(1, "forward/backwards summed per optimizer step")
     steps_per_generation: int | None = setting(
-        None, "micro-batches per process sampled at once; None = gradient_accumulation_steps")
+        None, "micro-batches per process sampled at once; None = gradient_accumulation_steps"
+    )
     generation_batch_size: int | None = setting(
-        None, "completions sampled at once, all processes; None = from steps_per_generation")
-    num_iterations: int = setting(
-        1, "optimizer passes over each generated batch (mu)")
+        None, "completions sampled at once, all processes; None = from steps_per_generation"
+    )
+    num_iterations: int = setting(1, "optimizer passes over each generated batch (mu)")
     num_generations_eval: int | None = setting(
-        None, "completions per prompt in evaluation; None = 1 (nanogrpo scores one)")
+        None, "completions per prompt in evaluation; None = 1 (nanogrpo scores one)"
+    )
 
     max_completion_length: int = setting(
-        512, "new tokens per completion, also dr_grpo's constant", group="generation")
-    temperature: float = setting(
-        1.0, "> 0: training samples (0 = greedy is for sample.py)")
+        512, "new tokens per completion, also dr_grpo's constant", group="generation"
+    )
+    temperature: float = setting(1.0, "> 0: training samples (0 = greedy is for sample.py)")
     top_k: int = setting(0, "0 = off")
     top_p: float = setting(1.0, "nucleus sampling, in (0, 1]")
     min_p: float | None = setting(None, "None = off")
     repetition_penalty: float = setting(1.0, "1 = off")
     generation_kwargs: dict | None = setting(
-        None, "TRL's, in transformers' names: stop_strings (or vLLM's stop; a row ends with "
+        None,
+        "TRL's, in transformers' names: stop_strings (or vLLM's stop; a row ends with "
         "the token completing one and counts as truncated, as in TRL), suppress_tokens, "
         "min_new_tokens, and temperature/top_k/top_p/min_p/repetition_penalty, which win "
         "over the fields above. Its temperature samples only: the loss's log-probs keep "
-        "the temperature field's, as in TRL, so the two can differ")
+        "the temperature field's, as in TRL, so the two can differ",
+    )
     torch_compile: bool = setting(
-        False, "compile the decode step (nanogrpo/fast/sampling.py's StaticDecoder): CUDA "
-        "graphs on GPU")
+        False,
+        "compile the decode step (nanogrpo/fast/sampling.py's StaticDecoder): CUDA graphs on GPU",
+    )
     plain: bool = setting(
-        False, "train with the course functions only (nanogrpo/fast/ off): the plain draw "
-        "and log-probs, no compiled decode step, no rows skipped; the same numbers, slower")
+        False,
+        "train with the course functions only (nanogrpo/fast/ off): the plain draw "
+        "and log-probs, no compiled decode step, no rows skipped; the same numbers, slower",
+    )
 
     tools: list = setting(
         help="functions the policy may call mid-completion (see tools.py): "
         '"module:function", "path/to/file.py:function", or a function of the config file',
-        factory=list, group="tools (TRL's names)")
+        factory=list,
+        group="tools (TRL's names)",
+    )
     max_tool_calling_iterations: int | None = setting(
-        None, "tool rounds per completion; None = until no row calls one")
+        None, "tool rounds per completion; None = until no row calls one"
+    )
     tool_timeout: float = setting(
-        30.0, 'seconds an async tool may run before its result is {"error": ...}')
+        30.0, 'seconds an async tool may run before its result is {"error": ...}'
+    )
     tool_call_format: str = setting(
-        "hermes", "how calls are written in the text: a key of tools.TOOL_CALL_PARSERS")
+        "hermes", "how calls are written in the text: a key of tools.TOOL_CALL_PARSERS"
+    )
     environment_factory: dict | str | typing.Callable | None = setting(
-        None, "GRPOTrainer's: a class (or function) making an environment, one per completion, "
+        None,
+        "GRPOTrainer's: a class (or function) making an environment, one per completion, "
         "whose public methods are its tools and whose get_reward() a reward; or {name: class} "
         "routed by the dataset's `environment` column. A class of the config file, "
-        '"module:Class" or "path/to/file.py:Class" (see environments.py)')
+        '"module:Class" or "path/to/file.py:Class" (see environments.py)',
+    )
     rollout_func: str | typing.Callable | None = setting(
-        None, "GRPOTrainer's: rollout_func(prompts, trainer) -> {prompt_ids, completion_ids, "
+        None,
+        "GRPOTrainer's: rollout_func(prompts, trainer) -> {prompt_ids, completion_ids, "
         "logprobs, [env_mask], fields for the rewards} replaces the sampler (see "
-        'custom_rollout.py); a function of the config file or "module:function"')
+        'custom_rollout.py); a function of the config file or "module:function"',
+    )
 
     loss_type: str = setting(
-        "dapo", "grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo",
-        group="loss (TRL GRPOConfig names and defaults)")
+        "dapo",
+        "grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo",
+        group="loss (TRL GRPOConfig names and defaults)",
+    )
     beta: float = setting(0.0, "KL coefficient; 0 = no reference model")
     epsilon: float = setting(0.2, "lower clip range")
     epsilon_high: float | None = setting(
-        None, "upper clip range (None = epsilon); cispo's weight cap")
-    delta: float | None = setting(
-        None, "INTELLECT-2 upper bound on the ratio, None = off")
+        None, "upper clip range (None = epsilon); cispo's weight cap"
+    )
+    delta: float | None = setting(None, "INTELLECT-2 upper bound on the ratio, None = off")
     importance_sampling_level: str = setting("token", "token | sequence (GSPO)")
-    sapo_temperature_pos: float = setting(
-        1.0, "sapo gate temperature for positive advantages")
-    sapo_temperature_neg: float = setting(
-        1.05, "sapo gate temperature for non-positive advantages")
+    sapo_temperature_pos: float = setting(1.0, "sapo gate temperature for positive advantages")
+    sapo_temperature_neg: float = setting(1.05, "sapo gate temperature for non-positive advantages")
     vespo_k_pos: float = setting(2.0, "vespo power, positive advantages")
     vespo_lambda_pos: float = setting(3.0, "vespo decay, positive advantages")
     vespo_k_neg: float = setting(3.0, "vespo power, negative advantages")
     vespo_lambda_neg: float = setting(2.0, "vespo decay, negative advantages")
-    use_bias_correction_kl: bool = setting(
-        True, "multiply the KL term by the importance ratio")
+    use_bias_correction_kl: bool = setting(True, "multiply the KL term by the importance ratio")
     top_entropy_quantile: float = setting(
-        1.0, "keep the top-rho tokens by entropy in the loss, 1 = all")
-    scale_rewards: str = setting(
-        "group", "group | batch | none: what the advantage is divided by")
-    multi_objective_aggregation: str = setting(
-        "sum_then_normalize", "or normalize_then_sum (GDPO)")
+        1.0, "keep the top-rho tokens by entropy in the loss, 1 = all"
+    )
+    scale_rewards: str = setting("group", "group | batch | none: what the advantage is divided by")
+    multi_objective_aggregation: str = setting("sum_then_normalize", "or normalize_then_sum (GDPO)")
     mask_truncated_completions: bool = setting(
-        False, "drop completions that hit max_completion_length from the loss")
+        False, "drop completions that hit max_completion_length from the loss"
+    )
 
     entropy_coef: float = setting(
-        0.0, "loss - coef x mean entropy of the trained tokens, for every loss_type; "
+        0.0,
+        "loss - coef x mean entropy of the trained tokens, for every loss_type; "
         "0 = off; > 0 keeps the policy from collapsing (exploration)",
-        group="entropy bonus (TRL's names)")
+        group="entropy bonus (TRL's names)",
+    )
     use_adaptive_entropy: bool = setting(
-        False, "Skywork-OR1's control: entropy_coef moves one entropy_coef_delta per "
+        False,
+        "Skywork-OR1's control: entropy_coef moves one entropy_coef_delta per "
         "step, up while the entropy is at or below entropy_target (the bonus applies "
-        "only then), down otherwise; saved with checkpoints")
+        "only then), down otherwise; saved with checkpoints",
+    )
     entropy_coef_min: float = setting(0.0, "the adaptive coefficient's lower bound")
     entropy_coef_max: float = setting(1.0, "the adaptive coefficient's upper bound")
-    entropy_coef_delta: float = setting(
-        0.005, "the adaptive coefficient's move per step")
-    entropy_target: float = setting(
-        0.2, "nats; set it near the `entropy` metric of early training")
+    entropy_coef_delta: float = setting(0.005, "the adaptive coefficient's move per step")
+    entropy_target: float = setting(0.2, "nats; set it near the `entropy` metric of early training")
 
     off_policy_mask_threshold: float | None = setting(
-        None, "DeepSeek-V3.2 OPSM: drop a negative-advantage completion whose mean "
+        None,
+        "DeepSeek-V3.2 OPSM: drop a negative-advantage completion whose mean "
         "per-token KL from the sampling policy exceeds this (e.g. 0.5); None = off",
-        group="off-policy corrections (TRL's names; its \"vllm\" is nanogrpo's sampler)")
+        group="off-policy corrections (TRL's names; its \"vllm\" is nanogrpo's sampler)",
+    )
     vllm_importance_sampling_correction: bool = setting(
-        True, "weight each token's loss by pi_trainer / pi_sampler (the sampler's own "
+        True,
+        "weight each token's loss by pi_trainer / pi_sampler (the sampler's own "
         "log-probs): they differ in bf16 and with the compiled decode step; ~1 in fp32 "
-        "on CPU")
+        "on CPU",
+    )
     vllm_importance_sampling_mode: str = setting(
-        "sequence_mask", "token_truncate | token_mask | sequence_truncate | sequence_mask: "
-        "truncate clamps the weight into [clip_min, clip_max]; mask zeroes it outside")
+        "sequence_mask",
+        "token_truncate | token_mask | sequence_truncate | sequence_mask: "
+        "truncate clamps the weight into [clip_min, clip_max]; mask zeroes it outside",
+    )
     vllm_importance_sampling_clip_min: float | None = setting(
-        None, "the weight's lower bound; None = no bound")
+        None, "the weight's lower bound; None = no bound"
+    )
     vllm_importance_sampling_clip_max: float | None = setting(
-        3.0, "the weight's upper bound; None = no bound")
+        3.0, "the weight's upper bound; None = no bound"
+    )
     cast_lm_head_to_fp32: bool = setting(
-        False, "the LM head in float32 under bf16, sampler and trainer (ScaleRL)")
+        False, "the LM head in float32 under bf16, sampler and trainer (ScaleRL)"
+    )
 
     dynamic_sampling: bool = setting(
-        False, "arXiv 2503.14476: drop groups whose rewards are all equal (no learning "
+        False,
+        "arXiv 2503.14476: drop groups whose rewards are all equal (no learning "
         "signal) and sample more prompts until the round has its number of groups",
-        group="dynamic sampling (DAPO; verl's filter_groups, not in TRL)")
+        group="dynamic sampling (DAPO; verl's filter_groups, not in TRL)",
+    )
     max_num_gen_batches: int = setting(
-        10, "generation batches drawn for one round at most (verl's name); then "
-        "equal-reward groups fill what is missing, with a warning")
+        10,
+        "generation batches drawn for one round at most (verl's name); then "
+        "equal-reward groups fill what is missing, with a warning",
+    )
 
     learning_rate: float = setting(
-        1e-6, "peak learning rate",
-        group="optimizer and learning-rate schedule (transformers' names)")
-    optim: str = setting(
-        "adamw_torch_fused", "or adamw_torch (fused where the device has it)")
+        1e-6,
+        "peak learning rate",
+        group="optimizer and learning-rate schedule (transformers' names)",
+    )
+    optim: str = setting("adamw_torch_fused", "or adamw_torch (fused where the device has it)")
     adam_beta1: float = setting(0.9, "AdamW's first-moment decay")
     adam_beta2: float = setting(0.999, "AdamW's second-moment decay")
     adam_epsilon: float = setting(1e-8, "AdamW's denominator epsilon")
     weight_decay: float = setting(0.0, "decoupled weight decay")
     lr_scheduler_type: str = setting(
-        "linear", "linear | cosine | constant | constant_with_warmup | cosine_with_min_lr")
+        "linear", "linear | cosine | constant | constant_with_warmup | cosine_with_min_lr"
+    )
     lr_scheduler_kwargs: dict | None = setting(
-        None, 'cosine_with_min_lr: {"min_lr": x} or {"min_lr_rate": x}; cosine: '
-        '{"num_cycles": x}')
+        None, 'cosine_with_min_lr: {"min_lr": x} or {"min_lr_rate": x}; cosine: {"num_cycles": x}'
+    )
     warmup_steps: float = setting(
-        0, "warmup steps (the first at lr 0); below 1, a fraction of max_steps")
+        0, "warmup steps (the first at lr 0); below 1, a fraction of max_steps"
+    )
     warmup_ratio: float = setting(
-        0.0, "warmup as a fraction of max_steps, rounded up (when warmup_steps is 0)")
+        0.0, "warmup as a fraction of max_steps, rounded up (when warmup_steps is 0)"
+    )
     max_grad_norm: float | None = setting(1.0, "gradient clipping; None = off")
 
     sync_ref_model: bool = setting(
-        False, "TR-DPO: pull the reference model toward the policy",
-        group="reference model (beta > 0)")
-    ref_model_mixup_alpha: float = setting(
-        0.6, "ref = alpha * policy + (1 - alpha) * ref")
+        False,
+        "TR-DPO: pull the reference model toward the policy",
+        group="reference model (beta > 0)",
+    )
+    ref_model_mixup_alpha: float = setting(0.6, "ref = alpha * policy + (1 - alpha) * ref")
     ref_model_sync_steps: int = setting(512, "optimizer steps between syncs")
 
     max_steps: int = setting(
-        -1, "optimizer steps; -1 = num_train_epochs passes over the dataset", group="run")
+        -1, "optimizer steps; -1 = num_train_epochs passes over the dataset", group="run"
+    )
     num_train_epochs: float = setting(
-        3.0, "passes over the prompts, as TRL counts them (when max_steps is -1)")
-    logging_steps: int = setting(
-        10, "steps between console lines and tracker logs")
+        3.0, "passes over the prompts, as TRL counts them (when max_steps is -1)"
+    )
+    logging_steps: int = setting(10, "steps between console lines and tracker logs")
     logging_first_step: bool = setting(False, "also log step 1")
     eval_strategy: str = setting("no", "no | steps")
-    eval_steps: int | None = setting(
-        None, 'with eval_strategy="steps"; None = logging_steps')
-    save_steps: int = setting(
-        500, "steps between checkpoints, 0 = only at the end; also on Ctrl-C")
+    eval_steps: int | None = setting(None, 'with eval_strategy="steps"; None = logging_steps')
+    save_steps: int = setting(500, "steps between checkpoints, 0 = only at the end; also on Ctrl-C")
     save_total_limit: int | None = setting(
-        None, "keep the newest this-many checkpoints this run wrote; None = all")
-    log_completions: bool = setting(
-        False, "print a sample of completions at each log step")
+        None, "keep the newest this-many checkpoints this run wrote; None = all"
+    )
+    log_completions: bool = setting(False, "print a sample of completions at each log step")
     num_completions_to_print: int | None = setting(
-        None, "prompts whose first completion log_completions prints; None = 2")
+        None, "prompts whose first completion log_completions prints; None = 2"
+    )
     output_dir: str | None = setting(
-        None, 'checkpoints, train_config.json and logs; None = "trainer_output"')
-    run_name: str | None = setting(
-        None, "the trackers' run name; None = output_dir")
+        None, 'checkpoints, train_config.json and logs; None = "trainer_output"'
+    )
+    run_name: str | None = setting(None, "the trackers' run name; None = output_dir")
     resume_from_checkpoint: bool | str | None = setting(
-        None, "None/False; True = the latest checkpoint in output_dir if there is one; "
-        "or a checkpoint path. The text true/false (any case; 1/0, yes/no) is the bool.")
+        None,
+        "None/False; True = the latest checkpoint in output_dir if there is one; "
+        "or a checkpoint path. The text true/false (any case; 1/0, yes/no) is the bool.",
+    )
     overwrite_output_dir: bool = setting(
-        False, "start over in an output_dir holding a run (deletes its checkpoints, logs)")
+        False, "start over in an output_dir holding a run (deletes its checkpoints, logs)"
+    )
     report_to: str | list[str] = setting(
-        "none", "none | tensorboard | wandb | trackio, or several: comma-separated "
-        'or a list (["wandb"])')
+        "none",
+        'none | tensorboard | wandb | trackio, or several: comma-separated or a list (["wandb"])',
+    )
     push_to_hub: bool = setting(
-        False, "upload each checkpoint to the hub repo hub_model_id (huggingface-hub)")
+        False, "upload each checkpoint to the hub repo hub_model_id (huggingface-hub)"
+    )
     hub_model_id: str | None = setting(None, "None = the output_dir's name")
     ddp_timeout: int = setting(
-        1800, "seconds a collective waits for the other processes before the run "
-        "ends with an error naming the rank (a hung or dead process)")
+        1800,
+        "seconds a collective waits for the other processes before the run "
+        "ends with an error naming the rank (a hung or dead process)",
+    )
 
     def __post_init__(self):
         # resume_from_checkpoint="False" in a config file is text: it
@@ -380,9 +448,12 @@ class TrainConfig:
         """Raise ConfigError naming the first inconsistent setting;
         returns self."""
         need = self._need
-        need(self.optim in OPTIMIZERS or "8bit" not in self.optim, "optim",
-             "needs bitsandbytes, which nanogrpo does not use: use adamw_torch "
-             "(or LoRA, use_peft=True, for a small optimizer state)")
+        need(
+            self.optim in OPTIMIZERS or "8bit" not in self.optim,
+            "optim",
+            "needs bitsandbytes, which nanogrpo does not use: use adamw_torch "
+            "(or LoRA, use_peft=True, for a small optimizer state)",
+        )
         for key, allowed in CHOICES.items():
             value = getattr(self, key)
             need(value in allowed, key, f"must be one of {list(allowed)}")
@@ -393,28 +464,44 @@ class TrainConfig:
                 need(value is None or ok(value), key, why)
         d = self.device
         cuda_n = d.startswith("cuda:") and d[5:].isdigit()
-        need(d in ("auto", "cpu", "cuda") or cuda_n, "device",
-             "must be auto, cpu, cuda or cuda:N")
+        need(d in ("auto", "cpu", "cuda") or cuda_n, "device", "must be auto, cpu, cuda or cuda:N")
         self._validate_batch(world_size)
         kwargs = self.model_init_kwargs or {}
         unknown = sorted(set(kwargs) - {"dtype", "torch_dtype"})
-        need(not unknown, "model_init_kwargs",
-             f"nanogrpo builds its own model: only dtype is read, not {unknown}")
-        need(self.weight_dtype() in WEIGHT_DTYPES, "model_init_kwargs",
-             f"dtype must be one of {list(WEIGHT_DTYPES)} or auto")
+        need(
+            not unknown,
+            "model_init_kwargs",
+            f"nanogrpo builds its own model: only dtype is read, not {unknown}",
+        )
+        need(
+            self.weight_dtype() in WEIGHT_DTYPES,
+            "model_init_kwargs",
+            f"dtype must be one of {list(WEIGHT_DTYPES)} or auto",
+        )
         self._validate_sampling_and_loss()
         self._validate_rewards()
         self._validate_rollouts()
-        need(not self.sync_ref_model or self.beta > 0, "sync_ref_model",
-             "needs beta > 0 (a reference model)")
+        need(
+            not self.sync_ref_model or self.beta > 0,
+            "sync_ref_model",
+            "needs beta > 0 (a reference model)",
+        )
         self.check_lora(self.use_peft)
-        need(not self.merge_adapter or self.use_peft, "merge_adapter",
-             "needs use_peft=true (an adapter to merge)")
-        need(not (self.plain and self.torch_compile), "torch_compile",
-             "compiles nanogrpo/fast/'s decode step, which plain=true leaves out: "
-             "set one of them")
-        need(all(r in REPORTERS for r in self.reporters()), "report_to",
-             f"takes names from {list(REPORTERS)}")
+        need(
+            not self.merge_adapter or self.use_peft,
+            "merge_adapter",
+            "needs use_peft=true (an adapter to merge)",
+        )
+        need(
+            not (self.plain and self.torch_compile),
+            "torch_compile",
+            "compiles nanogrpo/fast/'s decode step, which plain=true leaves out: set one of them",
+        )
+        need(
+            all(r in REPORTERS for r in self.reporters()),
+            "report_to",
+            f"takes names from {list(REPORTERS)}",
+        )
         return self
 
     def _validate_batch(self, world_size: int):
@@ -423,13 +510,19 @@ class TrainConfig:
         G = self.num_generations
         need(G >= 2, "num_generations", "GRPO needs at least 2 completions per prompt")
         both = self.steps_per_generation and self.generation_batch_size
-        need(not both, "generation_batch_size",
-             "set it or steps_per_generation, not both (as in TRL)")
+        need(
+            not both,
+            "generation_batch_size",
+            "set it or steps_per_generation, not both (as in TRL)",
+        )
         global_batch = self.per_device_train_batch_size * world_size
         gbs = self.generation_batch_size
-        need(gbs is None or gbs % global_batch == 0, "generation_batch_size",
-             f"must be divisible by the global batch size "
-             f"(per_device_train_batch_size x processes = {global_batch}; TRL's rule)")
+        need(
+            gbs is None or gbs % global_batch == 0,
+            "generation_batch_size",
+            f"must be divisible by the global batch size "
+            f"(per_device_train_batch_size x processes = {global_batch}; TRL's rule)",
+        )
         sched = batch_schedule(self, world_size)
         if sched.generation_batch_size % G:
             raise ConfigError(
@@ -437,15 +530,21 @@ class TrainConfig:
                 f"per_device_train_batch_size x {world_size} process(es) x "
                 f"steps_per_generation {sched.steps_per_generation}) must be "
                 f"divisible by num_generations ({G}): a generation round "
-                "holds whole groups (TRL's rule)")
-        need(not self.dynamic_sampling or sched.whole_groups_per_rank,
-             "dynamic_sampling",
-             f"needs each process to hold whole groups: "
-             f"per_device_train_batch_size x steps_per_generation "
-             f"({sched.completions_per_round_per_rank}) must be a multiple of "
-             f"num_generations={G}")
-        need(self.max_steps > 0 or self.max_steps == -1, "max_steps",
-             "must be > 0, or -1 for num_train_epochs")
+                "holds whole groups (TRL's rule)"
+            )
+        need(
+            not self.dynamic_sampling or sched.whole_groups_per_rank,
+            "dynamic_sampling",
+            f"needs each process to hold whole groups: "
+            f"per_device_train_batch_size x steps_per_generation "
+            f"({sched.completions_per_round_per_rank}) must be a multiple of "
+            f"num_generations={G}",
+        )
+        need(
+            self.max_steps > 0 or self.max_steps == -1,
+            "max_steps",
+            "must be > 0, or -1 for num_train_epochs",
+        )
 
     def _validate_sampling_and_loss(self):
         try:  # the sampler's and the loss's own rules, not restated here
@@ -461,48 +560,72 @@ class TrainConfig:
         except ValueError as e:
             message = str(e).removeprefix("LossConfig.")
             raise ConfigError(message) from None
-        self._need(self.temperature > 0, "temperature",
-                   "training samples, so it must be > 0 "
-                   "(0 = greedy is for sample.py)")
+        self._need(
+            self.temperature > 0,
+            "temperature",
+            "training samples, so it must be > 0 (0 = greedy is for sample.py)",
+        )
         # the sampler always returns its log-probs: checked here, not per step
-        self._need(loss.correction_fits_the_loss(),
-                   "vllm_importance_sampling_mode", VESPO_NEEDS_TOKENS)
+        self._need(
+            loss.correction_fits_the_loss(), "vllm_importance_sampling_mode", VESPO_NEEDS_TOKENS
+        )
 
     def _validate_rewards(self):
         need = self._need
         n = len(self.reward_funcs)
         # an environment's get_reward may be the reward: trainer.setup checks once it has one
-        need(n >= 1 or self.environment_factory is not None, "reward_funcs",
-             "needs at least one reward function (or an environment_factory whose "
-             "environment defines get_reward)")
+        need(
+            n >= 1 or self.environment_factory is not None,
+            "reward_funcs",
+            "needs at least one reward function (or an environment_factory whose "
+            "environment defines get_reward)",
+        )
         for key in ("reward_weights", "reward_processing_classes"):
             value = getattr(self, key)
-            need(value is None or len(value) == n, key,
-                 f"needs one entry per reward function ({n}); "
-                 "reward_processing_classes holds None where a function "
-                 "is not a reward model")
+            need(
+                value is None or len(value) == n,
+                key,
+                f"needs one entry per reward function ({n}); "
+                "reward_processing_classes holds None where a function "
+                "is not a reward model",
+            )
         window = self.soft_punish_cache
-        need(window is None or window <= self.max_completion_length,
-             "soft_punish_cache", "must be in [1, max_completion_length]")
+        need(
+            window is None or window <= self.max_completion_length,
+            "soft_punish_cache",
+            "must be in [1, max_completion_length]",
+        )
 
     def _validate_rollouts(self):
         """TRL's rules for environment_factory, rollout_func and a run without a dataset."""
         need = self._need
         factory = self.environment_factory
-        need(self.rollout_func is None or not (self.tools or factory is not None),
-             "rollout_func", "generates whole completions: call tools from inside it, and "
-             "leave tools and environment_factory unset")
+        need(
+            self.rollout_func is None or not (self.tools or factory is not None),
+            "rollout_func",
+            "generates whole completions: call tools from inside it, and "
+            "leave tools and environment_factory unset",
+        )
         if self.dataset is not None:
             return
-        need(factory is not None, "dataset",
-             "a dataset is required unless an environment_factory is provided (TRL's rule), "
-             "whose reset() returns each prompt")
-        need(not isinstance(factory, dict), "dataset",
-             "a dict environment_factory (several environments) needs a dataset with an "
-             "`environment` column to route each row to its environment (TRL's rule)")
-        need(self.max_steps > 0, "max_steps",
-             "must be > 0 without a dataset: the environment owns the data, so max_steps "
-             "sets the length of training (TRL's rule)")
+        need(
+            factory is not None,
+            "dataset",
+            "a dataset is required unless an environment_factory is provided (TRL's rule), "
+            "whose reset() returns each prompt",
+        )
+        need(
+            not isinstance(factory, dict),
+            "dataset",
+            "a dict environment_factory (several environments) needs a dataset with an "
+            "`environment` column to route each row to its environment (TRL's rule)",
+        )
+        need(
+            self.max_steps > 0,
+            "max_steps",
+            "must be > 0 without a dataset: the environment owns the data, so max_steps "
+            "sets the length of training (TRL's rule)",
+        )
 
     def check_lora(self, lora: bool):
         """The rules that depend on whether the policy carries LoRA
@@ -512,29 +635,38 @@ class TrainConfig:
         if lora and self.sync_ref_model:
             raise ConfigError(
                 "sync_ref_model=True: refused with LoRA adapters (use_peft, or "
-                "a PEFT adapter directory as model), as TRL does")
+                "a PEFT adapter directory as model), as TRL does"
+            )
 
     def warnings(self) -> list[str]:
         """What is valid but probably not meant, one sentence each."""
         out = []
         if self.eval_strategy != "no" and not self.eval_dataset:
-            out.append(f"eval_strategy={self.eval_strategy!r} without an "
-                       "eval_dataset: no evaluation")
+            out.append(
+                f"eval_strategy={self.eval_strategy!r} without an eval_dataset: no evaluation"
+            )
         # the sampler's own settings: the fields, with generation_kwargs over them
         given = generation_settings(self.generation_kwargs)
         top_k = given.get("top_k", self.top_k)
         top_p = given.get("top_p", self.top_p)
         min_p = given.get("min_p", self.min_p)
-        filtered = (top_k > 0 or top_p < 1 or bool(min_p)
-                    or bool(given.get("suppress_tokens")) or given.get("min_new_tokens", 0) > 0)
+        filtered = (
+            top_k > 0
+            or top_p < 1
+            or bool(min_p)
+            or bool(given.get("suppress_tokens"))
+            or given.get("min_new_tokens", 0) > 0
+        )
         if filtered and self.vllm_importance_sampling_correction:
-            out.append("the sampler's log-probs are those of the distribution "
-                       "top_k/top_p/min_p (or generation_kwargs' suppress_tokens, "
-                       "min_new_tokens) leave (as vLLM's processed_logprobs, "
-                       "which TRL uses), so vllm_importance_sampling_correction "
-                       "weighs each completion by the probability mass the "
-                       "filters kept; TRL without vLLM applies no correction: "
-                       "vllm_importance_sampling_correction=False matches it")
+            out.append(
+                "the sampler's log-probs are those of the distribution "
+                "top_k/top_p/min_p (or generation_kwargs' suppress_tokens, "
+                "min_new_tokens) leave (as vLLM's processed_logprobs, "
+                "which TRL uses), so vllm_importance_sampling_correction "
+                "weighs each completion by the probability mass the "
+                "filters kept; TRL without vLLM applies no correction: "
+                "vllm_importance_sampling_correction=False matches it"
+            )
         return out
 
     # --- what other modules read --------------------------------------------

@@ -44,7 +44,6 @@ from dataclasses import fields
 
 from nanogrpo.run.config import FALSE_WORDS, TRUE_WORDS, ConfigError, TrainConfig
 
-
 FIELD_TYPES = typing.get_type_hints(TrainConfig)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS_DIR = os.path.join(ROOT, "configs")
@@ -89,8 +88,7 @@ def check_known(entries: list[tuple[str, object, str, bool]]):
     from_text) entries, each with its closest field, so nine typos need one
     run, not nine."""
     bad = [k for k, v, _, text in entries if not is_read(k, v, text)]
-    unknown = [_unknown_key(k, where) for k, v, where, text in entries
-               if not is_read(k, v, text)]
+    unknown = [_unknown_key(k, where) for k, v, where, text in entries if not is_read(k, v, text)]
     if len(unknown) == 1:
         kind = "unsupported" if refusal(bad[0]) else "unknown"
         raise ConfigError(f"{kind} config key {unknown[0]}")
@@ -198,22 +196,28 @@ def config_path(name: str) -> str:
     ext = os.path.splitext(name)[1]
     is_path = "/" in name or os.sep in name
     if ext not in (".py",) + YAML and (ext or is_path):
-        raise ConfigError(f"config {name!r} is not a .py or .yaml file: a config "
-                          "is Python assigning settings (see configs/tiny.py), "
-                          "or a YAML mapping of them as `trl grpo --config` reads")
+        raise ConfigError(
+            f"config {name!r} is not a .py or .yaml file: a config "
+            "is Python assigning settings (see configs/tiny.py), "
+            "or a YAML mapping of them as `trl grpo --config` reads"
+        )
     file = name if ext else name + ".py"
     if not is_path:
         builtin = os.path.join(CONFIGS_DIR, file)
         if os.path.isfile(builtin):
             if os.path.isfile(file):
-                note(f"--config {name} runs the built-in {builtin}, not "
-                     f"./{file}; for yours, pass --config ./{file}")
+                note(
+                    f"--config {name} runs the built-in {builtin}, not "
+                    f"./{file}; for yours, pass --config ./{file}"
+                )
             return builtin
     if os.path.isfile(file):
         return file
     known = sorted(f[:-3] for f in os.listdir(CONFIGS_DIR) if f.endswith(".py"))
-    raise ConfigError(f"config {name!r} not found: not a file, nor one of "
-                      f"the built-in configs {known} in {CONFIGS_DIR}")
+    raise ConfigError(
+        f"config {name!r} not found: not a file, nor one of "
+        f"the built-in configs {known} in {CONFIGS_DIR}"
+    )
 
 
 def read_config_file(name: str) -> dict:
@@ -228,8 +232,11 @@ def read_config_file(name: str) -> dict:
     namespace: dict = {}
     with open(path) as f:
         exec(compile(f.read(), path, "exec"), namespace)
-    return {k: v for k, v in namespace.items()
-            if not k.startswith("_") and (is_setting_name(k) or not is_code(v))}
+    return {
+        k: v
+        for k, v in namespace.items()
+        if not k.startswith("_") and (is_setting_name(k) or not is_code(v))
+    }
 
 
 def is_code(value) -> bool:
@@ -250,8 +257,10 @@ def read_yaml(path: str) -> dict:
     try:
         import yaml
     except ImportError:
-        raise ConfigError(f"config {path}: reading YAML needs PyYAML (pip install "
-                          "pyyaml), or write the config in Python") from None
+        raise ConfigError(
+            f"config {path}: reading YAML needs PyYAML (pip install "
+            "pyyaml), or write the config in Python"
+        ) from None
     with open(path) as f:
         try:
             read = yaml.safe_load(f)
@@ -260,12 +269,15 @@ def read_yaml(path: str) -> dict:
     if read is None:
         read = {}
     if not isinstance(read, dict):
-        raise ConfigError(f"config {path}: expected a mapping of setting names "
-                          f"to values, got a {type(read).__name__}")
+        raise ConfigError(
+            f"config {path}: expected a mapping of setting names "
+            f"to values, got a {type(read).__name__}"
+        )
     env = read.pop("env", None) or {}
     if not isinstance(env, dict):
-        raise ConfigError(f"config {path}: env must be a mapping of environment "
-                          "variables to values")
+        raise ConfigError(
+            f"config {path}: env must be a mapping of environment variables to values"
+        )
     for key, value in env.items():
         os.environ[str(key)] = str(value)
     # YAML 1.1 reads an unquoted `no` as False: a strategy's "no"
@@ -313,8 +325,10 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     validated TrainConfig (read_settings says which values run)."""
     settings, basis = read_settings(argv)
     if settings.get("model") is None:
-        raise ConfigError("no model: set model = ... (a checkpoint directory or "
-                          "hub id) in your config file, or pass --model")
+        raise ConfigError(
+            "no model: set model = ... (a checkpoint directory or "
+            "hub id) in your config file, or pass --model"
+        )
     # the batch rules count processes: torchrun's WORLD_SIZE (train.py validates again once the
     # process group exists)
     cfg = TrainConfig(**settings).validate(int(os.environ.get("WORLD_SIZE", "1")))
@@ -339,8 +353,11 @@ def read_settings(argv: list[str] | None = None) -> tuple[dict, str | None]:
     files = [value for key, value in pairs if key == "config"]
     files, basis = default_config(files, typed)
     file_settings = [(name, read_config_file(name)) for name in files]
-    entries = [(k, v, f"in config file {name}", is_yaml(name))
-               for name, read in file_settings for k, v in read.items()]
+    entries = [
+        (k, v, f"in config file {name}", is_yaml(name))
+        for name, read in file_settings
+        for k, v in read.items()
+    ]
     entries += [(k, v, "on the command line", True) for k, v in typed.items()]
     check_known(entries)
     from_file = {}
@@ -360,11 +377,14 @@ def default_config(files: list[str], command_line: dict) -> tuple[list, str | No
     if files:
         return files, None
     if not {"model", "model_name_or_path"} & set(command_line):
-        return ["tiny"], ("no --config and no --model: the embedded default "
-                          "configs/tiny.py runs, your settings on top (name a "
-                          "model for TrainConfig's defaults, TRL's)")
-    return [], ("no --config: TrainConfig's defaults (TRL's) with your "
-                "settings; nothing of configs/tiny.py")
+        return ["tiny"], (
+            "no --config and no --model: the embedded default "
+            "configs/tiny.py runs, your settings on top (name a "
+            "model for TrainConfig's defaults, TRL's)"
+        )
+    return [], (
+        "no --config: TrainConfig's defaults (TRL's) with your settings; nothing of configs/tiny.py"
+    )
 
 
 def is_yaml(name: str) -> bool:
@@ -384,36 +404,51 @@ def settings_of(read: dict, from_text: bool) -> dict:
             name = ALIASES.get(key, key)
             converted = convert(name, value, from_text=from_text)
             if name in settings and settings[name] != converted:
-                raise ConfigError(f"{name} is set twice in one place, to "
-                                  f"{settings[name]!r} and (as {key}) to "
-                                  f"{converted!r}: keep one")
+                raise ConfigError(
+                    f"{name} is set twice in one place, to "
+                    f"{settings[name]!r} and (as {key}) to "
+                    f"{converted!r}: keep one"
+                )
             settings[name] = converted
         elif key in TRANSLATED:
             translated |= TRANSLATED[key](key, value, from_text)
         elif key in NO_EFFECT:
             note(f"{key} changes nothing here: {NO_EFFECT[key]}")
         elif key.startswith("vllm_"):
-            note(f"{key} changes nothing here: there is no vLLM (use_vllm is "
-                 "off; nanogrpo's own sampler generates)")
+            note(
+                f"{key} changes nothing here: there is no vLLM (use_vllm is "
+                "off; nanogrpo's own sampler generates)"
+            )
     return settings | translated
 
 
 def _drop_followers(settings: dict, from_file: dict, command_line: dict):
     """load_config's rule for settings that follow another (see there)."""
     model_changed = settings.get("model") != from_file.get("model")
-    if "model" in command_line and "init_model" not in command_line \
-            and from_file.get("init_model") is not None and model_changed:
+    if (
+        "model" in command_line
+        and "init_model" not in command_line
+        and from_file.get("init_model") is not None
+        and model_changed
+    ):
         settings["init_model"] = None
     dataset_changed = settings.get("dataset") != from_file.get("dataset")
-    if "dataset" in command_line and "eval_dataset" not in command_line \
-            and from_file.get("eval_dataset") is not None and dataset_changed:
+    if (
+        "dataset" in command_line
+        and "eval_dataset" not in command_line
+        and from_file.get("eval_dataset") is not None
+        and dataset_changed
+    ):
         settings["eval_dataset"] = None
         dropped = f"eval_dataset={from_file['eval_dataset']!r}"
         if "eval_strategy" not in command_line:
             settings["eval_strategy"] = "no"  # no evaluation, and no warning
-        note(f"--dataset={settings['dataset']} replaces the config file's "
-             f"dataset, so its {dropped} (another task) is not used; "
-             "pass --eval_dataset=... to evaluate")
+        note(
+            f"--dataset={settings['dataset']} replaces the config file's "
+            f"dataset, so its {dropped} (another task) is not used; "
+            "pass --eval_dataset=... to evaluate"
+        )
+
 
 # -----------------------------------------------------------------------------
 # TRL's other names: its scripts' ScriptArguments and ModelConfig, and the
@@ -444,19 +479,25 @@ def _save_strategy(key, value, from_text) -> dict:
     if strategy == "steps":
         return {}
     if strategy == "no":
-        note("save_strategy='no': save_steps=0, no checkpoint on the way; "
-             "the last step is saved all the same")
+        note(
+            "save_strategy='no': save_steps=0, no checkpoint on the way; "
+            "the last step is saved all the same"
+        )
         return {"save_steps": 0}
-    raise ConfigError(f"{key}={strategy!r}: checkpoints come every save_steps "
-                      "optimizer steps: use save_strategy='steps' or 'no'")
+    raise ConfigError(
+        f"{key}={strategy!r}: checkpoints come every save_steps "
+        "optimizer steps: use save_strategy='steps' or 'no'"
+    )
 
 
 def _logging_strategy(key, value, from_text) -> dict:
     """Console lines and metrics come every logging_steps, whatever it says."""
     strategy = convert(key, value, str, from_text)
     if strategy != "steps":
-        note(f"{key}={strategy!r} changes nothing here: a line and a metrics "
-             "record come every logging_steps")
+        note(
+            f"{key}={strategy!r} changes nothing here: a line and a metrics "
+            "record come every logging_steps"
+        )
     return {}
 
 
@@ -468,9 +509,11 @@ def _model_revision(key, value, from_text) -> dict:
     revision = convert(key, value, str | None, from_text)
     if revision in (None, "main"):
         return {}
-    raise ConfigError(f"{key}={revision!r}: a hub id loads its main revision; "
-                      "download that revision (huggingface-cli download --revision) "
-                      "and pass its directory as model")
+    raise ConfigError(
+        f"{key}={revision!r}: a hub id loads its main revision; "
+        "download that revision (huggingface-cli download --revision) "
+        "and pass its directory as model"
+    )
 
 
 def _dataset_config(key, value, from_text) -> dict:
@@ -480,12 +523,16 @@ def _dataset_config(key, value, from_text) -> dict:
     if name is None:
         return {}
     if name in ("main", "default"):
-        note(f"{key}={name!r} changes nothing here: the dataset's file is "
-             "that configuration's (gsm8k reads main's)")
+        note(
+            f"{key}={name!r} changes nothing here: the dataset's file is "
+            "that configuration's (gsm8k reads main's)"
+        )
         return {}
-    raise ConfigError(f"{key}={name!r}: nanogrpo reads one file, not a datasets "
-                      "configuration: set dataset to the configuration's file, "
-                      "hf://datasets/<owner>/<name>/<file>")
+    raise ConfigError(
+        f"{key}={name!r}: nanogrpo reads one file, not a datasets "
+        "configuration: set dataset to the configuration's file, "
+        "hf://datasets/<owner>/<name>/<file>"
+    )
 
 
 def _lora_task_type(key, value, from_text) -> dict:
@@ -546,7 +593,8 @@ NO_EFFECT = {
 
 # trl 1.16 GRPOConfig's fields (with TrainingArguments') that TrainConfig
 # lacks; tests/test_config.py keeps this list equal to the fixture's
-TRL_ONLY = set("""
+TRL_ONLY = set(
+    """
     accelerator_config activation_checkpointing
     activation_checkpointing_kwargs auto_find_batch_size
     average_tokens_across_devices batch_eval_metrics bf16_full_eval
@@ -580,10 +628,13 @@ TRL_ONLY = set("""
     transformers_continuous_batching_config trust_remote_code
     use_cache use_cpu use_liger_kernel
     use_transformers_continuous_batching use_transformers_paged use_vllm
-""".split())
+""".split()
+)
 FSDP2 = "several processes train with FSDP2 under torchrun: remove it"
-NO_BITSANDBYTES = ("needs bitsandbytes, which nanogrpo does not use: train LoRA "
-                   'adapters on bf16 weights (model_init_kwargs={"dtype": "bfloat16"})')
+NO_BITSANDBYTES = (
+    "needs bitsandbytes, which nanogrpo does not use: train LoRA "
+    'adapters on bf16 weights (model_init_kwargs={"dtype": "bfloat16"})'
+)
 # Refused, unless off (False, None, empty): each would change the result
 REFUSED = {
     "use_vllm": "generation runs in nanogrpo's own KV-cached sampler: remove it",
@@ -603,11 +654,10 @@ REFUSED = {
     # GRPOTrainer's arguments, which a TRL script passes beside its config
     # (its tools, rollout_func and environment_factory are TrainConfig fields)
     "callbacks": "there are no trainer callbacks: a reward function may log "
-                 "(log_metric, log_extra)",
-    "optimizers": "the optimizer is AdamW (optim, learning_rate, "
-                  "lr_scheduler_type)",
+    "(log_metric, log_extra)",
+    "optimizers": "the optimizer is AdamW (optim, learning_rate, lr_scheduler_type)",
     "peft_config": "LoRA is set by ModelConfig's names: use_peft=True, lora_r, "
-                   "lora_alpha, lora_dropout, lora_target_modules",
+    "lora_alpha, lora_dropout, lora_target_modules",
     "processing_class": "the tokenizer is the model directory's",
     "train_dataset": "set dataset: a file, hf://datasets/..., or a built-in name",
 }
@@ -634,24 +684,26 @@ def help_text(argv: list[str] | None = None) -> str:
     values = TrainConfig(**settings)
     files = [v for k, v in parse_args(argv or []) if k == "config"]
     if files:
-        basis = (f"--config {', '.join(files)}: the file's values over "
-                 "TrainConfig's defaults (TRL's), your settings on top")
+        basis = (
+            f"--config {', '.join(files)}: the file's values over "
+            "TrainConfig's defaults (TRL's), your settings on top"
+        )
     lines = [
         "usage: train.py [--config FILE] [--key=value ...]",
         "  FILE: a config of configs/ by name, or a path: a .py of your own, or a",
         "  .yaml as `trl grpo --config` reads. Command-line values override the file's.",
     ]
-    lines += textwrap.wrap(f"Values shown: {basis}.", width=96,
-                           subsequent_indent="    ")
+    lines += textwrap.wrap(f"Values shown: {basis}.", width=96, subsequent_indent="    ")
     for f in fields(TrainConfig):
         if "group" in f.metadata:
             lines += ["", f"  {f.metadata['group']}:"]
         lines.append(f"  --{f.name}={shown(getattr(values, f.name))}")
-        lines += textwrap.wrap(f.metadata["help"], width=96,
-                               initial_indent=" " * 6, subsequent_indent=" " * 6)
+        lines += textwrap.wrap(
+            f.metadata["help"], width=96, initial_indent=" " * 6, subsequent_indent=" " * 6
+        )
     lines += ["", "  TRL's other names:"] + textwrap.wrap(
-        trl_names_text(), width=96, initial_indent=" " * 6,
-        subsequent_indent=" " * 6)
+        trl_names_text(), width=96, initial_indent=" " * 6, subsequent_indent=" " * 6
+    )
     return "\n".join(lines)
 
 
@@ -668,7 +720,9 @@ def shown(value) -> str:
 
 def trl_names_text() -> str:
     aliases = ", ".join(f"{k} for {v}" for k, v in ALIASES.items())
-    return (f"{aliases}; {', '.join(TRANSLATED)}: read by their value. Settings "
-            "that change nothing here (remove_unused_columns, dataloader_*, ddp_*, "
-            "log_level, ...) are accepted with a note; one nanogrpo cannot honour "
-            "is refused with why, unless its value is off (False, None, empty).")
+    return (
+        f"{aliases}; {', '.join(TRANSLATED)}: read by their value. Settings "
+        "that change nothing here (remove_unused_columns, dataloader_*, ddp_*, "
+        "log_level, ...) are accepted with a note; one nanogrpo cannot honour "
+        "is refused with why, unless its value is off (False, None, empty)."
+    )

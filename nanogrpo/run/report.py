@@ -21,12 +21,9 @@ from dataclasses import asdict
 
 import torch
 
-from nanogrpo import dist
-from nanogrpo import sampler
+from nanogrpo import dist, sampler
+from nanogrpo.grpo import nanstd, total_reward
 from nanogrpo.run.config import ConfigError, TrainConfig
-from nanogrpo.grpo import nanstd
-from nanogrpo.grpo import total_reward
-
 
 # -----------------------------------------------------------------------------
 # Logging: metrics.jsonl, trackers, console
@@ -58,8 +55,7 @@ def log(run):
 
 
 def without_nan(m: dict) -> dict:
-    return {k: None if isinstance(v, float) and math.isnan(v) else v
-            for k, v in m.items()}
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in m.items()}
 
 
 def eta_minutes(run, step: int) -> float:
@@ -70,6 +66,7 @@ def eta_minutes(run, step: int) -> float:
 
 def print_step(m: dict, run):
     """One console line per optimizer step (and a few completions)."""
+
     def num(key, spec):
         if m.get(key) is None:
             return "n/a"
@@ -88,8 +85,7 @@ def print_step(m: dict, run):
         f"len {m['completions/mean_length']:.1f}",
         f"grad {m['grad_norm']:.3f}",
         f"lr {m['learning_rate']:.2e}",
-        f"{m['step_time']:.2f}s (sample {m['time/sample']:.2f}, "
-        f"update {m['time/update']:.2f})",
+        f"{m['step_time']:.2f}s (sample {m['time/sample']:.2f}, update {m['time/update']:.2f})",
         f"eta {eta_minutes(run, m['step']):.1f} min",
     ]
     if "eval/reward" in m:
@@ -142,9 +138,11 @@ class Progress:
     def draw_step(self, m: dict, run):
         """After a step whose line is not printed (logging_steps)."""
         if time.time() - self.drawn_at >= PROGRESS_INTERVAL:
-            self.draw(f"step {m['step']}/{run.cfg.max_steps} | "
-                      f"eta {eta_minutes(run, m['step']):.1f} min | "
-                      f"{m['tokens_per_sec']:.0f} tok/s | {m['step_time']:.2f} s/step")
+            self.draw(
+                f"step {m['step']}/{run.cfg.max_steps} | "
+                f"eta {eta_minutes(run, m['step']):.1f} min | "
+                f"{m['tokens_per_sec']:.0f} tok/s | {m['step_time']:.2f} s/step"
+            )
 
     def draw(self, text: str):
         """Replace the status line with `text`, cut to the terminal's
@@ -172,12 +170,14 @@ def open_progress(run, t) -> Progress | None:
     next run opens its logs)."""
     progress = None
     if run.info.is_main and sys.stdout.isatty():
+
         def where():
             step = min(t.step + 1, run.cfg.max_steps)
             text = f"step {step}/{run.cfg.max_steps} | "
             if t.step > run.started[1]:  # a step to measure the ETA by
                 text += f"eta {eta_minutes(run, t.step):.1f} min | "
             return text
+
         progress = Progress(where)
     sampler.on_decode_step = progress
     return progress
@@ -220,36 +220,42 @@ def open_reporters(cfg: TrainConfig, info) -> list:
         except ImportError as e:
             raise ConfigError(
                 f"report_to={name!r}, but {name} cannot be imported ({e}): "
-                f"pip install {name}, or use --report_to=none") from None
+                f"pip install {name}, or use --report_to=none"
+            ) from None
     return out
 
 
 def open_reporter(name: str, cfg: TrainConfig):
     if name == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
+
         writer = SummaryWriter(os.path.join(cfg.output_dir, "runs"))
 
         def report(m, step):
             for k, v in tracker_names(m).items():
                 writer.add_scalar(k, v, step)
             writer.flush()
+
         return report
     if name == "wandb":
         import wandb
+
         project = os.environ.get("WANDB_PROJECT", "nanogrpo")
-        wb = wandb.init(project=project, name=cfg.run_name, config=asdict(cfg),
-                        dir=cfg.output_dir)
+        wb = wandb.init(project=project, name=cfg.run_name, config=asdict(cfg), dir=cfg.output_dir)
         return lambda m, step: wb.log(tracker_names(m), step=step)
     import trackio
+
     project = os.environ.get("TRACKIO_PROJECT", "nanogrpo")
     trackio.init(project=project, name=cfg.run_name, config=asdict(cfg))
     return lambda m, step: trackio.log(tracker_names(m), step=step)
 
 
 def nothing_to_do(t):
-    dist.print0(f"nothing to do: the checkpoint is at step {t.step} and "
-                f"max_steps={t.cfg.max_steps}; raise --max_steps to "
-                "train further")
+    dist.print0(
+        f"nothing to do: the checkpoint is at step {t.step} and "
+        f"max_steps={t.cfg.max_steps}; raise --max_steps to "
+        "train further"
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -274,8 +280,9 @@ def add_round_metrics(run, t, rounds: list[dict], records):
     check_rewards(run, total, gens[-1]["frac_reward_zero_std"])
     check_lengths(run, gen["completions/clipped_ratio"], t.cfg.max_completion_length)
     shown = t.cfg.num_completions_to_print or 2
-    run.samples = shown_samples(last["ro"], last["local"], t.reward_weights, shown,
-                                last["logs"].columns)
+    run.samples = shown_samples(
+        last["ro"], last["local"], t.reward_weights, shown, last["logs"].columns
+    )
     # what reward functions logged (log_metric): each name's mean over the
     # cycle's calls, as TRL
     logged = {}
@@ -285,8 +292,7 @@ def add_round_metrics(run, t, rounds: list[dict], records):
     user_metrics = {k: sum(v) / len(v) for k, v in logged.items()}
     updates = sum(m["time/update"] for m in records)
     cycle_time = sum(timing.values()) + updates
-    tokens = torch.tensor(float(sum(s["ro"].num_tokens() for s in rounds)),
-                          device=info.device)
+    tokens = torch.tensor(float(sum(s["ro"].num_tokens() for s in rounds)), device=info.device)
     tokens = dist.all_reduce_sum(tokens, info).item()
     # TRL's num_tokens: prompt + completion tokens seen so far, all ranks
     seen = run.history[-1].get("num_tokens", 0) if run.history else 0
@@ -302,8 +308,9 @@ def add_round_metrics(run, t, rounds: list[dict], records):
     for s in rounds:
         if s["stats"]:
             wanted = len(s["ro"].rows) * info.world_size
-            check_dynamic_sampling(run, s["stats"]["dynamic_sampling/groups_kept"],
-                                   wanted, t.cfg.max_num_gen_batches)
+            check_dynamic_sampling(
+                run, s["stats"]["dynamic_sampling/groups_kept"], wanted, t.cfg.max_num_gen_batches
+            )
 
 
 def micro_batch_weights(mask: torch.Tensor, loss_cfg) -> dict:
@@ -337,8 +344,9 @@ def across_micro_batches(values: dict, info) -> dict:
             out[key] = total / weight if weight else 0.0
     sampling = sorted(k for k in out if k.startswith("sampling/"))
     if sampling and info.world_size > 1:
-        local = torch.tensor([float(out[k]) for k in sampling], dtype=torch.float64,
-                             device=info.device)
+        local = torch.tensor(
+            [float(out[k]) for k in sampling], dtype=torch.float64, device=info.device
+        )
         ranks = dist.all_gather_rows(local[None], info)  # [ranks, keys]
         for j, key in enumerate(sampling):
             column = ranks[:, j]
@@ -432,7 +440,7 @@ def shown_samples(ro, rewards: torch.Tensor, weights, k: int = 2, columns=None) 
             completion = conversation_text(completion)
         for name, values in (columns or {}).items():
             completion += f" [{name}: {values[i]}]"
-        reward = total_reward(rewards[i:i + 1], weights).item()
+        reward = total_reward(rewards[i : i + 1], weights).item()
         out.append((prompt, completion, reward))
     return out
 
@@ -462,28 +470,36 @@ def warn_once(run, key: str, message: str):
         dist.print0(f"warning: {message}")
 
 
-def check_rewards(run, total: torch.Tensor, frac_zero_std: float,
-                  patience: int = 10):
+def check_rewards(run, total: torch.Tensor, frac_zero_std: float, patience: int = 10):
     """Say so (once each) when a round's rewards cannot teach: none
     scored, too large for float32 statistics, or no spread in any group
     for `patience` rounds in a row. total: [N] weighted rewards."""
     scored = total[~torch.isnan(total)]
     if len(scored) == 0:
-        warn_once(run, "unscored",
-                  "no completion got a reward this round: every reward "
-                  "function returned None or NaN for every completion, "
-                  "so nothing is learned")
+        warn_once(
+            run,
+            "unscored",
+            "no completion got a reward this round: every reward "
+            "function returned None or NaN for every completion, "
+            "so nothing is learned",
+        )
     elif scored.abs().max() > 1e18:
-        warn_once(run, "overflow",
-                  f"rewards up to {scored.abs().max():.2e} overflow float32 "
-                  "statistics (the group std becomes inf, advantages 0): "
-                  "rescale the reward functions")
+        warn_once(
+            run,
+            "overflow",
+            f"rewards up to {scored.abs().max():.2e} overflow float32 "
+            "statistics (the group std becomes inf, advantages 0): "
+            "rescale the reward functions",
+        )
     if streak(run, "zero_spread", frac_zero_std == 1.0) >= patience:
-        warn_once(run, "zero_spread",
-                  f"every group's rewards were identical for {patience} "
-                  "rounds in a row: advantages are 0 and nothing is "
-                  "learned; make the task easier, the reward more graded, "
-                  "or num_generations larger")
+        warn_once(
+            run,
+            "zero_spread",
+            f"every group's rewards were identical for {patience} "
+            "rounds in a row: advantages are 0 and nothing is "
+            "learned; make the task easier, the reward more graded, "
+            "or num_generations larger",
+        )
 
 
 def streak(run, name: str, hit: bool) -> int:
@@ -497,23 +513,29 @@ def check_lengths(run, clipped_ratio: float, max_length: int, patience: int = 5)
     `patience` rounds in a row: the most common cause of a reward stuck
     at 0 (the answer never gets written)."""
     if streak(run, "clipped", clipped_ratio > 0.5) >= patience:
-        warn_once(run, "clipped",
-                  f"most completions hit max_completion_length={max_length} "
-                  f"for {patience} rounds in a row: they are cut before "
-                  "their answer; raise max_completion_length or ask for "
-                  "shorter answers")
+        warn_once(
+            run,
+            "clipped",
+            f"most completions hit max_completion_length={max_length} "
+            f"for {patience} rounds in a row: they are cut before "
+            "their answer; raise max_completion_length or ask for "
+            "shorter answers",
+        )
 
 
 def check_dynamic_sampling(run, kept: float, wanted: int, max_batches: int):
     """Say so (once) when dynamic sampling could not find the round's
     groups with differing rewards within max_num_gen_batches batches."""
     if kept < wanted:
-        warn_once(run, "dynamic_sampling",
-                  f"dynamic_sampling found {int(kept)} groups with differing "
-                  f"rewards of the {wanted} a round trains, in "
-                  f"max_num_gen_batches={max_batches} batches: groups of "
-                  "equal rewards (no learning signal) fill the round. Said "
-                  "once; dynamic_sampling/groups_kept counts them each round")
+        warn_once(
+            run,
+            "dynamic_sampling",
+            f"dynamic_sampling found {int(kept)} groups with differing "
+            f"rewards of the {wanted} a round trains, in "
+            f"max_num_gen_batches={max_batches} batches: groups of "
+            "equal rewards (no learning signal) fill the round. Said "
+            "once; dynamic_sampling/groups_kept counts them each round",
+        )
 
 
 # -----------------------------------------------------------------------------
@@ -544,8 +566,7 @@ def summarize(run, t):
         text = f"--chat {shlex.quote(prompt[-1]['content'])}"
     print(f"Checkpoint: {ckpt}")
     print(f"Reward curve: {plot_rewards(run.cfg)}")
-    print(f"Sample from it: python sample.py --model {ckpt} {text}",
-          flush=True)
+    print(f"Sample from it: python sample.py --model {ckpt} {text}", flush=True)
 
 
 def plot_rewards(cfg: TrainConfig) -> str:
@@ -556,10 +577,10 @@ def plot_rewards(cfg: TrainConfig) -> str:
     try:
         import matplotlib
     except ImportError:
-        return (f"pip install matplotlib, then: "
-                f"python bench/plot.py {metrics} -o {png}")
+        return f"pip install matplotlib, then: python bench/plot.py {metrics} -o {png}"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     with open(metrics) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     steps = [r["step"] for r in rows]

@@ -1,0 +1,369 @@
+"""The package's layout, checked: each module's "Does not know about:" line is true of its imports,
+the course (the top-level modules and train.py) stays small, no reference library is imported at
+run time, docstrings name files that exist and hold no measured timings."""
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "nanogrpo"
+SCRIPTS = [ROOT / "train.py", ROOT / "sample.py"]
+
+# -----------------------------------------------------------------------------
+# Reading modules: names, docstrings, imports
+
+
+def package_files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def is_package_module(name: str) -> bool:
+    """Whether `name` (nanogrpo.a.b) is a module or package of the repository."""
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, at module level or inside functions, and the dotted names it
+    reaches through an imported module's attributes (`torch.optim.AdamW` after `import torch`).
+    `from nanogrpo import dist` is nanogrpo.dist, `from nanogrpo.extras import lora`
+    nanogrpo.extras.lora, `from nanogrpo.grpo import LossConfig` nanogrpo.grpo."""
+    tree = parse(path)
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found = set()
+    aliases = {}  # a name bound by `import x.y [as z]` -> the module it names
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.add(alias.name)
+                if alias.asname:
+                    aliases[alias.asname] = alias.name
+                else:
+                    top = alias.name.split(".")[0]
+                    aliases[top] = top
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's own package
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if is_package_module(full) else base)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            parts = []
+            while isinstance(node, ast.Attribute):
+                parts.append(node.attr)
+                node = node.value
+            if isinstance(node, ast.Name) and node.id in aliases:
+                found.add(".".join([aliases[node.id]] + parts[::-1]))
+    return found
+
+
+def uses(imported: set[str], target: str) -> bool:
+    """Whether the imports reach `target`: a module of nanogrpo exactly (nanogrpo.run is the run's
+    lifecycle, not every module of nanogrpo/run/), any other library with its submodules
+    (torch.distributed includes torch.distributed.fsdp)."""
+    if target.startswith("nanogrpo"):
+        return target in imported
+    return any(m == target or m.startswith(target + ".") for m in imported)
+
+
+# -----------------------------------------------------------------------------
+# "Does not know about:" and its vocabulary
+
+TOKENIZER = ("nanogrpo.tokenizer",)
+REWARDS = ("nanogrpo.rewards", "nanogrpo.extras.builtin_rewards", "nanogrpo.extras.reward_model")
+GRPO = ("nanogrpo.grpo", "nanogrpo.extras.loss_terms")
+LOGPROBS = ("nanogrpo.logprobs", "nanogrpo.fast.logprobs")
+SAMPLER = ("nanogrpo.sampler", "nanogrpo.fast.sampling")
+PROCESSES = ("nanogrpo.dist", "torch.distributed")
+FILES = ("nanogrpo.checkpoint", "nanogrpo.run.checkpoints", "safetensors")
+MODEL = ("nanogrpo.model",)
+TOOLS = ("nanogrpo.extras.tools", "nanogrpo.extras.tool_rounds")
+SETTINGS = ("nanogrpo.run.config",)
+REPORT = ("nanogrpo.run.report",)
+RUN = ("nanogrpo.run",)
+TRAINER = ("nanogrpo.trainer",)
+
+# The words a "Does not know about:" paragraph may use, each mapped to what the module must then not
+# import. A term matches as a whole word, case-insensitive; a path or dotted name (extras/tools.py,
+# data.check_rows) is a pointer to where a thing lives, not a claim, and never matches.
+VOCABULARY = {
+    "tokenization": TOKENIZER,
+    "tokenizer": TOKENIZER,
+    "tokenizers": TOKENIZER + ("tokenizers",),
+    "chat templates": TOKENIZER,
+    "rewards": REWARDS,
+    "reward functions": REWARDS,
+    "reward models": REWARDS,
+    "losses": GRPO,
+    "the loss": GRPO,
+    "advantages": GRPO,
+    "GRPO": GRPO,
+    "the GRPO math": GRPO,
+    "log-probs": LOGPROBS,
+    "sampling": SAMPLER,
+    "the sampler": SAMPLER,
+    "processes": PROCESSES,
+    "more than one process": PROCESSES,
+    "other processes": PROCESSES,
+    "other ranks": PROCESSES,
+    "FSDP2": PROCESSES,
+    "torch.distributed": PROCESSES,
+    "files": FILES,
+    "checkpoints": FILES,
+    "safetensors": ("safetensors",),
+    "the model": MODEL,
+    "models": MODEL,
+    "the network": MODEL,
+    "optimizers": ("torch.optim",),
+    "the optimizer": ("torch.optim",),
+    "tools": TOOLS,
+    "tool calls": TOOLS,
+    "environments": ("nanogrpo.extras.environments",),
+    "LoRA": ("nanogrpo.extras.lora",),
+    "adapters": ("nanogrpo.extras.lora",),
+    "settings": SETTINGS,
+    "TrainConfig": SETTINGS,
+    "reports": REPORT,
+    "metrics files": REPORT,
+    "trackers": REPORT,
+    "the console": REPORT,
+    "the run": RUN,
+    "resume": RUN,
+    "datasets": ("nanogrpo.extras.datasets", "datasets"),
+    "the prompt order": ("nanogrpo.data",),
+    "the row checks": ("nanogrpo.data",),
+    "the learning rate": ("nanogrpo.extras.lr_schedules",),
+    "the batch schedule": ("nanogrpo.schedules",),
+    "rollouts": ("nanogrpo.rollout", "nanogrpo.extras.custom_rollout"),
+    "the trainer": TRAINER,
+    "training": TRAINER + RUN,
+    "the hub": ("huggingface_hub",),
+    "transformers": ("transformers",),
+    "torch": ("torch",),
+    "speed tricks": ("nanogrpo.fast", "nanogrpo.fast.sampling", "nanogrpo.fast.logprobs"),
+}
+MARKER = "Does not know about:"
+
+
+def term_pattern(term: str) -> re.Pattern:
+    """`term` as a whole word (words joined by any whitespace), not inside a path or dotted name."""
+    words = r"\s+".join(re.escape(w) for w in term.split())
+    return re.compile(rf"(?<![\w./-]){words}(?![\w/-]|\.\w)", re.IGNORECASE)
+
+
+PATTERNS = {term: term_pattern(term) for term in VOCABULARY}
+
+
+def does_not_know(path: Path) -> str | None:
+    """The module docstring's paragraph that starts with a line `Does not know about:`, up to the
+    next blank line, on one line; None if there is none."""
+    doc = ast.get_docstring(parse(path)) or ""
+    for paragraph in re.split(r"\n\s*\n", doc):
+        start = re.search(rf"^{re.escape(MARKER)}", paragraph, re.MULTILINE)
+        if start:
+            return " ".join(paragraph[start.start() :].split())
+    return None
+
+
+def terms_in(text: str) -> list[str]:
+    return [term for term, pattern in PATTERNS.items() if pattern.search(text)]
+
+
+def test_does_not_know_about_matches_the_imports():
+    problems = []
+    for path in package_files():
+        name = module_name(path)
+        claim = does_not_know(path)
+        if claim is None:
+            problems.append(f"{name}: its docstring has no line starting {MARKER!r}")
+            continue
+        terms = terms_in(claim)
+        if not terms:
+            problems.append(f"{name}: its {MARKER!r} line uses no term of VOCABULARY: {claim!r}")
+        imported = imported_modules(path)
+        for term in terms:
+            for target in VOCABULARY[term]:
+                if uses(imported, target) and target != name:
+                    problems.append(f"{name}: does not know about {term!r}, but imports {target}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_vocabulary_finds_terms_as_words_only():
+    assert terms_in("Does not know about: tokenization, or other processes.") == [
+        "tokenization",
+        "processes",
+        "other processes",
+    ]
+    assert terms_in("see extras/datasets.py and data.check_rows; subsampling") == []
+    assert uses({"torch.distributed.fsdp"}, "torch.distributed")
+    assert not uses({"nanogrpo.run.config"}, "nanogrpo.run")
+    here = imported_modules(PACKAGE / "trainer.py")
+    assert {"nanogrpo.dist", "nanogrpo.extras.lora", "nanogrpo.run.config", "torch.optim.AdamW"} <= here
+
+
+# -----------------------------------------------------------------------------
+# The course: nanogrpo/*.py and train.py
+
+MAX_COURSE_FILES = 12
+MAX_COURSE_LINES = 3300
+
+
+def course_files() -> list[Path]:
+    return sorted(PACKAGE.glob("*.py")) + [ROOT / "train.py"]
+
+
+def test_the_course_is_at_most_twelve_files_and_its_budget():
+    files = course_files()
+    lines = {f.relative_to(ROOT).as_posix(): len(f.read_text().splitlines()) for f in files}
+    rule = (
+        "the course is what a student reads through one GRPO round: a feature added to it moves "
+        "something out of it (into nanogrpo/extras/, nanogrpo/fast/ or nanogrpo/run/)"
+    )
+    assert len(files) <= MAX_COURSE_FILES, f"{len(files)} course files {sorted(lines)}; {rule}"
+    total = sum(lines.values())
+    assert total <= MAX_COURSE_LINES, f"{total} course lines > {MAX_COURSE_LINES} {lines}; {rule}"
+
+
+def test_course_modules_say_what_they_leave_out():
+    problems = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        doc = ast.get_docstring(parse(path)) or ""
+        paragraphs = [p for p in re.split(r"\n\s*\n", doc) if re.match(r"(Left|Leaves) out", p)]
+        if not paragraphs:
+            problems.append(f"{path.name}: no 'Left out' or 'Leaves out' paragraph")
+            continue
+        named = [p for p in named_paths(" ".join(paragraphs)) if resolve(p) is not None]
+        if not named:
+            problems.append(f"{path.name}: its 'Left out' paragraph names no path under nanogrpo/")
+    assert not problems, "\n".join(problems)
+
+
+# -----------------------------------------------------------------------------
+# Imports of the libraries nanogrpo reimplements
+
+REFERENCE_LIBRARIES = {"transformers", "trl", "vllm", "peft", "accelerate", "gguf", "datasets"}
+
+
+def test_no_runtime_imports_of_the_reference_libraries():
+    found = []
+    for path in package_files():
+        tree = parse(path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            found += [
+                f"{module_name(path)} imports {n}"
+                for n in names
+                if n.split(".")[0] in REFERENCE_LIBRARIES
+            ]
+    assert not found, "\n".join(found)
+
+
+# -----------------------------------------------------------------------------
+# What docstrings and comments say: files that exist, no measured timings
+
+
+def docstrings_and_comments(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every docstring (module, class, function) and comment of a file."""
+    source = path.read_text()
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc is not None:
+                out.append((node.body[0].lineno, doc))
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            out.append((tok.start[0], tok.string))
+    return out
+
+
+def documented_files() -> list[Path]:
+    return package_files() + SCRIPTS
+
+
+# A path to a .py file, or a folder of the package named with its nanogrpo/ prefix.
+PATH = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py|nanogrpo/(?:[\w-]+/)*)(?![\w])")
+# Paths that are examples or lie outside the package and its two scripts.
+NOT_OURS = ("tests/", "bench/", "docs/", "configs/", "examples/", "trl/", "path/", "runs/")
+PLACEHOLDERS = {"file.py", "name.py", "tiny.py", "small.py"}
+
+
+def named_paths(text: str) -> list[str]:
+    return PATH.findall(text)
+
+
+def resolve(path: str) -> Path | None:
+    """A docstring's path: from the repository root with its nanogrpo/ prefix, else from the
+    package (extras/tools.py, rollout.py), or one of the two scripts."""
+    for base in (ROOT, PACKAGE):
+        if (base / path).exists():
+            return base / path
+    return None
+
+
+def test_docstrings_name_files_that_exist():
+    """Paths into the package are written from the package (extras/tools.py, rollout.py) or from
+    the repository (nanogrpo/extras/tools.py), and each names a file that exists."""
+    missing = []
+    for path in documented_files():
+        for line, text in docstrings_and_comments(path):
+            for named in named_paths(text):
+                if named.startswith(NOT_OURS) or named in PLACEHOLDERS:
+                    continue
+                if resolve(named) is None:
+                    missing.append(f"{path.relative_to(ROOT)}:{line}: {named}")
+    assert not missing, "named but not found (a file moved?):\n" + "\n".join(missing)
+
+
+# A measured figure: a number followed by a unit of time (9.8 ms, 30 s, 2 minutes), of throughput
+# (37 tok/s, 1.2 GB/s), or a speed-up (1.6x faster, 0.34x the time, 20% slower). An arrow between
+# two timed numbers (9.8 -> 5.3 ms) contains one.
+NUMBER = r"\d+(?:[.,]\d+)*"
+TIMING = re.compile(
+    rf"{NUMBER}\s*(?:ms|µs|us|s|sec|secs|seconds?|min|minutes?|hours?)\b"
+    rf"|{NUMBER}\s*(?:tok(?:ens)?/s|it/s|[GMK]B/s|[GT]FLOP/?s)"
+    rf"|{NUMBER}\s*(?:x|%)\s+(?:faster|slower|the\s+time|as\s+fast|speed-?up|less|more|fewer)\b",
+    re.IGNORECASE,
+)
+# (file, text): figures that are not measurements
+NOT_TIMINGS = {
+    ("nanogrpo/dist/__init__.py", "10 s"): "an example of collective_failure's message",
+}
+
+
+def test_docstrings_hold_no_timings():
+    found = []
+    for path in documented_files():
+        where = path.relative_to(ROOT).as_posix()
+        for line, text in docstrings_and_comments(path):
+            for match in TIMING.finditer(text):
+                if (where, match.group()) not in NOT_TIMINGS:
+                    found.append(f"{where}:{line}: {match.group()!r}")
+    assert not found, (
+        "measured figures belong in docs/results.md; say what a trick saves instead:\n"
+        + "\n".join(found)
+    )
