@@ -54,7 +54,7 @@ def kernels(cfg: TrainConfig) -> Kernels:
     course's alone (tests/test_train.py holds the two runs equal)."""
     if cfg.plain:
         return Kernels()
-    return fast.kernels(torch_compile=cfg.torch_compile)
+    return Kernels(**fast.kernels(torch_compile=cfg.torch_compile))
 
 
 def round_seed(cfg: TrainConfig, rnd: int, rank: int, salt=0) -> int:

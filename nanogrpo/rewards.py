@@ -179,9 +179,9 @@ TRAINER_ARGUMENTS = (
 
 
 def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
-    """Every column a reward function requires (a parameter without default, besides prompts,
-    completions and completion_ids) must be in every row: found at load time, not as a crash at
-    step 50.
+    """Every column a reward function requires (a parameter without default, besides the
+    TRAINER_ARGUMENTS the trainer passes) must be in every row: found at load time, not as a crash
+    at step 50.
     """
     for name, fn in reward_funcs:
         try:

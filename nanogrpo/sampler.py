@@ -149,8 +149,8 @@ def apply_top_k(logits, k):
 def apply_top_p(logits, p):
     """Nucleus filter: keep the most likely tokens until their probability reaches p, i.e. a token
     is kept if the tokens ranked above it hold less than p (the top token always stays). Tokens
-    tied with the last kept one are kept too. p = 1: nothing is removed. (`filter_candidates`
-    finds the same set unsorted.)
+    tied with the last kept one are kept too. p = 1: nothing is removed. (`filter_candidates`, in
+    nanogrpo/fast/sampling.py, finds the same set unsorted.)
     """
     if p >= 1.0:
         return logits
@@ -449,7 +449,8 @@ def generate(
 
 def prefill(model, decoder, prompt_ids, G, C, pad_id):
     """Run the P distinct prompts once, left-padded to the longest L.
-    -> (the first logits [N,V], the decode cache, slots S, rows, L)."""
+    -> (the first logits [N,V], the decode cache, key_valid [N,S], each row's
+    next RoPE position [N], its prompt's ids [N,L] (-1 on padding), L)."""
     dev = model.lm_head.weight.device
     P = len(prompt_ids)
     N = P * G

@@ -17,6 +17,7 @@ from conftest import ROOT, fixture_path
 
 from nanogrpo import fast
 from nanogrpo.run.configurator import read_config_file
+from nanogrpo.trainer import Kernels
 
 
 def free_port() -> int:
@@ -115,7 +116,7 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
         autocast=nullcontext(),
         tok=SimpleNamespace(vocab_size=None),
         sched=SimpleNamespace(steps_per_generation=len(micro)),
-        kernels=fast.kernels(),
+        kernels=Kernels(**fast.kernels()),
         entropy_coef=loss_cfg.entropy_coef,
         last_entropy=0.0,
     )  # at or below the target: the bonus applies
@@ -284,7 +285,7 @@ def spanning_step(rank, world_size, port, out_path):
         info=info,
         autocast=nullcontext(),
         tok=SimpleNamespace(vocab_size=None),
-        kernels=fast.kernels(),
+        kernels=Kernels(**fast.kernels()),
         sched=cfg.schedule(world_size),
         reward_weights=torch.ones(1),
         entropy_coef=0.0,

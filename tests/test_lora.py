@@ -21,6 +21,7 @@ from nanogrpo.fast.logprobs import token_logprobs
 from nanogrpo.model import Transformer
 from nanogrpo.run.config import ConfigError
 from nanogrpo.run.configurator import load_config
+from nanogrpo.trainer import Kernels
 
 sys.path.insert(0, FIXTURES)
 from make_lora_fixtures import OUR_SETTINGS, input_ids, make_ours  # noqa: E402  (nanogrpo only, no peft)
@@ -195,7 +196,7 @@ def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
         autocast=nullcontext(),
         tok=SimpleNamespace(vocab_size=None),
         sched=SimpleNamespace(steps_per_generation=2),
-        kernels=fast.kernels(),
+        kernels=Kernels(**fast.kernels()),
         entropy_coef=0.0,
         last_entropy=float("inf"),
     )

@@ -29,7 +29,7 @@ def install_requires():
 
 
 def third_party_imports():
-    files = list((ROOT / "nanogrpo").glob("*.py")) + [ROOT / "train.py", ROOT / "sample.py"]
+    files = list((ROOT / "nanogrpo").rglob("*.py")) + [ROOT / "train.py", ROOT / "sample.py"]
     found = set()
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from nanogrpo.extras import tools as tools_module
 from nanogrpo.extras.tools import (
-    parse_tool_calls,
+    parse_hermes,
     resolve_tools,
     run_tools,
     tool_schema,
@@ -47,6 +47,11 @@ def test_tool_schema_is_get_json_schema(fn):
             tool_schema(fn)
     else:  # equal, key order included (templates render the schema with tojson)
         assert json.dumps(tool_schema(fn)) == json.dumps(expected)
+
+
+def tool_calls_of(text):
+    """The calls parse_hermes reads in a text (its content part dropped)."""
+    return parse_hermes(text)[1]
 
 
 def test_tool_schema_errors_say_what_is_missing():
@@ -136,7 +141,7 @@ def test_parse_tool_calls_round_trip(content, calls, spacing):
     assume(
         "<tool_call>" not in content and "</tool_call>" not in json.dumps(calls)
     )  # the format cannot quote its tags
-    assert parse_tool_calls(text) == calls
+    assert tool_calls_of(text) == calls
     assert tools_module.parse_hermes(text)[0] == (content.rstrip() if calls else text.rstrip())
 
 
@@ -151,16 +156,16 @@ def test_parse_tool_calls_round_trip(content, calls, spacing):
     ],
 )
 def test_malformed_call_is_a_failed_call(body):
-    (call,) = parse_tool_calls(f"x<tool_call>{body}</tool_call>")
+    (call,) = tool_calls_of(f"x<tool_call>{body}</tool_call>")
     assert call["name"] == "unknown" and "malformed tool call" in call["error"]
     ((name, result, failed),) = run_tools([[call]], {}, 1.0)[0]
     assert failed and "malformed" in result["error"]
 
 
 def test_arguments_as_a_json_string():
-    assert parse_tool_calls(
-        '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
-    ) == [{"name": "f", "arguments": {"a": 1}}]
+    assert tool_calls_of('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>') == [
+        {"name": "f", "arguments": {"a": 1}}
+    ]
 
 
 # --- running tools -------------------------------------------------------------------------------

@@ -570,7 +570,7 @@ def test_a_reward_function_that_raises_keeps_the_last_completed_step(tmp_path, c
 def test_ctrl_c_during_a_save_never_claims_a_checkpoint_that_is_not_there(
     tmp_path, monkeypatch, capsys
 ):
-    real = train.run.trainer_state.save_checkpoint
+    real = train.run.checkpoints.save_checkpoint
     calls = []
 
     def interrupted(out_dir, step, *args):
@@ -579,7 +579,7 @@ def test_ctrl_c_during_a_save_never_claims_a_checkpoint_that_is_not_there(
             raise KeyboardInterrupt
         return real(out_dir, step, *args)
 
-    monkeypatch.setattr(train.run.trainer_state, "save_checkpoint", interrupted)
+    monkeypatch.setattr(train.run.checkpoints, "save_checkpoint", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train.train(tiny(tmp_path, "--max_steps=4", "--save_steps=2"))
     assert "saved" in capsys.readouterr().out
@@ -757,7 +757,7 @@ def trainer_for(model, optimizer, cfg, loss_cfg):
         autocast=torch.autocast("cpu", enabled=False),
         tok=SimpleNamespace(vocab_size=None),
         sched=SimpleNamespace(steps_per_generation=2),
-        kernels=fast.kernels(),
+        kernels=train.Kernels(**fast.kernels()),
         entropy_coef=loss_cfg.entropy_coef,
         last_entropy=math.inf,
     )
@@ -1309,7 +1309,7 @@ def test_plain_picks_the_course_functions_and_refuses_a_compiled_step():
     assert plain.token_logprobs is logprobs.token_logprobs
     assert plain.policy_logprobs is logprobs.policy_logprobs
     default = train.kernels(load_config(["--config", "tiny.py"]))
-    assert default == fast.kernels(torch_compile=False)
+    assert default == train.Kernels(**fast.kernels(torch_compile=False))
     assert default.sample_token is not sampler.sample_next_token
     with pytest.raises(ConfigError, match="plain=true"):
         load_config(["--config", "tiny.py", "--plain=true", "--torch_compile=true"]).validate()

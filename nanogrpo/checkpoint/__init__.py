@@ -1,21 +1,22 @@
 """Hugging Face model checkpoints on disk: read and write them.
 
-Owns: hub-id/path resolution, safetensors (one file or shards + index),
-`load_model` / `save_model` (one process or FSDP2; a LoRA model as PEFT's
-adapter files, names from lora.py) and atomic directories. What config.json
-and the tensor names mean is hf_format.py's; a run's checkpoint-<step>/
-around these files is trainer_state.py's.
+Owns: hub-id/path resolution, safetensors (one file or shards + index), `load_model` /
+`save_model` (one process or FSDP2; a LoRA model as PEFT's adapter files, names from
+extras/lora.py) and atomic directories. What config.json and the tensor names mean is
+checkpoint/hf_format.py's; a run's checkpoint-<step>/ around these files is run/checkpoints.py's.
 
-Does not know about: the network's arithmetic (model.py) or GRPO. With
-several processes it decides which rank reads and writes (rank 0) and where
-all must wait; the collectives themselves are dist.py's (barrier,
-broadcast, sharding, gathering a state dict).
+Does not know about: the forward pass (model.py), tokenization (a tokenizer it is given saves
+itself), GRPO, or the run.
+
+With several processes it decides which rank reads and writes (rank 0) and where all must wait;
+the collectives themselves are dist/__init__.py's (barrier, broadcast, sharding, gathering a
+state dict).
 
 Choices:
-- Loading builds on the meta device and assigns each tensor once; under
-  FSDP2 rank 0 reads and the shards are filled by broadcast.
-- Directories are written under a temporary name and renamed when
-  complete: a crash leaves the old one intact and no half-written one.
+- Loading builds on the meta device and assigns each tensor once; under FSDP2 rank 0 reads and
+  the shards are filled by broadcast.
+- Directories are written under a temporary name and renamed when complete: a crash leaves the
+  old one intact and no half-written one.
 """
 
 import errno

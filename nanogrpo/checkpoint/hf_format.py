@@ -6,8 +6,8 @@ an error for each feature we do not implement) and `to_hf_names` /
 embeddings: the tied lm_head is never written and on load it is the
 embedding).
 
-Does not know about: files (checkpoint.py reads and writes them) or the
-network's arithmetic (model.py).
+Does not know about: files (checkpoint/__init__.py reads and writes them), the forward pass
+(model.py), or LoRA (extras/lora.py names adapter tensors as PEFT does).
 """
 
 from dataclasses import fields

@@ -10,12 +10,13 @@ that stopped answering or is gone: collective_failure, tell_peers).
 With one process (no torchrun) every function here degrades to a plain no-op
 or identity: the trainer calls the same functions either way, and the model is
 a plain `nn.Module` (no FSDP wrapper). bf16 compute is one flag from the
-caller (train.py passes the config's `bf16(device)`): autocast for one process,
-FSDP2's mixed-precision policy for several, on CPU and CUDA alike.
+caller (trainer.py passes TrainConfig.use_bf16(device) to `autocast` and, through
+checkpoint.load_model, to `shard_model`): autocast for one process, FSDP2's
+mixed-precision policy for several, on CPU and CUDA alike.
 
-Does not know about: files (checkpoint.py decides what is read and written),
-GRPO, rewards, or the model's internals beyond `model.layers`; it imports
-nothing of the package.
+Does not know about: files (checkpoint/__init__.py decides what is read and
+written), GRPO, rewards, or the model's internals beyond `model.layers` and
+`hidden_states`; it imports nothing of the package.
 """
 
 import os
@@ -257,7 +258,7 @@ def shard_model(model, info: DistInfo, mixed_precision: bool):
 
 def _no_view_outputs(module, args, output):
     """The root's outputs as tensors of their own: a `head` may return a view
-    of the hidden states (logprobs' h[:, -1], [N,D]); copying it costs only
+    of the hidden states (fast/logprobs.py's h[:, -1], [N,D]); copying it costs only
     its own elements. Nothing is copied without grad (sampling)."""
     if isinstance(output, tuple):
         return tuple(_own(t) for t in output)

@@ -3,12 +3,12 @@
 Owns: `accuracy` (math answers), `format` (`<think>...</think><answer>...</answer>`),
 `soft_overlong` (DAPO's length penalty, built from max_completion_length), `countdown`
 (`check_equation` on the `<answer>` equation) and `default_task` (`default_task_score`, the
-dense score of the default copy task, tasks.py), the `BUILTINS` table that names them, and
+dense score of the default copy task, extras/tasks.py), the `BUILTINS` table that names them, and
 `completion_text` (a completion's text, whichever format it arrived in).
 
 Does not know about: how names become functions or how a batch is scored (rewards.py, which
-looks names up in `BUILTINS`), where the columns they read come from (tasks.py, datasets.py),
-tokenizers, torch, the trainer, or other processes.
+looks names up in `BUILTINS`), where the columns they read come from (extras/tasks.py,
+extras/datasets.py), tokenizers, torch, the trainer, or other processes.
 
 Choices:
 - TRL's calling convention, as every reward function: each names the arguments it reads
@@ -16,7 +16,7 @@ Choices:
   (`soft_overlong` builds such a function). Completions are strings for plain-text prompts and
   `[{"role": "assistant", "content": ...}]` for conversational ones; every built-in accepts both
   (`completion_text`).
-- Math answers are compared as exact `fractions.Fraction`s (math_answers.py, no sympy).
+- Math answers are compared as exact `fractions.Fraction`s (extras/math_answers.py, no sympy).
 - Countdown equations are parsed with `ast` and evaluated by walking the tree with Fractions;
   nothing is ever passed to `eval`.
 """
@@ -39,7 +39,7 @@ def completion_text(completion) -> str:
 
 
 # -----------------------------------------------------------------------------
-# accuracy: math answers (math_answers.py parses them)
+# accuracy: math answers (extras/math_answers.py parses them)
 
 
 def accuracy_reward(completions, answer=None, solution=None, **kwargs) -> list[float | None]:

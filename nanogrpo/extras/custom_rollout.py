@@ -6,9 +6,12 @@ trl.experimental.openenv, on nanogrpo's sampler), and `custom_rollout`, which
 calls the function and lays out what it returns, checked, as a
 rollout.Rollout.
 
-Does not know about: rewards, advantages or the update (train.py scores the
-Rollout as any other), environments (environment_factory is the other way to
-train with them: a run uses one or the other), or files.
+Does not know about: advantages or the loss (train.py scores and trains on
+the Rollout as on any other), environments (environment_factory is the other
+way to train with them: a run uses one or the other), or files.
+
+Of rewards.py it uses `TRAINER_ARGUMENTS` (names a returned field may not
+take) and `import_function`.
 
 Choices (TRL 1.16's contract, as its code has it):
 - `prompts` holds this process's prompts, one entry per completion it
@@ -149,7 +152,7 @@ def generate_rollout_completions(trainer, prompts: list, *, generation_overrides
 
 
 def custom_rollout(t, rows: list[dict], copies: int, generator) -> Rollout:
-    """`copies` completions of each row from the run's rollout_func (t: train.py's Trainer, whose
+    """`copies` completions of each row from the run's rollout_func (t: trainer.py's Trainer, whose
     rollout_func, model, tok, cfg, autocast and info are read) -> a Rollout."""
     prompts = [row["prompt"] for row in rows for _ in range(copies)]
     trainer = RolloutTrainer(t, generator)

@@ -3,9 +3,9 @@
 Owns: `load_dataset` (what the `dataset` and `eval_dataset` settings name), `read_rows` (local
 .jsonl/.json/.parquet files), `read_text` and `download_hub_file`.
 
-Does not know about: how the built-in tasks make their rows (tasks.py), the row format beyond
-calling data.check_rows on what it loads, tokenization, rewards, the order prompts are drawn in
-(data.PromptSampler), or processes.
+Does not know about: how the built-in tasks make their rows (extras/tasks.py), the row format
+beyond calling data.check_rows on what it loads, tokenization, rewards, the order prompts are
+drawn in (data.PromptSampler), or processes.
 
 Choices:
 - A dataset is a plain `list[dict]`; no `datasets` dependency. pyarrow is imported only to read
@@ -109,11 +109,12 @@ def load_dataset(
 ) -> list[dict]:
     """Rows of a dataset, checked (see `check_rows`, which needs_prompt goes to).
 
-    spec: a procedural task name ("default", "countdown"), "gsm8k" (hub parquet files of
-    openai/gsm8k; split "train" or "test"), a "hf://datasets/..." file, or a local file path.
+    spec: a procedural task name ("default", "countdown", "addition"), "gsm8k" (hub parquet files
+    of openai/gsm8k; split "train" or "test"), a "hf://datasets/..." file, or a local file path.
     split: for procedural tasks and gsm8k ("train" when None); ignored for single files.
-    num_rows: rows to generate for procedural tasks (default 10000 for train, 256 otherwise), or the
-    first num_rows of any other dataset. seed: procedural tasks only."""
+    num_rows: rows to generate for procedural tasks (default: PROCEDURAL's, 10000 for train and
+    256, or 128 for addition, otherwise), or the first num_rows of any other dataset. seed:
+    procedural tasks only."""
     split = split or "train"
     if spec in PROCEDURAL:
         make, n_train, n_eval = PROCEDURAL[spec]

@@ -8,9 +8,12 @@ Owns: `groups_with_spread` (which groups carry a learning signal),
 and the two Rollout operations it needs: `select_groups` (keep some
 groups of a round) and `concat_rollouts` (join rounds into one).
 
-Does not know about: how prompts are drawn, sampled or scored (the
-caller's `draw`), advantages (computed afterwards, over the kept groups
-of all ranks, so scale_rewards="batch" sees the batch that trains).
+Does not know about: tokenization, the model or reward functions: the
+caller's `draw` draws, samples and scores more prompts.
+
+Of grpo.py it uses `total_reward` and `nanstd` (a group's spread); the
+advantages are computed afterwards, over the kept groups of all ranks, so
+scale_rewards="batch" sees the batch that trains.
 
 Choices:
 - A group's G rows live on one rank, so each rank filters its own; the
@@ -18,7 +21,7 @@ Choices:
   lacks groups.
 - Groups beyond the round's number are dropped, as verl does.
 - At max_num_gen_batches, equal-reward groups of the last batch fill what
-  is missing (report.check_dynamic_sampling says so once); verl stops the
+  is missing (run/report.py's check_dynamic_sampling says so once); verl stops the
   run there instead.
 - What is logged per completion follows the kept rows: the columns reward
   functions logged (log_extra) and, in the Rollout, the tool counts. The

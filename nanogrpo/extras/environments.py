@@ -6,9 +6,13 @@ environment a row is routed to), `Episodes` (one batch's instances, prompts and
 tools: what rollout.rollout takes as `episodes`), `resolve_factory` and
 `placeholder_rows` (the prompts of a run whose environment owns the data).
 
-Does not know about: sampling, parsing or running tool calls (rollout.py and
-tools.py do that with the tools given here), how rewards are combined
-(rewards.py, grpo.py), checkpoints, files, or other processes.
+Does not know about: sampling, advantages or the loss (each get_reward is one
+more reward function, scored as any other), checkpoints, files, or other
+processes.
+
+Tool calls are parsed and run by extras/tool_rounds.py and extras/tools.py
+with the functions given here; of rewards.py it uses `import_function`, to
+resolve "module:Class".
 
 Choices (TRL 1.16's GRPOTrainer, name for name):
 - An environment is a class (or any callable) making an instance with no

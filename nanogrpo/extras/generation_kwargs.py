@@ -65,8 +65,9 @@ class StopStrings:
     token that completed it is the row's last, and it stays in the
     completion (as transformers' stop_strings; vLLM's token ids too).
 
-    `check` runs where the decode loop syncs anyway (every step on CPU,
-    every 8 on GPU), on the rows still open. It decodes the tail of a row:
+    `check` runs where the decode loop syncs anyway (every
+    decoder.sync_every steps: every step with the eager decoder on CPU,
+    every 8 otherwise), on the rows still open. It decodes the tail of a row:
     a match that ends in a new token lies within its last `window` tokens
     (a token carries at least one byte of the string; two more tokens of
     left context, as a tokenizer may drop the leading space of the first

@@ -7,8 +7,9 @@ GRPO, no second copy), `merge_lora` (fold the adapters into the weights: a
 plain Transformer again), and the translation to PEFT's tensor names and
 adapter_config.json fields.
 
-Does not know about: files (checkpoint.py reads and writes adapter_config.json
-and adapter_model.safetensors), training, or more than one process.
+Does not know about: files (checkpoint/__init__.py reads and writes
+adapter_config.json and adapter_model.safetensors), training, or more than one
+process.
 
 Choices:
 - y = x W^T + b + scaling * B(A(dropout(x))), scaling = lora_alpha / r
@@ -167,7 +168,7 @@ def apply_lora(
 ):
     """Replace the targeted linears of `model`'s blocks by LoRALinear (in
     place, weights shared) and freeze everything but the adapters and
-    `modules_to_save`. On a meta-device model (checkpoint.py's loader)
+    `modules_to_save`. On a meta-device model (checkpoint/__init__.py's loader)
     nothing is initialised; otherwise A and B start as PEFT's. Records the
     settings as `model.lora_config` (PEFT's field names). Returns the model."""
     if lora_layers(model):
@@ -249,7 +250,7 @@ def trainable_parameters(model) -> list[nn.Parameter]:
 
 def fresh_adapter_state(model, dtype=torch.float32, device="cpu") -> dict:
     """A newly initialised adapter for every LoRALinear of a meta-device
-    `model`, our names: what checkpoint.py's loader assigns (and, when
+    `model`, our names: what checkpoint/__init__.py's loader assigns (and, when
     sharded, broadcasts from rank 0)."""
     state = {}
     for name, m in lora_layers(model).items():

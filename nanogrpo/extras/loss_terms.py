@@ -1,9 +1,10 @@
 """The algorithm options TRL GRPOTrainer puts around its loss (reference: TRL 1.16,
 trl/trainer/grpo_trainer.py, `_compute_loss` and `_generate_and_score_completions`), each off by
-default; grpo.py's `grpo_step` calls them where an option is on.
+default; grpo.py's `grpo_step` calls them where an option is on, and train.py runs the entropy
+control between optimizer steps (`applied_entropy_coef`, `entropy_window`, `next_entropy_coef`).
 
-Owns: `check_options` (the rules of the options' settings), `off_policy_mask`
-(DeepSeek-V3.2's OPSM, off_policy_mask_threshold),
+Owns: `check_options` (the rules of the options' settings, which LossConfig calls),
+`off_policy_mask` (DeepSeek-V3.2's OPSM, off_policy_mask_threshold),
 `sampler_importance_weights` and `importance_sampling_metrics` (the correction between the
 sampler and the trainer, TRL's vllm_importance_sampling_*: here the "vllm" engine is nanogrpo's
 own sampler), `vespo_sampler_weights` and `VESPO_NEEDS_TOKENS` (which of those corrections
@@ -11,10 +12,9 @@ VESPO can take), `high_entropy_mask` (top_entropy_quantile), and the entropy bon
 `entropy_bonus`, `entropy_window`, `applied_entropy_coef` and `next_entropy_coef`
 (entropy_coef, use_adaptive_entropy).
 
-Does not know about: the loss variants and how micro-batch losses add up (grpo.py), the
-settings' rules (grpo.LossConfig validates them; here `cfg` is any object with its fields),
-log-probs (logprobs.py), other processes (the caller sums entropy_window over micro-batches
-and ranks before next_entropy_coef).
+Does not know about: the loss variants and how micro-batch losses add up (grpo.py), TrainConfig
+(`cfg` is any object with LossConfig's fields), log-probs (logprobs.py), or other processes (the
+caller sums entropy_window over micro-batches and ranks before next_entropy_coef).
 
 Choices:
 - Inputs are [N,C] with masked positions already cleaned (grpo_step does it), except

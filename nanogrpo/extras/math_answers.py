@@ -2,7 +2,10 @@
 
 Owns: `last_boxed`, `extract_answer` (boxed, then `####`, then the last
 number), `parse_number` and `answers_match`: what the `accuracy` reward
-(rewards.py) checks.
+(extras/builtin_rewards.py) checks.
+
+Does not know about: completions, reward functions or torch: plain strings
+in, a Fraction or a bool out.
 
 Choices: answers are exact `fractions.Fraction`s, never floats and no
 sympy: 2.50 == 5/2 == \\frac{5}{2} == "$2.5", and 0.1 + 0.2 style rounding

@@ -1,11 +1,11 @@
 """Built-in prompt tasks: rows made by code, and GSM8K's rows made into prompts.
 
 Owns: the procedural tasks `default` (`make_default_task`), `countdown` and `addition`, the
-`PROCEDURAL` table that names them for `load_dataset` (datasets.py), and `gsm8k_rows`, which
+`PROCEDURAL` table that names them for `load_dataset` (extras/datasets.py), and `gsm8k_rows`, which
 turns GSM8K's raw rows into chat prompts with an `answer` column.
 
-Does not know about: files or the Hub (datasets.py reads them), the row checks (data.py),
-tokenizers, the rewards that score these rows (builtin_rewards.py), torch, or processes.
+Does not know about: files or the Hub (extras/datasets.py reads them), the row checks (data.py),
+tokenizers, the rewards that score these rows (extras/builtin_rewards.py), torch, or processes.
 
 Choices:
 - Procedural tasks are a pure function of (name, split, num_rows, seed). For `default` and

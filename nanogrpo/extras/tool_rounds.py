@@ -5,10 +5,11 @@ append the results and sample again, round after round) and
 `pad_tool_rows` (the rows of different lengths it leaves, as the [n,C]
 tensors a Rollout holds, tool-result ids masked out).
 
-Does not know about: which tools a row has or where they come from
-(rollout.rollout passes them: TRL's `tools`, or an environment's), rewards,
-losses, or other processes. Tool schemas, parsing and running are
-tools.py's.
+Does not know about: where a row's functions come from (rollout.rollout
+passes them: TRL's `tools`, or an environment's), rewards, losses, or other
+processes.
+
+Tool schemas, parsing and running are extras/tools.py's.
 
 Choices, as TRL's:
 - A completion is the model's turns and the tool results between them,

@@ -1,13 +1,16 @@
 """Tool calling: tool schemas, parsing tool calls, running them.
 
 Owns: `tool_schema` (a Python function -> the JSON schema transformers'
-`get_json_schema` makes of it), `parse_tool_calls` (the Hermes/Qwen
-`<tool_call>` form; more in TOOL_CALL_PARSERS), `resolve_tools`,
+`get_json_schema` makes of it), `parse_hermes` (the Hermes/Qwen
+`<tool_call>` form; more formats plug into TOOL_CALL_PARSERS), `resolve_tools`,
 `run_tools` (sync and async tools, with a timeout) and the ids a chat
 template puts after a tool call (`tool_suffix_ids`).
 
-Does not know about: sampling, rewards or losses; rollout.py calls it
-between generation rounds.
+Does not know about: sampling, losses, or the model: extras/tool_rounds.py
+runs the calls between generation rounds, with the functions the config's
+`tools` and environments bring.
+
+Of rewards.py it uses `import_function`, to resolve "module:function".
 """
 
 import asyncio
@@ -188,12 +191,6 @@ def parse_hermes(text: str) -> tuple[str, list[dict]]:
 
 
 TOOL_CALL_PARSERS = {"hermes": parse_hermes}  # another model family's format plugs in here
-
-
-def parse_tool_calls(text: str, format: str = "hermes") -> list[dict]:
-    """The tool calls in a text: [{"name", "arguments"}]; one that could not be read: name
-    "unknown", + "error"."""
-    return TOOL_CALL_PARSERS[format](text)[1]
 
 
 def assistant_message(content: str, calls: list[dict]) -> dict:

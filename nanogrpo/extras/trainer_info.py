@@ -2,9 +2,10 @@
 (`trainer_state`) and two ways to log from inside a function (`log_metric`, `log_extra`).
 
 Owns: `TrainerState` (transformers' TrainerState, field for field), `trainer_state_of`, which
-fills one from train.py's Trainer as it scores a round, `RewardLogs` (what the functions logged
+fills one from trainer.py's Trainer as it scores a round, `RewardLogs` (what the functions logged
 in one round) and `reward_kwargs` (the three keyword arguments). Reward functions receive them
-from train.py's `reward_rollout`, a rollout_func the state as `trainer.state` (custom_rollout.py).
+from train.py's `reward_rollout`, a rollout_func the state as `trainer.state`
+(extras/custom_rollout.py).
 
 Does not know about: reward functions or how they are called (rewards.py), the model, the
 optimizer, the run's logged metrics (run.Run holds them: `log_history` stays empty), or
@@ -50,7 +51,7 @@ class TrainerState:
 
 
 def trainer_state_of(t) -> TrainerState:
-    """The TrainerState of train.py's Trainer `t` as it scores a round. log_history stays empty:
+    """The TrainerState of trainer.py's Trainer `t` as it scores a round. log_history stays empty:
     the run's logged metrics live in run.Run, which the trainer does not hold."""
     cfg = t.cfg
     one_epoch = replace(cfg, max_steps=-1, num_train_epochs=1.0)

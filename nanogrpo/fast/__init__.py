@@ -1,13 +1,14 @@
 """Speed tricks: each computes what a course function computes, faster.
 
-Owns: `kernels`, the fast set of the functions a round calls (trainer.Kernels): the draw without
+Owns: `kernels`, the fast set of the functions a round calls (the fields of trainer.Kernels,
+as a dict): the draw without
 sorting the vocabulary and the compiled static-shape decode step (fast/sampling.py), the LM head
 in chunks, each prompt's forward shared by its rows and no backward for rows without advantage
 (fast/logprobs.py). train.py chooses between them and the course's in one place (its `kernels`);
 `plain=True` trains with the course's.
 
 Does not know about: rewards, losses, optimizers, files, or what a run does around the
-algorithm. From trainer.py it takes the `Kernels` record only.
+algorithm, or the trainer (train.py builds its `Kernels` record from what `kernels` returns).
 
 Each trick is held equal to its course function by a test (tests/test_sampler.py,
 tests/test_logprobs.py), and the two paths' training trajectories by tests/test_train.py.
@@ -15,12 +16,12 @@ tests/test_logprobs.py), and the two paths' training trajectories by tests/test_
 
 from nanogrpo.fast import logprobs
 from nanogrpo.fast.sampling import StaticDecoder, sample_next_token_fast
-from nanogrpo.trainer import Kernels
 
 
-def kernels(torch_compile: bool = False) -> Kernels:
-    """The fast functions; with torch_compile the decode step is compiled too."""
-    return Kernels(
+def kernels(torch_compile: bool = False) -> dict:
+    """The fast functions, by trainer.Kernels' field names; with torch_compile the decode step
+    is compiled too."""
+    return dict(
         sample_token=sample_next_token_fast,
         decoder=StaticDecoder if torch_compile else None,
         token_logprobs=logprobs.token_logprobs,

@@ -23,7 +23,7 @@ entropy bonus); the plain version's always has one.
 
 Does not know about: losses, sampling, or torch.distributed (world_size
 is a number it is given: with several ranks every rank makes the same
-calls, so the model's FSDP2 collectives stay in step).
+calls, so FSDP2's collectives stay in step).
 
 Of the model it uses its call `model(input_ids, attention_mask=,
 positions=, cache=, cache_start=, head=fn)` (fn(hidden after the final
@@ -252,7 +252,7 @@ def shared_prompt_forward(model, input_ids, attention_mask, C, head):
 # A backward costs ~4 FLOPs per parameter and token; skipping it pays once
 # that outweighs the extra forward call's fixed cost (per-op overhead on a
 # CPU, kernel launches on a GPU; 1e12 there is an estimate, unmeasured).
-# docs/internals.md ("Rows without advantage") has the measurements.
+# docs/internals.md ("Rows without advantage") explains the thresholds.
 SKIP_MIN_FLOPS = {"cpu": 1e9, "cuda": 1e12}
 
 

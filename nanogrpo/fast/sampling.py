@@ -112,13 +112,6 @@ def _nucleus_bins(w, top_p):
     return guess
 
 
-def sample_filtered(logits, u, top_k, top_p, min_p):
-    """sample_from(apply_min_p(apply_top_p(apply_top_k(logits)))) drawing over the candidates only
-    (in vocabulary order: the cumulative sum adds the same numbers in the same order)."""
-    vals, ids = filter_candidates(logits, top_k, top_p, min_p)
-    return sample_from(vals, u, token_ids=ids)
-
-
 # -----------------------------------------------------------------------------
 # The compiled static-shape decode step
 

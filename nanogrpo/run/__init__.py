@@ -1,17 +1,17 @@
 """What a training run does around the algorithm: the bookkeeping train.py calls.
 
-Owns: the output folder (one run at a time holds it; a fresh run never
-replaces another), which checkpoint a run resumes from and what it
-restores, what is checked before step 1 so that the first save cannot
-fail (a writable folder, the hub), saving (on schedule,
-on Ctrl-C or SIGTERM, after an error), the embedded default's tiny checkpoint, and
-`main`: one-line errors (`--help` is configurator.py's). What a run
-reports (metrics, console, trackers, summary) is report.py's.
+Owns: the output folder (one run at a time holds it; a fresh run never replaces another), which
+checkpoint a run resumes from and what it restores, what is checked before step 1 so that the
+first save cannot fail (a writable folder, the hub), saving (on schedule, on Ctrl-C or SIGTERM,
+after an error; a LoRA run's merged checkpoint), stopping every rank where a cycle ends, the
+embedded default's tiny checkpoint, and `main`: one-line errors (`--help` is
+run/configurator.py's). What a run reports (metrics, console, trackers, summary) is
+run/report.py's; the files of a checkpoint-<step>/ are run/checkpoints.py's.
 
-Does not know about: the GRPO math. It reads a few named fields of
-nanogrpo.trainer's `Trainer` (model, optimizer, scheduler, tok, prompts,
-step, round, entropy_coef, last_entropy) to save and
-restore them.
+Does not know about: the GRPO math, sampling, or log-probs.
+
+It reads a few named fields of trainer.py's `Trainer` (cfg, info, sched, model, optimizer,
+scheduler, tok, prompts, step, round, entropy_coef, last_entropy) to save and restore them.
 """
 
 import atexit
@@ -37,8 +37,7 @@ from nanogrpo import checkpoint, dist
 from nanogrpo.extras import lora
 from nanogrpo.model import ModelConfig, Transformer
 from nanogrpo.rewards import RewardError
-from nanogrpo.run import checkpoints as trainer_state
-from nanogrpo.run import report
+from nanogrpo.run import checkpoints, report
 from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.run.configurator import help_text, load_config
 from nanogrpo.tokenizer import char_level_tokenizer
@@ -68,7 +67,7 @@ ADAPTER_SHAPE = [
 ]
 # Files train.py writes into out_dir: a fresh run refuses to replace them.
 RUN_FILES = r"metrics\.jsonl|checkpoint(-\d+)?(\.tmp)?"
-# What a save killed before its rename leaves (trainer_state.save_checkpoint)
+# What a save killed before its rename leaves (run/checkpoints.py's save_checkpoint)
 UNFINISHED_SAVE = r"checkpoint(-\d+)?\.tmp"
 # out_dir's lock file: the run holding it wrote who it is there
 LOCK_FILE = "run.lock"
@@ -222,7 +221,7 @@ def find_checkpoint(cfg: TrainConfig) -> str | None:
     if not resume:
         return None
     if isinstance(resume, str):
-        problem = trainer_state.missing(resume)
+        problem = checkpoints.missing(resume)
         if problem:
             raise FileNotFoundError(
                 f"resume_from_checkpoint={resume!r} holds no trainer state "
@@ -234,7 +233,7 @@ def find_checkpoint(cfg: TrainConfig) -> str | None:
     passed = []  # checkpoints that cannot be resumed
     for name in step_dirs(out_dir):
         path = os.path.join(out_dir, name)
-        problem = trainer_state.missing(path)
+        problem = checkpoints.missing(path)
         if problem is None:
             note_link(out_dir, path)
             return path
@@ -442,7 +441,7 @@ def write_tiny_checkpoint(path: str, recipe: dict):
 def restore(run: Run, t):
     """Load the trainer state of run.resume_from into t (a Trainer)."""
     cfg = run.cfg
-    state = trainer_state.load_trainer_state(run.resume_from, t.model, t.optimizer, run.info)
+    state = checkpoints.load_trainer_state(run.resume_from, t.model, t.optimizer, run.info)
     t.step = state["step"]
     cycles = t.step // t.sched.steps_per_cycle  # a checkpoint without it
     t.round = state.get("round", cycles * t.sched.rounds_per_cycle)
@@ -526,12 +525,12 @@ def save(run: Run, t):
         "checkpoints": run.written + [name],
         "world_size": run.info.world_size,
     }
-    trainer_state.save_checkpoint(
+    checkpoints.save_checkpoint(
         cfg.output_dir, t.step, t.model, t.optimizer, t.tok, state, config_record(cfg), run.info
     )
     run.written.append(name)
     if run.info.is_main:
-        run.written = trainer_state.prune_checkpoints(
+        run.written = checkpoints.prune_checkpoints(
             cfg.output_dir, run.written, cfg.save_total_limit, keep=run.resume_source
         )
         if cfg.push_to_hub:

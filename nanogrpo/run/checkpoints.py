@@ -8,10 +8,12 @@ complete, then the link swapped), `prune_checkpoints` (save_total_limit),
 what a checkpoint needs to be resumed (`missing`), the optimizer's files
 (`save_optimizer`) and `load_trainer_state`.
 
-Does not know about: the model's file format (checkpoint.py writes it) or
-what the trainer state holds (run.py decides). With several processes rank
-0 writes every file; the gathering and barriers are dist.py's and
-torch.distributed's.
+Does not know about: the model's file format (checkpoint/__init__.py writes
+it), what the trainer state holds (run/__init__.py's save decides), or the
+GRPO math.
+
+With several processes rank 0 writes every file; the gathering and barriers
+are dist/__init__.py's and torch.distributed's.
 
 Choices:
 - No pickle: the trainer state and the optimizer's settings are JSON, its

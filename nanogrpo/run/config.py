@@ -1,19 +1,20 @@
 """Every training setting: one dataclass and the rules between its fields.
 
-Owns: `TrainConfig` (fields, defaults, the rules between them). Names,
-meanings and defaults are TRL's GRPOConfig's (with transformers'
-TrainingArguments) wherever TRL has the setting. configurator.py reads a
-config file and the command line into it; schedules.py derives the batch
-Schedule and the learning rate from it.
+Owns: `TrainConfig` (fields, defaults, the rules between them). Names, meanings and defaults are
+TRL's GRPOConfig's (with transformers' TrainingArguments) wherever TRL has the setting.
+run/configurator.py reads a config file and the command line into it; schedules.py derives the
+batch Schedule from it, trainer.py the optimizer and its learning-rate schedule.
 
-Does not know about: what the settings do; train.py and the modules it
-calls read them.
+Does not know about: the model, tokenization, files, or processes: what a setting does is for
+train.py and the modules it calls.
 
-Choices: `validate` raises ConfigError naming the first broken rule,
-`check_lora` is the LoRA rule train.py applies again once the loaded
-model shows whether it carries adapters, and `warnings` names what is
-valid but probably not meant. train.py checks only what needs the model,
-the disk or the environment.
+The sampler's and the loss's own rules are called, not restated (sampler.check_sampling,
+grpo.LossConfig, extras/generation_kwargs.py's generation_settings).
+
+Choices: `validate` raises ConfigError naming the first broken rule, `check_lora` is the LoRA
+rule trainer.setup applies again once the loaded model shows whether it carries adapters, and
+`warnings` names what is valid but probably not meant. trainer.py and run/__init__.py check only
+what needs the model, the disk or the environment.
 """
 
 import dataclasses
@@ -122,7 +123,7 @@ class TrainConfig:
 
     use_peft: bool = setting(
         False,
-        "train LoRA adapters (nanogrpo/lora.py) instead of every weight; base frozen",
+        "train LoRA adapters (nanogrpo/extras/lora.py) instead of every weight; base frozen",
         group="LoRA (TRL's ModelConfig names)",
     )
     lora_r: int = setting(16, "adapter rank")
@@ -142,7 +143,7 @@ class TrainConfig:
 
     dataset: str | None = setting(
         "default",
-        "see data.load_dataset: file, hf://datasets/..., gsm8k, default, "
+        "see extras/datasets.load_dataset: file, hf://datasets/..., gsm8k, default, "
         "countdown; None: no dataset, only with environment_factory (its reset() writes "
         "each prompt; set max_steps)",
         group="data",
@@ -221,7 +222,7 @@ class TrainConfig:
     )
 
     tools: list = setting(
-        help="functions the policy may call mid-completion (see tools.py): "
+        help="functions the policy may call mid-completion (see extras/tools.py): "
         '"module:function", "path/to/file.py:function", or a function of the config file',
         factory=list,
         group="tools (TRL's names)",
@@ -240,13 +241,13 @@ class TrainConfig:
         "GRPOTrainer's: a class (or function) making an environment, one per completion, "
         "whose public methods are its tools and whose get_reward() a reward; or {name: class} "
         "routed by the dataset's `environment` column. A class of the config file, "
-        '"module:Class" or "path/to/file.py:Class" (see environments.py)',
+        '"module:Class" or "path/to/file.py:Class" (see extras/environments.py)',
     )
     rollout_func: str | typing.Callable | None = setting(
         None,
         "GRPOTrainer's: rollout_func(prompts, trainer) -> {prompt_ids, completion_ids, "
         "logprobs, [env_mask], fields for the rewards} replaces the sampler (see "
-        'custom_rollout.py); a function of the config file or "module:function"',
+        'extras/custom_rollout.py); a function of the config file or "module:function"',
     )
 
     loss_type: str = setting(
@@ -692,7 +693,7 @@ class TrainConfig:
         return "float32" if dtype == "auto" else dtype
 
     def lora_settings(self) -> dict | None:
-        """Keyword arguments for nanogrpo.lora.apply_lora (PEFT's names),
+        """Keyword arguments for extras/lora.py's apply_lora (PEFT's names),
         or None without use_peft."""
         if not self.use_peft:
             return None

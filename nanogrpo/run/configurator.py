@@ -8,8 +8,9 @@ or lacks (`ALIASES`, `TRANSLATED`, `NO_EFFECT`, `REFUSED`), the error that
 names every unknown key at once (`check_known`), and `train.py --help`
 (`help_text`, from each field's metadata["help"]).
 
-Does not know about: what the settings mean or the rules between them
-(config.py's TrainConfig.validate).
+Does not know about: what a setting does, the model, tokenization, or files
+beyond the config file. The rules between fields are run/config.py's
+(TrainConfig.validate, which load_config calls).
 
 Choices:
 - A config file is plain Python assigning names (`learning_rate = 1e-5`),
@@ -575,7 +576,7 @@ NO_EFFECT = {
     "ddp_bucket_cap_mb": NO_DDP,
     "ddp_broadcast_buffers": NO_DDP,
     "ddp_static_graph": NO_DDP,
-    "ddp_backend": "the backend is nccl on CUDA, gloo on CPU (dist.py)",
+    "ddp_backend": "the backend is nccl on CUDA, gloo on CPU (nanogrpo/dist/)",
     "ignore_bias_buffers": NO_DDP,
     "local_rank": "torchrun's LOCAL_RANK environment variable places each process",
     "do_train": "train.py trains",
@@ -584,7 +585,7 @@ NO_EFFECT = {
     "torch_empty_cache_steps": "it frees cached memory only",
     "gradient_checkpointing_kwargs": "checkpointing is non-reentrant, TRL's default",
     "gradient_checkpointing_use_reentrant": "checkpointing is non-reentrant, TRL's default",
-    "use_liger_kernel": "the LM head's log-probs are already chunked (logprobs.py)",
+    "use_liger_kernel": "the LM head's log-probs are already chunked (fast/logprobs.py)",
     "attn_implementation": "nanogrpo's model attends with torch's scaled_dot_product_attention",
     "trust_remote_code": "nanogrpo's own model code loads the weights; no remote code runs",
     "dataset_streaming": "the dataset is read whole",
@@ -647,7 +648,7 @@ REFUSED = {
     "load_in_8bit": NO_BITSANDBYTES,
     "load_in_4bit": NO_BITSANDBYTES,
     "use_bnb_nested_quant": NO_BITSANDBYTES,
-    "use_dora": "LoRA adapters are plain LoRA (lora.py), not DoRA",
+    "use_dora": "LoRA adapters are plain LoRA (extras/lora.py), not DoRA",
     "lora_target_parameters": "LoRA adapts modules (lora_target_modules), not parameters",
     # TRL's dataset mixtures (DatasetMixtureConfig)
     "datasets": "one dataset per run: set dataset",

@@ -7,7 +7,12 @@ step, the status line on a terminal (`Progress`: sampling, tokens/s,
 ETA), warnings about rewards that cannot teach, and the end-of-run
 summary with its reward curve.
 
-Does not know about: the GRPO math, checkpoints, or how a run starts.
+Does not know about: the model, the optimizer, checkpoints, or how a run
+starts and resumes (run/__init__.py).
+
+Of grpo.py it uses `total_reward` and `nanstd` (the one definition of a
+total reward and of a group's spread); of sampler.py the decode-step
+callback it sets (`on_decode_step`).
 """
 
 import json

@@ -6,7 +6,8 @@ tokenizer_config.json, the chat template (tokenizer_config.json's `chat_template
 `chat_template.jinja` file) rendered with jinja2 exactly as transformers renders it, and the set of
 ids that end a completion (the tokenizer's eos plus generation_config.json's `eos_token_id`).
 
-Does not know about: models, sampling, or training.
+Does not know about: models, sampling, or training. A hub id is downloaded by
+checkpoint/__init__.py's resolve_path, as a model's is.
 """
 
 import json
