@@ -1,12 +1,14 @@
 """The decoder transformer and its KV cache: the network and nothing else.
 
 Owns: `ModelConfig` (architecture hyper-parameters, named as in HF's config.json), the `Transformer`
-(Llama 3.x, Mistral, Qwen2/Qwen2.5 and Qwen3 families: RMSNorm, RoPE, grouped-query attention
-through `F.scaled_dot_product_attention`, SwiGLU MLP) and a static `KVCache`. With `num_labels`, the
+(Llama 3.x, Mistral, Qwen2/Qwen2.5, Qwen3, SmolLM3 and Gemma 3 families: RMSNorm, RoPE (off in
+SmolLM3's NoPE layers, a local base in Gemma 3's sliding layers), grouped-query attention through
+`F.scaled_dot_product_attention`, SwiGLU MLP) and a static `KVCache`. With `num_labels`, the
 same decoder is a *ForSequenceClassification model: a `score` head replaces the LM head.
 
 Leaves out: reading and writing Hugging Face checkpoints (checkpoint/__init__.py: config.json,
-safetensors, tensor names), LoRA adapters on its linears (extras/lora.py), FSDP2 sharding
+safetensors, tensor names), Gemma 3's block, norms and sliding-window mask (extras/gemma3.py,
+reached through `family_parts`), LoRA adapters on its linears (extras/lora.py), FSDP2 sharding
 (dist/__init__.py), and the LM head in chunks (fast/logprobs.py, through forward's `head`).
 
 Does not know about: files, tokenization, sampling, losses, or more than one process.
@@ -30,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # -----------------------------------------------------------------------------
@@ -56,6 +58,14 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v (Qwen2 always has it)
     mlp_bias: bool = False
+    # SmolLM3: no_rope_layers[i] == 1 when layer i uses RoPE, 0 for a NoPE layer (None: all RoPE)
+    no_rope_layers: list | None = None
+    # Gemma 3: "sliding_attention" | "full_attention" per layer, the window (in real tokens), the
+    # sliding layers' RoPE base, and the attention scale 1/sqrt(query_pre_attn_scalar)
+    layer_types: list | None = None
+    sliding_window: int | None = None
+    rope_local_base_freq: float | None = None
+    query_pre_attn_scalar: float | None = None
     initializer_range: float = 0.02
     # a sequence classifier (reward model): a `score` head of num_labels, no lm_head
     num_labels: int | None = None
@@ -78,6 +88,15 @@ class ModelConfig:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.model_type == "gemma3_text":
+            from nanogrpo.extras.gemma3 import fill_defaults
+
+            fill_defaults(self)
+        if self.no_rope_layers is not None and len(self.no_rope_layers) < self.num_hidden_layers:
+            raise ValueError(
+                f"config.json: no_rope_layers has {len(self.no_rope_layers)} entries for "
+                f"{self.num_hidden_layers} layers"
             )
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -110,13 +129,12 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] of RoPE, with `linear` or `llama3` scaling applied."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (
-        cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d)
-    )
-    scaling = cfg.rope_scaling or {}
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] of RoPE, with `linear` or `llama3` scaling applied (local:
+    Gemma 3's sliding layers, base rope_local_base_freq and no scaling)."""
+    d, theta = cfg.head_dim, cfg.rope_local_base_freq if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
+    scaling = {} if local else cfg.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
@@ -194,6 +212,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = None  # SDPA's default 1/sqrt(head_dim) (Gemma 3 sets its own)
 
     def forward(self, x, cos, sin, mask, cache=None, layer=0, cache_start=0):
         # x: [B,T,C]; cos/sin: [B,1,T,D]; mask: [B,1,T,S] bool or None (plain causal)
@@ -203,7 +222,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None:  # None: a NoPE layer (SmolLM3)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None and torch.is_tensor(
             cache_start
         ):  # static shapes: attend over every slot (masked)
@@ -220,13 +240,15 @@ class Attention(nn.Module):
             # one-token decode step: fold each kv head's query heads into the query axis
             # ([B,H,1,D] -> [B,Hkv,H/Hkv,D]) instead of copying the whole cache H/Hkv times
             y = F.scaled_dot_product_attention(
-                q.reshape(B, self.n_kv, -1, self.head_dim), k, v, attn_mask=mask
+                q.reshape(B, self.n_kv, -1, self.head_dim), k, v, attn_mask=mask, scale=self.scale
             )
             return self.o_proj(y.reshape(B, T, -1))
         if self.n_kv != self.n_heads:  # grouped-query: each kv head serves n_heads/n_kv query heads
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale
+        )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -262,6 +284,21 @@ class Block(nn.Module):
 # The model
 
 
+def family_parts(cfg: ModelConfig):
+    """The seam for families whose layers differ: (block class, norm class, embedding class,
+    sliding-window mask or None). Gemma 3's live in extras/gemma3.py."""
+    if cfg.model_type != "gemma3_text":
+        return Block, RMSNorm, nn.Embedding, None
+    from nanogrpo.extras import gemma3
+
+    return (
+        gemma3.Gemma3Block,
+        gemma3.Gemma3RMSNorm,
+        gemma3.Gemma3Embedding,
+        gemma3.sliding_window_mask,
+    )
+
+
 def attention_mask_for(key_valid, T, cache_start):
     """Boolean mask [B,1,T,S]: query t (at slot cache_start+t) sees key slot s if s <= its slot and
     the key is valid; a query always sees its own slot (keeps fully padded rows finite)."""
@@ -293,9 +330,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.generation_config: dict | None = None  # generation_config.json, when loaded from one
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        block, norm, embedding, self.window_mask = family_parts(cfg)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.num_labels is None:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # per-token label scores [B,T,num_labels]; reward_model.pooled_scores reads the one
@@ -305,6 +343,10 @@ class Transformer(nn.Module):
         self.tie_weights()
         # fp32, kept out of state_dict and of .to(dtype); follows the input's device
         self.inv_freq = rope_inv_freq(cfg)
+        n = cfg.num_hidden_layers
+        self.rope_layers = [bool(r) for r in cfg.no_rope_layers or [1] * n]
+        self.sliding = [t == "sliding_attention" for t in (cfg.layer_types or [""] * n)[:n]]
+        self.local_inv_freq = rope_inv_freq(cfg, local=True) if any(self.sliding) else None
         self.gradient_checkpointing = False
         # the LM head in float32 under autocast (lm_head_linear)
         self.cast_lm_head_to_fp32 = False
@@ -355,27 +397,41 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"KV cache of {cache.max_len} slots is too small for {cache_start + T} tokens"
             )
-        mask = None
-        if attention_mask is not None or cache is not None:
+        mask = window = None
+        if attention_mask is not None or cache is not None or any(self.sliding):
             if attention_mask is None:
                 attention_mask = torch.ones(
                     B, cache_start + T, dtype=torch.bool, device=input_ids.device
                 )
             mask = attention_mask_for(attention_mask, T, cache_start)
+        if any(self.sliding):  # Gemma 3's sliding layers see the last sliding_window real tokens
+            window = self.window_mask(
+                mask, attention_mask, T, cache_start, self.config.sliding_window
+            )
         x = self.embed_tokens(input_ids)
         if self.inv_freq.device != x.device:  # moved once, on the first forward on a new device
             self.inv_freq = self.inv_freq.to(x.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+            if self.local_inv_freq is not None:
+                self.local_inv_freq = self.local_inv_freq.to(x.device)
+        cos_sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        if self.local_inv_freq is not None:
+            local = rope_cos_sin(self.local_inv_freq, positions, x.dtype)
         for i, block in enumerate(self.layers):
+            cos, sin = (
+                (local if self.sliding[i] else cos_sin) if self.rope_layers[i] else (None, None)
+            )
+            mask_i = window if self.sliding[i] else mask
             if (
                 self.gradient_checkpointing
                 and self.training
                 and torch.is_grad_enabled()
                 and cache is None
             ):
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(
+                    block, x, cos, sin, mask_i, use_reentrant=False
+                )
             else:
-                x = block(x, cos, sin, mask, cache, i, cache_start)
+                x = block(x, cos, sin, mask_i, cache, i, cache_start)
         return self.norm(x)
 
     def forward(

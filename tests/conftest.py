@@ -7,7 +7,19 @@ import pytest
 import torch
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
-FAMILIES = ["qwen2", "llama3", "llama_linear", "qwen3", "mistral"]
+FAMILIES = ["qwen2", "llama3", "llama_linear", "qwen3", "mistral", "smollm3", "gemma3"]
+# the families whose fixtures tests/fixtures/make_family_fixtures.py writes
+NEW_FAMILIES = ["smollm3", "gemma3"]
+# tiny_config overrides for a Gemma 3 with sliding layers (a window of 3) around a global one
+GEMMA3 = {
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 3,
+    "head_dim": 16,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "sliding_window": 3,
+    "rope_local_base_freq": 100.0,
+    "query_pre_attn_scalar": 24,
+}
 
 
 def fixture_path(name: str) -> str:

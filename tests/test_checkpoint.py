@@ -18,7 +18,7 @@ def _rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama3", "qwen3", "smollm3", "gemma3"])
 def test_save_load_round_trip_is_exact(family, tmp_path):
     model = load_model(fixture_path(family))
     out = tmp_path / "saved"
@@ -125,6 +125,23 @@ def test_wrong_shape(tmp_path):
             "rope_type='yarn'",
         ),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"model_type": "smollm3", "attention_bias": True}, "attention_bias=true"),
+        (
+            {"model_type": "smollm3", "use_sliding_window": True, "sliding_window": 8},
+            "sliding_window=8",
+        ),
+        (
+            {"model_type": "smollm3", "layer_types": ["sliding_attention", "full_attention"]},
+            "layer_types contains 'sliding_attention'",
+        ),
+        ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"model_type": "gemma3_text", "hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+        ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "bidirectional"),
+        (
+            {"model_type": "gemma3_text", "layer_types": ["chunked_attention"] * 2},
+            "layer_types contains 'chunked_attention'",
+        ),
     ],
 )
 def test_unsupported_configs(tmp_path, change, message):

@@ -150,6 +150,10 @@ LORA = {"r": 4, "target_modules": "all-linear", "lora_dropout": 0.0}
         ("llama3", None, False),  # tied and untied LM head
         ("llama3", LORA, False),
         ("qwen2", None, True),
+        ("smollm3", None, False),  # NoPE layers
+        ("smollm3", LORA, False),
+        ("gemma3", None, False),  # sliding windows, Gemma's norms
+        ("gemma3", LORA, False),
     ],
 )  # the entropy's gradient and its all-process mean
 def test_two_processes_match_one(tmp_path, family, lora, entropy):

@@ -4,7 +4,7 @@ plain definition in logprobs.py, values and gradients, in float64 on a tiny rand
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import GEMMA3, tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -131,14 +131,16 @@ def grouped_batch(completion_attention):
 
 @pytest.mark.parametrize("completion_attention", [0, 1])
 @pytest.mark.parametrize("kv_heads", [2, 4])
-def test_rows_sharing_a_prompt_share_its_forward_exactly(completion_attention, kv_heads):
+@pytest.mark.parametrize("family", [{}, GEMMA3])  # (Gemma 3: a window of 3 < the prompts' 5)
+def test_rows_sharing_a_prompt_share_its_forward_exactly(completion_attention, kv_heads, family):
     """A prompt shared by several rows runs once (its KV cache copied to its rows): the same log-probs, entropies
     and parameter gradients as the naive full forward, in float64; also with one completion token (the one-query
     attention path) and with gradient checkpointing (which takes the plain path). Values are bit-equal; gradients
     agree to fp32 rounding: RMSNorm computes in fp32 even in a float64 model (as HF's does), and a prompt's gradient
     is summed over its rows in another order here."""
     torch.manual_seed(0)
-    model = Transformer(tiny_config(vocab_size=V, num_key_value_heads=kv_heads)).double()
+    model = Transformer(tiny_config(vocab_size=V, num_key_value_heads=kv_heads, **family))
+    model = model.double()
     ids, att, cmask = grouped_batch(completion_attention)
     calls = []
     model.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape))
@@ -446,8 +448,24 @@ def test_no_throwaway_forward_when_the_configuration_frees_no_row(beta, entropy_
     assert ent.requires_grad == entropy_bonus  # the bonus's entropy has a gradient
 
 
-@pytest.mark.parametrize("entropy_bonus, world_size", [(False, 1), (False, 2), (True, 1)])
-def test_fast_policy_logprobs_equal_the_plain_definition(entropy_bonus, world_size, monkeypatch):
+SMOLLM3 = {"model_type": "smollm3", "no_rope_layers": [0, 1]}  # a NoPE layer, then a RoPE one
+
+
+@pytest.mark.parametrize(
+    "entropy_bonus, world_size, family",
+    [
+        (False, 1, {}),
+        (False, 2, {}),
+        (True, 1, {}),
+        (False, 2, SMOLLM3),
+        (True, 1, SMOLLM3),
+        (False, 2, GEMMA3),
+        (True, 1, GEMMA3),
+    ],
+)
+def test_fast_policy_logprobs_equal_the_plain_definition(
+    entropy_bonus, world_size, family, monkeypatch
+):
     """fast.logprobs.policy_logprobs (rows whose advantage is exactly 0 scored without gradient, beta = 0)
     = logprobs.policy_logprobs (every row with gradient): log-probs and entropies, and the parameter
     gradients of a loss whose per-token terms are the advantage times something (plus, with the entropy
@@ -460,7 +478,7 @@ def test_fast_policy_logprobs_equal_the_plain_definition(entropy_bonus, world_si
 
     monkeypatch.setitem(fast.SKIP_MIN_FLOPS, "cpu", 0)
     torch.manual_seed(0)
-    model = Transformer(tiny_config(vocab_size=V)).double()
+    model = Transformer(tiny_config(vocab_size=V, **family)).double()
     grad_on = []  # torch.is_grad_enabled() at each model forward
     model.register_forward_hook(lambda *_: grad_on.append(torch.is_grad_enabled()))
     ids, att, cmask = (
@@ -492,3 +510,44 @@ def test_fast_policy_logprobs_equal_the_plain_definition(entropy_bonus, world_si
 
     for a, b in zip(grads(*got), grads(*want)):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_columns_after_the_last_scored_token_are_cut_and_change_nothing(entropy_grad, monkeypatch):
+    """A batch whose scored tokens end before its width (rows padded to a longer round) runs only
+    up to its last scored column: values, entropies and gradients equal the plain definition over
+    the full width, and the model is called on the shorter rows."""
+    from nanogrpo.fast import logprobs as fast_logprobs
+
+    model = tiny_model()
+    g = torch.Generator().manual_seed(3)
+    N, P, C = 4, 5, 9
+    ids = torch.randint(1, V, (N, P + C), generator=g)
+    att = torch.ones_like(ids)
+    cmask = torch.zeros(N, C)
+    cmask[0, :3] = 1
+    cmask[1, :5] = 1  # the last scored column is 4: columns 5..8 are padding for every row
+    cmask[3, :2] = 1
+    widths = []
+    real = model.forward
+
+    def recording(input_ids, **kwargs):
+        widths.append(input_ids.shape[1])
+        return real(input_ids, **kwargs)
+
+    monkeypatch.setattr(model, "forward", recording)
+    assert fast_logprobs.scored_width(cmask) == 5
+    assert fast_logprobs.scored_width(torch.zeros(N, C)) == 1
+    logps, ents = fast_logprobs.token_logprobs(model, ids, att, cmask, entropy_grad=entropy_grad)
+    assert logps.shape == ents.shape == (N, C)
+    assert max(widths) < P + C  # the forward never saw the cut columns
+    monkeypatch.setattr(model, "forward", real)
+    plain, plain_ents = token_logprobs_plain(model, ids, att, cmask)
+    torch.testing.assert_close(logps, plain, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ents, plain_ents, rtol=0, atol=1e-12)
+    loss = (logps * torch.arange(C)).sum() + (ents.sum() if entropy_grad else 0)
+    ref = (plain * torch.arange(C)).sum() + (plain_ents.sum() if entropy_grad else 0)
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    want = torch.autograd.grad(ref, list(model.parameters()))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

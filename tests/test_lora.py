@@ -226,7 +226,7 @@ def copied_adapter(tmp_path, name, family):
     return out, cfg
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "smollm3", "gemma3"])
 def test_an_adapter_made_by_peft_loads_with_peft_logits(tmp_path, family):
     path, cfg = copied_adapter(tmp_path, f"peft-{family}", family)
     model = load_model(path).eval()
@@ -248,7 +248,7 @@ def test_an_adapter_made_by_peft_loads_with_peft_logits(tmp_path, family):
     )
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "smollm3", "gemma3"])
 def test_our_adapter_loaded_by_peft_gives_our_logits(tmp_path, family):
     model = make_ours(family)
     save_model(model, tmp_path / "ours")
@@ -299,6 +299,8 @@ def test_errors(tmp_path):
         ValueError, match="'qkv_proj' names no linear.*q_proj, k_proj, v_proj, o_proj, gate_proj"
     ):
         lora.apply_lora(model, target_modules=["q_proj", "qkv_proj"])
+    with pytest.raises(ValueError, match="must be named for a smollm3 model"):  # as PEFT 0.21
+        lora.apply_lora(Transformer(tiny_config(model_type="smollm3")))
     with pytest.raises(
         ValueError, match="'norm' is not supported; valid names: embed_tokens, lm_head"
     ):

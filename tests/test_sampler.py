@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import FAMILIES, fixture_path, tiny_config
+from conftest import FAMILIES, GEMMA3, fixture_path, tiny_config
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -105,6 +105,9 @@ def test_cached_decode_matches_full_forward(family):
 # Parity with transformers' greedy generate (tests/fixtures/make_generate_fixtures.py)
 
 EXPECTED = json.load(open(os.path.join(fixture_path("generate_expected.json"))))
+NEW = json.load(open(fixture_path("family_generate_expected.json")))  # (make_family_fixtures.py)
+assert all(NEW[k] == EXPECTED[k] for k in ("max_new_tokens", "pad_id", "repetition_penalty"))
+EXPECTED["families"].update(NEW["families"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -560,7 +563,8 @@ def test_a_short_guess_is_redone(monkeypatch):
 # The static-shape, compiled decode step
 
 
-def test_compiled_decode_equals_eager_and_never_recompiles(monkeypatch):
+@pytest.mark.parametrize("family", [{}, GEMMA3])  # (Gemma 3: a sliding window of 3)
+def test_compiled_decode_equals_eager_and_never_recompiles(monkeypatch, family):
     """StaticDecoder (the compiled step, made once and passed in): the same completions as eager, and after the first round no recompile, though the
     prompt lengths change. fullgraph=True proves the step has no graph break (no host sync, no Python branch on
     data). The aot_eager backend traces what inductor would compile, in seconds; inductor's own C++ build
@@ -570,7 +574,7 @@ def test_compiled_decode_equals_eager_and_never_recompiles(monkeypatch):
         fast_sampling._decode_step, backend="aot_eager", dynamic=False, fullgraph=True
     )
     monkeypatch.setattr(fast_sampling, "_COMPILED", {None: step})
-    model = Transformer(tiny_config())
+    model = Transformer(tiny_config(**family))
     args = dict(
         num_samples=3,
         max_new_tokens=6,

@@ -1313,3 +1313,49 @@ def test_plain_picks_the_course_functions_and_refuses_a_compiled_step():
     assert default.sample_token is not sampler.sample_next_token
     with pytest.raises(ConfigError, match="plain=true"):
         load_config(["--config", "tiny.py", "--plain=true", "--torch_compile=true"]).validate()
+
+
+FAMILY_MODELS = {  # the family's own config.json keys, as init_model settings
+    "smollm3": {"model_type": "smollm3", "no_rope_layers": [1, 0]},
+    "gemma3": {
+        "model_type": "gemma3_text",
+        "head_dim": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 3,
+        "query_pre_attn_scalar": 16,
+    },
+}
+
+
+@pytest.mark.parametrize("use_peft", [False, True])
+@pytest.mark.parametrize("family", ["smollm3", "gemma3"])
+def test_a_new_family_trains(tmp_path, family, use_peft):
+    """A few GRPO steps of a SmolLM3 (a NoPE layer) and a Gemma 3 (a sliding window shorter than the
+    prompts) with and without LoRA; the checkpoint keeps the family's config.json keys."""
+    init = dict(read_config_file("tiny")["init_model"], **FAMILY_MODELS[family])
+    lora = ["--use_peft=true", "--lora_target_modules=all-linear", "--lora_r=4"] * use_peft
+    history = train.train(
+        tiny(tmp_path, f"--init_model={init!r}", "--max_steps=2", "--learning_rate=1e-2", *lora)
+    )
+    assert [m["step"] for m in history] == [1, 2]
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in history)
+    ckpt = tmp_path / "run" / "checkpoint"
+    model = load_model(ckpt)
+    wanted = {k: v for k, v in FAMILY_MODELS[family].items()}
+    assert {k: getattr(model.config, k) for k in wanted} == wanted
+    base = load_model(tmp_path / "init")
+    changed = [
+        name
+        for name, p in model.state_dict().items()
+        if not torch.equal(p, base.state_dict().get(name, p))
+    ]
+    if use_peft:
+        assert os.path.exists(ckpt / "adapter_config.json")
+        trained = [p.abs().sum() > 0 for n, p in model.state_dict().items() if ".lora_B" in n]
+        assert changed == [] and trained and all(trained)  # B starts at zero: the adapters moved
+    else:
+        saved = json.load(open(ckpt / "config.json"))
+        assert saved["architectures"] == [
+            {"smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]
+        ]
+        assert {k: saved[k] for k in wanted} == wanted and changed

@@ -15,9 +15,29 @@ from dataclasses import fields
 from nanogrpo.model import SUPPORTED_MODEL_TYPES, ModelConfig, Transformer
 
 # config.json's architectures: the family's prefix + ForCausalLM etc.
-ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+ARCHITECTURES = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "smollm3": "SmolLM3",
+    "gemma3_text": "Gemma3",  # (its classifier is Gemma3TextForSequenceClassification)
+}
 # config.json's keys that ModelConfig holds under another layout
-OWN_LAYOUT = ("extra", "rope_theta", "rope_scaling", "num_labels")
+OWN_LAYOUT = ("extra", "rope_theta", "rope_scaling", "rope_local_base_freq", "num_labels")
+# the defaults of the families whose transformers config classes differ from ModelConfig's, for the
+# keys a config.json may leave out
+FAMILY_DEFAULTS = {
+    "smollm3": {"rope_theta": 2000000.0, "tie_word_embeddings": True},
+    "gemma3_text": {
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "tie_word_embeddings": True,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+    },
+}
 
 
 # -----------------------------------------------------------------------------
@@ -28,10 +48,18 @@ def config_from_hf(hf: dict) -> ModelConfig:
     """ModelConfig from the dict of an HF config.json; features we do not
     implement raise ValueError."""
     check_supported(hf)
+    extra = dict(hf)
     # RoPE: transformers >= 5 writes `rope_parameters`; older checkpoints
     # `rope_theta` + `rope_scaling`
+    # (Gemma 3's rope_parameters hold one such dict per layer type)
+    defaults = {"rope_theta": 10000.0, **FAMILY_DEFAULTS.get(hf["model_type"], {})}
+    hf = {**defaults, **{k: v for k, v in hf.items() if v is not None}}
     rope = dict(hf.get("rope_parameters") or {})
-    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    local = hf.get("rope_local_base_freq")
+    if "full_attention" in rope:
+        local = rope.get("sliding_attention", {}).get("rope_theta", local)
+        rope = dict(rope["full_attention"])
+    theta = rope.pop("rope_theta", hf["rope_theta"])
     scaling = rope or hf.get("rope_scaling")
     if scaling is not None:
         scaling = dict(scaling)
@@ -41,6 +69,17 @@ def config_from_hf(hf: dict) -> ModelConfig:
             scaling = None
     known = {f.name for f in fields(ModelConfig)} - set(OWN_LAYOUT)
     kwargs = {k: hf[k] for k in known if hf.get(k) is not None}
+    if hf["model_type"] == "gemma3_text" and "layer_types" not in kwargs:
+        every = hf.get("sliding_window_pattern") or 6  # a global layer every 6th, the rest slide
+        n = kwargs.get("num_hidden_layers", 26)
+        kwargs["layer_types"] = [
+            "sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)
+        ]
+    if hf["model_type"] == "smollm3":
+        if "no_rope_layers" not in kwargs:  # a NoPE layer every no_rope_layer_interval layers
+            every = hf.get("no_rope_layer_interval") or 4
+            n = kwargs.get("num_hidden_layers", 36)
+            kwargs["no_rope_layers"] = [int((i + 1) % every != 0) for i in range(n)]
     architectures = [str(a) for a in hf.get("architectures") or []]
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         # counted as transformers counts them
@@ -48,7 +87,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
             kwargs["num_labels"] = len(hf["id2label"])
         else:
             kwargs["num_labels"] = hf.get("num_labels") or 2
-    return ModelConfig(**kwargs, rope_theta=float(theta), rope_scaling=scaling, extra=dict(hf))
+    if hf["model_type"] == "gemma3_text":
+        kwargs["rope_local_base_freq"] = float(local)
+    return ModelConfig(**kwargs, rope_theta=float(theta), rope_scaling=scaling, extra=extra)
 
 
 def check_supported(hf: dict):
@@ -74,15 +115,46 @@ def check_supported(hf: dict):
             "attention is (set sliding_window to null)"
         )
     layer_types = hf.get("layer_types") or []
-    bad_layers = [t for t in layer_types if t != "full_attention"]
+    gemma = model_type == "gemma3_text"
+    known_layers = ("full_attention", "sliding_attention") if gemma else ("full_attention",)
+    bad_layers = [t for t in layer_types if t not in known_layers]
     if bad_layers:
         raise ValueError(
             f"config.json: layer_types contains {bad_layers[0]!r}; "
-            "only 'full_attention' is supported"
+            f"only {' and '.join(map(repr, known_layers))} are supported"
+        )
+    if gemma:
+        check_gemma3(hf)
+        return
+    if model_type == "smollm3" and hf.get("attention_bias"):
+        raise ValueError(
+            "config.json: attention_bias=true (biases on SmolLM3's q/k/v/o projections) is not "
+            "supported; only attention_bias=false is"
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(
             f"config.json: hidden_act={hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)"
+        )
+
+
+def check_gemma3(hf: dict):
+    """check_supported's Gemma 3 part: what Gemma3TextConfig can hold but we do not implement."""
+    act = hf.get("hidden_activation") or "gelu_pytorch_tanh"  # (Gemma3TextConfig has no hidden_act)
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"config.json: hidden_activation={act!r} is not supported for gemma3_text; only "
+            "'gelu_pytorch_tanh'"
+        )
+    for key in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+        if hf.get(key):
+            raise ValueError(f"config.json: {key}={hf[key]} is not supported; only null")
+    if hf.get("attention_bias"):
+        raise ValueError("config.json: attention_bias=true is not supported for gemma3_text")
+    sliding = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if sliding.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"config.json: rope_parameters.sliding_attention.rope_type={sliding['rope_type']!r} "
+            "is not supported; only 'default'"
         )
 
 
@@ -93,20 +165,31 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     for f in fields(cfg):
         if f.name not in OWN_LAYOUT:
             hf[f.name] = getattr(cfg, f.name)
+    gemma = cfg.model_type == "gemma3_text"
     if "rope_parameters" in hf:  # transformers >= 5 layout
         scaling = cfg.rope_scaling or {"rope_type": "default"}
         hf["rope_parameters"] = {"rope_theta": cfg.rope_theta, **scaling}
+        if gemma:  # one per layer type
+            local = {"rope_type": "default", "rope_theta": cfg.rope_local_base_freq}
+            full = hf["rope_parameters"]
+            hf["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
     else:  # the classic layout, read by every transformers and vLLM version
         hf["rope_theta"] = cfg.rope_theta
         hf["rope_scaling"] = cfg.rope_scaling
+        if gemma:
+            hf["rope_local_base_freq"] = cfg.rope_local_base_freq
     head = "ForSequenceClassification" if cfg.num_labels else "ForCausalLM"
-    hf["architectures"] = [ARCHITECTURES[cfg.model_type] + head]
+    family = "Gemma3Text" if gemma and cfg.num_labels else ARCHITECTURES[cfg.model_type]
+    hf["architectures"] = [family + head]
     labels = len(hf.get("id2label") or {})
     if cfg.num_labels and labels != cfg.num_labels:
         # transformers counts id2label's labels
         hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)}
     if cfg.model_type == "qwen2":
         hf.pop("attention_bias", None)  # implied by the family
+    for key in ("no_rope_layers", "layer_types", "sliding_window", "query_pre_attn_scalar"):
+        if hf[key] is None and key not in cfg.extra:  # another family's key
+            hf.pop(key)
     return hf
 
 

@@ -41,7 +41,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-DEFAULT_TARGETS = ["q_proj", "v_proj"]  # PEFT's default for llama, mistral, qwen2 and qwen3
+# PEFT's default for llama, mistral, qwen2, qwen3 and gemma3_text; PEFT (0.21) has none for smollm3
+DEFAULT_TARGETS = ["q_proj", "v_proj"]
 SAVABLE = ("embed_tokens", "lm_head")
 PEFT_PREFIX = "base_model.model."
 
@@ -110,6 +111,11 @@ def _targets(model, target_modules) -> list[str]:
         n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("layers.")
     ]
     valid = ", ".join(BLOCK_LINEARS)
+    if target_modules is None and model.config.model_type == "smollm3":
+        raise ValueError(
+            "lora_target_modules must be named for a smollm3 model (PEFT has no default for it): "
+            f"a list of {valid}, or 'all-linear'"
+        )
     if target_modules is None:
         target_modules = DEFAULT_TARGETS
     if isinstance(target_modules, str):

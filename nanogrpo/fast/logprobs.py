@@ -3,7 +3,11 @@
 `token_logprobs` computes nanogrpo.logprobs.token_logprobs' numbers and
 `policy_logprobs` nanogrpo.logprobs.policy_logprobs' (same arguments;
 tests/test_logprobs.py holds them equal, values and gradients) with
-three tricks:
+four tricks:
+- a batch runs only up to its last scored completion column
+  (`scored_width`): a micro-batch's rows are padded to the round's
+  longest completion, and the padding after every row's end is neither
+  run forward nor backward;
 - the LM head in chunks (`ChunkLogProbs`, `score_chunks`): never the full
   [N,C,V] fp32 logits, only the hidden states of the scored tokens
   through the LM head, chunk_size tokens at a time, each chunk's gradient
@@ -34,6 +38,7 @@ head gathered while it runs), `new_cache`, `gradient_checkpointing` and
 """
 
 import torch
+import torch.nn.functional as F
 
 from nanogrpo.logprobs import check_shapes
 from nanogrpo.model import lm_head_linear
@@ -143,10 +148,41 @@ def token_logprobs(
     check_shapes(input_ids, attention_mask, completion_mask, temperature)
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    C = completion_mask.shape[1]
+    width = scored_width(completion_mask)  # the columns after it change nothing
+    L = input_ids.shape[1] - (C - width)
+    logps, entropies = _run_scored_width(
+        model,
+        input_ids[:, :L],
+        attention_mask[:, :L],
+        completion_mask[:, :width],
+        temperature,
+        vocab_size,
+        chunk_size,
+        keep_bytes,
+        entropy_grad,
+    )
+    if width == C:
+        return logps, entropies
+    return F.pad(logps, (0, C - width)), F.pad(entropies, (0, C - width))  # [N,C]
+
+
+def _run_scored_width(
+    model,
+    input_ids,
+    attention_mask,
+    completion_mask,
+    temperature,
+    vocab_size,
+    chunk_size,
+    keep_bytes,
+    entropy_grad,
+):
+    """token_logprobs on rows already cut to their scored width."""
+    C = completion_mask.shape[1]
     checkpointed = model.gradient_checkpointing and torch.is_grad_enabled()
     if checkpointed or not torch.is_grad_enabled():
         keep_bytes = 0  # no backward, or a run that trades compute for memory
-    C = completion_mask.shape[1]
     targets = input_ids[:, -C:]  # [N,C]
 
     def head(h, lm_head):  # h [N,C,D]: h[:, j] predicts completion token j
@@ -171,6 +207,14 @@ def token_logprobs(
             head=lambda h, out: head(h[:, L - C - 1 : L - 1], out),
         )
     return shared_prompt_forward(model, input_ids, attention_mask, C, head)
+
+
+def scored_width(completion_mask) -> int:
+    """Completion columns up to and including the last one any row scores (at least 1): a
+    micro-batch's rows are padded to the round's longest completion, and a causal model's
+    outputs before a column never depend on it, so the rest need no forward or backward."""
+    scored = completion_mask.bool().any(0).nonzero()  # a host sync
+    return int(scored[-1]) + 1 if len(scored) else 1
 
 
 def score_chunks(
