@@ -5,6 +5,7 @@ weights, same process, and the cost of the sampling filters against a decode ste
     python bench/bench_sampler.py --models 47m,135m --batches 1,8,32 --compile
     python bench/bench_sampler.py --filter_cost                     # filters + draw vs a decode step
     python bench/bench_sampler.py --train_compile                   # training fwd+bwd: Blocks compiled?
+    python bench/bench_sampler.py --where --model .cache/real/smollm2-135m-instruct   # where a step goes
     /work/fixvenv/bin/python bench/bench_sampler.py ...             # with transformers as the baseline
 
 Models (random weights; built with our Transformer, saved, loaded into transformers when installed):
@@ -298,6 +299,113 @@ def bench_filter_cost(args, device, dtype):
             )
 
 
+def bench_where(args, device, dtype):
+    """Where the eager sampler's time goes, against the matmul limit, on a GRPO-shaped batch (4
+    prompts x 8 samples; --batches is ignored): every F.linear and every
+    scaled_dot_product_attention call is timed (a perf_counter pair each, ~1 us) in three contexts
+    taken in turns: the limit's bare matmuls, generate at top_p 1.0 and at 0.95. Split by rows:
+    a call on more than 32 rows is the prefill's. --model PATH: a real checkpoint (else the 135m
+    shape, random). Answers: do the decode step's projections run at the bare-matmul rate?"""
+    from nanogrpo.checkpoint import load_model
+
+    if args.model:
+        model = load_model(args.model).to(device=device, dtype=dtype).eval()
+    else:
+        model = build("135m", device, dtype, args.logit_std)
+    V, P, G = model.config.vocab_size, 4, 8
+    heads = model.config.num_attention_heads
+    prompts = torch.randint(0, V - 1, (P, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+    prompts = prompts.tolist()
+    acc = {}
+    where = ["bare"]
+    linear, sdpa = F.linear, F.scaled_dot_product_attention
+
+    def timed_op(op, name):
+        def run(x, *a, **k):
+            sync(device)
+            t0 = time.perf_counter()
+            y = op(x, *a, **k)
+            sync(device)
+            # a decode step's calls have P*G rows (times the query heads for attention)
+            rows = P * G * (heads if name == "sdpa" else 1)
+            part = "prefill" if x.numel() // x.shape[-1] > rows else "decode"
+            key = (where[0], name, part)
+            acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
+            return y
+
+        return run
+
+    def gen(top_p):
+        def run():
+            generate(
+                model,
+                prompts,
+                num_samples=G,
+                max_new_tokens=NEW,
+                top_p=top_p,
+                stop_ids=[V - 1],
+                pad_id=0,
+                vocab_size=V - 1,
+                sample_token=sample_next_token_fast,
+            )
+
+        return run
+
+    head = model.lm_head.weight
+    weights = [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    weights += [head[i : i + 2048] for i in range(0, head.shape[0], 2048)]
+    xs = {w.shape[1]: torch.randn(P * G, w.shape[1], dtype=dtype, device=device) for w in weights}
+
+    def bare():
+        for w in weights:
+            F.linear(xs[w.shape[1]], w)
+
+    F.linear = timed_op(linear, "mm")
+    F.scaled_dot_product_attention = timed_op(sdpa, "sdpa")
+    fns = {"bare": bare, "1.0": gen(1.0), "0.95": gen(0.95)}
+    try:
+        with torch.no_grad():
+            for fn in fns.values():
+                fn()  # warm-up
+            walls = {k: [] for k in fns}
+            rounds = []
+            for _ in range(args.runs):
+                acc.clear()
+                for k, fn in fns.items():
+                    where[0] = k
+                    walls[k].append(clock(fn, device))
+                rounds.append(dict(acc))
+    finally:
+        F.linear, F.scaled_dot_product_attention = linear, sdpa
+    med = statistics.median
+    bare_mm = med(r[("bare", "mm", "decode")] for r in rounds)  # one decode step's matmuls
+    print(
+        f"{args.model or '135m (random)'}: {P} prompts x {G} samples, {PROMPT_LEN} prompt + {NEW} "
+        f"new tokens; medians of {args.runs} rounds, ms per decode step (a whole run / {NEW})\n"
+    )
+    print(
+        "| top_p | tok/s | limit tok/s | of limit | bare matmuls | decode matmuls (x bare) "
+        "| prefill matmuls | attention (decode + prefill) | the rest |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for k in ("1.0", "0.95"):
+        wall = med(walls[k])
+
+        def part(name, p):
+            return med(r.get((k, name, p), 0.0) for r in rounds) / NEW * 1e3
+
+        dec, pre = part("mm", "decode"), part("mm", "prefill")
+        att = part("sdpa", "decode") + part("sdpa", "prefill")
+        rest = wall / NEW * 1e3 - dec - pre - att
+        limit = P * G / bare_mm
+        print(
+            f"| {k} | {P * G * NEW / wall:,.0f} | {limit:,.0f} | {P * G * NEW / wall / limit:.0%} "
+            f"| {bare_mm * 1e3:.1f} | {dec:.1f} (x{dec / (bare_mm * 1e3):.3f}) | {pre:.1f} "
+            f"| {part('sdpa', 'decode'):.1f} + {part('sdpa', 'prefill'):.1f} | {rest:.1f} |",
+            flush=True,
+        )
+
+
 def bench_train_compile(args, device, dtype):
     """Training forward + backward of the 47M model (per-token log-probs of a [4, 192] batch, as GRPO's
     update scores a micro-batch), eager vs every Block compiled with `Block.compile()`: does it pay?"""
@@ -345,6 +453,10 @@ def main():
         action="store_true",
         help="only: does compiling the Blocks pay for training",
     )
+    ap.add_argument(
+        "--where", action="store_true", help="only: matmuls / attention / rest of a decode step"
+    )
+    ap.add_argument("--model", default="", help="--where: a checkpoint dir (default: 135m random)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -354,6 +466,8 @@ def main():
     )
     if args.filter_cost:
         bench_filter_cost(args, device, dtype)
+    elif args.where:
+        bench_where(args, device, dtype)
     elif args.train_compile:
         bench_train_compile(args, device, dtype)
     else:

@@ -408,6 +408,13 @@ class Transformer(nn.Module):
             window = self.window_mask(
                 mask, attention_mask, T, cache_start, self.config.sliding_window
             )
+        if mask is not None and not torch.is_autocast_enabled(input_ids.device.type):
+            # SDPA's additive form (0 / -inf) of the bool masks, made once rather than by every
+            # layer (the same numbers); under autocast the query's dtype is unknown here
+            dt, masks = self.embed_tokens.weight.dtype, (mask, window)
+            mask, window = (
+                m if m is None else torch.where(m, 0.0, -math.inf).to(dt) for m in masks
+            )
         x = self.embed_tokens(input_ids)
         if self.inv_freq.device != x.device:  # moved once, on the first forward on a new device
             self.inv_freq = self.inv_freq.to(x.device)
