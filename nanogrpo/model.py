@@ -312,6 +312,11 @@ def attention_mask_for(key_valid, T, cache_start):
     return mask[:, None]
 
 
+def additive_mask(mask, dtype):
+    """A bool mask as SDPA's additive form: 0 where a key is seen, -inf where it is not."""
+    return torch.where(mask, 0.0, -math.inf).to(dtype)
+
+
 def lm_head_linear(h, weight, fp32=False):
     """h [...,D] @ weight [V,D].T -> logits [...,V]. fp32 (TRL's
     cast_lm_head_to_fp32, the ScaleRL recipe): computed in float32 whatever
@@ -411,10 +416,9 @@ class Transformer(nn.Module):
         if mask is not None and not torch.is_autocast_enabled(input_ids.device.type):
             # SDPA's additive form (0 / -inf) of the bool masks, made once rather than by every
             # layer (the same numbers); under autocast the query's dtype is unknown here
-            dt, masks = self.embed_tokens.weight.dtype, (mask, window)
-            mask, window = (
-                m if m is None else torch.where(m, 0.0, -math.inf).to(dt) for m in masks
-            )
+            dtype = self.embed_tokens.weight.dtype
+            mask = additive_mask(mask, dtype)
+            window = None if window is None else additive_mask(window, dtype)
         x = self.embed_tokens(input_ids)
         if self.inv_freq.device != x.device:  # moved once, on the first forward on a new device
             self.inv_freq = self.inv_freq.to(x.device)
