@@ -1,15 +1,15 @@
 """The decoder transformer and its KV cache: the network and nothing else.
 
 Owns: `ModelConfig` (architecture hyper-parameters, named as in HF's config.json), the `Transformer`
-(Llama 3.x, Mistral, Qwen2/Qwen2.5, Qwen3, SmolLM3 and Gemma 3 families: RMSNorm, RoPE (off in
-SmolLM3's NoPE layers, a local base in Gemma 3's sliding layers), grouped-query attention through
-`F.scaled_dot_product_attention`, SwiGLU MLP) and a static `KVCache`. With `num_labels`, the
-same decoder is a *ForSequenceClassification model: a `score` head replaces the LM head.
+(Llama 3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM3, Gemma 3 and Qwen3.5: RMSNorm, RoPE (off in SmolLM3's
+NoPE layers, a local base in Gemma 3's sliding ones), grouped-query attention through SDPA, SwiGLU
+MLP) and a static `KVCache`. With `num_labels`, the same decoder is a *ForSequenceClassification
+model: a `score` head replaces the LM head.
 
-Leaves out: reading and writing Hugging Face checkpoints (checkpoint/__init__.py: config.json,
-safetensors, tensor names), Gemma 3's block, norms and sliding-window mask (extras/gemma3.py,
-reached through `family_parts`), LoRA adapters on its linears (extras/lora.py), FSDP2 sharding
-(dist/__init__.py), and the LM head in chunks (fast/logprobs.py, through forward's `head`).
+Leaves out: Hugging Face checkpoints (checkpoint/: config.json, safetensors, tensor names), the
+families' own layers (extras/gemma3.py; extras/qwen3_5.py and its linear attention,
+extras/gated_deltanet.py: through `family_parts`), RoPE scaling (extras/rope_scaling.py), LoRA
+(extras/lora.py), FSDP2 (dist/), and the LM head in chunks (fast/logprobs.py, via `head`).
 
 Does not know about: files, tokenization, sampling, losses, or more than one process.
 
@@ -25,6 +25,7 @@ Choices:
 - Every query may always attend to its own slot, so a fully padded row never divides by zero (NaN).
 """
 
+import importlib
 import math
 from dataclasses import dataclass, field
 
@@ -32,8 +33,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from nanogrpo.extras import rope_scaling
+
+# (gemma3_text and qwen3_5_text: extras/gemma3.py and extras/qwen3_5.py, through family_parts)
+SUPPORTED_MODEL_TYPES = tuple("llama mistral qwen2 qwen3 smollm3 gemma3_text qwen3_5_text".split())
+FAMILY_MODULES = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5"}
 
 # -----------------------------------------------------------------------------
 # Config
@@ -66,6 +70,14 @@ class ModelConfig:
     sliding_window: int | None = None
     rope_local_base_freq: float | None = None
     query_pre_attn_scalar: float | None = None
+    # Qwen3.5: RoPE on the first head_dim * partial_rotary_factor dims; its "linear_attention"
+    # layers (extras/gated_deltanet.py): key/value heads and their dims, the convolution's width
+    partial_rotary_factor: float = 1.0
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel_dim: int | None = None
     initializer_range: float = 0.02
     # a sequence classifier (reward model): a `score` head of num_labels, no lm_head
     num_labels: int | None = None
@@ -89,21 +101,14 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        if self.model_type == "gemma3_text":
-            from nanogrpo.extras.gemma3 import fill_defaults
-
-            fill_defaults(self)
+        if self.model_type in FAMILY_MODULES:
+            family_module(self.model_type).fill_defaults(self)
         if self.no_rope_layers is not None and len(self.no_rope_layers) < self.num_hidden_layers:
             raise ValueError(
                 f"config.json: no_rope_layers has {len(self.no_rope_layers)} entries for "
                 f"{self.num_hidden_layers} layers"
             )
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"config.json: rope_scaling.rope_type={rope_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
+        rope_scaling.check(self.rope_scaling)  # (None: no scaling)
 
     @property
     def qk_norm(self) -> bool:
@@ -132,22 +137,11 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] of RoPE, with `linear` or `llama3` scaling applied (local:
     Gemma 3's sliding layers, base rope_local_base_freq and no scaling)."""
-    d, theta = cfg.head_dim, cfg.rope_local_base_freq if local else cfg.rope_theta
+    d = int(cfg.head_dim * cfg.partial_rotary_factor)  # the rotated dims
+    theta = cfg.rope_local_base_freq if local else cfg.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
-    scaling = {} if local else cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", "default")
-    if kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind == "llama3":
-        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
-        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-        inv_freq = torch.where(medium, smoothed, scaled)
+    if cfg.rope_scaling and not local:  # long-context scaling (Llama 3.1's llama3, linear)
+        inv_freq = rope_scaling.scale_inv_freq(inv_freq, cfg.rope_scaling)
     return inv_freq
 
 
@@ -167,7 +161,8 @@ def apply_rope(x, cos, sin):
 
 class KVCache:
     """Static key/value buffers for every layer: k[layer], v[layer] are [B, H_kv, max_len,
-    head_dim].
+    head_dim] (a Qwen3.5 linear-attention layer's are its state instead, whole rather than per
+    slot: extras/gated_deltanet.py's cache_shapes).
 
     Written in place at slot indices by `Transformer.forward(..., cache=, cache_start=)`; never
     reallocated while decoding. `select(rows)` builds a cache holding only (or repeating) some
@@ -176,12 +171,19 @@ class KVCache:
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype, device):
-        shape = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
-        ]
+        kv = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        shapes = [(kv, kv)] * cfg.num_hidden_layers
+        self.linear = [False] * cfg.num_hidden_layers
+        if cfg.model_type == "qwen3_5_text":
+            from nanogrpo.extras.gated_deltanet import cache_shapes
+
+            shapes = cache_shapes(cfg, batch_size, kv)
+            self.linear = [t == "linear_attention" for t in cfg.layer_types]
+        self.k = [torch.zeros(k, dtype=dtype, device=device) for k, _ in shapes]
+        wide = torch.promote_types(dtype, torch.float32)  # a recurrent state stays float32
         self.v = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
+            torch.zeros(v, dtype=wide if lin else dtype, device=device)
+            for (_, v), lin in zip(shapes, self.linear)
         ]
         self.max_len = max_len
 
@@ -190,7 +192,7 @@ class KVCache:
         new = object.__new__(KVCache)
         new.k = [k.index_select(0, rows) for k in self.k]
         new.v = [v.index_select(0, rows) for v in self.v]
-        new.max_len = self.max_len
+        new.max_len, new.linear = self.max_len, self.linear
         return new
 
 
@@ -224,10 +226,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:  # None: a NoPE layer (SmolLM3)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(self.attend(q, k, v, mask, cache, layer, cache_start))
+
+    def attend(self, q, k, v, mask, cache, layer, cache_start):
+        """q [B,H,T,D], k, v [B,Hkv,T,D] -> [B,T,H*D]: the new keys written into the cache at
+        their slots, then attention over every slot the mask lets each query see."""
+        B, _, T, _ = q.shape
         if cache is not None and torch.is_tensor(
             cache_start
         ):  # static shapes: attend over every slot (masked)
-            slots = cache_start + torch.arange(T, device=x.device)
+            slots = cache_start + torch.arange(T, device=q.device)
             cache.k[layer].index_copy_(2, slots, k)
             cache.v[layer].index_copy_(2, slots, v)
             k, v = cache.k[layer], cache.v[layer]  # [B,Hkv,max_len,D]
@@ -242,14 +250,14 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(
                 q.reshape(B, self.n_kv, -1, self.head_dim), k, v, attn_mask=mask, scale=self.scale
             )
-            return self.o_proj(y.reshape(B, T, -1))
+            return y.reshape(B, T, -1)
         if self.n_kv != self.n_heads:  # grouped-query: each kv head serves n_heads/n_kv query heads
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale
         )
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return y.transpose(1, 2).reshape(B, T, -1)
 
 
 class MLP(nn.Module):
@@ -268,7 +276,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
@@ -284,19 +292,19 @@ class Block(nn.Module):
 # The model
 
 
-def family_parts(cfg: ModelConfig):
-    """The seam for families whose layers differ: (block class, norm class, embedding class,
-    sliding-window mask or None). Gemma 3's live in extras/gemma3.py."""
-    if cfg.model_type != "gemma3_text":
-        return Block, RMSNorm, nn.Embedding, None
-    from nanogrpo.extras import gemma3
+def family_module(model_type):
+    """The extras/ module of a family whose layers differ from Block's (Gemma 3, Qwen3.5)."""
+    name = FAMILY_MODULES.get(model_type)
+    return None if name is None else importlib.import_module(f"nanogrpo.extras.{name}")
 
-    return (
-        gemma3.Gemma3Block,
-        gemma3.Gemma3RMSNorm,
-        gemma3.Gemma3Embedding,
-        gemma3.sliding_window_mask,
-    )
+
+def family_parts(cfg: ModelConfig):
+    """The seam for families whose layers differ: (block class, called as block(cfg, layer index),
+    norm class, embedding class, sliding-window mask or None), from the family's module."""
+    family = family_module(cfg.model_type)
+    if family is None:
+        return Block, RMSNorm, nn.Embedding, None
+    return family.Block, family.RMSNorm, family.Embedding, family.window_mask
 
 
 def attention_mask_for(key_valid, T, cache_start):
@@ -337,7 +345,7 @@ class Transformer(nn.Module):
         self.generation_config: dict | None = None  # generation_config.json, when loaded from one
         block, norm, embedding, self.window_mask = family_parts(cfg)
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.num_labels is None:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -351,6 +359,8 @@ class Transformer(nn.Module):
         n = cfg.num_hidden_layers
         self.rope_layers = [bool(r) for r in cfg.no_rope_layers or [1] * n]
         self.sliding = [t == "sliding_attention" for t in (cfg.layer_types or [""] * n)[:n]]
+        # Qwen3.5's linear-attention layers take the [B,T] padding mask of their own tokens
+        self.linear = [t == "linear_attention" for t in (cfg.layer_types or [""] * n)[:n]]
         self.local_inv_freq = rope_inv_freq(cfg, local=True) if any(self.sliding) else None
         self.gradient_checkpointing = False
         # the LM head in float32 under autocast (lm_head_linear)
@@ -403,6 +413,10 @@ class Transformer(nn.Module):
                 f"KV cache of {cache.max_len} slots is too small for {cache_start + T} tokens"
             )
         mask = window = None
+        # [B,T]: which of these T tokens are real (None: all, or unknown in a compiled step)
+        valid = None
+        if attention_mask is not None and not torch.is_tensor(cache_start) and T > 1:
+            valid = attention_mask[:, -T:].bool()
         if attention_mask is not None or cache is not None or any(self.sliding):
             if attention_mask is None:
                 attention_mask = torch.ones(
@@ -431,7 +445,7 @@ class Transformer(nn.Module):
             cos, sin = (
                 (local if self.sliding[i] else cos_sin) if self.rope_layers[i] else (None, None)
             )
-            mask_i = window if self.sliding[i] else mask
+            mask_i = valid if self.linear[i] else window if self.sliding[i] else mask
             if (
                 self.gradient_checkpointing
                 and self.training

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
-FAMILIES = ["qwen2", "llama3", "llama_linear", "qwen3", "mistral", "smollm3", "gemma3"]
+FAMILIES = ["qwen2", "llama3", "llama_linear", "qwen3", "mistral", "smollm3", "gemma3", "qwen3_5"]
 # the families whose fixtures tests/fixtures/make_family_fixtures.py writes
-NEW_FAMILIES = ["smollm3", "gemma3"]
+NEW_FAMILIES = ["smollm3", "gemma3", "qwen3_5"]
 # tiny_config overrides for a Gemma 3 with sliding layers (a window of 3) around a global one
 GEMMA3 = {
     "model_type": "gemma3_text",
@@ -19,6 +19,20 @@ GEMMA3 = {
     "sliding_window": 3,
     "rope_local_base_freq": 100.0,
     "query_pre_attn_scalar": 24,
+}
+# tiny_config overrides for a Qwen3.5: Gated DeltaNet layers (2 key heads, 4 value heads) around a
+# gated full-attention layer with RoPE on half of each head
+QWEN3_5 = {
+    "model_type": "qwen3_5_text",
+    "num_hidden_layers": 3,
+    "head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+    "partial_rotary_factor": 0.5,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
 }
 
 

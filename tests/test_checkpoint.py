@@ -18,7 +18,7 @@ def _rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama3", "qwen3", "smollm3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama3", "qwen3", "smollm3", "gemma3", "qwen3_5"])
 def test_save_load_round_trip_is_exact(family, tmp_path):
     model = load_model(fixture_path(family))
     out = tmp_path / "saved"

@@ -154,6 +154,8 @@ LORA = {"r": 4, "target_modules": "all-linear", "lora_dropout": 0.0}
         ("smollm3", LORA, False),
         ("gemma3", None, False),  # sliding windows, Gemma's norms
         ("gemma3", LORA, False),
+        ("qwen3_5", None, False),  # Gated DeltaNet layers, gated attention
+        ("qwen3_5", LORA, False),
     ],
 )  # the entropy's gradient and its all-process mean
 def test_two_processes_match_one(tmp_path, family, lora, entropy):

@@ -4,7 +4,7 @@ plain definition in logprobs.py, values and gradients, in float64 on a tiny rand
 
 import pytest
 import torch
-from conftest import GEMMA3, tiny_config
+from conftest import GEMMA3, QWEN3_5, tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -131,7 +131,9 @@ def grouped_batch(completion_attention):
 
 @pytest.mark.parametrize("completion_attention", [0, 1])
 @pytest.mark.parametrize("kv_heads", [2, 4])
-@pytest.mark.parametrize("family", [{}, GEMMA3])  # (Gemma 3: a window of 3 < the prompts' 5)
+@pytest.mark.parametrize(
+    "family", [{}, GEMMA3, QWEN3_5]
+)  # (Gemma 3: a window of 3 < the prompts' 5)
 def test_rows_sharing_a_prompt_share_its_forward_exactly(completion_attention, kv_heads, family):
     """A prompt shared by several rows runs once (its KV cache copied to its rows): the same log-probs, entropies
     and parameter gradients as the naive full forward, in float64; also with one completion token (the one-query
@@ -461,6 +463,8 @@ SMOLLM3 = {"model_type": "smollm3", "no_rope_layers": [0, 1]}  # a NoPE layer, t
         (True, 1, SMOLLM3),
         (False, 2, GEMMA3),
         (True, 1, GEMMA3),
+        (False, 2, QWEN3_5),
+        (True, 1, QWEN3_5),
     ],
 )
 def test_fast_policy_logprobs_equal_the_plain_definition(

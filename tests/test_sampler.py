@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import FAMILIES, GEMMA3, fixture_path, tiny_config
+from conftest import FAMILIES, GEMMA3, QWEN3_5, fixture_path, tiny_config
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -563,7 +563,7 @@ def test_a_short_guess_is_redone(monkeypatch):
 # The static-shape, compiled decode step
 
 
-@pytest.mark.parametrize("family", [{}, GEMMA3])  # (Gemma 3: a sliding window of 3)
+@pytest.mark.parametrize("family", [{}, GEMMA3, QWEN3_5])  # (Gemma 3: a sliding window of 3)
 def test_compiled_decode_equals_eager_and_never_recompiles(monkeypatch, family):
     """StaticDecoder (the compiled step, made once and passed in): the same completions as eager, and after the first round no recompile, though the
     prompt lengths change. fullgraph=True proves the step has no graph break (no host sync, no Python branch on

@@ -1324,11 +1324,22 @@ FAMILY_MODELS = {  # the family's own config.json keys, as init_model settings
         "sliding_window": 3,
         "query_pre_attn_scalar": 16,
     },
+    "qwen3_5": {
+        "model_type": "qwen3_5_text",
+        "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"],
+        "partial_rotary_factor": 0.5,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+    },
 }
 
 
 @pytest.mark.parametrize("use_peft", [False, True])
-@pytest.mark.parametrize("family", ["smollm3", "gemma3"])
+@pytest.mark.parametrize("family", ["smollm3", "gemma3", "qwen3_5"])
 def test_a_new_family_trains(tmp_path, family, use_peft):
     """A few GRPO steps of a SmolLM3 (a NoPE layer) and a Gemma 3 (a sliding window shorter than the
     prompts) with and without LoRA; the checkpoint keeps the family's config.json keys."""
@@ -1356,6 +1367,11 @@ def test_a_new_family_trains(tmp_path, family, use_peft):
     else:
         saved = json.load(open(ckpt / "config.json"))
         assert saved["architectures"] == [
-            {"smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]
+            {
+                "smollm3": "SmolLM3ForCausalLM",
+                "gemma3": "Gemma3ForCausalLM",
+                "qwen3_5": "Qwen3_5ForCausalLM",
+            }[family]
         ]
+        saved = {**saved, **saved.get("rope_parameters", {})}  # (Qwen3.5's partial RoPE is there)
         assert {k: saved[k] for k in wanted} == wanted and changed

@@ -30,7 +30,13 @@ from functools import partial
 import torch
 
 from nanogrpo import dist
-from nanogrpo.checkpoint.hf_format import config_from_hf, config_to_hf, from_hf_names, to_hf_names
+from nanogrpo.checkpoint.hf_format import (
+    UNUSED,
+    config_from_hf,
+    config_to_hf,
+    from_hf_names,
+    to_hf_names,
+)
 from nanogrpo.extras import lora
 from nanogrpo.model import ModelConfig, Transformer
 
@@ -102,9 +108,9 @@ def parse_dtype(dtype) -> torch.dtype:
 # Tensor files
 
 
-def read_safetensors(path, dtype=None, device="cpu", file=None) -> dict:
+def read_safetensors(path, dtype=None, device="cpu", file=None, skip=()) -> dict:
     """Every tensor of a checkpoint directory (one file or shards), or of its
-    `file`, as `dtype` on `device`."""
+    `file`, as `dtype` on `device`; names starting with one of `skip` are not read."""
     from safetensors import SafetensorError, safe_open
 
     index = os.path.join(path, "model.safetensors.index.json")
@@ -121,6 +127,8 @@ def read_safetensors(path, dtype=None, device="cpu", file=None) -> dict:
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for key in f.keys():
+                    if key.startswith(tuple(skip)):
+                        continue
                     state[key] = f.get_tensor(key).to(device=device, dtype=dtype)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{file} cannot be read (truncated or corrupt?): {e}") from None
@@ -239,7 +247,8 @@ def load_model(
         where = device
     base = {}
     if main:
-        base = from_hf_names(read_safetensors(path, dtype, where), model)
+        skip = UNUSED.get(config.model_type, ())  # e.g. a vision tower
+        base = from_hf_names(read_safetensors(path, dtype, where, skip=skip), model)
     full = base
     if lora_settings:
         lora.apply_lora(model, **lora_settings)

@@ -22,13 +22,22 @@ ARCHITECTURES = {
     "qwen3": "Qwen3",
     "smollm3": "SmolLM3",
     "gemma3_text": "Gemma3",  # (its classifier is Gemma3TextForSequenceClassification)
+    "qwen3_5_text": "Qwen3_5",  # (its classifier is Qwen3_5TextForSequenceClassification)
 }
+# model_type -> the text family of a multimodal checkpoint whose language model we load: its
+# config.json's text_config, its tensors under LANGUAGE_MODEL (the vision tower is left out)
+MULTIMODAL = {"qwen3_5": "qwen3_5_text"}
+LANGUAGE_MODEL = "model.language_model."
+# tensors a family's checkpoints hold that its causal LM does not use (as transformers ignores
+# them): the vision tower, Qwen3.5's multi-token-prediction layers
+UNUSED = {"qwen3_5_text": ("model.visual.", "mtp.")}
 # config.json's keys that ModelConfig holds under another layout
 OWN_LAYOUT = ("extra", "rope_theta", "rope_scaling", "rope_local_base_freq", "num_labels")
 # the defaults of the families whose transformers config classes differ from ModelConfig's, for the
 # keys a config.json may leave out
 FAMILY_DEFAULTS = {
     "smollm3": {"rope_theta": 2000000.0, "tie_word_embeddings": True},
+    "qwen3_5_text": {"head_dim": 256, "partial_rotary_factor": 0.25},
     "gemma3_text": {
         "rope_theta": 1000000.0,
         "rope_local_base_freq": 10000.0,
@@ -45,8 +54,10 @@ FAMILY_DEFAULTS = {
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """ModelConfig from the dict of an HF config.json; features we do not
-    implement raise ValueError."""
+    """ModelConfig from the dict of an HF config.json (of a multimodal checkpoint: its language
+    model's); features we do not implement raise ValueError."""
+    if hf.get("model_type") in MULTIMODAL:
+        hf = language_model_config(hf)
     check_supported(hf)
     extra = dict(hf)
     # RoPE: transformers >= 5 writes `rope_parameters`; older checkpoints
@@ -55,6 +66,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     defaults = {"rope_theta": 10000.0, **FAMILY_DEFAULTS.get(hf["model_type"], {})}
     hf = {**defaults, **{k: v for k, v in hf.items() if v is not None}}
     rope = dict(hf.get("rope_parameters") or {})
+    # Qwen3.5: partial RoPE; its multimodal sections are plain RoPE on text (extras/qwen3_5.py)
+    partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    rope.pop("mrope_section", None)
+    rope.pop("mrope_interleaved", None)
     local = hf.get("rope_local_base_freq")
     if "full_attention" in rope:
         local = rope.get("sliding_attention", {}).get("rope_theta", local)
@@ -89,7 +104,20 @@ def config_from_hf(hf: dict) -> ModelConfig:
             kwargs["num_labels"] = hf.get("num_labels") or 2
     if hf["model_type"] == "gemma3_text":
         kwargs["rope_local_base_freq"] = float(local)
+    if partial is not None:
+        kwargs["partial_rotary_factor"] = float(partial)
     return ModelConfig(**kwargs, rope_theta=float(theta), rope_scaling=scaling, extra=extra)
+
+
+def language_model_config(hf: dict) -> dict:
+    """A multimodal config.json's language model as a config.json of its own (text_config, with the
+    top level's tie_word_embeddings), which is what save_model writes back."""
+    text = dict(hf.get("text_config") or {})
+    text["model_type"] = MULTIMODAL[hf["model_type"]]
+    if hf.get("tie_word_embeddings") is not None:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    text.pop("architectures", None)
+    return text
 
 
 def check_supported(hf: dict):
@@ -116,7 +144,10 @@ def check_supported(hf: dict):
         )
     layer_types = hf.get("layer_types") or []
     gemma = model_type == "gemma3_text"
-    known_layers = ("full_attention", "sliding_attention") if gemma else ("full_attention",)
+    known_layers = {
+        "gemma3_text": ("full_attention", "sliding_attention"),
+        "qwen3_5_text": ("full_attention", "linear_attention"),
+    }.get(model_type, ("full_attention",))
     bad_layers = [t for t in layer_types if t not in known_layers]
     if bad_layers:
         raise ValueError(
@@ -126,10 +157,10 @@ def check_supported(hf: dict):
     if gemma:
         check_gemma3(hf)
         return
-    if model_type == "smollm3" and hf.get("attention_bias"):
+    if model_type in ("smollm3", "qwen3_5_text") and hf.get("attention_bias"):
         raise ValueError(
-            "config.json: attention_bias=true (biases on SmolLM3's q/k/v/o projections) is not "
-            "supported; only attention_bias=false is"
+            f"config.json: attention_bias=true (biases on {model_type}'s q/k/v/o projections) is "
+            "not supported; only attention_bias=false is"
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(
@@ -166,7 +197,16 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         if f.name not in OWN_LAYOUT:
             hf[f.name] = getattr(cfg, f.name)
     gemma = cfg.model_type == "gemma3_text"
-    if "rope_parameters" in hf:  # transformers >= 5 layout
+    partial = hf.pop("partial_rotary_factor")
+    if cfg.model_type == "qwen3_5_text":  # (a family of transformers >= 5 only)
+        scaling = cfg.rope_scaling or {"rope_type": "default"}
+        hf["rope_parameters"] = {
+            **(cfg.extra.get("rope_parameters") or {}),  # its mrope_section, kept
+            "rope_theta": cfg.rope_theta,
+            **scaling,
+            "partial_rotary_factor": partial,
+        }
+    elif "rope_parameters" in hf:  # transformers >= 5 layout
         scaling = cfg.rope_scaling or {"rope_type": "default"}
         hf["rope_parameters"] = {"rope_theta": cfg.rope_theta, **scaling}
         if gemma:  # one per layer type
@@ -187,7 +227,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)}
     if cfg.model_type == "qwen2":
         hf.pop("attention_bias", None)  # implied by the family
-    for key in ("no_rope_layers", "layer_types", "sliding_window", "query_pre_attn_scalar"):
+    family_keys = ("no_rope_layers", "layer_types", "sliding_window", "query_pre_attn_scalar")
+    linear = [f.name for f in fields(cfg) if f.name.startswith("linear_")]
+    for key in (*family_keys, *linear):
         if hf[key] is None and key not in cfg.extra:  # another family's key
             hf.pop(key)
     return hf
@@ -218,7 +260,12 @@ def from_hf_names(state: dict, model: Transformer) -> dict:
     """HF-named tensors -> a complete state dict of `model` (a tied lm_head
     is the embedding), with an error listing missing or unexpected tensors
     and shape mismatches. Works on a meta-device model."""
-    ours = {k.removeprefix("model."): v for k, v in state.items()}
+    unused = UNUSED.get(model.config.model_type, ())
+    ours = {
+        k.removeprefix(LANGUAGE_MODEL).removeprefix("model."): v
+        for k, v in state.items()
+        if not k.startswith(unused)
+    }
     tied = model.config.tie_word_embeddings
     if tied:
         ours.pop("lm_head.weight", None)  # some checkpoints store the tied copy too

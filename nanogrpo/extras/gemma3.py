@@ -81,7 +81,7 @@ class Gemma3MLP(MLP):
 class Gemma3Block(nn.Module):
     """x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer=0):
         super().__init__()
         dim, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = Gemma3RMSNorm(dim, eps)
@@ -108,3 +108,12 @@ def sliding_window_mask(mask, key_valid, T, cache_start, window):
     q_slot = cache_start + torch.arange(T, device=key_valid.device)  # cache_start: int or tensor
     near = count.index_select(1, q_slot)[:, :, None] - count[:, None, :] < window  # [B,T,S]
     return mask & near[:, None]
+
+
+# what model.family_parts reads
+Block, RMSNorm, Embedding, window_mask = (
+    Gemma3Block,
+    Gemma3RMSNorm,
+    Gemma3Embedding,
+    sliding_window_mask,
+)

@@ -40,9 +40,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# PEFT's default for llama, mistral, qwen2, qwen3 and gemma3_text; PEFT (0.21) has none for smollm3
+# PEFT's default for llama, mistral, qwen2, qwen3 and gemma3_text; PEFT (0.21) has none for these
 DEFAULT_TARGETS = ["q_proj", "v_proj"]
+NO_PEFT_DEFAULT = ("smollm3", "qwen3_5_text")
 SAVABLE = ("embed_tokens", "lm_head")
 PEFT_PREFIX = "base_model.model."
 
@@ -110,11 +110,12 @@ def _targets(model, target_modules) -> list[str]:
     names = [
         n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("layers.")
     ]
-    valid = ", ".join(BLOCK_LINEARS)
-    if target_modules is None and model.config.model_type == "smollm3":
+    valid = ", ".join(dict.fromkeys(n.split(".")[-1] for n in names))  # (in the model's order)
+    family = model.config.model_type
+    if target_modules is None and family in NO_PEFT_DEFAULT:
         raise ValueError(
-            "lora_target_modules must be named for a smollm3 model (PEFT has no default for it): "
-            f"a list of {valid}, or 'all-linear'"
+            f"lora_target_modules must be named for a {family} model (PEFT has no default for "
+            f"it): a list of {valid}, or 'all-linear'"
         )
     if target_modules is None:
         target_modules = DEFAULT_TARGETS

@@ -150,8 +150,12 @@ def _decode_cache(model, prefill, src, S):
             for buf in cache.k + cache.v:
                 torch._dynamo.mark_static_address(buf)
     L = prefill.max_len  # slots >= L hold an earlier round's keys; the key mask hides them
-    for buf, pre in zip(cache.k + cache.v, prefill.k + prefill.v):
-        buf[:, :, :L] = pre.index_select(0, src)
+    for layer, linear in enumerate(cache.linear):
+        for buf, pre in ((cache.k[layer], prefill.k[layer]), (cache.v[layer], prefill.v[layer])):
+            if linear:  # a linear-attention layer's state (Qwen3.5), whole
+                buf.copy_(pre.index_select(0, src))
+            else:
+                buf[:, :, :L] = pre.index_select(0, src)
     return cache
 
 
