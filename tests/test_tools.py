@@ -18,10 +18,13 @@ from hypothesis import strategies as st
 from nanogrpo.extras import tools as tools_module
 from nanogrpo.extras.tools import (
     parse_hermes,
+    parse_qwen3_5,
+    parser_for,
     resolve_tools,
     run_tools,
     tool_schema,
     tool_suffix_ids,
+    typed_arguments,
 )
 from nanogrpo.tokenizer import Tokenizer
 
@@ -166,6 +169,32 @@ def test_arguments_as_a_json_string():
     assert tool_calls_of('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>') == [
         {"name": "f", "arguments": {"a": 1}}
     ]
+
+
+@pytest.mark.parametrize("typed", [True, False])
+def test_qwen3_5_calls_parse_as_transformers_parse_response(typed):
+    """Qwen3.5's XML form, as transformers' parse_response reads it with TRL's Qwen3.5 response
+    template: names, arguments typed by the tools' schemas (or left text without tools), content."""
+    case = EXPECTED["qwen3_5_parse"]
+    tools = {f.__name__: f for f in (signatures.multiply, signatures.search, signatures.convert)}
+    for text, want in zip(case["texts"], case["typed" if typed else "untyped"]):
+        content, calls = parse_qwen3_5(text.removesuffix("<|im_end|>"))
+        calls = [typed_arguments(c, tools if typed else {}) for c in calls]
+        got = [
+            {"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls
+        ]
+        assert got == want.get("tool_calls", []), text
+        assert content == want.get("content", ""), text
+
+
+def test_qwen3_5_malformed_call_and_the_format_a_template_picks():
+    ((call,),) = [parse_qwen3_5('<tool_call>\n{"name": "f"}\n</tool_call>')[1]]
+    assert call["name"] == "unknown" and "expected <function=name>" in call["error"]
+    xml = "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
+    assert parser_for("auto", xml) is parse_qwen3_5
+    assert parser_for("auto", TEMPLATE) is parse_hermes and parser_for("auto", None) is parse_hermes
+    assert parser_for("hermes", xml) is parse_hermes  # named: taken as named
 
 
 # --- running tools -------------------------------------------------------------------------------

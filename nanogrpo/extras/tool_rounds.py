@@ -24,7 +24,13 @@ Choices, as TRL's:
 
 import torch
 
-from nanogrpo.extras.tools import TOOL_CALL_PARSERS, assistant_message, run_tools, tool_suffix_ids
+from nanogrpo.extras.tools import (
+    assistant_message,
+    parser_for,
+    run_tools,
+    tool_suffix_ids,
+    typed_arguments,
+)
 from nanogrpo.sampler import generate
 
 
@@ -38,8 +44,14 @@ def continue_with_tools(
     -> (per-row model-token masks, message lists, truncated, tool calls, failed tool calls).
     """
     M, limit = cfg.max_completion_length, model.config.max_position_embeddings
-    parse = TOOL_CALL_PARSERS[cfg.tool_call_format]
-    parsed = [parse(t) for t in texts]
+    parser = parser_for(cfg.tool_call_format, tok.chat_template)
+
+    def parse(text, r):  # -> (content, calls), arguments typed by row r's tools' schemas
+        content, row_calls = parser(text)
+        row_tools = tools if isinstance(tools, dict) else tools[r]
+        return content, [typed_arguments(c, row_tools) for c in row_calls]
+
+    parsed = [parse(t, r) for r, t in enumerate(texts)]
     messages, calls = [[assistant_message(*p)] for p in parsed], [p[1] for p in parsed]
     masks = [[1] * len(x) for x in ids]
     num_calls, num_failed = [0] * len(ids), [0] * len(ids)  # per row
@@ -102,7 +114,7 @@ def continue_with_tools(
             calls[r] = []
             if new:
                 content, calls[r] = parse(
-                    new_texts[k] if len(new) == len(new_ids[k]) else tok.decode(new)
+                    new_texts[k] if len(new) == len(new_ids[k]) else tok.decode(new), r
                 )
                 messages[r].append(assistant_message(content, calls[r]))
         active = [r for r in going if calls[r]]

@@ -1,10 +1,12 @@
 """Tool calling: tool schemas, parsing tool calls, running them.
 
 Owns: `tool_schema` (a Python function -> the JSON schema transformers'
-`get_json_schema` makes of it), `parse_hermes` (the Hermes/Qwen
-`<tool_call>` form; more formats plug into TOOL_CALL_PARSERS), `resolve_tools`,
-`run_tools` (sync and async tools, with a timeout) and the ids a chat
-template puts after a tool call (`tool_suffix_ids`).
+`get_json_schema` makes of it), the parsers of TOOL_CALL_PARSERS: `parse_hermes` (the
+Hermes/Qwen2.5/Qwen3 `<tool_call>{json}` form) and `parse_qwen3_5` (Qwen3.5's
+`<function=...>`/`<parameter=...>` form, its text arguments typed by `typed_arguments`),
+`parser_for` (the format a chat template writes), `resolve_tools`, `run_tools` (sync and
+async tools, with a timeout) and the ids a chat template puts after a tool call
+(`tool_suffix_ids`).
 
 Does not know about: sampling, losses, or the model: extras/tool_rounds.py
 runs the calls between generation rounds, with the functions the config's
@@ -17,6 +19,7 @@ import asyncio
 import enum
 import inspect
 import json
+import math
 import re
 import types
 import typing
@@ -190,7 +193,80 @@ def parse_hermes(text: str) -> tuple[str, list[dict]]:
     return text.split("<tool_call>", 1)[0].rstrip(), calls
 
 
-TOOL_CALL_PARSERS = {"hermes": parse_hermes}  # another model family's format plugs in here
+def parse_qwen3_5(text: str) -> tuple[str, list[dict]]:
+    """Qwen3.5's form (Qwen3-Coder's XML): `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE
+    \n</parameter>\n...</function>\n</tool_call>`. Values are text, as written (a string
+    argument is not quoted); `typed_arguments` types them by the tool's schema."""
+    calls = []
+    for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, flags=re.DOTALL):
+        name = re.match(r"\s*<function=([^\n>]+)>", body)
+        if name is None:
+            error = f"malformed tool call {body.strip()!r}: expected <function=name>"
+            calls.append({"name": "unknown", "arguments": {}, "error": error})
+            continue
+        pairs = re.findall(r"<parameter=([^>\n]+)>\s*(.*?)\s*</parameter>", body, flags=re.DOTALL)
+        calls.append({"name": name.group(1), "arguments": dict(pairs), "text_arguments": True})
+    return text.split("<tool_call>", 1)[0].rstrip(), calls
+
+
+TOOL_CALL_PARSERS = {"hermes": parse_hermes, "qwen3_5": parse_qwen3_5}  # more formats plug in here
+
+
+def parser_for(tool_call_format: str, chat_template: str | None):
+    """The parser of `tool_call_format`; "auto": the form the chat template writes its calls in
+    (`<function=` for Qwen3.5's, else Hermes)."""
+    if tool_call_format == "auto":
+        xml = chat_template is not None and "<function=" in chat_template
+        tool_call_format = "qwen3_5" if xml else "hermes"
+    return TOOL_CALL_PARSERS[tool_call_format]
+
+
+def _coerce(text: str, kinds: list) -> object:
+    """text as the first JSON type of `kinds` it reads as; else the text itself."""
+    for kind in kinds:
+        try:
+            if kind == "integer":
+                number = float(text)
+                if number.is_integer():
+                    return int(text) if text.strip().lstrip("+-").isdigit() else int(number)
+            elif kind == "number":
+                number = float(text)
+                if math.isfinite(number):
+                    whole = number.is_integer() and "." not in text
+                    return int(number) if whole else number
+            elif kind == "boolean" and text.strip().lower() in ("true", "false", "1", "0"):
+                return text.strip().lower() in ("true", "1")
+            elif kind == "null" and text.strip() in ("null", "None"):
+                return None
+            elif kind in ("object", "array"):
+                value = json.loads(text)
+                if isinstance(value, dict if kind == "object" else list):
+                    return value
+        except ValueError:
+            continue
+    return text
+
+
+def _kinds(schema: dict) -> list:
+    """The JSON types a parameter's schema allows, in its order (anyOf's, then null if nullable)."""
+    kind = schema.get("type")
+    kinds = [kind] if isinstance(kind, str) else list(kind or [])
+    for part in schema.get("anyOf") or schema.get("oneOf") or []:
+        kinds += _kinds(part)
+    return kinds + ["null"] * bool(schema.get("nullable"))
+
+
+def typed_arguments(call: dict, tools: dict) -> dict:
+    """A parsed call whose arguments are text (parse_qwen3_5) with each one read as its type in
+    the tool's schema, as transformers' parse_response does given the tools: a string stays
+    text, a number becomes one, an unknown parameter or tool or an unreadable value stays text."""
+    if not call.get("text_arguments") or call["name"] not in tools:
+        return call
+    params = tool_schema(tools[call["name"]])["function"]["parameters"].get("properties", {})
+    args = {
+        k: _coerce(v, _kinds(params[k])) if k in params else v for k, v in call["arguments"].items()
+    }
+    return {"name": call["name"], "arguments": args}
 
 
 def assistant_message(content: str, calls: list[dict]) -> dict:

@@ -39,7 +39,7 @@ CHOICES = {
     "scale_rewards": SCALE_REWARDS,
     "multi_objective_aggregation": AGGREGATIONS,
     "lr_scheduler_type": SCHEDULES,
-    "tool_call_format": tuple(TOOL_CALL_PARSERS),
+    "tool_call_format": ("auto", *TOOL_CALL_PARSERS),
     "optim": OPTIMIZERS,
     "eval_strategy": ("no", "steps"),
 }
@@ -234,7 +234,9 @@ class TrainConfig:
         30.0, 'seconds an async tool may run before its result is {"error": ...}'
     )
     tool_call_format: str = setting(
-        "hermes", "how calls are written in the text: a key of tools.TOOL_CALL_PARSERS"
+        "auto",
+        "how calls are written in the text: hermes (<tool_call>{json}), qwen3_5 "
+        "(<function=...>), or auto: the form the chat template writes",
     )
     environment_factory: dict | str | typing.Callable | None = setting(
         None,
