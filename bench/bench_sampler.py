@@ -6,6 +6,7 @@ weights, same process, and the cost of the sampling filters against a decode ste
     python bench/bench_sampler.py --filter_cost                     # filters + draw vs a decode step
     python bench/bench_sampler.py --train_compile                   # training fwd+bwd: Blocks compiled?
     python bench/bench_sampler.py --where --model .cache/real/smollm2-135m-instruct   # where a step goes
+    python bench/bench_sampler.py --shared --model .cache/real/smollm2-135m-instruct  # shared prompts
     /work/fixvenv/bin/python bench/bench_sampler.py ...             # with transformers as the baseline
 
 Models (random weights; built with our Transformer, saved, loaded into transformers when installed):
@@ -406,6 +407,54 @@ def bench_where(args, device, dtype):
         )
 
 
+def bench_shared(args, device, dtype):
+    """The eager decoder vs SharedPrefixDecoder (each prompt's keys read once per group), same
+    seeds, in turns: tok/s of each and the ratio, per prompt length, and how many rows come out
+    identical (fp32 attention summed in another order can flip a near-tie, and the row then
+    diverges)."""
+    from nanogrpo.checkpoint import load_model
+    from nanogrpo.fast.shared_prefix import SharedPrefixDecoder
+
+    model = load_model(args.model).to(device) if args.model else build("135m", device, dtype, 0)
+    V = model.config.vocab_size
+    batch, G = int(args.batches.split(",")[0]), 8
+    print(
+        "| prompt tokens | top_p | eager tok/s | shared tok/s | shared / eager | identical rows |"
+    )
+    print("|---|---|---|---|---|---|")
+    for prompt_len in map(int, args.prompt_lens.split(",")):
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(0, V - 1, (batch // G, prompt_len), generator=gen).tolist()
+        for top_p in map(float, args.top_p.split(",")):
+            outs = {}
+
+            def run(decoder):
+                def fn():
+                    outs[decoder] = generate(
+                        model,
+                        prompts,
+                        num_samples=G,
+                        max_new_tokens=NEW,
+                        top_p=top_p,
+                        stop_ids=[V - 1],
+                        vocab_size=V - 1,
+                        seeds=list(range(len(prompts))),
+                        sample_token=sample_next_token_fast,
+                        decoder=decoder,
+                    ).completion_ids
+
+                return fn
+
+            (t_eager, t_shared), _ = timed([run(None), run(SharedPrefixDecoder)], device, args.runs)
+            same = (outs[None] == outs[SharedPrefixDecoder]).all(-1).sum().item()
+            tok = batch * NEW
+            print(
+                f"| {prompt_len} | {top_p} | {tok / t_eager:,.0f} | {tok / t_shared:,.0f} "
+                f"| {t_eager / t_shared:.2f}x | {same}/{batch} |",
+                flush=True,
+            )
+
+
 def bench_train_compile(args, device, dtype):
     """Training forward + backward of the 47M model (per-token log-probs of a [4, 192] batch, as GRPO's
     update scores a micro-batch), eager vs every Block compiled with `Block.compile()`: does it pay?"""
@@ -456,7 +505,13 @@ def main():
     ap.add_argument(
         "--where", action="store_true", help="only: matmuls / attention / rest of a decode step"
     )
-    ap.add_argument("--model", default="", help="--where: a checkpoint dir (default: 135m random)")
+    ap.add_argument(
+        "--shared", action="store_true", help="only: the eager vs the shared-prefix decoder"
+    )
+    ap.add_argument("--prompt_lens", default="128,512", help="--shared: prompt lengths")
+    ap.add_argument(
+        "--model", default="", help="--where, --shared: a checkpoint dir (default: 135m random)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -468,6 +523,8 @@ def main():
         bench_filter_cost(args, device, dtype)
     elif args.where:
         bench_where(args, device, dtype)
+    elif args.shared:
+        bench_shared(args, device, dtype)
     elif args.train_compile:
         bench_train_compile(args, device, dtype)
     else:

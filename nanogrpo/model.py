@@ -232,6 +232,8 @@ class Attention(nn.Module):
         """q [B,H,T,D], k, v [B,Hkv,T,D] -> [B,T,H*D]: the new keys written into the cache at
         their slots, then attention over every slot the mask lets each query see."""
         B, _, T, _ = q.shape
+        if hasattr(cache, "attend"):  # a cache with its own attention (fast/shared_prefix.py)
+            return cache.attend(self, q, k, v, mask, layer, cache_start)
         if cache is not None and torch.is_tensor(
             cache_start
         ):  # static shapes: attend over every slot (masked)

@@ -595,6 +595,43 @@ def test_compiled_decode_equals_eager_and_never_recompiles(monkeypatch, family):
     assert not want.truncated.all() and want.truncated.any()  # some rows stop, some run on masked
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "family",
+    [{}, {"num_key_value_heads": 2}, {"num_key_value_heads": 1, "model_type": "qwen3"}, GEMMA3],
+    ids=["mha", "gqa", "mqa-qwen3", "gemma3-falls-back"],
+)
+def test_shared_prefix_decoder_equals_the_plain_one(family, dtype):
+    """SharedPrefixDecoder (each prompt's keys read once per group): the plain decoder's completions
+    and log-probs, with left-padded prompts of different lengths, rows finishing (compaction), one
+    sample per prompt, and a repetition penalty; bit-equal log-probs in float64."""
+    from nanogrpo.fast.shared_prefix import SharedPrefixCache, SharedPrefixDecoder
+
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(**family)).to(dtype).eval()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [10, 11, 12]]
+    caches = []
+    model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: caches.append(type(a[4])))
+    for G, penalty in ((4, 1.0), (3, 1.3), (1, 1.0)):
+        args = dict(
+            num_samples=G,
+            max_new_tokens=10,
+            seeds=[1, 2, 3],
+            stop_ids=[3, 17, 30],
+            repetition_penalty=penalty,
+        )
+        shared = generate(model, prompts, decoder=SharedPrefixDecoder, **args)
+        plain = generate(model, prompts, **args)
+        assert torch.equal(shared.completion_ids, plain.completion_ids)
+        assert torch.equal(shared.completion_mask, plain.completion_mask)
+        tol = 0 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(shared.logprobs, plain.logprobs, rtol=0, atol=tol)
+        lengths = plain.completion_mask.sum(1)
+        assert lengths.min() < 10 and lengths.max() == 10  # rows finished early: compacted away
+    used = SharedPrefixCache in caches
+    assert used == (family is not GEMMA3)  # (sliding windows decode as the plain decoder does)
+
+
 @pytest.mark.parametrize(
     "top_k,top_p,min_p", [(0, 1.0, 0.0), (5, 0.9, 0.0), (0, 0.95, 0.05), (20, 0.8, 0.5)]
 )

@@ -1,11 +1,11 @@
 """Speed tricks: each computes what a course function computes, faster.
 
 Owns: `kernels`, the fast set of the functions a round calls (the fields of trainer.Kernels,
-as a dict): the draw without
-sorting the vocabulary and the compiled static-shape decode step (fast/sampling.py), the LM head
-in chunks, each prompt's forward shared by its rows and no backward for rows without advantage
-(fast/logprobs.py). train.py chooses between them and the course's in one place (its `kernels`);
-`plain=True` trains with the course's.
+as a dict): the draw without sorting the vocabulary and the compiled static-shape decode step
+(fast/sampling.py), the decode step that reads each prompt's keys once per group
+(fast/shared_prefix.py), the LM head in chunks, each prompt's forward shared by its rows and no
+backward for rows without advantage (fast/logprobs.py). train.py chooses between them and the
+course's in one place (its `kernels`); `plain=True` trains with the course's.
 
 Does not know about: rewards, losses, optimizers, files, or what a run does around the
 algorithm, or the trainer (train.py builds its `Kernels` record from what `kernels` returns).
@@ -16,14 +16,16 @@ tests/test_logprobs.py), and the two paths' training trajectories by tests/test_
 
 from nanogrpo.fast import logprobs
 from nanogrpo.fast.sampling import StaticDecoder, sample_next_token_fast
+from nanogrpo.fast.shared_prefix import SharedPrefixDecoder
 
 
 def kernels(torch_compile: bool = False) -> dict:
     """The fast functions, by trainer.Kernels' field names; with torch_compile the decode step
-    is compiled too."""
+    is compiled (with static shapes: the prompts' keys copied to their rows) instead of reading
+    each prompt's keys once per group."""
     return dict(
         sample_token=sample_next_token_fast,
-        decoder=StaticDecoder if torch_compile else None,
+        decoder=StaticDecoder if torch_compile else SharedPrefixDecoder,
         token_logprobs=logprobs.token_logprobs,
         policy_logprobs=logprobs.policy_logprobs,
     )
