@@ -72,6 +72,7 @@ def main(argv=None):
         environments=envs,
         rollout_func=resolve_rollout_func(cfg.rollout_func),
         autocast=dist.autocast(info, cfg.use_bf16(info.device)),
+        kernels=train.kernels(cfg),  # the draw and decode step training samples with
     )
     m = train.evaluate(t)  # reads these fields of nanogrpo.trainer.Trainer
     p, n = m["eval/pass@1"], len(rows)
