@@ -361,19 +361,22 @@ def convert_gguf(gguf_path, out_dir, source: dict | None = None):
             if config[k] is not None
         },
     )
-    types = sorted({t.tensor_type.name for t in reader.tensors})
-    write_json(
-        os.path.join(out_dir, "SOURCE.json"),
-        {
-            **(source or {}),
-            "gguf_file": os.path.basename(gguf_path),
-            "gguf_sha256": sha256(gguf_path),
-            "gguf_name": meta.get("general.name"),
-            "gguf_license": meta.get("general.license"),
-            "gguf_tensor_types": types,
-            "converted_by": "tests/fetch_real.py (dequantized to float32)",
-        },
-    )
+    write_json(os.path.join(out_dir, "SOURCE.json"), gguf_source(gguf_path, meta, reader, source))
+
+
+def gguf_source(gguf_path, meta, reader, source, **more) -> dict:
+    """SOURCE.json of a folder converted from a GGUF: `source` (where it was downloaded), what the
+    GGUF says of itself, `more`."""
+    return {
+        **(source or {}),
+        "gguf_file": os.path.basename(gguf_path),
+        "gguf_sha256": sha256(gguf_path),
+        "gguf_name": meta.get("general.name"),
+        "gguf_license": meta.get("general.license"),
+        "gguf_tensor_types": sorted({t.tensor_type.name for t in reader.tensors}),
+        **more,
+        "converted_by": "tests/fetch_real.py (dequantized to float32)",
+    }
 
 
 # -----------------------------------------------------------------------------
@@ -540,23 +543,15 @@ def convert_gemma3_gguf(gguf_path, tokenizer_dir, out_dir, source: dict | None =
     )
     with open(os.path.join(tokenizer_dir, "SOURCE.json")) as f:
         tokenizer_source = json.load(f)
+    tokenizer = {
+        "from": f"{tokenizer_source['package']} {tokenizer_source['version']}",
+        "license": tokenizer_source.get("license"),
+        "files": tokenizer_source.get("files"),
+        "vocabulary_checked": f"all {compared} GGUF token ids",
+    }
     write_json(
         os.path.join(out_dir, "SOURCE.json"),
-        {
-            **(source or {}),
-            "gguf_file": os.path.basename(gguf_path),
-            "gguf_sha256": sha256(gguf_path),
-            "gguf_name": meta.get("general.name"),
-            "gguf_license": meta.get("general.license"),
-            "gguf_tensor_types": sorted({t.tensor_type.name for t in reader.tensors}),
-            "tokenizer": {
-                "from": f"{tokenizer_source['package']} {tokenizer_source['version']}",
-                "license": tokenizer_source.get("license"),
-                "files": tokenizer_source.get("files"),
-                "vocabulary_checked": f"all {compared} GGUF token ids",
-            },
-            "converted_by": "tests/fetch_real.py (dequantized to float32)",
-        },
+        gguf_source(gguf_path, meta, reader, source, tokenizer=tokenizer),
     )
 
 

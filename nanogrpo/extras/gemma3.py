@@ -4,7 +4,8 @@ Owns: `Gemma3RMSNorm` (x / rms(x) * (1 + weight), in float32), `Gemma3Embedding`
 times sqrt(hidden_size), in the embedding's dtype), `Gemma3Block` (q/k RMSNorms, a norm after the
 attention and around the MLP, the `gelu_pytorch_tanh` MLP, the attention scale
 1/sqrt(query_pre_attn_scalar)), `sliding_window_mask` (what a sliding layer sees) and
-`fill_defaults` (Gemma3TextConfig's defaults on a ModelConfig). model.py reaches them through its
+`fill_defaults` (Gemma3TextConfig's defaults on a ModelConfig, the layer pattern by
+`fill_layer_types`, which Qwen3.5's uses too). model.py reaches them through its
 one seam, `family_parts`; the global and local RoPE tables are model.py's (`rope_inv_freq`).
 
 Does not know about: files (checkpoint/hf_format.py reads config.json's Gemma keys), sampling,
@@ -28,22 +29,26 @@ def fill_defaults(cfg):
     """Gemma3TextConfig's defaults for what a ModelConfig leaves None: a global layer every 6th
     (the rest slide), a 4096-token window, a local RoPE base of 10,000, query_pre_attn_scalar
     256."""
-    if cfg.layer_types is None:
-        cfg.layer_types = [
-            "sliding_attention" if (i + 1) % 6 else "full_attention"
-            for i in range(cfg.num_hidden_layers)
-        ]
-    if len(cfg.layer_types) < cfg.num_hidden_layers:
-        raise ValueError(
-            f"config.json: layer_types has {len(cfg.layer_types)} entries for "
-            f"{cfg.num_hidden_layers} layers"
-        )
+    fill_layer_types(cfg, "sliding_attention", every=6)
     if cfg.sliding_window is None:
         cfg.sliding_window = 4096
     if cfg.rope_local_base_freq is None:
         cfg.rope_local_base_freq = 10000.0
     if cfg.query_pre_attn_scalar is None:
         cfg.query_pre_attn_scalar = 256
+
+
+def fill_layer_types(cfg, other: str, every: int):
+    """cfg.layer_types, when None: "full_attention" every `every`-th layer, `other` the rest (also
+    Qwen3.5's default); ValueError when the config's list is shorter than the layers."""
+    if cfg.layer_types is None:
+        n = cfg.num_hidden_layers
+        cfg.layer_types = [other if (i + 1) % every else "full_attention" for i in range(n)]
+    if len(cfg.layer_types) < cfg.num_hidden_layers:
+        raise ValueError(
+            f"config.json: layer_types has {len(cfg.layer_types)} entries for "
+            f"{cfg.num_hidden_layers} layers"
+        )
 
 
 class Gemma3RMSNorm(nn.Module):

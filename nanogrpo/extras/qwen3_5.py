@@ -5,7 +5,7 @@ DeltaNet, extras/gated_deltanet.py; "full_attention" is `GatedAttention`), `Gate
 norms, RoPE on the first head_dim * partial_rotary_factor dims, the output times sigmoid of a gate
 the query projection also makes) and `fill_defaults` (Qwen3_5TextConfig's defaults on a
 ModelConfig). model.py reaches them through its one seam, `family_parts`; the norms are Gemma 3's
-(x / rms(x) * (1 + weight), extras/gemma3.py).
+(x / rms(x) * (1 + weight), extras/gemma3.py), and so is the default layer pattern's helper.
 
 Does not know about: files (checkpoint/hf_format.py reads config.json, and a qwen3_5 checkpoint's
 language model), sampling, losses, or more than one process.
@@ -19,23 +19,14 @@ import torch
 import torch.nn as nn
 
 from nanogrpo.extras.gated_deltanet import GatedDeltaNet
-from nanogrpo.extras.gemma3 import Gemma3RMSNorm
+from nanogrpo.extras.gemma3 import Gemma3RMSNorm, fill_layer_types
 from nanogrpo.model import MLP, Attention, apply_rope
 
 
 def fill_defaults(cfg):
     """Qwen3_5TextConfig's defaults for what a ModelConfig leaves None: a full-attention layer
     every 4th (the rest linear), 16 key and 32 value heads of 128 dims, a convolution of 4."""
-    if cfg.layer_types is None:
-        cfg.layer_types = [
-            "linear_attention" if (i + 1) % 4 else "full_attention"
-            for i in range(cfg.num_hidden_layers)
-        ]
-    if len(cfg.layer_types) < cfg.num_hidden_layers:
-        raise ValueError(
-            f"config.json: layer_types has {len(cfg.layer_types)} entries for "
-            f"{cfg.num_hidden_layers} layers"
-        )
+    fill_layer_types(cfg, "linear_attention", every=4)
     defaults = dict(
         linear_num_key_heads=16,
         linear_num_value_heads=32,
