@@ -360,7 +360,7 @@ def test_bf16_model():
         ({"prompt_ids": [[1, 400]]}, "prompt_ids"),
         ({"max_new_tokens": 250}, "max_new_tokens"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
-        ({"vocab_size": 401}, "vocab_size"),
+        ({"vocab_size": -1}, "vocab_size"),
         ({"seeds": [1, 2]}, "seeds"),
     ],
 )
@@ -368,6 +368,15 @@ def test_invalid_arguments(kwargs, name):
     args = {"prompt_ids": [[1] * 10], "max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=name):
         generate(load("qwen2"), args.pop("prompt_ids"), **args)
+
+
+def test_a_tokenizer_larger_than_the_model_draws_the_models_rows():
+    """A tokenizer with ids past the model's rows (Gemma 3 270M's has 262,145 for 262,144): those
+    ids are never drawn, as transformers' logits never cover them; the rest is unchanged."""
+    model = load("qwen2")  # 400 rows
+    args = dict(num_samples=4, max_new_tokens=6, seeds=[3], temperature=1.5)
+    wide = generate(model, [[1, 2, 3]], vocab_size=401, **args)
+    assert torch.equal(wide.completion_ids, generate(model, [[1, 2, 3]], **args).completion_ids)
 
 
 # -----------------------------------------------------------------------------
