@@ -36,6 +36,15 @@ QWEN3_5 = {
 }
 
 
+def mismatches(cases, ours, theirs):
+    """The cases where ours(case) != theirs(case), as a short message (empty when none)."""
+    bad = [(c, ours(c), theirs(c)) for c in cases if ours(c) != theirs(c)]
+    if not bad:
+        return ""
+    case, got, want = bad[0]
+    return f"{len(bad)}/{len(cases)} differ; first: {case!r}\n ours:   {got!r}\n theirs: {want!r}"
+
+
 def fixture_path(name: str) -> str:
     """Absolute path of a directory under tests/fixtures."""
     return os.path.join(FIXTURES, name)

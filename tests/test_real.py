@@ -12,7 +12,7 @@ import os
 import fetch_real
 import pytest
 import torch
-from conftest import fixture_path
+from conftest import fixture_path, mismatches
 
 from nanogrpo.checkpoint import load_model, save_model
 from nanogrpo.sampler import generate
@@ -168,16 +168,6 @@ def test_smollm2_save_load_round_trip(smollm2, tmp_path):
 @pytest.fixture(scope="module", params=["smollm2", "qwen3", "llama3_1"])
 def real_tok(request):
     return request.param, Tokenizer.from_pretrained(real_path(request.param))
-
-
-def mismatches(cases, ours, theirs):
-    """The cases where ours(case) != theirs(case), as a short message (empty when none)."""
-    bad = [(c, ours(c)) for c in cases if ours(c) != theirs(c)]
-    return (
-        ""
-        if not bad
-        else f"{len(bad)}/{len(cases)} differ; first: {bad[0][0]!r}\n ours: {bad[0][1]!r}"
-    )
 
 
 def test_real_tokenizer_encode(real_tok):

@@ -12,7 +12,7 @@ import os
 
 import fetch_real
 import pytest
-from conftest import fixture_path
+from conftest import fixture_path, mismatches
 
 from nanogrpo.tokenizer import Tokenizer
 
@@ -29,15 +29,6 @@ def tok():
             "(its output says why it could not)"
         )
     return Tokenizer.from_pretrained(FOLDER)
-
-
-def mismatches(cases, ours, theirs):
-    """The cases where ours(case) != theirs(case), as a short message (empty when none)."""
-    bad = [(c, ours(c), theirs(c)) for c in cases if ours(c) != theirs(c)]
-    if not bad:
-        return ""
-    case, got, want = bad[0]
-    return f"{len(bad)}/{len(cases)} differ; first: {case!r}\n ours:   {got!r}\n theirs: {want!r}"
 
 
 def test_gemma3_encode(tok):

@@ -14,7 +14,7 @@ import os
 import fetch_real
 import pytest
 import torch
-from conftest import QWEN3_5, fixture_path, tiny_config
+from conftest import QWEN3_5, fixture_path, mismatches, tiny_config
 
 from nanogrpo.extras.tools import parse_qwen3_5, parser_for, tool_schema, tool_suffix_ids
 from nanogrpo.tokenizer import Tokenizer
@@ -33,22 +33,14 @@ def tok():
     return Tokenizer.from_pretrained(FOLDER)
 
 
-def first_mismatch(cases, ours, theirs) -> str:
-    bad = [(c, ours(c), theirs(c)) for c in cases if ours(c) != theirs(c)]
-    if not bad:
-        return ""
-    case, got, want = bad[0]
-    return f"{len(bad)}/{len(cases)} differ; first: {case!r}\n ours:   {got!r}\n theirs: {want!r}"
-
-
 def test_qwen3_5_encode_decode_and_special_ids(tok):
-    msg = first_mismatch(
+    msg = mismatches(
         EXPECTED["encode"],
         lambda c: tok.encode(c["text"], add_special_tokens=False),
         lambda c: c["ids"],
     )
     assert not msg, msg
-    msg = first_mismatch(
+    msg = mismatches(
         EXPECTED["decode"],
         lambda c: tok.decode(c["ids"], skip_special_tokens=c["skip_special_tokens"]),
         lambda c: c["text"],
@@ -77,9 +69,9 @@ def test_qwen3_5_chat_template_with_thinking_on_and_off_and_tools(tok):
         )
 
     cases = EXPECTED["chat"]
-    msg = first_mismatch(cases, render, lambda c: c["text"])
+    msg = mismatches(cases, render, lambda c: c["text"])
     assert not msg, msg
-    msg = first_mismatch(
+    msg = mismatches(
         cases, lambda c: tok.encode(c["text"], add_special_tokens=False), lambda c: c["ids"]
     )
     assert not msg, msg
