@@ -80,24 +80,30 @@ def test_gemma3_270m_logits_match_transformers(gemma3, i):
     check_logits(logits, case)
 
 
-def test_gemma3_270m_greedy_batch_matches_transformers(gemma3):
+@pytest.mark.parametrize("shared", [False, True], ids=["eager", "shared-prefix"])
+def test_gemma3_270m_greedy_batch_matches_transformers(gemma3, shared):
     """Greedy continuations of prompts of different lengths, left-padded in one batch, are token
-    for token transformers' `generate` on the same batch."""
+    for token transformers' `generate` on the same batch; also two samples a prompt through the
+    decode step that reads each prompt's keys once (what training samples with)."""
+    from nanogrpo.fast.shared_prefix import SharedPrefixDecoder
+
     model, tok = gemma3
+    G = 2 if shared else 1
     cases = EXPECTED["greedy"]
     prompts = [tok.encode(c["text"]) for c in cases]
     assert prompts == [c["prompt_ids"] for c in cases]
     out = generate(
         model,
         prompts,
-        num_samples=1,
+        num_samples=G,
         max_new_tokens=EXPECTED["max_new_tokens"],
         temperature=0,
         stop_ids=tok.eos_token_ids,
         pad_id=tok.pad_token_id,
         seeds=[0] * len(prompts),
+        decoder=SharedPrefixDecoder if shared else None,
     )
-    for row, case in enumerate(cases):
+    for row, case in enumerate(c for c in cases for _ in range(G)):
         ids = out.completion_ids[row][out.completion_mask[row]].tolist()
         assert ids == case["completion_ids"], f"{tok.decode(ids)!r} != {case['completion']!r}"
         assert tok.decode(ids, skip_special_tokens=True) == case["completion"]

@@ -17,8 +17,10 @@ sequence, the plain decoder's (tests/test_sampler.py holds the two equal, compac
 Choices:
 - Rows stay in prompt order (compaction keeps the order); a group has at most G live rows, so the
   prompt part is laid out [P, G] with dead slots zero, without reading a row count on the host.
-- Families whose layers see other than every earlier key (Gemma 3's sliding windows) or keep a
-  state instead of keys (Qwen3.5's linear attention), and G = 1, decode as sampler.Decoder does.
+- The mask the model passes in says what each row sees, prompt slots first: Gemma 3's sliding
+  windows need nothing more. A Qwen3.5 linear-attention layer keeps a state per row, not keys: its
+  entries are copied to the rows as sampler.Decoder copies everything. G = 1 decodes as
+  sampler.Decoder does.
 """
 
 import torch
@@ -31,15 +33,19 @@ class SharedPrefixCache:
     prompt `src` [n] and its slot among its prompt's rows `pos` [n], and the rows' own
     keys/values [n,Hkv,C,D]. `select(rows)` keeps (or drops) rows, as KVCache's does."""
 
-    def __init__(self, prefill, src, G, C):
+    def __init__(self, prefill, src, G, C, L):
         self.prompt_k, self.prompt_v = prefill.k, prefill.v
-        self.P, Hkv, self.L, D = prefill.k[0].shape
-        self.G, self.src = G, src
+        self.P, self.L, self.G, self.src = len(src) // G, L, G, src
         self.pos = torch.arange(len(src), device=src.device) % G  # (rows start prompt-major)
-        shape = (len(src), Hkv, C, D)
-        self.k = [k.new_zeros(shape) for k in prefill.k]
-        self.v = [v.new_zeros(shape) for v in prefill.v]
-        self.max_len = self.L + C
+        self.k, self.v = [], []
+        for k, v, linear in zip(prefill.k, prefill.v, prefill.linear):
+            if linear:  # a recurrent layer's state: each row its own copy
+                self.k.append(k.index_select(0, src))
+                self.v.append(v.index_select(0, src))
+            else:  # the rows' own slots
+                self.k.append(k.new_zeros(len(src), k.shape[1], C, k.shape[3]))
+                self.v.append(v.new_zeros(len(src), v.shape[1], C, v.shape[3]))
+        self.max_len = L + C
         self.linear = prefill.linear
 
     def select(self, rows):
@@ -88,20 +94,21 @@ class SharedPrefixDecoder(Decoder):
     """sampler.Decoder whose decode cache is a SharedPrefixCache; finished rows are compacted
     away as there."""
 
-    def __init__(self, model, vocab_size, chunk):
-        super().__init__(model, vocab_size, chunk)
-        self.shares = not (any(model.sliding) or any(model.linear))
-
     def prefill_cache(self, P, L, C):
-        return self.model.new_cache(P, L) if self.shares else super().prefill_cache(P, L, C)
+        return self.model.new_cache(P, L)
 
     def decode_cache(self, prefill, src, L, C):
         G = len(src) // prefill.k[0].shape[0]
-        if not self.shares:
-            return super().decode_cache(prefill, src, L, C)
-        if G == 1:  # nothing shared: the plain cache, grown to L + C slots
+        if G == 1:  # nothing shared: the plain cache of L + C slots
             cache = self.model.new_cache(len(src), L + C)
-            for buf, pre in zip(cache.k + cache.v, prefill.k + prefill.v):
-                buf[:, :, :L] = pre.index_select(0, src)
+            for layer, linear in enumerate(cache.linear):
+                for buf, pre in (
+                    (cache.k[layer], prefill.k[layer]),
+                    (cache.v[layer], prefill.v[layer]),
+                ):
+                    if linear:  # (a state, whole)
+                        buf.copy_(pre.index_select(0, src))
+                    else:
+                        buf[:, :, :L] = pre.index_select(0, src)
             return cache, L + C
-        return SharedPrefixCache(prefill, src, G, C), L + C
+        return SharedPrefixCache(prefill, src, G, C, L), L + C
