@@ -39,7 +39,7 @@ from nanogrpo.rewards import score_completions
 from nanogrpo.rollout import Rollout, rollout
 from nanogrpo.run import report
 from nanogrpo.run.config import TrainConfig
-from nanogrpo.trainer import Kernels, Trainer, setup
+from nanogrpo.trainer import Kernels, Trainer, setup  # noqa: F401 (run.train calls train.setup)
 
 # -----------------------------------------------------------------------------
 # Setup (nanogrpo/trainer.py): model, tokenizer, optimizer, rewards, data
@@ -382,45 +382,10 @@ def groups_with_signal(t: Trainer, ro: Rollout, local, generator, logs):
     return ro, local, stats
 
 
-def crossed(every: int, before: int, after: int) -> bool:
-    """Whether a multiple of `every` (0 = never) is in (before, after]."""
-    return every > 0 and after // every > before // every
-
-
 def train(cfg: TrainConfig, command=None) -> list[dict]:
-    """Run GRPO as configured. -> per-step metrics (also metrics.jsonl)."""
-    info = dist.setup(cfg.device, cfg.ddp_timeout)
-    cfg.validate(info.world_size)
-    r, cfg = run.start(cfg, info, command)
-    t = setup(cfg, info, r.resume_from)
-    t.kernels = kernels(cfg)
-    if r.resume_from:
-        run.restore(r, t)
-    if t.step >= cfg.max_steps:
-        report.nothing_to_do(t)
-        dist.teardown()
-        return r.history
-    run.open_logs(r, t)
-    with run.saving_on_stop(r, t):
-        while t.step < cfg.max_steps:
-            run.stop_if_signalled(r, t)  # Ctrl-C, SIGTERM: save, then end
-            first_step = t.step
-            with run.cycle(r, t):  # where a stop inside it goes back to
-                records, rounds = train_cycle(t)
-            report.add_round_metrics(r, t, rounds, records)
-            r.pending = records
-            eval_due = crossed(cfg.eval_every(), first_step, t.step)
-            last = t.step == cfg.max_steps
-            if t.eval_rows and (eval_due or last):
-                r.pending[-1].update(evaluate(t))
-            report.log(r)
-            if crossed(cfg.save_steps, first_step, t.step) or last:
-                run.save(r, t)
-    if cfg.merge_adapter:
-        run.save_merged(r, t)
-    report.summarize(r, t)
-    dist.teardown()
-    return r.history
+    """Run GRPO as configured: nanogrpo/run/'s loop (output folder, resume, stops, saves,
+    evaluation, reports) around this file's train_cycle. -> per-step metrics (metrics.jsonl)."""
+    return run.train(sys.modules[__name__], cfg, command)
 
 
 # -----------------------------------------------------------------------------

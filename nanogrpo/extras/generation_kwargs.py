@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from nanogrpo import sampler
+from nanogrpo.extras.sampling_checks import check_sampling, need
 
 # -----------------------------------------------------------------------------
 # What limits a row: suppressed tokens, stop strings
@@ -194,7 +195,7 @@ def _ok_list(key, value, kind):
     """value as a list of `kind` items, or ValueError."""
     items = list(value) if isinstance(value, (list, tuple)) else [None]
     ok = all(isinstance(v, kind) and not isinstance(v, bool) for v in items)
-    sampler.need(ok, f"generation_kwargs[{key!r}]", value, f"must be a list of {kind.__name__}")
+    need(ok, f"generation_kwargs[{key!r}]", value, f"must be a list of {kind.__name__}")
     return items
 
 
@@ -202,18 +203,18 @@ def _check_setting(key, name, value):
     """ValueError if generation_kwargs[key] (generate's `name`) is invalid."""
     where = f"generation_kwargs[{key!r}]"
     if name == "stop_strings":
-        sampler.need(all(value), where, value, "stop strings must be non-empty")
+        need(all(value), where, value, "stop strings must be non-empty")
     elif name == "suppress_tokens":
-        sampler.need(min(value, default=0) >= 0, where, value, "token ids must be >= 0")
+        need(min(value, default=0) >= 0, where, value, "token ids must be >= 0")
     elif name in ("top_k", "min_new_tokens"):
         ok = type(value) is int and value >= 0  # bool is no int here
-        sampler.need(ok, where, value, "must be an int >= 0 (0 means off)")
+        need(ok, where, value, "must be an int >= 0 (0 means off)")
     else:  # temperature, top_p, min_p, repetition_penalty: the fields' rules
-        sampler.need(type(value) in (int, float), where, value, "must be a number")
+        need(type(value) in (int, float), where, value, "must be a number")
         ok = name != "temperature" or value > 0
-        sampler.need(ok, where, value, "training samples, so it must be > 0")
+        need(ok, where, value, "training samples, so it must be > 0")
         sampling = {k: OFF[k] for k in SAMPLING}
         try:
-            sampler.check_sampling(**{**sampling, name: value})
+            check_sampling(**{**sampling, name: value})
         except ValueError as e:
             raise ValueError(f"generation_kwargs: {e}") from None

@@ -4,7 +4,8 @@ Owns: the output folder (one run at a time holds it; a fresh run never replaces 
 checkpoint a run resumes from and what it restores, what is checked before step 1 so that the
 first save cannot fail (a writable folder, the hub), saving (on schedule, on Ctrl-C or SIGTERM,
 after an error; a LoRA run's merged checkpoint), stopping every rank where a cycle ends, the
-embedded default's tiny checkpoint, and `main`: one-line errors (`--help` is
+embedded default's tiny checkpoint, `train`: the loop of train.py's cycles with all of that around
+them (evaluation and saves on schedule), and `main`: one-line errors (`--help` is
 run/configurator.py's). What a run reports (metrics, console, trackers, summary) is
 run/report.py's; the files of a checkpoint-<step>/ are run/checkpoints.py's.
 
@@ -864,6 +865,53 @@ def stop_if_signalled(run: Run, t):
 
 # -----------------------------------------------------------------------------
 # The command line
+
+
+# -----------------------------------------------------------------------------
+# The run around the algorithm's cycles
+
+
+def crossed(every: int, before: int, after: int) -> bool:
+    """Whether a multiple of `every` (0 = never) is in (before, after]."""
+    return every > 0 and after // every > before // every
+
+
+def train(algo, cfg: TrainConfig, command=None) -> list[dict]:
+    """Run GRPO as configured: the run around `algo`'s cycles (train.py: its setup, kernels,
+    train_cycle and evaluate, looked up on it at each call). -> per-step metrics (also
+    metrics.jsonl)."""
+    info = dist.setup(cfg.device, cfg.ddp_timeout)
+    cfg.validate(info.world_size)
+    r, cfg = start(cfg, info, command)
+    t = algo.setup(cfg, info, r.resume_from)
+    t.kernels = algo.kernels(cfg)
+    if r.resume_from:
+        restore(r, t)
+    if t.step >= cfg.max_steps:
+        report.nothing_to_do(t)
+        dist.teardown()
+        return r.history
+    open_logs(r, t)
+    with saving_on_stop(r, t):
+        while t.step < cfg.max_steps:
+            stop_if_signalled(r, t)  # Ctrl-C, SIGTERM: save, then end
+            first_step = t.step
+            with cycle(r, t):  # where a stop inside it goes back to
+                records, rounds = algo.train_cycle(t)
+            report.add_round_metrics(r, t, rounds, records)
+            r.pending = records
+            eval_due = crossed(cfg.eval_every(), first_step, t.step)
+            last = t.step == cfg.max_steps
+            if t.eval_rows and (eval_due or last):
+                r.pending[-1].update(algo.evaluate(t))
+            report.log(r)
+            if crossed(cfg.save_steps, first_step, t.step) or last:
+                save(r, t)
+    if cfg.merge_adapter:
+        save_merged(r, t)
+    report.summarize(r, t)
+    dist.teardown()
+    return r.history
 
 
 def main(argv: list[str], train) -> int:

@@ -8,7 +8,7 @@ batch Schedule from it, trainer.py the optimizer and its learning-rate schedule.
 Does not know about: the model, tokenization, files, or processes: what a setting does is for
 train.py and the modules it calls.
 
-The sampler's and the loss's own rules are called, not restated (sampler.check_sampling,
+The sampler's and the loss's own rules are called, not restated (sampling_checks.check_sampling,
 grpo.LossConfig, extras/generation_kwargs.py's generation_settings).
 
 Choices: `validate` raises ConfigError naming the first broken rule, `check_lora` is the LoRA
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from nanogrpo.extras.generation_kwargs import generation_settings
 from nanogrpo.extras.loss_terms import VESPO_NEEDS_TOKENS
 from nanogrpo.extras.lr_schedules import SCHEDULES
+from nanogrpo.extras.sampling_checks import check_sampling
 from nanogrpo.extras.tools import TOOL_CALL_PARSERS
 from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, LossConfig
-from nanogrpo.sampler import check_sampling
 from nanogrpo.schedules import Schedule, batch_schedule, total_steps
 
 
