@@ -189,7 +189,7 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid().to(wide)  # [B,T,Hv]
         g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)
         rule = recurrent_delta_rule if T == 1 else chunked_delta_rule
-        out, state = rule(q, k, v, g.to(wide), beta, state.to(wide))
+        out, state = rule(q, k, v, g, beta, state.to(wide))
         if cache is not None:
             seen = window[:, :, window.shape[-1] - (K - 1) :]
             if torch.is_tensor(cache_start):

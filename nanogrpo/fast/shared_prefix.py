@@ -34,7 +34,8 @@ class SharedPrefixCache:
     keys/values [n,Hkv,C,D]. `select(rows)` keeps (or drops) rows, as KVCache's does."""
 
     def __init__(self, prefill, src, G, C, L):
-        self.prompt_k, self.prompt_v = prefill.k, prefill.v
+        self.prompt_k = [k[:, :, :L] for k in prefill.k]  # (the prefill's first L slots)
+        self.prompt_v = [v[:, :, :L] for v in prefill.v]
         self.P, self.L, self.G, self.src = len(src) // G, L, G, src
         self.pos = torch.arange(len(src), device=src.device) % G  # (rows start prompt-major)
         self.k, self.v = [], []
@@ -94,21 +95,8 @@ class SharedPrefixDecoder(Decoder):
     """sampler.Decoder whose decode cache is a SharedPrefixCache; finished rows are compacted
     away as there."""
 
-    def prefill_cache(self, P, L, C):
-        return self.model.new_cache(P, L)
-
     def decode_cache(self, prefill, src, L, C):
         G = len(src) // prefill.k[0].shape[0]
-        if G == 1:  # nothing shared: the plain cache of L + C slots
-            cache = self.model.new_cache(len(src), L + C)
-            for layer, linear in enumerate(cache.linear):
-                for buf, pre in (
-                    (cache.k[layer], prefill.k[layer]),
-                    (cache.v[layer], prefill.v[layer]),
-                ):
-                    if linear:  # (a state, whole)
-                        buf.copy_(pre.index_select(0, src))
-                    else:
-                        buf[:, :, :L] = pre.index_select(0, src)
-            return cache, L + C
+        if G == 1:  # nothing shared: the plain decoder's cache
+            return super().decode_cache(prefill, src, L, C)
         return SharedPrefixCache(prefill, src, G, C, L), L + C
