@@ -261,3 +261,17 @@ def test_corrupt_files_name_themselves(tmp_path):
         f.write(data[: len(data) // 2])
     with pytest.raises(ValueError, match=r"model.safetensors cannot be read"):
         load_model(dst)
+
+
+def test_partial_rotary_factor_survives_a_save_in_any_family():
+    """A config.json's partial_rotary_factor (transformers' RoPE reads it for any family) is
+    written back: on the top level for the classic families, inside rope_parameters for Qwen3.5."""
+    from nanogrpo.checkpoint.hf_format import config_from_hf, config_to_hf
+
+    llama = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}
+    saved = config_to_hf(config_from_hf({**llama, "partial_rotary_factor": 0.5}))
+    assert saved["partial_rotary_factor"] == 0.5
+    assert "partial_rotary_factor" not in config_to_hf(config_from_hf(llama))
+    qwen = config_to_hf(config_from_hf({"model_type": "qwen3_5_text", "num_hidden_layers": 4}))
+    assert qwen["rope_parameters"]["partial_rotary_factor"] == 0.25
+    assert "partial_rotary_factor" not in qwen

@@ -225,6 +225,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     if cfg.num_labels and labels != cfg.num_labels:
         # transformers counts id2label's labels
         hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)}
+    if partial != 1.0 and cfg.model_type != "qwen3_5_text":  # (any family's RoPE reads it)
+        hf["partial_rotary_factor"] = partial
     if cfg.model_type == "qwen2":
         hf.pop("attention_bias", None)  # implied by the family
     family_keys = ("no_rope_layers", "layer_types", "sliding_window", "query_pre_attn_scalar")
