@@ -191,10 +191,12 @@ def test_the_error_of_a_rank_that_raises_is_read_first(tmp_path):
         "train.py: error: rank 1, at step 2: reward function 'length' raised "
         "ValueError: the reward broke"
     ), out[-3000:]
+    # (then gloo's own words, which depend on which side of the socket saw it close first and
+    # when: "Connection closed by peer [host]:port.", "Read error [...]: Connection reset by peer.")
     assert errors[1].startswith(
-        "train.py: error: rank 0: at step 2, rank 1 is gone (it failed or "
-        "was killed): Connection closed by peer"
-    )
+        "train.py: error: rank 0: at step 2, rank 1 is gone (it failed or was killed): "
+    ), errors[1]
+    assert "by peer" in errors[1]
     assert "[rank" not in out.split("ChildFailedError")[0]
 
 
