@@ -308,6 +308,7 @@ def bench_where(args, device, dtype):
     a call on more than 32 rows is the prefill's. --model PATH: a real checkpoint (else the 135m
     shape, random). Answers: do the decode step's projections run at the bare-matmul rate?"""
     from nanogrpo.checkpoint import load_model
+    from nanogrpo.fast.shared_prefix import SharedPrefixDecoder
 
     if args.model:
         model = load_model(args.model).to(device=device, dtype=dtype).eval()
@@ -348,6 +349,7 @@ def bench_where(args, device, dtype):
                 pad_id=0,
                 vocab_size=V - 1,
                 sample_token=sample_next_token_fast,
+                decoder=SharedPrefixDecoder,
             )
 
         return run

@@ -152,25 +152,28 @@ def apply_top_k(logits, k):
 def apply_top_p(logits, p):
     """Nucleus filter: keep the most likely tokens until their probability reaches p, i.e. a token
     is kept if the tokens ranked above it hold less than p (the top token always stays). Tokens
-    tied with the last kept one are kept too. p = 1: nothing is removed. (`filter_candidates`, in
-    nanogrpo/fast/sampling.py, finds the same set unsorted.)
-    """
+    tied with the last kept one are kept too. p = 1: nothing is removed."""
     if p >= 1.0:
         return logits
+    return logits.masked_fill(logits < top_p_cutoff(logits, p), float("-inf"))
+
+
+def top_p_cutoff(logits, p):
+    """[B,V] -> [B,1]: the smallest logit the nucleus keeps. Masses are unnormalized (the top
+    token's weight is 1) and summed in float64, so any order of summing them gives the same
+    decision unless a mass lies within ~V * 2^-52 of the goal (nanogrpo/fast/sampling.py finds
+    the same cutoff unsorted, and sorts only when that happens)."""
     top = logits.amax(dim=-1, keepdim=True)  # [B,1]
-    total = (logits - top).exp().sum(dim=-1, keepdim=True)  # [B,1], summed in vocabulary order
+    goal = p * (logits - top).exp().double().sum(dim=-1, keepdim=True)  # [B,1]
     ranked = logits.sort(dim=-1, descending=True).values  # [B,V]
-    n_keep = (_mass_above(ranked, top, total) < p).sum(dim=-1, keepdim=True)  # [B,1], >= 1
-    cutoff = ranked.gather(-1, n_keep - 1)  # smallest kept logit
-    return logits.masked_fill(logits < cutoff, float("-inf"))
+    n_keep = (mass_above(ranked, top) < goal).sum(dim=-1, keepdim=True)  # [B,1], >= 1
+    return ranked.gather(-1, n_keep - 1)
 
 
-def _mass_above(ranked, top, total):
-    """Descending logits [B,K] -> [B,K]: probability of the strictly higher-ranked tokens. An
-    exclusive cumsum, so it never decreases (on CPU the cumsum is sequential: a prefix is
-    computed alike for any K).
-    """
-    return F.pad(((ranked - top).exp() / total).cumsum(dim=-1)[:, :-1], (1, 0))
+def mass_above(ranked, top):
+    """Descending logits [B,K] -> [B,K] float64: the unnormalized mass of the tokens ranked above
+    each (an exclusive cumsum; it never decreases)."""
+    return F.pad((ranked - top).exp().double().cumsum(dim=-1)[:, :-1], (1, 0))
 
 
 def apply_min_p(logits, min_p):

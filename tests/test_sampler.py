@@ -537,35 +537,44 @@ def test_fast_filters_take_few_candidates_on_a_peaked_row():
     assert vals.shape[1] == 32000 and torch.equal(vals, apply_top_p(logits, 0.95))
 
 
-def test_nucleus_bins_hold_the_nucleus_without_waste():
-    """The histogram guess of the candidates: every kept token, and not many more."""
+@pytest.mark.parametrize("min_p", [0.0, 0.5])
+def test_nucleus_cutoff_sorts_a_handful_of_tokens(monkeypatch, min_p):
+    """The radix select: on peaked and flat rows (a nucleus of a few tokens to ~90% of V) the
+    cutoff is top_p_cutoff's without calling it, and the tokens left to sort are few."""
+    calls, widths = [], []
+    monkeypatch.setattr(fast_sampling, "top_p_cutoff", lambda *a: calls.append(1))
+    mass_above = fast_sampling.mass_above  # takes the sorted tokens
+    monkeypatch.setattr(
+        fast_sampling, "mass_above", lambda r, t: widths.append(r.shape[1]) or mass_above(r, t)
+    )
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, 32000, generator=g) * torch.empty(64, 1).uniform_(
-        2.0, 7.0, generator=g
-    )
-    kept = apply_top_p(logits, 0.95) > float("-inf")  # [64,V], from a few tokens to thousands a row
-    guess = fast_sampling._nucleus_bins((logits - logits.amax(dim=-1, keepdim=True)).exp(), 0.95)
-    assert (
-        kept.sum(1).max() > 1000
-        and (guess >= kept).all()
-        and (guess.sum(1) <= 2 * kept.sum(1)).all()
-    )
-    assert (
-        guess.sum() < 1.3 * kept.sum()
-    )  # measured 1.15: the bin where the mass reaches p, no bin below it
+    scale = torch.empty(64, 1).uniform_(0.3, 7.0, generator=g)
+    logits = torch.randn(64, 32000, generator=g) * scale
+    vals, ids = filter_candidates(logits, 0, 0.95, min_p)
+    got = torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax")
+    kept = apply_top_p(logits, 0.95) > float("-inf")
+    assert torch.equal(got, apply_min_p(apply_top_p(logits, 0.95), min_p))
+    assert kept.sum(1).min() < 10 and kept.sum(1).max() > 20000  # peaked and flat rows
+    assert not calls and max(widths) < 200  # one 17-bit bin's tokens, the widest row's
 
 
-def test_a_short_guess_is_redone(monkeypatch):
-    """When the guessed candidates hold less than p (here: a guess of the top token alone), the row is redone
-    with every token, and the result is still the reference's."""
-    logits = torch.randn(4, 3000) * torch.tensor([[0.3], [2.0], [6.0], [20.0]])
-    monkeypatch.setattr(fast_sampling, "_nucleus_bins", lambda w, p: w == 1)
+def test_rows_near_the_goal_are_sorted(monkeypatch):
+    """Where a deciding mass is within rounding of the goal (here exactly on it: four tied tokens
+    at p = 0.5), the row is redone by top_p_cutoff's sort, and only that row."""
+    calls = []
+    cutoff = fast_sampling.top_p_cutoff
+    monkeypatch.setattr(
+        fast_sampling, "top_p_cutoff", lambda x, p: calls.append(len(x)) or cutoff(x, p)
+    )
+    inf = float("inf")
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, -inf], [0.0, 0.1, 0.2, 0.3, -inf]])
     for min_p in (0.0, 0.01):
-        vals, ids = filter_candidates(logits, 0, 0.9, min_p)
-        want = apply_min_p(apply_top_p(logits, 0.9), min_p)
+        vals, ids = filter_candidates(logits, 0, 0.5, min_p)
+        want = apply_min_p(apply_top_p(logits, 0.5), min_p)
         assert torch.equal(
             torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax"), want
         )
+    assert calls == [1, 1]
 
 
 # -----------------------------------------------------------------------------
@@ -669,22 +678,6 @@ def test_generate_with_the_fast_draw_equals_the_plain_one(top_k, top_p, min_p):
     assert torch.equal(plain.logprobs, fast.logprobs) and torch.equal(
         plain.completion_mask, fast.completion_mask
     )
-
-
-def test_min_p_tighter_than_top_p_needs_no_retry(monkeypatch):
-    """The candidates are cut by min-p before top-p is decided: when min-p keeps fewer tokens than the nucleus,
-    the guess holds all that can be kept and the full-vocabulary retry must not run (it used to, every step)."""
-    rounds = []
-    compact = fast_sampling._compact
-    monkeypatch.setattr(fast_sampling, "_compact", lambda *a: rounds.append(1) or compact(*a))
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(32, 32000, generator=g) * 3
-    for _ in range(5):
-        vals, ids = filter_candidates(logits, 0, 0.95, 0.5)
-        want = apply_min_p(apply_top_p(logits, 0.95), 0.5)
-        got = torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax")
-        assert torch.equal(got, want)
-    assert len(rounds) == 5  # one candidate set a call, no retry
 
 
 # -----------------------------------------------------------------------------

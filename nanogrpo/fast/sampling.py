@@ -1,10 +1,11 @@
 """The sampler's speed tricks, each equal to its plain version in sampler.py.
 
-- `sample_next_token_fast`: sampler.sample_next_token without sorting the vocabulary. The filters
-  are decided on a few candidates per row (the power-of-two probability bins that hold the
-  nucleus) and the draw runs over them alone, in vocabulary order, so it adds the same numbers in
-  the same order: equal bit for bit on CPU (on GPU up to the parallel cumsum's rounding). It
-  saves top-p's sort of the whole [B,V] logits, a cost that grows with the vocabulary
+- `sample_next_token_fast`: sampler.sample_next_token without sorting the vocabulary. Top-p's
+  cutoff is found by radix select (histograms of the probability mass by the bits of each token's
+  weight, then a sort of the few tokens of the bin where the mass reaches p) and the draw runs
+  over the kept tokens alone, in vocabulary order, so it adds the same numbers in the same order:
+  equal bit for bit on CPU (on GPU up to the parallel cumsum's rounding in the draw). It saves
+  top-p's sort of the whole [B,V] logits, a cost that grows with the vocabulary
   (docs/results.md has the figures). Suppressed tokens (suppress_tokens, min_new_tokens) reach
   both draws as -inf logits: the decode loop sets them before either runs.
 - `StaticDecoder`: the decode step as one torch.compile'd graph of fixed shapes: L + C cache
@@ -21,7 +22,15 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from nanogrpo.sampler import Decoder, _mass_above, apply_temperature, greedy, lm_logits, sample_from
+from nanogrpo.sampler import (
+    Decoder,
+    apply_temperature,
+    greedy,
+    lm_logits,
+    mass_above,
+    sample_from,
+    top_p_cutoff,
+)
 
 
 def sample_next_token_fast(logits, u, temperature, top_k, top_p, min_p):
@@ -38,78 +47,96 @@ def sample_next_token_fast(logits, u, temperature, top_k, top_p, min_p):
 
 def filter_candidates(logits, top_k, top_p, min_p):
     """top-k -> top-p -> min-p without sorting the vocabulary: logits [B,V] -> (values [B,K], ids
-    [B,K]), each row's candidates in vocabulary order (removed ones -inf), then -inf padding (id
-    0); all other tokens are removed. Equal to apply_min_p(apply_top_p(apply_top_k(logits))) bit
-    for bit: the candidates are a row's largest logits, so top-p is decided on a prefix of the
-    same cumsum. They are guessed (`_nucleus_bins`); a row whose guess holds less than p is
-    redone with every token."""
+    [B,K]), each row's kept tokens in vocabulary order, then -inf padding (id 0); all other tokens
+    are removed. Equal to apply_min_p(apply_top_p(apply_top_k(logits))) bit for bit: top-p's
+    cutoff is sampler.top_p_cutoff's (`_nucleus_cutoff`), min-p's removes what it removes."""
     B, V = logits.shape
     if 0 < top_k < V:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B,1] the k-th largest logit
         logits = logits.masked_fill(logits < kth, float("-inf"))
     top = logits.amax(dim=-1, keepdim=True)  # [B,1]
-    # [B,V] what min-p keeps; None: all top-k leaves
-    keep = logits >= top + math.log(min_p) if min_p > 0.0 else None
-    if top_p >= 1.0:
-        return _compact(logits, logits > float("-inf") if keep is None else keep, keep)
-    w = (logits - top).exp_()  # [B,V] unnormalized probabilities
-    total = w.sum(dim=-1, keepdim=True)  # [B,1], summed in vocabulary order as apply_top_p does
-    # [B,V] the tokens the filters may keep
-    available = logits > float("-inf") if keep is None else keep
-    cand = _nucleus_bins(w, top_p) & available
-    for attempt in range(2):
-        vals, ids = _compact(logits, cand, keep)
-        ranked = vals.sort(dim=-1, descending=True).values
-        ranked = F.pad(ranked, (0, 1), value=float("-inf"))  # [B,K+1]
-        mass = _mass_above(ranked, top, total)
-        n_keep = (mass < top_p).sum(dim=-1, keepdim=True)  # [B,1]
-        cutoff = ranked.gather(-1, n_keep - 1)  # [B,1] the smallest kept
-        # [B] the candidates hold less than p, and a token that may be kept
-        # lies outside them (not so when min-p removed the rest)
-        short = cutoff.squeeze(1) == float("-inf")
-        short &= (available & ~cand).any(dim=-1)
-        if attempt or vals.shape[1] == V or not short.any():  # a host sync
-            return vals.masked_fill(vals < cutoff, float("-inf")), ids
-        cand = cand | short[:, None] & available  # rare: redo with all
+    if min_p > 0.0:
+        keep = logits >= top + math.log(min_p)  # [B,V]
+    else:
+        keep = logits > float("-inf")
+    if top_p < 1.0:
+        keep &= logits >= _nucleus_cutoff(logits, top, top_p)
+    return _compact(logits, keep)
 
 
-def _compact(logits, cand, keep):
-    """logits [B,V], cand [B,V] bool -> (vals [B,K], ids [B,K]): each row's candidates in
-    vocabulary order, then -inf padding (id 0); K = the most any row has. Over a quarter of V,
-    the whole vocabulary instead (ids 0..V-1, the tokens outside `keep` at -inf): an index of
-    most of it would cost more than it saves."""
+def _compact(logits, keep):
+    """logits [B,V], keep [B,V] bool -> (vals [B,K], ids [B,K]): each row's kept tokens in
+    vocabulary order, then -inf padding (id 0); K = the most any row keeps. Over a quarter of V,
+    the whole vocabulary instead (ids 0..V-1, the others at -inf): an index of most of it would
+    cost more than it saves."""
     B, V = logits.shape
-    row, col = cand.nonzero(as_tuple=True)  # [n] each, row-major: a row's ids ascending
-    count = torch.bincount(row, minlength=B)  # [B]
+    count = keep.sum(dim=-1)  # [B]
     K = int(count.max())  # a host sync
     if 4 * K > V:
         ids = torch.arange(V, device=logits.device).expand(B, V)
-        return (logits if keep is None else logits.masked_fill(~keep, float("-inf"))), ids
+        return logits.masked_fill(~keep, float("-inf")), ids
+    row, col = keep.nonzero(as_tuple=True)  # [n] each, row-major: a row's ids ascending
     # [n] column in the row
     slot = torch.arange(len(row), device=row.device) - (count.cumsum(0) - count)[row]
     vals = logits.new_full((B, K), float("-inf")).index_put_((row, slot), logits[row, col])
     return vals, torch.zeros(B, K, dtype=torch.long, device=row.device).index_put_((row, slot), col)
 
 
-def _nucleus_bins(w, top_p):
-    """w [B,V] unnormalized probabilities -> bool [B,V]: the tokens of the power-of-two probability
-    bins from the top down to the one where their mass reaches top_p: the nucleus but for
-    rounding (the caller checks), and the rest of its last bin. On CPU in blocks of rows: a
-    fresh int64 [B,V] index costs more (page faults) than the histogram.
-    """
-    guess = torch.empty(w.shape, dtype=torch.bool, device=w.device)
-    rows = len(w) if w.is_cuda else max(1, 2**20 // w.shape[1])
-    for i in range(0, len(w), rows):
-        block = w[i : i + rows]
-        e = block.view(torch.int32).long()
-        e >>= 23  # the float exponent: w in [2^(e-127), 2^(e-126))
-        # mass of the top bins
-        mass = block.new_zeros(len(block), 256).scatter_add_(1, e, block).flip(1).cumsum(1)
-        # [rows,1] bins above the one reaching p
-        crossing = (mass < top_p * mass[:, -1:]).sum(dim=-1, keepdim=True)
-        # its smallest w
-        torch.ge(block, ((255 - crossing).int() << 23).view(torch.float32), out=guess[i : i + rows])
-    return guess
+def _nucleus_cutoff(logits, top, p):
+    """logits [B,V], their max top [B,1] -> [B,1]: sampler.top_p_cutoff's value, found by radix
+    select instead of a sort. A token's weight w = exp(logit - top) is a float in [0, 1], whose
+    bits order as its value. A histogram of the mass by w's exponent (`_exponent_bins`), then one
+    by the next 8 bits within the exponent where the mass from the top reaches p of the total,
+    locate that goal's bin of w's top 17 bits: a handful of tokens on any real row. Those alone
+    are sorted, their masses added to the mass of all tokens above the bin, as top_p_cutoff adds
+    them. The masses are the same float64 numbers summed in another order, so they differ by at
+    most ~V * 2^-53 of the total. A row is redone by top_p_cutoff itself where a deciding mass
+    lies closer than 8x that to the goal (ties at the goal), or where the bin was not the goal's
+    (none or all of it kept: the fp32 exponent histogram erred; p within ~1e-6 of 1)."""
+    B, V = logits.shape
+    rows = B if logits.is_cuda else max(1, 2**18 // V)
+    if B > rows:  # on CPU in blocks of rows: fresh [B,V] int64/float64 buffers cost more (page
+        # faults) than the arithmetic
+        return torch.cat(
+            [_nucleus_cutoff(logits[i : i + rows], top[i : i + rows], p) for i in range(0, B, rows)]
+        )
+    total, exponent, cand = _exponent_bins(logits, top, p)  # [B,1] each, [B,V]
+    goal, tol = p * total, (V + 1024) * 2.0**-50 * total  # [B,1] each
+    vals = _compact(logits, cand)[0]  # [B,K] the tokens of that exponent and above
+    w = (vals - top).exp()  # [B,K] as top_p_cutoff computes them (padding: 0)
+    key = (w.view(torch.int32) >> 15).long()  # [B,K] w's top 17 bits
+    # [B,K] bins: 1 + the next 8 bits within the exponent, 257 above it (0 below: padding)
+    digit = (key - (exponent << 8)).clamp_(-1, 256).add_(1)
+    w = w.double()
+    mass = w.new_zeros(B, 258).scatter_add_(1, digit, w).flip(1).cumsum(1)  # [B,258] top first
+    crossed = (mass < goal).sum(dim=-1, keepdim=True)  # [B,1] bins wholly above the goal
+    prefix = (exponent << 8) + (256 - crossed).clamp(0, 255)  # [B,1] the goal's bin
+    above = mass.gather(1, (crossed - 1).clamp(min=0))  # [B,1] the mass above it
+    ranked = _compact(vals, key == prefix)[0].sort(dim=-1, descending=True).values
+    ranked = F.pad(ranked, (0, 1), value=float("-inf"))  # [B,K+1]: K+1's mass is the bin's
+    masses = above + mass_above(ranked, top)  # [B,K+1]
+    n_keep = (masses < goal).sum(dim=-1, keepdim=True)  # [B,1]
+    last = masses.gather(1, (n_keep - 1).clamp(min=0))  # the last kept token's mass
+    first_out = masses.gather(1, n_keep.clamp(max=ranked.shape[1] - 1))  # the first removed's
+    redo = (crossed == 0) | (crossed > 256) | (n_keep == 0) | (n_keep == ranked.shape[1])
+    redo = (redo | (goal - last < tol) | (first_out - goal < tol)).squeeze(1)  # [B]
+    cutoff = ranked.gather(1, (n_keep - 1).clamp(min=0))  # [B,1]
+    if redo.any():  # a host sync
+        cutoff[redo] = top_p_cutoff(logits[redo], p)
+    return cutoff
+
+
+def _exponent_bins(logits, top, p):
+    """-> (each row's total mass [B,1] float64, the exponent of w where the mass from the top
+    reaches p of it [B,1] (an fp32 histogram: the caller checks), the tokens of that exponent
+    and above [B,V] bool)."""
+    w = (logits - top).exp_()  # [B,V]
+    total = w.double().sum(dim=-1, keepdim=True)
+    e = (w.view(torch.int32) >> 23).long()  # [B,V] in [0, 127]
+    mass = w.new_zeros(len(w), 128).scatter_add_(1, e, w).flip(1).cumsum(1)  # top first
+    crossed = (mass < p * total).sum(dim=-1, keepdim=True)  # [B,1] bins wholly above
+    exponent = (127 - crossed).clamp(min=0)
+    return total, exponent, e >= exponent
 
 
 # -----------------------------------------------------------------------------
