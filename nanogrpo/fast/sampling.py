@@ -82,6 +82,11 @@ def _compact(logits, keep):
     return vals, torch.zeros(B, K, dtype=torch.long, device=row.device).index_put_((row, slot), col)
 
 
+# CPU: the elements of one block of rows (fresh [B,V] int64 and float64 buffers cost more in page
+# faults than the arithmetic, and blocks of 2^19 already fault on flat rows)
+_BLOCK = 2**18
+
+
 def _nucleus_cutoff(logits, top, p):
     """logits [B,V], their max top [B,1] -> [B,1]: sampler.top_p_cutoff's value, found by radix
     select instead of a sort. A token's weight w = exp(logit - top) is a float in [0, 1], whose
@@ -94,9 +99,8 @@ def _nucleus_cutoff(logits, top, p):
     lies closer than 8x that to the goal (ties at the goal), or where the bin was not the goal's
     (none or all of it kept: the fp32 exponent histogram erred; p within ~1e-6 of 1)."""
     B, V = logits.shape
-    rows = B if logits.is_cuda else max(1, 2**18 // V)
-    if B > rows:  # on CPU in blocks of rows: fresh [B,V] int64/float64 buffers cost more (page
-        # faults) than the arithmetic
+    rows = B if logits.is_cuda else max(1, _BLOCK // V)
+    if B > rows:
         return torch.cat(
             [_nucleus_cutoff(logits[i : i + rows], top[i : i + rows], p) for i in range(0, B, rows)]
         )
