@@ -301,7 +301,8 @@ def bench_filter_cost(args, device, dtype):
 
 
 def bench_where(args, device, dtype):
-    """Where the eager sampler's time goes, against the matmul limit, on a GRPO-shaped batch (4
+    """Where the default decode step's time goes (SharedPrefixDecoder, whose attention is batched
+    matmuls, so it lands in "the rest"), against the matmul limit, on a GRPO-shaped batch (4
     prompts x 8 samples; --batches is ignored): every F.linear and every
     scaled_dot_product_attention call is timed (a perf_counter pair each, ~1 us) in three contexts
     taken in turns: the limit's bare matmuls, generate at top_p 1.0 and at 0.95. Split by rows:
