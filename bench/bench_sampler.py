@@ -6,6 +6,7 @@ weights, same process, and the cost of the sampling filters against a decode ste
     python bench/bench_sampler.py --filter_cost                     # filters + draw vs a decode step
     python bench/bench_sampler.py --train_compile                   # training fwd+bwd: Blocks compiled?
     python bench/bench_sampler.py --where --model .cache/real/smollm2-135m-instruct   # where a step goes
+    python bench/bench_sampler.py --where --chat --model .cache/real/smollm2-135m-instruct  # on chat prompts
     python bench/bench_sampler.py --shared --model .cache/real/smollm2-135m-instruct  # shared prompts
     /work/fixvenv/bin/python bench/bench_sampler.py ...             # with transformers as the baseline
 
@@ -300,6 +301,14 @@ def bench_filter_cost(args, device, dtype):
             )
 
 
+CHAT_QUESTIONS = [
+    "Explain how a KV cache speeds up autoregressive decoding in a transformer.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are the main causes of the French Revolution? Answer in a few paragraphs.",
+    "Describe the water cycle to a ten-year-old.",
+]
+
+
 def bench_where(args, device, dtype):
     """Where the default decode step's time goes (SharedPrefixDecoder, whose attention is batched
     matmuls, so it lands in "the rest"), against the matmul limit, on a GRPO-shaped batch (4
@@ -307,7 +316,10 @@ def bench_where(args, device, dtype):
     scaled_dot_product_attention call is timed (a perf_counter pair each, ~1 us) in three contexts
     taken in turns: the limit's bare matmuls, generate at top_p 1.0 and at 0.95. Split by rows:
     a call on more than 32 rows is the prefill's. --model PATH: a real checkpoint (else the 135m
-    shape, random). Answers: do the decode step's projections run at the bare-matmul rate?"""
+    shape, random). Its prompts are 128 random tokens (flat next-token distributions: the top-p
+    filter's worst case), or with --chat four questions in the checkpoint's chat template (a
+    trained model's peaked rows). Answers: do the decode step's projections run at the
+    bare-matmul rate?"""
     from nanogrpo.checkpoint import load_model
     from nanogrpo.fast.shared_prefix import SharedPrefixDecoder
 
@@ -319,6 +331,14 @@ def bench_where(args, device, dtype):
     heads = model.config.num_attention_heads
     prompts = torch.randint(0, V - 1, (P, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     prompts = prompts.tolist()
+    if args.chat:  # real questions in the checkpoint's chat template: a trained model's rows
+        from nanogrpo.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_pretrained(args.model)
+        prompts = [
+            tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+            for q in CHAT_QUESTIONS
+        ]
     acc = {}
     where = ["bare"]
     linear, sdpa = F.linear, F.scaled_dot_product_attention
@@ -384,7 +404,8 @@ def bench_where(args, device, dtype):
     med = statistics.median
     bare_mm = med(r[("bare", "mm", "decode")] for r in rounds)  # one decode step's matmuls
     print(
-        f"{args.model or '135m (random)'}: {P} prompts x {G} samples, {PROMPT_LEN} prompt + {NEW} "
+        f"{args.model or '135m (random)'}: {P} prompts x {G} samples, "
+        f"{'chat' if args.chat else PROMPT_LEN} prompt + {NEW} "
         f"new tokens; medians of {args.runs} rounds, ms per decode step (a whole run / {NEW})\n"
     )
     print(
@@ -512,6 +533,7 @@ def main():
         "--shared", action="store_true", help="only: the eager vs the shared-prefix decoder"
     )
     ap.add_argument("--prompt_lens", default="128,512", help="--shared: prompt lengths")
+    ap.add_argument("--chat", action="store_true", help="--where: chat questions, not random ids")
     ap.add_argument(
         "--model", default="", help="--where, --shared: a checkpoint dir (default: 135m random)"
     )

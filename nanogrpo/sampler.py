@@ -160,11 +160,12 @@ def apply_top_p(logits, p):
 
 def top_p_cutoff(logits, p):
     """[B,V] -> [B,1]: the smallest logit the nucleus keeps. Masses are unnormalized (the top
-    token's weight is 1) and summed in float64, so any order of summing them gives the same
-    decision unless a mass lies within ~V * 2^-52 of the goal (nanogrpo/fast/sampling.py finds
-    the same cutoff unsorted, and sorts only when that happens)."""
+    token's weight is 1) and accumulated in float64, so any order of adding them up gives the
+    same decision unless a mass lies within ~V * 2^-52 of the goal (nanogrpo/fast/sampling.py
+    finds the same cutoff unsorted, and sorts only when that happens)."""
     top = logits.amax(dim=-1, keepdim=True)  # [B,1]
-    goal = p * (logits - top).exp().double().sum(dim=-1, keepdim=True)  # [B,1]
+    total = (logits - top).exp().sum(dim=-1, keepdim=True)  # [B,1] fp32, in vocabulary order
+    goal = p * total.double()
     ranked = logits.sort(dim=-1, descending=True).values  # [B,V]
     n_keep = (mass_above(ranked, top) < goal).sum(dim=-1, keepdim=True)  # [B,1], >= 1
     return ranked.gather(-1, n_keep - 1)

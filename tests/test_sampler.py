@@ -558,6 +558,26 @@ def test_nucleus_cutoff_sorts_a_handful_of_tokens(monkeypatch, min_p):
     assert not calls and max(widths) < 200  # one 17-bit bin's tokens, the widest row's
 
 
+@pytest.mark.parametrize(
+    "scale,top_p,min_p",
+    [
+        ([6.0, 9.0, 8.0, 10.0, 5.0, 7.0], 0.95, 0.0),  # candidates of each width, joined
+        ([6.0, 3.0, 0.4, 6.0, 0.3, 5.0], 0.95, 0.0),  # flat rows: the whole vocabulary
+        ([6.0, 3.0, 0.4, 6.0, 0.3, 5.0], 0.9, 0.01),
+        ([6.0, 3.0, 0.4, 6.0, 0.3, 5.0], 1 - 1e-7, 0.0),  # rows redone by the sort
+    ],
+)
+def test_nucleus_cutoff_in_blocks_of_rows(scale, top_p, min_p):
+    """At a large vocabulary the CPU search runs two rows at a time: blocks of compacted
+    candidates (of different widths), blocks that keep the whole vocabulary (flat rows) and
+    rows redone by the sort (p near 1) join into the course's result."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 2**17, generator=g) * torch.tensor(scale)[:, None]
+    vals, ids = filter_candidates(logits, 0, top_p, min_p)
+    got = torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax")
+    assert torch.equal(got, apply_min_p(apply_top_p(logits, top_p), min_p))
+
+
 def test_rows_near_the_goal_are_sorted(monkeypatch):
     """Where a deciding mass is within rounding of the goal (here exactly on it: four tied tokens
     at p = 0.5), the row is redone by top_p_cutoff's sort, and only that row."""

@@ -55,59 +55,71 @@ def filter_candidates(logits, top_k, top_p, min_p):
         kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B,1] the k-th largest logit
         logits = logits.masked_fill(logits < kth, float("-inf"))
     top = logits.amax(dim=-1, keepdim=True)  # [B,1]
-    if min_p > 0.0:
-        keep = logits >= top + math.log(min_p)  # [B,V]
-    else:
-        keep = logits > float("-inf")
+    floor = top + math.log(min_p) if min_p > 0.0 else None  # [B,1] the smallest logit kept
+    ids = None  # [B,K] the vocabulary ids of the columns of `logits`; None: 0..V-1
     if top_p < 1.0:
-        keep &= logits >= _nucleus_cutoff(logits, top, top_p)
-    return _compact(logits, keep)
+        cutoff, logits, ids = _nucleus_cutoff(logits, top, top_p)
+        floor = cutoff if floor is None else torch.maximum(floor, cutoff)
+    vals, cols = _compact(logits, logits > float("-inf") if floor is None else logits >= floor)
+    return vals, cols if ids is None else ids.gather(1, cols)
 
 
 def _compact(logits, keep):
-    """logits [B,V], keep [B,V] bool -> (vals [B,K], ids [B,K]): each row's kept tokens in
-    vocabulary order, then -inf padding (id 0); K = the most any row keeps. Over a quarter of V,
-    the whole vocabulary instead (ids 0..V-1, the others at -inf): an index of most of it would
-    cost more than it saves."""
+    """logits [B,V], keep [B,V] bool -> (vals [B,K], cols [B,K]): each row's kept columns in
+    order, then -inf padding (column 0); K = the most any row keeps. Over a quarter of V, all
+    columns instead (cols 0..V-1, the others at -inf): an index of most of it would cost more
+    than it saves."""
     B, V = logits.shape
     count = keep.sum(dim=-1)  # [B]
     K = int(count.max())  # a host sync
     if 4 * K > V:
-        ids = torch.arange(V, device=logits.device).expand(B, V)
-        return logits.masked_fill(~keep, float("-inf")), ids
-    row, col = keep.nonzero(as_tuple=True)  # [n] each, row-major: a row's ids ascending
+        cols = torch.arange(V, device=logits.device).expand(B, V)
+        return logits.masked_fill(~keep, float("-inf")), cols
+    row, col = keep.nonzero(as_tuple=True)  # [n] each, row-major: a row's columns ascending
     # [n] column in the row
     slot = torch.arange(len(row), device=row.device) - (count.cumsum(0) - count)[row]
     vals = logits.new_full((B, K), float("-inf")).index_put_((row, slot), logits[row, col])
     return vals, torch.zeros(B, K, dtype=torch.long, device=row.device).index_put_((row, slot), col)
 
 
-# CPU: the elements of one block of rows (fresh [B,V] int64 and float64 buffers cost more in page
-# faults than the arithmetic, and blocks of 2^19 already fault on flat rows)
-_BLOCK = 2**18
-
-
 def _nucleus_cutoff(logits, top, p):
-    """logits [B,V], their max top [B,1] -> [B,1]: sampler.top_p_cutoff's value, found by radix
-    select instead of a sort. A token's weight w = exp(logit - top) is a float in [0, 1], whose
-    bits order as its value. A histogram of the mass by w's exponent (`_exponent_bins`), then one
-    by the next 8 bits within the exponent where the mass from the top reaches p of the total,
-    locate that goal's bin of w's top 17 bits: a handful of tokens on any real row. Those alone
-    are sorted, their masses added to the mass of all tokens above the bin, as top_p_cutoff adds
-    them. The masses are the same float64 numbers summed in another order, so they differ by at
-    most ~V * 2^-53 of the total. A row is redone by top_p_cutoff itself where a deciding mass
-    lies closer than 8x that to the goal (ties at the goal), or where the bin was not the goal's
-    (none or all of it kept: the fp32 exponent histogram erred; p within ~1e-6 of 1)."""
+    """logits [B,V], their max top [B,1] -> (cutoff [B,1]: sampler.top_p_cutoff's value, the
+    candidates' logits [B,K] and vocabulary ids [B,K]: every token the cutoff keeps is one of
+    them; or logits itself and None, when the candidates are most of the vocabulary or a row
+    had to be redone).
+
+    Radix select instead of a sort. A token's weight w = exp(logit - top) is a float in [0, 1],
+    whose bits order as its value. A histogram of the mass by w's exponent says in which exponent
+    the mass from the top reaches p of the total; the tokens of that exponent and above are the
+    candidates. A histogram of those by the next 8 bits of w narrows the goal to a bin of w's top
+    17 bits: a handful of tokens on any real row. Those alone are sorted, their masses added to
+    the mass of all tokens above the bin, as top_p_cutoff adds them. The masses are the same
+    float64 numbers summed in another order, so they differ by at most ~V * 2^-52 of the total. A
+    row is redone by top_p_cutoff itself where a deciding mass lies closer than 4x that to the
+    goal (ties at the goal), or where the bin was not the goal's (none or all of it kept: the
+    fp32 exponent histogram erred; p within ~1e-6 of 1)."""
     B, V = logits.shape
-    rows = B if logits.is_cuda else max(1, _BLOCK // V)
-    if B > rows:
-        return torch.cat(
-            [_nucleus_cutoff(logits[i : i + rows], top[i : i + rows], p) for i in range(0, B, rows)]
-        )
-    total, exponent, cand = _exponent_bins(logits, top, p)  # [B,1] each, [B,V]
-    goal, tol = p * total, (V + 1024) * 2.0**-50 * total  # [B,1] each
-    vals = _compact(logits, cand)[0]  # [B,K] the tokens of that exponent and above
-    w = (vals - top).exp()  # [B,K] as top_p_cutoff computes them (padding: 0)
+    w = (logits - top).exp_()  # [B,V] fp32 in [0, 1], as top_p_cutoff computes them
+    total = w.sum(dim=-1, keepdim=True).double()  # [B,1], top_p_cutoff's, bit for bit
+    goal, tol = p * total, (V + 1024) * 2.0**-50 * total
+    cutoff, vals, ids, redo = _by_rows(_radix_cutoff, logits, w, top, goal, tol)
+    if not redo.any():  # a host sync
+        return (cutoff, logits, None) if ids is None else (cutoff, vals, ids)
+    cutoff[redo] = top_p_cutoff(logits[redo], p)
+    return cutoff, logits, None
+
+
+def _radix_cutoff(logits, w, top, goal, tol):
+    """_nucleus_cutoff's search on a block of rows -> (cutoff [B,1], the candidates' logits
+    [B,K] and ids [B,K] (None when they are most of the vocabulary), the rows to redo [B]
+    bool)."""
+    B = len(w)
+    e = (w.view(torch.int32) >> 23).long()  # [B,V] w's exponent, in [0, 127]
+    mass = w.new_zeros(B, 128).scatter_add_(1, e, w).flip(1).cumsum(1)  # [B,128] top first
+    crossed = (mass < goal).sum(dim=-1, keepdim=True)  # [B,1] exponents wholly above the goal
+    exponent = (127 - crossed).clamp(min=0)  # [B,1] the goal's (fp32 sums: checked below)
+    vals, ids = _compact(logits, e >= exponent)  # [B,K] the candidates
+    w = (vals - top).exp()  # [B,K] (padding: 0)
     key = (w.view(torch.int32) >> 15).long()  # [B,K] w's top 17 bits
     # [B,K] bins: 1 + the next 8 bits within the exponent, 257 above it (0 below: padding)
     digit = (key - (exponent << 8)).clamp_(-1, 256).add_(1)
@@ -117,30 +129,38 @@ def _nucleus_cutoff(logits, top, p):
     prefix = (exponent << 8) + (256 - crossed).clamp(0, 255)  # [B,1] the goal's bin
     above = mass.gather(1, (crossed - 1).clamp(min=0))  # [B,1] the mass above it
     ranked = _compact(vals, key == prefix)[0].sort(dim=-1, descending=True).values
-    ranked = F.pad(ranked, (0, 1), value=float("-inf"))  # [B,K+1]: K+1's mass is the bin's
-    masses = above + mass_above(ranked, top)  # [B,K+1]
+    ranked = F.pad(ranked, (0, 1), value=float("-inf"))  # [B,n+1]: n+1's mass is the bin's
+    masses = above + mass_above(ranked, top)  # [B,n+1]
     n_keep = (masses < goal).sum(dim=-1, keepdim=True)  # [B,1]
     last = masses.gather(1, (n_keep - 1).clamp(min=0))  # the last kept token's mass
     first_out = masses.gather(1, n_keep.clamp(max=ranked.shape[1] - 1))  # the first removed's
     redo = (crossed == 0) | (crossed > 256) | (n_keep == 0) | (n_keep == ranked.shape[1])
     redo = (redo | (goal - last < tol) | (first_out - goal < tol)).squeeze(1)  # [B]
-    cutoff = ranked.gather(1, (n_keep - 1).clamp(min=0))  # [B,1]
-    if redo.any():  # a host sync
-        cutoff[redo] = top_p_cutoff(logits[redo], p)
-    return cutoff
+    if vals.shape[1] == logits.shape[1]:  # most of the vocabulary: not worth an index
+        vals = ids = None
+    return ranked.gather(1, (n_keep - 1).clamp(min=0)), vals, ids, redo
 
 
-def _exponent_bins(logits, top, p):
-    """-> (each row's total mass [B,1] float64, the exponent of w where the mass from the top
-    reaches p of it [B,1] (an fp32 histogram: the caller checks), the tokens of that exponent
-    and above [B,V] bool)."""
-    w = (logits - top).exp_()  # [B,V]
-    total = w.double().sum(dim=-1, keepdim=True)
-    e = (w.view(torch.int32) >> 23).long()  # [B,V] in [0, 127]
-    mass = w.new_zeros(len(w), 128).scatter_add_(1, e, w).flip(1).cumsum(1)  # top first
-    crossed = (mass < p * total).sum(dim=-1, keepdim=True)  # [B,1] bins wholly above
-    exponent = (127 - crossed).clamp(min=0)
-    return total, exponent, e >= exponent
+def _by_rows(fn, x, *rest):
+    """fn(x [B,V], *rest) a block of rows at a time on CPU, where fresh [B,V] int64 and float64
+    buffers cost more in page faults than the arithmetic (blocks of 2^18 elements: 2^19 already
+    fault on flat rows). Tensor arguments are cut with x; the outputs are joined, [B,K] ones
+    padded to the widest block's K (-inf, or 0); an output None in any block is None."""
+    rows = len(x) if x.is_cuda else max(1, 2**18 // x.shape[1])
+    if len(x) <= rows:
+        return fn(x, *rest)
+    blocks = range(0, len(x), rows)
+    parts = [fn(*(a[i : i + rows] for a in (x, *rest))) for i in blocks]
+    joined = []
+    for outs in zip(*parts):
+        if any(o is None for o in outs):
+            outs = None
+        elif outs[0].dim() == 2:
+            K = max(o.shape[1] for o in outs)
+            fill = float("-inf") if outs[0].is_floating_point() else 0
+            outs = [F.pad(o, (0, K - o.shape[1]), value=fill) for o in outs]
+        joined.append(None if outs is None else torch.cat(outs))
+    return joined
 
 
 # -----------------------------------------------------------------------------
