@@ -141,17 +141,13 @@ def _radix_cutoff(logits, w, top, goal, tol):
     return ranked.gather(1, (n_keep - 1).clamp(min=0)), vals, ids, redo
 
 
-# elements in a block of rows on CPU (measured: at 2^18 a peaked row of a 152k vocabulary pays
-# the per-block overhead, at 2^20 a flat one pays page faults)
-_ELEMS = 2**19
-
-
 def _by_rows(fn, x, *rest):
     """fn(x [B,V], *rest) a block of rows at a time on CPU, where fresh [B,V] int64 and float64
-    buffers cost more in page faults than the arithmetic (blocks of _ELEMS elements). Tensor
+    buffers cost more in page faults than the arithmetic: blocks of 2^18 elements, and at least 3
+    rows (fewer pay the per-block overhead: a 152k vocabulary's peaked rows). Tensor
     arguments are cut with x; the outputs are joined, [B,K] ones padded to the widest block's K
     (-inf, or 0); an output None in any block is None."""
-    rows = len(x) if x.is_cuda else max(1, _ELEMS // x.shape[1])
+    rows = len(x) if x.is_cuda else max(3, 2**18 // x.shape[1])
     if len(x) <= rows:
         return fn(x, *rest)
     blocks = range(0, len(x), rows)
