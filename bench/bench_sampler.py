@@ -1,8 +1,10 @@
-"""Sampler throughput: nanogrpo.sampler.generate (eager and compiled) vs transformers' generate, same
-weights, same process, and the cost of the sampling filters against a decode step.
+"""Sampler throughput: nanogrpo.sampler.generate (eager: the default decode step, SharedPrefixDecoder;
+compiled: StaticDecoder) vs transformers' generate, same weights, same process, and the cost of the
+sampling filters against a decode step.
 
     python bench/bench_sampler.py                                   # 47M model, batch 32, top_p 1.0 / 0.95
     python bench/bench_sampler.py --models 47m,135m --batches 1,8,32 --compile
+    python bench/bench_sampler.py --model .cache/real/smollm2-135m-instruct   # real weights
     python bench/bench_sampler.py --filter_cost                     # filters + draw vs a decode step
     python bench/bench_sampler.py --train_compile                   # training fwd+bwd: Blocks compiled?
     python bench/bench_sampler.py --where --model .cache/real/smollm2-135m-instruct   # where a step goes
@@ -47,6 +49,7 @@ from nanogrpo.fast.sampling import (
     filter_candidates,  # noqa: E402
     sample_next_token_fast,
 )
+from nanogrpo.fast.shared_prefix import SharedPrefixDecoder  # noqa: E402
 from nanogrpo.model import ModelConfig, Transformer  # noqa: E402
 from nanogrpo.sampler import (  # noqa: E402
     apply_top_p,
@@ -166,8 +169,13 @@ def bench_generation(args, device, dtype):
         "| compiled / tf | eager / limit | compiled / limit | compile s |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name in args.models.split(","):
-        model = build(name, device, dtype, args.logit_std)
+    for name in [args.model] if args.model else args.models.split(","):
+        if args.model:  # a real checkpoint: its own weights, random-token prompts
+            from nanogrpo.checkpoint import load_model
+
+            model = load_model(args.model).to(device=device, dtype=dtype).eval()
+        else:
+            model = build(name, device, dtype, args.logit_std)
         V = model.config.vocab_size
         hf = None
         if AutoModelForCausalLM is not None and not args.no_hf:
@@ -193,7 +201,7 @@ def bench_generation(args, device, dtype):
                             pad_id=0,
                             vocab_size=V - 1,
                             sample_token=sample_next_token_fast,
-                            decoder=StaticDecoder if compiled else None,
+                            decoder=StaticDecoder if compiled else SharedPrefixDecoder,
                         )
                         assert out.completion_ids.shape == (batch, NEW) and out.truncated.all()
 
@@ -321,7 +329,6 @@ def bench_where(args, device, dtype):
     trained model's peaked rows). Answers: do the decode step's projections run at the
     bare-matmul rate?"""
     from nanogrpo.checkpoint import load_model
-    from nanogrpo.fast.shared_prefix import SharedPrefixDecoder
 
     if args.model:
         model = load_model(args.model).to(device=device, dtype=dtype).eval()
@@ -437,7 +444,6 @@ def bench_shared(args, device, dtype):
     identical (fp32 attention summed in another order can flip a near-tie, and the row then
     diverges)."""
     from nanogrpo.checkpoint import load_model
-    from nanogrpo.fast.shared_prefix import SharedPrefixDecoder
 
     model = load_model(args.model).to(device) if args.model else build("135m", device, dtype, 0)
     V = model.config.vocab_size
@@ -534,9 +540,7 @@ def main():
     )
     ap.add_argument("--prompt_lens", default="128,512", help="--shared: prompt lengths")
     ap.add_argument("--chat", action="store_true", help="--where: chat questions, not random ids")
-    ap.add_argument(
-        "--model", default="", help="--where, --shared: a checkpoint dir (default: 135m random)"
-    )
+    ap.add_argument("--model", default="", help="a checkpoint dir instead of --models' random ones")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

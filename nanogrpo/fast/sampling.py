@@ -118,8 +118,12 @@ def _radix_cutoff(logits, w, top, goal, tol):
     mass = w.new_zeros(B, 128).scatter_add_(1, e, w).flip(1).cumsum(1)  # [B,128] top first
     crossed = (mass < goal).sum(dim=-1, keepdim=True)  # [B,1] exponents wholly above the goal
     exponent = (127 - crossed).clamp(min=0)  # [B,1] the goal's (fp32 sums: checked below)
-    vals, ids = _compact(logits, e >= exponent)  # [B,K] the candidates
-    w = (vals - top).exp()  # [B,K] (padding: 0)
+    cand = e >= exponent  # [B,V] the candidates
+    if 4 * int(cand.sum(dim=-1).max()) > w.shape[1]:  # most of the vocabulary: search it all
+        vals, ids = logits, None  # (the others fall below the exponent's bins)
+    else:
+        vals, ids = _compact(logits, cand)  # [B,K]
+        w = (vals - top).exp()  # [B,K] (padding: 0)
     key = (w.view(torch.int32) >> 15).long()  # [B,K] w's top 17 bits
     # [B,K] bins: 1 + the next 8 bits within the exponent, 257 above it (0 below: padding)
     digit = (key - (exponent << 8)).clamp_(-1, 256).add_(1)
@@ -136,9 +140,8 @@ def _radix_cutoff(logits, w, top, goal, tol):
     first_out = masses.gather(1, n_keep.clamp(max=ranked.shape[1] - 1))  # the first removed's
     redo = (crossed == 0) | (crossed > 256) | (n_keep == 0) | (n_keep == ranked.shape[1])
     redo = (redo | (goal - last < tol) | (first_out - goal < tol)).squeeze(1)  # [B]
-    if vals.shape[1] == logits.shape[1]:  # most of the vocabulary: not worth an index
-        vals = ids = None
-    return ranked.gather(1, (n_keep - 1).clamp(min=0)), vals, ids, redo
+    cutoff = ranked.gather(1, (n_keep - 1).clamp(min=0))  # [B,1]
+    return cutoff, None if ids is None else vals, ids, redo
 
 
 def _by_rows(fn, x, *rest):
