@@ -123,6 +123,23 @@ def timed(fns, device, runs):
     return [statistics.median(ts) for ts in times], warm
 
 
+def generate_new(model, prompts, G, top_p, **kwargs):
+    """nanogrpo's generate with the training draw, exactly NEW tokens a row at temperature 1: the
+    stop id (the last id) is cut from the vocabulary, so it never fires."""
+    V = model.config.vocab_size
+    return generate(
+        model,
+        prompts,
+        num_samples=G,
+        max_new_tokens=NEW,
+        top_p=top_p,
+        stop_ids=[V - 1],
+        vocab_size=V - 1,
+        sample_token=sample_next_token_fast,
+        **kwargs,
+    )
+
+
 def matmul_limit(model, batch, device, head_chunk=2048, reps=10):
     """Seconds for one decode step's matrix products at `batch` rows: every Linear weight of every
     layer times a [batch, in] activation, plus the LM head in `head_chunk`-row slices."""
@@ -190,19 +207,8 @@ def bench_generation(args, device, dtype):
 
                 def ours(compiled):
                     def run():
-                        out = generate(
-                            model,
-                            prompts,
-                            num_samples=G,
-                            max_new_tokens=NEW,
-                            temperature=1.0,
-                            top_p=top_p,
-                            stop_ids=[V - 1],
-                            pad_id=0,
-                            vocab_size=V - 1,
-                            sample_token=sample_next_token_fast,
-                            decoder=StaticDecoder if compiled else SharedPrefixDecoder,
-                        )
+                        decoder = StaticDecoder if compiled else SharedPrefixDecoder
+                        out = generate_new(model, prompts, G, top_p, decoder=decoder)
                         assert out.completion_ids.shape == (batch, NEW) and out.truncated.all()
 
                     return run
@@ -367,18 +373,7 @@ def bench_where(args, device, dtype):
 
     def gen(top_p):
         def run():
-            generate(
-                model,
-                prompts,
-                num_samples=G,
-                max_new_tokens=NEW,
-                top_p=top_p,
-                stop_ids=[V - 1],
-                pad_id=0,
-                vocab_size=V - 1,
-                sample_token=sample_next_token_fast,
-                decoder=SharedPrefixDecoder,
-            )
+            generate_new(model, prompts, G, top_p, decoder=SharedPrefixDecoder)
 
         return run
 
@@ -460,18 +455,9 @@ def bench_shared(args, device, dtype):
 
             def run(decoder):
                 def fn():
-                    outs[decoder] = generate(
-                        model,
-                        prompts,
-                        num_samples=G,
-                        max_new_tokens=NEW,
-                        top_p=top_p,
-                        stop_ids=[V - 1],
-                        vocab_size=V - 1,
-                        seeds=list(range(len(prompts))),
-                        sample_token=sample_next_token_fast,
-                        decoder=decoder,
-                    ).completion_ids
+                    seeds = list(range(len(prompts)))
+                    out = generate_new(model, prompts, G, top_p, decoder=decoder, seeds=seeds)
+                    outs[decoder] = out.completion_ids
 
                 return fn
 
