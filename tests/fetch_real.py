@@ -144,6 +144,16 @@ def read_gguf(path):
     return {key: field.contents() for key, field in reader.fields.items()}, reader
 
 
+def special_ids(meta: dict) -> dict:
+    """config.json's bos/eos/pad token ids from a GGUF's `tokenizer.ggml.*` keys."""
+    get = meta.get
+    return {
+        "bos_token_id": get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": get("tokenizer.ggml.padding_token_id"),
+    }
+
+
 def gguf_config(meta: dict, tensor_names) -> dict:
     """config.json of a llama-architecture GGUF (llama.cpp's `llama.*` keys -> LlamaConfig's names)."""
     arch = meta["general.architecture"]
@@ -158,10 +168,6 @@ def gguf_config(meta: dict, tensor_names) -> dict:
         )
     hidden, heads = get("embedding_length"), get("attention.head_count")
     head_dim = get("attention.key_length", get("rope.dimension_count", hidden // heads))
-    special = {
-        name: meta.get(f"tokenizer.ggml.{name}")
-        for name in ("bos_token_id", "eos_token_id", "padding_token_id")
-    }
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -181,9 +187,7 @@ def gguf_config(meta: dict, tensor_names) -> dict:
         "attention_bias": any(n.endswith(".attn_q.bias") for n in tensor_names),
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": special["bos_token_id"],
-        "eos_token_id": special["eos_token_id"],
-        "pad_token_id": special["padding_token_id"],
+        **special_ids(meta),
         "torch_dtype": "float32",
     }
 
@@ -416,10 +420,6 @@ def gemma3_config(meta: dict, tensor_names) -> dict:
         raise ValueError("GGUF attention.value_length differs from attention.key_length")
     layers = get("block_count")
     every = GEMMA3_SLIDING_WINDOW_PATTERN
-    special = {
-        name: meta.get(f"tokenizer.ggml.{name}")
-        for name in ("bos_token_id", "eos_token_id", "padding_token_id")
-    }
     return {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
@@ -451,9 +451,7 @@ def gemma3_config(meta: dict, tensor_names) -> dict:
         "initializer_range": 0.02,
         "use_cache": True,
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": special["bos_token_id"],
-        "eos_token_id": special["eos_token_id"],
-        "pad_token_id": special["padding_token_id"],
+        **special_ids(meta),
         "dtype": "float32",
     }
 
