@@ -64,13 +64,13 @@ def filter_candidates(logits, top_k, top_p, min_p):
     return vals, cols if ids is None else ids.gather(1, cols)
 
 
-def _compact(logits, keep):
-    """logits [B,V], keep [B,V] bool -> (vals [B,K], cols [B,K]): each row's kept columns in
-    order, then -inf padding (column 0); K = the most any row keeps. Over a quarter of V, all
-    columns instead (cols 0..V-1, the others at -inf): an index of most of it would cost more
-    than it saves."""
+def _compact(logits, keep, count=None):
+    """logits [B,V], keep [B,V] bool (and its count [B] if known) -> (vals [B,K], cols [B,K]):
+    each row's kept columns in order, then -inf padding (column 0); K = the most any row keeps.
+    Over a quarter of V, all columns instead (cols 0..V-1, the others at -inf): an index of most
+    of it would cost more than it saves."""
     B, V = logits.shape
-    count = keep.sum(dim=-1)  # [B]
+    count = keep.sum(dim=-1) if count is None else count  # [B]
     K = int(count.max())  # a host sync
     if 4 * K > V:
         cols = torch.arange(V, device=logits.device).expand(B, V)
@@ -98,7 +98,7 @@ def _nucleus_cutoff(logits, top, p):
     row is redone by top_p_cutoff itself where a deciding mass lies closer than 4x that to the
     goal (ties at the goal), or where the bin was not the goal's (none or all of it kept: the
     fp32 exponent histogram erred; p within ~1e-6 of 1)."""
-    B, V = logits.shape
+    V = logits.shape[1]
     w = (logits - top).exp_()  # [B,V] fp32 in [0, 1], as top_p_cutoff computes them
     total = w.sum(dim=-1, keepdim=True).double()  # [B,1], top_p_cutoff's, bit for bit
     goal, tol = p * total, (V + 1024) * 2.0**-50 * total
@@ -119,10 +119,11 @@ def _radix_cutoff(logits, w, top, goal, tol):
     crossed = (mass < goal).sum(dim=-1, keepdim=True)  # [B,1] exponents wholly above the goal
     exponent = (127 - crossed).clamp(min=0)  # [B,1] the goal's (fp32 sums: checked below)
     cand = e >= exponent  # [B,V] the candidates
-    if 4 * int(cand.sum(dim=-1).max()) > w.shape[1]:  # most of the vocabulary: search it all
+    count = cand.sum(dim=-1)  # [B]
+    if 4 * int(count.max()) > w.shape[1]:  # most of the vocabulary: search it all
         vals, ids = logits, None  # (the others fall below the exponent's bins)
     else:
-        vals, ids = _compact(logits, cand)  # [B,K]
+        vals, ids = _compact(logits, cand, count)  # [B,K]
         w = (vals - top).exp()  # [B,K] (padding: 0)
     key = (w.view(torch.int32) >> 15).long()  # [B,K] w's top 17 bits
     # [B,K] bins: 1 + the next 8 bits within the exponent, 257 above it (0 below: padding)
