@@ -10,6 +10,7 @@ sampling filters against a decode step.
     python bench/bench_sampler.py --where --model .cache/real/smollm2-135m-instruct   # where a step goes
     python bench/bench_sampler.py --where --chat --model .cache/real/smollm2-135m-instruct  # on chat prompts
     python bench/bench_sampler.py --shared --model .cache/real/smollm2-135m-instruct  # shared prompts
+    python bench/bench_sampler.py --fused --batches 1,8,32 --model .cache/real/smollm2-135m-instruct
     /work/fixvenv/bin/python bench/bench_sampler.py ...             # with transformers as the baseline
 
 Models (random weights; built with our Transformer, saved, loaded into transformers when installed):
@@ -49,7 +50,7 @@ from nanogrpo.fast.sampling import (
     filter_candidates,  # noqa: E402
     sample_next_token_fast,
 )
-from nanogrpo.fast.shared_prefix import SharedPrefixDecoder  # noqa: E402
+from nanogrpo.fast.shared_prefix import SharedPrefixCache, SharedPrefixDecoder  # noqa: E402
 from nanogrpo.model import ModelConfig, Transformer  # noqa: E402
 from nanogrpo.sampler import (  # noqa: E402
     apply_top_p,
@@ -123,19 +124,19 @@ def timed(fns, device, runs):
     return [statistics.median(ts) for ts in times], warm
 
 
-def generate_new(model, prompts, G, top_p, **kwargs):
-    """nanogrpo's generate with the training draw, exactly NEW tokens a row at temperature 1: the
+def generate_new(model, prompts, G, top_p, new=NEW, sample_token=sample_next_token_fast, **kwargs):
+    """nanogrpo's generate with the training draw, exactly `new` tokens a row at temperature 1: the
     stop id (the last id) is cut from the vocabulary, so it never fires."""
     V = model.config.vocab_size
     return generate(
         model,
         prompts,
         num_samples=G,
-        max_new_tokens=NEW,
+        max_new_tokens=new,
         top_p=top_p,
         stop_ids=[V - 1],
         vocab_size=V - 1,
-        sample_token=sample_next_token_fast,
+        sample_token=sample_token,
         **kwargs,
     )
 
@@ -324,16 +325,18 @@ CHAT_QUESTIONS = [
 
 
 def bench_where(args, device, dtype):
-    """Where the default decode step's time goes (SharedPrefixDecoder, whose attention is batched
-    matmuls, so it lands in "the rest"), against the matmul limit, on a GRPO-shaped batch (4
-    prompts x 8 samples; --batches is ignored): every F.linear and every
-    scaled_dot_product_attention call is timed (a perf_counter pair each, ~1 us) in three contexts
-    taken in turns: the limit's bare matmuls, generate at top_p 1.0 and at 0.95. Split by rows:
-    a call on more than 32 rows is the prefill's. --model PATH: a real checkpoint (else the 135m
-    shape, random). Its prompts are 128 random tokens (flat next-token distributions: the top-p
-    filter's worst case), or with --chat four questions in the checkpoint's chat template (a
-    trained model's peaked rows). Answers: do the decode step's projections run at the
-    bare-matmul rate?"""
+    """Where the default decode step's time goes (SharedPrefixDecoder), against the matmul limit,
+    on a GRPO-shaped batch (4 prompts x 8 samples; --batches is ignored): every F.linear, every
+    scaled_dot_product_attention call (the prefill's attention), every SharedPrefixCache.attend
+    call (the decode step's) and every draw is timed (a perf_counter pair each, ~1 us) in four
+    contexts taken in turns: the limit's bare matmuls, generate at top_p 1.0 and at 0.95, and
+    generate of one token (the prefill and the first draw: what a whole run less it takes, over
+    the other NEW - 1 tokens, is a decode step alone). Split by rows: a call on more than 32 rows
+    is the prefill's. --model PATH: a real checkpoint (else the 135m shape, random). Its prompts
+    are 128 random tokens (flat next-token distributions: the top-p filter's worst case), or with
+    --chat four questions in the checkpoint's chat template (a trained model's peaked rows).
+    Answers: do the decode step's projections run at the bare-matmul rate, and what else does a
+    step spend?"""
     from nanogrpo.checkpoint import load_model
 
     if args.model:
@@ -356,7 +359,7 @@ def bench_where(args, device, dtype):
     where = ["bare"]
     linear, sdpa = F.linear, F.scaled_dot_product_attention
 
-    def timed_op(op, name):
+    def timed_op(op, name, part=None):
         def run(x, *a, **k):
             sync(device)
             t0 = time.perf_counter()
@@ -364,16 +367,19 @@ def bench_where(args, device, dtype):
             sync(device)
             # a decode step's calls have P*G rows (times the query heads for attention)
             rows = P * G * (heads if name == "sdpa" else 1)
-            part = "prefill" if x.numel() // x.shape[-1] > rows else "decode"
-            key = (where[0], name, part)
+            key = (
+                where[0],
+                name,
+                part or ("prefill" if x.numel() // x.shape[-1] > rows else "decode"),
+            )
             acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
             return y
 
         return run
 
-    def gen(top_p):
+    def gen(top_p, new=NEW):
         def run():
-            generate_new(model, prompts, G, top_p, decoder=SharedPrefixDecoder)
+            generate_new(model, prompts, G, top_p, new, draw, decoder=SharedPrefixDecoder)
 
         return run
 
@@ -388,7 +394,11 @@ def bench_where(args, device, dtype):
 
     F.linear = timed_op(linear, "mm")
     F.scaled_dot_product_attention = timed_op(sdpa, "sdpa")
-    fns = {"bare": bare, "1.0": gen(1.0), "0.95": gen(0.95)}
+    attend = SharedPrefixCache.attend  # the decode step's attention (a method: x is the cache)
+    SharedPrefixCache.attend = timed_op(attend, "attend", "decode")
+    draw = timed_op(sample_next_token_fast, "draw", "decode")
+    # "first": the prefill and the first token alone, so that the decode steps can be timed apart
+    fns = {"bare": bare, "1.0": gen(1.0), "0.95": gen(0.95), "first": gen(1.0, 1)}
     try:
         with torch.no_grad():
             for fn in fns.values():
@@ -403,6 +413,7 @@ def bench_where(args, device, dtype):
                 rounds.append(dict(acc))
     finally:
         F.linear, F.scaled_dot_product_attention = linear, sdpa
+        SharedPrefixCache.attend = attend
     med = statistics.median
     bare_mm = med(r[("bare", "mm", "decode")] for r in rounds)  # one decode step's matmuls
     print(
@@ -412,9 +423,11 @@ def bench_where(args, device, dtype):
     )
     print(
         "| top_p | tok/s | limit tok/s | of limit | bare matmuls | decode matmuls (x bare) "
-        "| prefill matmuls | attention (decode + prefill) | the rest |"
+        "| prefill matmuls | attention: SDPA + shared | draw | the rest "
+        "| a decode step (of limit; its matmuls' share) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    first = med(walls["first"])  # the prefill and the first draw
     for k in ("1.0", "0.95"):
         wall = med(walls[k])
 
@@ -423,12 +436,18 @@ def bench_where(args, device, dtype):
 
         dec, pre = part("mm", "decode"), part("mm", "prefill")
         att = part("sdpa", "decode") + part("sdpa", "prefill")
-        rest = wall / NEW * 1e3 - dec - pre - att
+        shared, drawn = part("attend", "decode"), part("draw", "decode")
+        rest = wall / NEW * 1e3 - dec - pre - att - shared - drawn
         limit = P * G / bare_mm
+        step = (wall - first) / (NEW - 1)  # the other NEW - 1 tokens: decode steps alone
+        # the decode matmuls' time over the decode steps', both timed in the same runs (the
+        # limit, timed apart, moves with the host's speed from minute to minute; this does not)
+        share = dec * NEW / 1e3 / (wall - first)
         print(
             f"| {k} | {P * G * NEW / wall:,.0f} | {limit:,.0f} | {P * G * NEW / wall / limit:.0%} "
             f"| {bare_mm * 1e3:.1f} | {dec:.1f} (x{dec / (bare_mm * 1e3):.3f}) | {pre:.1f} "
-            f"| {part('sdpa', 'decode'):.1f} + {part('sdpa', 'prefill'):.1f} | {rest:.1f} |",
+            f"| {att:.1f} + {shared:.1f} | {drawn:.1f} | {rest:.1f} "
+            f"| {step * 1e3:.1f} ({bare_mm / step:.0%}; {share:.0%}) |",
             flush=True,
         )
 
@@ -496,6 +515,86 @@ def bench_train_compile(args, device, dtype):
     print(f"| | {t_eager:.2f} | {t_comp:.2f} | {t_eager / t_comp:.2f}x | {warm - t_comp:.0f} |")
 
 
+def bench_fused(args, device, dtype):
+    """q/k/v as one matmul and gate/up as one (gpt-fast's layout: weights concatenated once, the
+    outputs split) against the model's separate projections, at a decode step's shape (--batches
+    rows of one token): every layer's projections, RoPE and SwiGLU product, no attention, the two
+    versions in turns (medians of --runs rounds of 10 steps), and the matmuls alone. Answers: do
+    fewer, larger matmuls make a decode step faster? --model PATH: a real checkpoint (else the
+    135m shape)."""
+    from nanogrpo.checkpoint import load_model
+    from nanogrpo.model import apply_rope, rope_cos_sin
+
+    model = load_model(args.model) if args.model else build("135m", device, dtype, 0)
+    model = model.to(device=device, dtype=dtype).eval()
+    H, Hkv, D = (
+        model.config.num_attention_heads,
+        model.config.num_key_value_heads,
+        model.config.head_dim,
+    )
+
+    def joined(*linears):
+        bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+        return torch.cat([m.weight for m in linears]), bias
+
+    layers = [(b.self_attn, b.mlp) for b in model.layers]
+    fused = [
+        (
+            joined(a.q_proj, a.k_proj, a.v_proj),
+            joined(m.gate_proj, m.up_proj),
+            a.o_proj,
+            m.down_proj,
+        )
+        for a, m in layers
+    ]
+    print(
+        f"{args.model or '135m (random)'}: ms per decode step (every layer), medians of {args.runs}\n"
+    )
+    print("| batch | separate | fused | separate / fused | matmuls alone: separate | fused |")
+    print("|---|---|---|---|---|---|")
+    for n in map(int, args.batches.split(",")):
+        x = torch.randn(n, 1, model.config.hidden_size, device=device, dtype=dtype)
+        positions = torch.full((n, 1), PROMPT_LEN, device=device)
+        cos, sin = rope_cos_sin(model.inv_freq.to(device), positions, dtype)
+        h = torch.randn(n, 1, model.config.intermediate_size, device=device, dtype=dtype)
+
+        def separate(full=True):  # full=False: the matmuls alone (no RoPE, no SwiGLU product)
+            for a, m in layers:
+                q = a.q_proj(x).view(n, 1, H, D).transpose(1, 2)  # [n,H,1,D]
+                k = a.k_proj(x).view(n, 1, Hkv, D).transpose(1, 2)
+                a.v_proj(x)
+                if full:
+                    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                a.o_proj(q.transpose(1, 2).reshape(n, 1, H * D))  # (attention left out)
+                g, u = m.gate_proj(x), m.up_proj(x)
+                m.down_proj(F.silu(g) * u if full else h)
+            return q
+
+        def together(full=True):
+            for (qkv, qkv_b), (gu, gu_b), o, down in fused:
+                y = F.linear(x, qkv, qkv_b).view(n, 1, H + 2 * Hkv, D).transpose(1, 2)
+                qk = apply_rope(y[:, : H + Hkv], cos, sin) if full else y[:, : H + Hkv]
+                q = qk[:, :H]  # k = qk[:, H:], v = y[:, H + Hkv :]
+                o(q.transpose(1, 2).reshape(n, 1, H * D))
+                g, u = F.linear(x, gu, gu_b).chunk(2, dim=-1)
+                down(F.silu(g) * u if full else h)
+            return q
+
+        with torch.no_grad():
+            assert torch.allclose(separate(), together(), atol=1e-5), "fused != separate"
+            fns = [
+                lambda f=f, full=full: [f(full) for _ in range(10)]
+                for full in (True, False)
+                for f in (separate, together)
+            ]
+            (t_sep, t_fus, m_sep, m_fus), _ = timed(fns, device, args.runs)
+        print(
+            f"| {n} | {t_sep * 100:.1f} | {t_fus * 100:.1f} | {t_sep / t_fus:.2f}x "
+            f"| {m_sep * 100:.1f} | {m_fus * 100:.1f} |",
+            flush=True,
+        )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="47m", help="comma-separated: 47m, 135m")
@@ -524,6 +623,9 @@ def main():
     ap.add_argument(
         "--shared", action="store_true", help="only: the eager vs the shared-prefix decoder"
     )
+    ap.add_argument(
+        "--fused", action="store_true", help="only: q/k/v and gate/up fused vs separate"
+    )
     ap.add_argument("--prompt_lens", default="128,512", help="--shared: prompt lengths")
     ap.add_argument("--chat", action="store_true", help="--where: chat questions, not random ids")
     ap.add_argument("--model", default="", help="a checkpoint dir instead of --models' random ones")
@@ -542,6 +644,8 @@ def main():
         bench_shared(args, device, dtype)
     elif args.train_compile:
         bench_train_compile(args, device, dtype)
+    elif args.fused:
+        bench_fused(args, device, dtype)
     else:
         bench_generation(args, device, dtype)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
