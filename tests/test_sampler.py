@@ -494,6 +494,12 @@ p_values = st.sampled_from([1.0, 0.95, 0.9, 0.5, 1e-6, 1 - 1e-7, 0.999999, 0.3])
 )
 
 
+def spread(logits, vals, ids):
+    """filter_candidates' (vals, ids) [B,K] back at their vocabulary ids: [B,V] logits like
+    logits, the others -inf (amax: the -inf padding at id 0 never hides a kept token 0)."""
+    return torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax")
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     logit_rows(),
@@ -504,10 +510,7 @@ p_values = st.sampled_from([1.0, 0.95, 0.9, 0.5, 1e-6, 1 - 1e-7, 0.999999, 0.3])
 def test_fast_filters_equal_the_reference(logits, top_k, top_p, min_p):
     want = apply_min_p(apply_top_p(apply_top_k(logits, top_k), top_p), min_p)  # [B,V]
     vals, ids = filter_candidates(logits, top_k, top_p, min_p)
-    got = torch.full_like(logits, float("-inf")).scatter_reduce_(
-        1, ids, vals, "amax"
-    )  # amax: -inf padding
-    assert torch.equal(got, want)
+    assert torch.equal(spread(logits, vals, ids), want)
     B = logits.shape[0]
     u = torch.cat(
         [torch.tensor([0.0, 1 - 2**-52], dtype=torch.float64), uniforms(torch.arange(30), 1)]
@@ -526,8 +529,7 @@ def test_fast_filters_take_few_candidates_on_a_peaked_row():
     logits = torch.randn(8, 32000) * 6
     vals, ids = filter_candidates(logits, 0, 0.95, 0.0)
     assert vals.shape[1] < 4096 and torch.equal(
-        torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax"),
-        apply_top_p(logits, 0.95),
+        spread(logits, vals, ids), apply_top_p(logits, 0.95)
     )
     assert (
         (ids[:, 1:] > ids[:, :-1]).logical_or(vals[:, 1:] == float("-inf")).all()
@@ -551,9 +553,8 @@ def test_nucleus_cutoff_sorts_a_handful_of_tokens(monkeypatch, min_p):
     scale = torch.empty(64, 1).uniform_(0.3, 7.0, generator=g)
     logits = torch.randn(64, 32000, generator=g) * scale
     vals, ids = filter_candidates(logits, 0, 0.95, min_p)
-    got = torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax")
     kept = apply_top_p(logits, 0.95) > float("-inf")
-    assert torch.equal(got, apply_min_p(apply_top_p(logits, 0.95), min_p))
+    assert torch.equal(spread(logits, vals, ids), apply_min_p(apply_top_p(logits, 0.95), min_p))
     assert kept.sum(1).min() < 10 and kept.sum(1).max() > 20000  # peaked and flat rows
     assert not calls and max(widths) < 200  # one 17-bit bin's tokens, the widest row's
 
@@ -568,14 +569,13 @@ def test_nucleus_cutoff_sorts_a_handful_of_tokens(monkeypatch, min_p):
     ],
 )
 def test_nucleus_cutoff_in_blocks_of_rows(scale, top_p, min_p):
-    """At a large vocabulary the CPU search runs two rows at a time: blocks of compacted
+    """At a large vocabulary the CPU search runs three rows at a time: blocks of compacted
     candidates (of different widths), blocks that keep the whole vocabulary (flat rows) and
     rows redone by the sort (p near 1) join into the course's result."""
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 2**17, generator=g) * torch.tensor(scale)[:, None]
     vals, ids = filter_candidates(logits, 0, top_p, min_p)
-    got = torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax")
-    assert torch.equal(got, apply_min_p(apply_top_p(logits, top_p), min_p))
+    assert torch.equal(spread(logits, vals, ids), apply_min_p(apply_top_p(logits, top_p), min_p))
 
 
 def test_rows_near_the_goal_are_sorted(monkeypatch):
@@ -591,9 +591,7 @@ def test_rows_near_the_goal_are_sorted(monkeypatch):
     for min_p in (0.0, 0.01):
         vals, ids = filter_candidates(logits, 0, 0.5, min_p)
         want = apply_min_p(apply_top_p(logits, 0.5), min_p)
-        assert torch.equal(
-            torch.full_like(logits, float("-inf")).scatter_reduce_(1, ids, vals, "amax"), want
-        )
+        assert torch.equal(spread(logits, vals, ids), want)
     assert calls == [1, 1]
 
 
