@@ -176,6 +176,15 @@ def build(name, device, dtype, logit_std):
     return model
 
 
+def model_for(args, name, device, dtype, logit_std):
+    """--model's checkpoint (its own weights) on device in dtype, else the named random shape."""
+    if not args.model:
+        return build(name, device, dtype, logit_std)
+    from nanogrpo.checkpoint import load_model
+
+    return load_model(args.model).to(device=device, dtype=dtype).eval()
+
+
 def bench_generation(args, device, dtype):
     try:
         from transformers import AutoModelForCausalLM
@@ -188,12 +197,7 @@ def bench_generation(args, device, dtype):
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in [args.model] if args.model else args.models.split(","):
-        if args.model:  # a real checkpoint: its own weights, random-token prompts
-            from nanogrpo.checkpoint import load_model
-
-            model = load_model(args.model).to(device=device, dtype=dtype).eval()
-        else:
-            model = build(name, device, dtype, args.logit_std)
+        model = model_for(args, name, device, dtype, args.logit_std)  # random-token prompts
         V = model.config.vocab_size
         hf = None
         if AutoModelForCausalLM is not None and not args.no_hf:
@@ -337,12 +341,7 @@ def bench_where(args, device, dtype):
     --chat four questions in the checkpoint's chat template (a trained model's peaked rows).
     Answers: do the decode step's projections run at the bare-matmul rate, and what else does a
     step spend?"""
-    from nanogrpo.checkpoint import load_model
-
-    if args.model:
-        model = load_model(args.model).to(device=device, dtype=dtype).eval()
-    else:
-        model = build("135m", device, dtype, args.logit_std)
+    model = model_for(args, "135m", device, dtype, args.logit_std)
     V, P, G = model.config.vocab_size, 4, 8
     heads = model.config.num_attention_heads
     prompts = torch.randint(0, V - 1, (P, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
@@ -457,9 +456,7 @@ def bench_shared(args, device, dtype):
     seeds, in turns: tok/s of each and the ratio, per prompt length, and how many rows come out
     identical (fp32 attention summed in another order can flip a near-tie, and the row then
     diverges)."""
-    from nanogrpo.checkpoint import load_model
-
-    model = load_model(args.model).to(device) if args.model else build("135m", device, dtype, 0)
+    model = model_for(args, "135m", device, dtype, 0)
     V = model.config.vocab_size
     batch, G = int(args.batches.split(",")[0]), 8
     print(
@@ -522,11 +519,9 @@ def bench_fused(args, device, dtype):
     versions in turns (medians of --runs rounds of 10 steps), and the matmuls alone. Answers: do
     fewer, larger matmuls make a decode step faster? --model PATH: a real checkpoint (else the
     135m shape)."""
-    from nanogrpo.checkpoint import load_model
     from nanogrpo.model import apply_rope, rope_cos_sin
 
-    model = load_model(args.model) if args.model else build("135m", device, dtype, 0)
-    model = model.to(device=device, dtype=dtype).eval()
+    model = model_for(args, "135m", device, dtype, 0)
     H, Hkv, D = (
         model.config.num_attention_heads,
         model.config.num_key_value_heads,
