@@ -2,9 +2,11 @@
 plain definition in logprobs.py, values and gradients, in float64 on a tiny random model
 (left-padded prompts, masked completion tokens)."""
 
+import os
+
 import pytest
 import torch
-from conftest import GEMMA3, QWEN3_5, tiny_config
+from conftest import GEMMA3, QWEN3_5, fixture_path, tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -332,10 +334,22 @@ def test_an_entropy_bonus_frees_no_row():
     assert rows_without_gradient(adv, 0.0, big, 4000, entropy_bonus=True) is None
 
 
+def fp32_head_logprobs(model, h, ids, cmask, T):
+    """The reference: float32 logits of hidden states h [N,C,D] -> (log-probs of the completion
+    tokens [N,C], masked to 0; the logits [N,C,V])."""
+    logits = h.float() @ model.lm_head.weight.float().T  # [N,C,V] in float32
+    ref = torch.log_softmax(logits / T, -1).gather(-1, ids[:, P:, None]).squeeze(-1)
+    return torch.where(cmask, ref, 0), logits
+
+
 def test_cast_lm_head_to_fp32_under_bf16_autocast():
     """The LM head in float32 (TRL's cast_lm_head_to_fp32): under bf16 autocast the log-probs are
-    those of float32 logits of the (bf16) hidden states, in the chunked, the plain and the
-    sampler's paths; without it they differ."""
+    those of float32 logits of the (bf16-computed) hidden states, in the chunked, the plain and the
+    sampler's paths; without it they differ. Each path is compared with the float32 head applied to
+    its own hidden states: the chunked path runs each prompt once into a KV cache, and bf16 matmuls
+    of other shapes round its hidden states differently, by an amount that depends on the CPU's
+    kernels. What is left is float32 rounding of log-probs of magnitude ~5 (a few ulps): 1e-5."""
+    from nanogrpo.fast.logprobs import shared_prompt_forward
     from nanogrpo.sampler import lm_logits
 
     torch.manual_seed(0)
@@ -343,20 +357,20 @@ def test_cast_lm_head_to_fp32_under_bf16_autocast():
     ids, att, cmask = batch(1)
     T = 0.7
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        h = model.hidden_states(ids, attention_mask=att.bool())[:, P - 1 : -1]  # [N,C,D] bf16
+        h = model.hidden_states(ids, attention_mask=att.bool())[:, P - 1 : -1]  # [N,C,D]
+        h_chunked = shared_prompt_forward(model, ids, att, C, lambda h, lm_head: h)  # [N,C,D]
         bf16_logp, _ = token_logprobs(model, ids, att, cmask, temperature=T)
         model.cast_lm_head_to_fp32 = True
         logp, _ = token_logprobs(model, ids, att, cmask, temperature=T)
         plain, _ = token_logprobs_plain(model, ids, att, cmask, temperature=T)
         sampled = lm_logits(model, h[:, 0], V, chunk=32)
         model.cast_lm_head_to_fp32 = False
-    logits = h.float() @ model.lm_head.weight.float().T  # [N,C,V] in float32
-    ref = torch.log_softmax(logits / T, -1).gather(-1, ids[:, P:, None]).squeeze(-1)
-    ref = torch.where(cmask, ref, 0)
-    assert (logp - ref).abs().max() < 1e-6
-    assert (plain - ref).abs().max() < 1e-6
-    assert (sampled - logits[:, 0]).abs().max() < 1e-6
-    assert (bf16_logp - ref).abs().max() > 1e-4
+    ref, logits = fp32_head_logprobs(model, h, ids, cmask, T)
+    ref_chunked, _ = fp32_head_logprobs(model, h_chunked, ids, cmask, T)
+    assert (logp - ref_chunked).abs().max() < 1e-5
+    assert (plain - ref).abs().max() < 1e-5
+    assert (sampled - logits[:, 0]).abs().max() < 1e-5
+    assert (bf16_logp - ref_chunked).abs().max() > 1e-4  # the bf16 head rounds its logits
 
 
 def relative_error(grads, ref):
@@ -555,3 +569,147 @@ def test_columns_after_the_last_scored_token_are_cut_and_change_nothing(entropy_
     want = torch.autograd.grad(ref, list(model.parameters()))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+# -----------------------------------------------------------------------------
+# Nothing to score: every completion masked (e.g. mask_truncated_completions with all truncated)
+
+
+def test_nothing_to_score_still_gives_every_parameter_a_zero_gradient():
+    """With every completion token masked the log-probs are 0 and still part of the graph, in
+    the fast path as in the plain one: backward gives every parameter a zero gradient (AdamW then
+    decays and counts the step, as TRL's does), and under FSDP2 every rank runs its backward."""
+    model = tiny_model()
+    ids, att, cmask = batch()
+    for score in (token_logprobs, token_logprobs_plain):
+        logp, _ = score(model, ids, att, torch.zeros_like(cmask))
+        assert torch.equal(logp, torch.zeros(3, C, dtype=torch.float64))
+        grads = torch.autograd.grad(logp.sum(), list(model.parameters()))  # none unused
+        assert all(not g.any() for g in grads), score.__module__
+
+
+def all_truncated_run(tmp_path, *overrides):
+    """One optimizer step of the tiny default run in which no completion ends before
+    max_completion_length (min_new_tokens = 6) and truncated ones are masked: nothing to score."""
+    from test_train import tiny
+
+    import train
+
+    history = train.train(
+        tiny(
+            tmp_path,
+            "--max_steps=1",
+            "--mask_truncated_completions=true",
+            '--generation_kwargs={"min_new_tokens": 6}',
+            "--weight_decay=0.1",
+            *overrides,
+        )
+    )
+    return history[-1], load_model(tmp_path / "run" / "checkpoint").state_dict()
+
+
+def test_a_step_with_every_completion_truncated_trains_as_the_plain_path(tmp_path):
+    """TRL trains such a step with loss 0 and zero gradients; the optimizer step still runs
+    (weight decay). The fast path equals the plain one, weights bit for bit."""
+    fast, after = all_truncated_run(tmp_path / "fast")
+    plain, plain_after = all_truncated_run(tmp_path / "plain", "--plain=true")
+    before = load_model(tmp_path / "fast" / "init").state_dict()
+    for m in (fast, plain):
+        assert m["completions/clipped_ratio"] == 1.0 and m["loss"] == 0.0 and m["grad_norm"] == 0
+    assert after.keys() == plain_after.keys()
+    for k in after:
+        assert torch.equal(after[k], plain_after[k]), k
+        assert not torch.equal(after[k], before[k]) or k.endswith("bias"), k  # decayed
+
+
+def masked_rank_step(rank, world_size, port, out_path):
+    """One optimizer step of train.optimizer_step on the qwen2 fixture (sharded with FSDP2 when
+    world_size > 1) over 8 rows in micro-batches of 2: with 2 ranks, rank 0's rows have nothing
+    to score (its second micro-batch's scored row has advantage 0, so it is split off without
+    gradient) while rank 1's have. Saves the full weights from rank 0."""
+    from types import SimpleNamespace
+
+    from test_dist import join_group
+
+    import train
+    from nanogrpo import dist, fast
+    from nanogrpo.fast import logprobs
+    from nanogrpo.grpo import LossConfig
+    from nanogrpo.rollout import Rollout
+    from nanogrpo.run.config import TrainConfig
+    from nanogrpo.trainer import Kernels
+
+    join_group(rank, world_size, port)
+    logprobs.SKIP_MIN_FLOPS["cpu"] = 0  # split off zero-advantage rows of the small fixture
+    info = dist.setup("cpu")
+    model = load_model(fixture_path("qwen2"), info=info)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    N, P, C = 8, 5, 6  # rows, prompt and completion lengths
+    ids = torch.randint(0, 300, (N, P + C), generator=g)
+    attention_mask = torch.ones(N, P + C, dtype=torch.long)
+    mask = torch.ones(N, C)
+    mask[:3] = 0  # rows 0-2: nothing to score (truncated and masked)
+    mask[5, 3:] = 0
+    advantages = torch.tensor([1.0, -1.0, 0.5, 0.0, 0.7, -0.3, 0.0, 1.2])
+    n = N // world_size
+    mine = slice(rank * n, (rank + 1) * n)
+    ro = Rollout(
+        rows=[],
+        num_generations=2,
+        prompt_ids=[],
+        input_ids=ids[mine],
+        attention_mask=attention_mask[mine],
+        completion_mask=mask[mine],
+        completion_lengths=mask[mine].sum(1).long(),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        prompts=[],
+        completions=[],
+        completion_token_ids=[],
+        advantages=advantages[mine],
+        num_items=mask.sum(),
+    )
+    micro = [torch.arange(i, i + 2) for i in range(0, n, 2)]
+    t = SimpleNamespace(  # the fields of train.Trainer an optimizer step reads
+        model=model,
+        optimizer=optimizer,
+        cfg=TrainConfig(per_device_train_batch_size=2),
+        loss_cfg=LossConfig(loss_type="dapo"),
+        info=info,
+        autocast=torch.autocast("cpu", enabled=False),
+        tok=SimpleNamespace(vocab_size=None),
+        sched=SimpleNamespace(steps_per_generation=len(micro)),
+        kernels=Kernels(**fast.kernels()),
+        entropy_coef=0.0,
+        last_entropy=0.0,
+    )
+    metrics = train.optimizer_step(t, [(ro, idx) for idx in micro])
+    state = dist.full_state_dict(model)
+    if info.is_main:
+        torch.save({"state": state, "grad_norm": metrics["grad_norm"]}, out_path)
+    dist.teardown()
+    os._exit(0)  # as test_dist.one_step: skip gloo's static destructors
+
+
+def test_a_rank_with_nothing_to_score_steps_with_the_others(tmp_path):
+    """Under FSDP2 every rank runs the same collectives even when one rank's micro-batches have
+    nothing to score: 2 processes give the update 1 process gives on the same rows."""
+    import torch.multiprocessing as mp
+    from test_dist import free_port
+
+    results = {}
+    for world in (1, 2):
+        out = tmp_path / f"w{world}.pt"
+        mp.start_processes(
+            masked_rank_step,
+            args=(world, free_port(), str(out)),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
+        )
+        results[world] = torch.load(out)
+    assert results[1]["grad_norm"] > 0
+    assert results[2]["grad_norm"] == pytest.approx(results[1]["grad_norm"], rel=1e-5)
+    one, two = results[1]["state"], results[2]["state"]
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-5, rtol=1e-5), k

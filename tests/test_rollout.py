@@ -38,10 +38,12 @@ CALL = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'
 FIRST = {  # (question, sample) -> the first turn
     ("mul", 0): CALL.format("add", '{"a": 40, "b": 2}'),
     ("mul", 1): "I know: 42",
-    ("bad", 0): 'Hm<tool_call>{"name": "add", "arguments": {"a": 6,</tool_call>'
-    + CALL.format("boom", '{"a": 1}')
-    + CALL.format("sleepy", '{"seconds": 30}'),
+    ("bad", 0): "Hm" + CALL.format("boom", '{"a": 1}') + CALL.format("sleepy", '{"seconds": 30}'),
     ("bad", 1): CALL.format("nope", "{}"),
+    # blocks that are not calls: the turn is plain text and the completion ends (TRL)
+    ("oops", 0): 'Hm<tool_call>{"name": "add", "arguments": {"a": 6,</tool_call>',
+    ("oops", 1): CALL.format("add", '{"a": 1, "b": 2}')
+    + '<tool_call>{"arguments": {}}</tool_call>',
 }
 AFTER = {  # the last tool result -> the next turn
     "42": "Then" + CALL.format("slow_add", '{"a": 42, "b": 3}'),
@@ -100,15 +102,17 @@ def scripted_generate(tok, log):
     return generate
 
 
-def run_script(monkeypatch, **overrides):
+def run_script(
+    monkeypatch, questions=("mul", "bad"), tools=(add, boom, slow_add, sleepy), **overrides
+):
     tok, log = chat_tokenizer(), []
     fake = scripted_generate(tok, log)
     monkeypatch.setattr(rollout_module, "generate", fake)
     monkeypatch.setattr(tool_rounds, "generate", fake)  # the tool rounds' calls
     cfg = TrainConfig(**{"max_completion_length": 1000, "tool_timeout": 0.2, **overrides})
     model = Transformer(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096))
-    rows = [{"prompt": [{"role": "user", "content": q}]} for q in ("mul", "bad")]
-    tools = resolve_tools([add, boom, slow_add, sleepy])
+    rows = [{"prompt": [{"role": "user", "content": q}]} for q in questions]
+    tools = resolve_tools(list(tools))
     return (
         tok,
         rollout(model, tok, rows, cfg, 2, torch.Generator().manual_seed(0), tools=tools),
@@ -170,25 +174,59 @@ def test_two_call_conversation(monkeypatch):
     assert full[len(ro.prompt_ids[0]) :] == ro.completion_token_ids[0] + tok.encode(
         "\n", add_special_tokens=False
     )
-    # row 1: no call. Rows 2-3: malformed + exception + timeout, then an unknown tool
+    # row 1: no call. Rows 2-3: an exception + a timeout, then an unknown tool
     assert ro.completions[1] == [{"role": "assistant", "content": "I know: 42"}]
-    malformed, raised, timed_out = (m["content"] for m in ro.completions[2][1:4])
-    assert malformed.startswith("{'error': 'malformed tool call")
-    assert '{"a": 6,' in malformed and "Expecting property name" in malformed
+    raised, timed_out = (m["content"] for m in ro.completions[2][1:3])
     assert (raised, timed_out) == ("{'error': 'boom 1'}", "{'error': 'timed out after 0.2 s'}")
     assert ro.completions[2][-1] == {"role": "assistant", "content": "Sorry"}
     assert ro.completions[3][-1] == {"role": "assistant", "content": "ok"}
-    assert ro.tool_calls.tolist() == [2, 0, 3, 1] and ro.tool_failures.tolist() == [0, 0, 3, 1]
+    assert ro.tool_calls.tolist() == [2, 0, 2, 1] and ro.tool_failures.tolist() == [0, 0, 2, 1]
     assert ro.turns.tolist() == [3, 1, 2, 2] and not ro.truncated.any()
     # batched: round 1 continues rows 0, 2, 3 together, round 2 only row 0; each with its own seed
     assert [(x["rows"], x["seeds"] is None) for x in log] == [(4, True), (3, False), (1, False)]
+
+
+def test_a_turn_with_a_block_that_is_not_a_call_ends_the_completion(monkeypatch):
+    """TRL reads such a turn as plain text (its parse_response falls back to the decoded text):
+    the text stays as the model wrote it, no tool runs (not even a well-formed call beside it),
+    nothing counts as a call or a failure, so tools/failure_frequency is TRL's, and the
+    completion ends after that turn."""
+    from nanogrpo.dist import DistInfo
+    from nanogrpo.run.report import tool_metrics
+
+    tok, ro, log = run_script(monkeypatch, questions=("oops", "mul"))
+    for r in (0, 1):
+        text = FIRST[("oops", r)]
+        assert ro.completions[r] == [{"role": "assistant", "content": text}]
+        assert ro.completion_token_ids[r] == enc(tok, text)
+    assert ro.tool_calls.tolist() == [0, 0, 2, 0] and ro.tool_failures.tolist() == [0, 0, 0, 0]
+    assert ro.turns.tolist() == [1, 1, 3, 1] and not ro.truncated.any()
+    assert tool_metrics(ro, DistInfo())["tools/failure_frequency"] == 0.0
+    assert [x["rows"] for x in log] == [4, 1, 1]  # only the "mul" row that called goes on
+
+
+def test_a_tool_that_returns_an_image_is_refused(monkeypatch):
+    """TRL passes a tool's multimodal content blocks to a vision model; nanogrpo's models read
+    text only, and str() would show the model the list's repr: one error naming the tool."""
+
+    def add(a: int, b: int) -> list:  # the scripted first turn calls "add"
+        """Add, and show the sum as a picture.
+
+        Args:
+            a: First.
+            b: Second.
+        """
+        return [{"type": "image", "image": "sum.png"}, {"type": "text", "text": str(a + b)}]
+
+    with pytest.raises(ValueError, match="tool add returned an image.*text-only"):
+        run_script(monkeypatch, questions=("mul",), tools=(add,))
 
 
 def test_max_tool_calling_iterations(monkeypatch):
     tok, ro, log = run_script(monkeypatch, max_tool_calling_iterations=1)
     assert len(log) == 2  # one tool round: row 0's second call is left unanswered (TRL)
     assert ro.completions[0][-1]["tool_calls"][0]["function"]["name"] == "slow_add"
-    assert ro.tool_calls.tolist() == [1, 0, 3, 1] and ro.turns.tolist() == [2, 1, 2, 2]
+    assert ro.tool_calls.tolist() == [1, 0, 2, 1] and ro.turns.tolist() == [2, 1, 2, 2]
 
 
 def test_budget_drops_a_round_of_results(monkeypatch):
@@ -440,7 +478,7 @@ def test_split_and_joined_tool_rollout_has_the_same_rows(monkeypatch):
     again = concat_rollouts([select_groups(ro, [0]), select_groups(ro, [1])], tok.pad_token_id)
     assert_same_rollout(again, ro)
     second = select_groups(ro, [1])
-    assert second.tool_calls.tolist() == [3, 1] and second.tool_failures.tolist() == [3, 1]
+    assert second.tool_calls.tolist() == [2, 1] and second.tool_failures.tolist() == [2, 1]
 
 
 def test_select_and_concat_refuse():

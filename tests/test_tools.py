@@ -22,6 +22,7 @@ from nanogrpo.extras.tools import (
     parser_for,
     resolve_tools,
     run_tools,
+    tool_message,
     tool_schema,
     tool_suffix_ids,
     typed_arguments,
@@ -151,18 +152,33 @@ def test_parse_tool_calls_round_trip(content, calls, spacing):
 @pytest.mark.parametrize(
     "body",
     [
-        '{"name": "f", "arguments": {"a": 1}',
-        '{"arguments": {}}',
-        "[1, 2]",
-        '{"name": "f", "arguments": [1]}',
+        '{"name": "f", "arguments": {"a": 1}',  # JSON that does not parse
         "not json",
+        '{"arguments": {}}',  # no name
+        '{"name": 3, "arguments": {}}',
+        "[1, 2]",  # not an object
     ],
 )
-def test_malformed_call_is_a_failed_call(body):
-    (call,) = tool_calls_of(f"x<tool_call>{body}</tool_call>")
-    assert call["name"] == "unknown" and "malformed tool call" in call["error"]
-    ((name, result, failed),) = run_tools([[call]], {}, 1.0)[0]
-    assert failed and "malformed" in result["error"]
+def test_a_block_that_is_not_a_call_makes_the_turn_plain_text(body):
+    """As TRL reads a turn (transformers' parse_response raises, TRL's fallback decodes the text):
+    the whole turn is text as written, with no calls, even beside a well-formed call."""
+    for text in (
+        f"x <tool_call>{body}</tool_call>",
+        f'x<tool_call>{{"name": "add", "arguments": {{}}}}</tool_call><tool_call>{body}</tool_call>',
+    ):
+        assert parse_hermes(text) == (text, [])
+
+
+def test_arguments_that_are_not_an_object_fail_when_run():
+    """A call whose arguments are not an object is read (TRL's parse_response keeps it) and fails
+    when run, as TRL's `tool(**arguments)` does; missing or null arguments are none."""
+    ((call,),) = [tool_calls_of('<tool_call>{"name": "add", "arguments": [1]}</tool_call>')]
+    assert call == {"name": "add", "arguments": [1]}
+    ((name, result, failed),) = run_tools([[call]], resolve_tools([add]), 1.0)[0]
+    assert failed and "must be a mapping" in result["error"]
+    for args in ("", ', "arguments": null'):
+        text = f'<tool_call>{{"name": "f"{args}}}</tool_call>'
+        assert tool_calls_of(text) == [{"name": "f", "arguments": {}}]
 
 
 def test_arguments_as_a_json_string():
@@ -189,8 +205,13 @@ def test_qwen3_5_calls_parse_as_transformers_parse_response(typed):
 
 
 def test_qwen3_5_malformed_call_and_the_format_a_template_picks():
-    ((call,),) = [parse_qwen3_5('<tool_call>\n{"name": "f"}\n</tool_call>')[1]]
-    assert call["name"] == "unknown" and "expected <function=name>" in call["error"]
+    """A block without <function=NAME> is text, not a call (transformers' parser with TRL's
+    Qwen3.5 response template): no call, the turn's text as written."""
+    text = 'hi <tool_call>\n{"name": "f"}\n</tool_call>'
+    assert parse_qwen3_5(text) == (text, [])
+    good = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
+    content, calls = parse_qwen3_5(text + "\n" + good)
+    assert content == text and [c["name"] for c in calls] == ["f"]
     xml = "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
     assert parser_for("auto", xml) is parse_qwen3_5
     assert parser_for("auto", TEMPLATE) is parse_hermes and parser_for("auto", None) is parse_hermes
@@ -262,6 +283,17 @@ def test_run_tools_results_and_failures():
         out[1][2][1] == {"error": "timed out after 0.2 s"}
         and "unexpected keyword" in out[1][3][1]["error"]
     )
+
+
+def test_tool_message_refuses_images():
+    """A result is str()'d into the tool message; an image (a PIL image, or TRL's multimodal
+    content blocks) would reach the model as a repr, so it is refused, naming the tool."""
+    assert tool_message("add", 3) == {"role": "tool", "name": "add", "content": "3"}
+    assert tool_message("ls", [{"type": "text", "text": "a"}])["content"].startswith("[{")
+    pil_image = type("Image", (), {"__module__": "PIL.Image"})()
+    for result in (pil_image, [{"type": "text", "text": "a"}, {"type": "image", "image": "a.png"}]):
+        with pytest.raises(ValueError, match="tool snap returned an image.*text-only"):
+            tool_message("snap", result)
 
 
 def test_async_tools_run_concurrently():

@@ -1,7 +1,8 @@
 """Loading a prompt dataset by name: local files, files of Hub dataset repos, GSM8K, built-in tasks.
 
 Owns: `load_dataset` (what the `dataset` and `eval_dataset` settings name), `read_rows` (local
-.jsonl/.json/.parquet files), `read_text` and `download_hub_file`.
+.jsonl/.json/.parquet files), `read_text`, `download_hub_file` and `check_text_only` (rows with
+images are refused: the models are text-only).
 
 Does not know about: how the built-in tasks make their rows (extras/tasks.py), the row format
 beyond calling data.check_rows on what it loads, tokenization, rewards, the order prompts are
@@ -15,6 +16,8 @@ Choices:
   `gsm8k` is openai/gsm8k's parquet files, fetched that way.
 - A byte that is not UTF-8, or JSON that does not parse, is an error naming the file and the
   line, not a traceback.
+- A vision dataset (TRL's `image`/`images` column, or messages with image content parts) is an
+  error naming the row, not a run that drops its images without a word.
 """
 
 import json
@@ -22,6 +25,9 @@ import os
 
 from nanogrpo.data import check_rows
 from nanogrpo.extras.tasks import PROCEDURAL, gsm8k_rows
+
+IMAGE_COLUMNS = ("image", "images")  # TRL's names for a row's images
+IMAGE_PARTS = ("image", "image_url")  # content-part types that carry an image (TRL's, OpenAI's)
 
 GSM8K_FILES = {
     "train": "main/train-00000-of-00001.parquet",
@@ -83,6 +89,33 @@ def read_text(path: str) -> str:
         ) from None
 
 
+def check_text_only(rows: list[dict], source: str) -> list[dict]:
+    """No row holds an image: a non-empty `image`/`images` column (TRL's vision datasets), or a
+    prompt message with an image content part. nanogrpo's models read text only, so such a
+    dataset is an error naming the row, not a run that trains without its images. Returns rows
+    unchanged."""
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            continue  # check_rows names it
+        for column in IMAGE_COLUMNS:
+            value = row.get(column)
+            if value is not None and not (isinstance(value, (list, tuple, str)) and not value):
+                raise ValueError(
+                    f"dataset {source}, row {i}: column {column!r} holds images; nanogrpo trains "
+                    "text-only models: drop the column (describe the images in the prompt text)"
+                )
+        prompt = row.get("prompt")
+        for j, message in enumerate(prompt if isinstance(prompt, list) else []):
+            content = message.get("content") if isinstance(message, dict) else None
+            for part in content if isinstance(content, list) else []:
+                if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                    raise ValueError(
+                        f"dataset {source}, row {i}: message {j} has an {part['type']!r} content "
+                        "part; nanogrpo trains text-only models: keep only text parts"
+                    )
+    return rows
+
+
 def download_hub_file(spec: str) -> str:
     """'hf://datasets/<owner>/<name>[@revision]/<path-in-repo>' -> local path of the cached
     download."""
@@ -107,7 +140,8 @@ def load_dataset(
     seed: int = 0,
     needs_prompt: bool = True,
 ) -> list[dict]:
-    """Rows of a dataset, checked (see `check_rows`, which needs_prompt goes to).
+    """Rows of a dataset, checked (see `check_rows`, which needs_prompt goes to, and
+    `check_text_only`).
 
     spec: a procedural task name ("default", "countdown", "addition"), "gsm8k" (hub parquet files
     of openai/gsm8k; split "train" or "test"), a "hf://datasets/..." file, or a local file path.
@@ -135,4 +169,5 @@ def load_dataset(
             f"dataset {spec!r} is not a file; use a .jsonl/.json/.parquet path, "
             f"hf://datasets/<owner>/<name>/<file>, 'gsm8k', or one of {sorted(PROCEDURAL)}"
         )
-    return check_rows(rows[:num_rows] if num_rows else rows, spec, needs_prompt)
+    rows = rows[:num_rows] if num_rows else rows
+    return check_rows(check_text_only(rows, spec), spec, needs_prompt)

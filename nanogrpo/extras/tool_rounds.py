@@ -28,6 +28,7 @@ from nanogrpo.extras.tools import (
     assistant_message,
     parser_for,
     run_tools,
+    tool_message,
     tool_suffix_ids,
     typed_arguments,
 )
@@ -66,9 +67,7 @@ def continue_with_tools(
         for r, row_results in zip(active, results):
             num_calls[r] += len(row_results)
             num_failed[r] += sum(failed for _, _, failed in row_results)
-            replies = [
-                {"role": "tool", "name": name, "content": str(res)} for name, res, _ in row_results
-            ]
+            replies = [tool_message(name, res) for name, res, _ in row_results]
             suffix = tool_suffix_ids(tok, replies)
             if (
                 len(ids[r]) + len(suffix) > M

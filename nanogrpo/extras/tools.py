@@ -5,14 +5,16 @@ Owns: `tool_schema` (a Python function -> the JSON schema transformers'
 Hermes/Qwen2.5/Qwen3 `<tool_call>{json}` form) and `parse_qwen3_5` (Qwen3.5's
 `<function=...>`/`<parameter=...>` form, its text arguments typed by `typed_arguments`),
 `parser_for` (the format a chat template writes), `resolve_tools`, `run_tools` (sync and
-async tools, with a timeout) and the ids a chat template puts after a tool call
+async tools, with a timeout), `tool_message` (a result as a tool message; an image is refused:
+the models are text-only) and the ids a chat template puts after a tool call
 (`tool_suffix_ids`).
 
 Does not know about: sampling, losses, or the model: extras/tool_rounds.py
 runs the calls between generation rounds, with the functions the config's
 `tools` and environments bring.
 
-Of rewards.py it uses `import_function`, to resolve "module:function".
+Of rewards.py it uses `import_function`, to resolve "module:function"; of extras/datasets.py
+the content-part types that carry an image.
 """
 
 import asyncio
@@ -23,6 +25,8 @@ import math
 import re
 import types
 import typing
+
+from nanogrpo.extras.datasets import IMAGE_PARTS
 
 # -----------------------------------------------------------------------------
 # Tool schemas: a Python function -> the JSON schema transformers' `get_json_schema` makes of it
@@ -167,46 +171,65 @@ def tool_schema(fn) -> dict:
 
 # -----------------------------------------------------------------------------
 # Tool calls: parsed from the generated text, then run. A parser: text -> (the turn's text content,
-# [call]); a call is {"name": str, "arguments": dict}, plus "error": str when it could not be read.
+# [call]); a call is {"name": str, "arguments": dict, or what the model wrote}. A turn with a
+# block that does not read as a call is plain text with no calls, as TRL reads it (its
+# parse_response falls back to the decoded text): the turn's text stays as written, nothing runs,
+# nothing counts as a call or a failure, and the completion ends there.
+
+
+def _hermes_call(body: str) -> dict | None:
+    """One `<tool_call>` body -> {"name", "arguments"}, or None when it is not a call: JSON that
+    does not parse, not an object, or no string "name". Missing or null arguments are {}; a JSON
+    string of an object is read as that object; other arguments stay as written (running them
+    fails, as in TRL)."""
+    try:
+        call = json.loads(body)
+    except ValueError:  # json.JSONDecodeError is a ValueError
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    args = call.get("arguments")
+    if args is None:
+        args = {}
+    if isinstance(args, str):
+        try:
+            decoded = json.loads(args)
+        except ValueError:
+            decoded = None
+        args = decoded if isinstance(decoded, dict) else args
+    return {"name": call["name"], "arguments": args}
 
 
 def parse_hermes(text: str) -> tuple[str, list[dict]]:
     """The Hermes/Qwen form: each call is `<tool_call>{"name": ..., "arguments":
-    {...}}</tool_call>`."""
+    {...}}</tool_call>`. One block that is not a call makes the whole turn plain text (text
+    unchanged, no calls)."""
     calls = []
     for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, flags=re.DOTALL):
-        try:
-            call = json.loads(body)
-            args = call.get("arguments", {}) if isinstance(call, dict) else None
-            args = json.loads(args) if isinstance(args, str) else args
-            if not isinstance(args, dict) or not isinstance(call.get("name"), str):
-                raise ValueError('expected {"name": str, "arguments": object}')
-            calls.append({"name": call["name"], "arguments": args})
-        except ValueError as e:  # json.JSONDecodeError is a ValueError
-            calls.append(
-                {
-                    "name": "unknown",
-                    "arguments": {},
-                    "error": f"malformed tool call {body.strip()!r}: {e}",
-                }
-            )
+        call = _hermes_call(body)
+        if call is None:
+            return text, []
+        calls.append(call)
     return text.split("<tool_call>", 1)[0].rstrip(), calls
 
 
 def parse_qwen3_5(text: str) -> tuple[str, list[dict]]:
     """Qwen3.5's form (Qwen3-Coder's XML): `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE
     \n</parameter>\n...</function>\n</tool_call>`. Values are text, as written (a string
-    argument is not quoted); `typed_arguments` types them by the tool's schema."""
+    argument is not quoted); `typed_arguments` types them by the tool's schema. A block without
+    `<function=NAME>` is not a call but text, as transformers' parser reads it with TRL's
+    Qwen3.5 response template."""
     calls = []
-    for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, flags=re.DOTALL):
+    start = None  # where the first call begins: the content is the text before it
+    for block in re.finditer(r"<tool_call>(.*?)</tool_call>", text, flags=re.DOTALL):
+        body = block.group(1)
         name = re.match(r"\s*<function=([^\n>]+)>", body)
         if name is None:
-            error = f"malformed tool call {body.strip()!r}: expected <function=name>"
-            calls.append({"name": "unknown", "arguments": {}, "error": error})
             continue
         pairs = re.findall(r"<parameter=([^>\n]+)>\s*(.*?)\s*</parameter>", body, flags=re.DOTALL)
         calls.append({"name": name.group(1), "arguments": dict(pairs), "text_arguments": True})
-    return text.split("<tool_call>", 1)[0].rstrip(), calls
+        start = block.start() if start is None else start
+    return text[:start].rstrip(), calls
 
 
 TOOL_CALL_PARSERS = {"hermes": parse_hermes, "qwen3_5": parse_qwen3_5}  # more formats plug in here
@@ -301,8 +324,9 @@ def run_tools(
 ) -> list[list[tuple[str, object, bool]]]:
     """Run every row's calls: sync tools in order, async ones all concurrently, each under `timeout`
     seconds. tools: {name: function} for every row, or one such dict per row (an environment's
-    methods, bound to that row's instance). A malformed call, an unknown tool, an exception or a
-    timeout gives {"error": message}. -> per row, per call: (name, result, failed)."""
+    methods, bound to that row's instance). An unknown tool, arguments it does not take, an
+    exception or a timeout gives {"error": message}. -> per row, per call: (name, result,
+    failed)."""
     out = [[None] * len(row) for row in calls]
     pending = []  # (row, call index, coroutine)
     for i, row in enumerate(calls):
@@ -310,8 +334,8 @@ def run_tools(
         for j, call in enumerate(row):
             fn = row_tools.get(call["name"])
             try:
-                if "error" in call or fn is None:  # TRL's message for an unknown tool
-                    raise ValueError(call.get("error") or f"Tool {call['name']} not found.")
+                if fn is None:  # TRL's message for an unknown tool
+                    raise ValueError(f"Tool {call['name']} not found.")
                 result = fn(**call["arguments"])
                 if inspect.isawaitable(result):
                     pending.append((i, j, result))
@@ -332,6 +356,23 @@ def run_tools(
             failed = isinstance(result, Exception)
             out[i][j] = (calls[i][j]["name"], {"error": str(result)} if failed else result, failed)
     return out
+
+
+def tool_message(name: str, result) -> dict:
+    """A tool's result -> the tool message appended to the conversation: {"role": "tool", "name",
+    "content": str(result)}. A result that is an image (a PIL image, or TRL's multimodal content
+    blocks: a list with an {"type": "image"} part) is refused with a ValueError naming the tool:
+    nanogrpo's models read text only, and str() would hand the model the object's repr."""
+    parts = result if isinstance(result, list) else []
+    is_image = type(result).__module__.split(".")[0] == "PIL" or any(
+        isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in parts
+    )
+    if is_image:
+        raise ValueError(
+            f"tool {name} returned an image ({type(result).__name__}); nanogrpo trains text-only "
+            "models, which cannot see it: return text instead (a description, or the image's path)"
+        )
+    return {"role": "tool", "name": name, "content": str(result)}
 
 
 def tool_suffix_ids(tok, tool_messages: list[dict]) -> list[int]:

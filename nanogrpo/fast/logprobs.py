@@ -240,7 +240,11 @@ def score_chunks(
     keep_rows = keep_bytes // (weight.shape[0] * out_dtype.itemsize)
     logps = []
     entropies = []
-    for i in range(0, len(targets), chunk_size):
+    # nothing to score (every row masked, e.g. all truncated): one empty chunk
+    # still ties the zeros to the graph, so backward gives every parameter a
+    # zero gradient as the plain version does (AdamW still decays and counts
+    # the step) and under FSDP2 makes the same collectives as the other ranks
+    for i in range(0, max(len(targets), 1), chunk_size):
         end = min(i + chunk_size, len(targets))
         logp, entropy = ChunkLogProbs.apply(
             h[i:end], weight, targets[i:end], temperature, end <= keep_rows, entropy_grad, fp32
@@ -248,8 +252,6 @@ def score_chunks(
         logps.append(logp)
         entropies.append(entropy)
     zeros = torch.zeros(N, C, dtype=out_dtype, device=h.device)
-    if not logps:  # nothing to score
-        return zeros, zeros.clone()
     # scatter back into [N,C]; masked slots stay 0
     return (zeros.index_put(where, torch.cat(logps)), zeros.index_put(where, torch.cat(entropies)))
 
