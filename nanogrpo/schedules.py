@@ -1,7 +1,9 @@
 """What each optimizer step is: the batch `Schedule`, TRL's arithmetic.
 
 Owns: `batch_schedule` (per_device_train_batch_size, gradient accumulation, steps_per_generation,
-processes -> every derived count) and `total_steps` (num_train_epochs as TRL counts it).
+processes -> every derived count), and how TRL's Trainer cuts epochs into optimizer steps:
+`micro_batches_per_epoch`, `steps_per_epoch`, `micro_batches_in_step` and `total_steps`
+(num_train_epochs as transformers counts it).
 
 Leaves out: the learning rate at each step (nanogrpo/extras/lr_schedules.py: transformers'
 lr_scheduler_type values) and the rules that keep the counts whole (TrainConfig's validate, in
@@ -65,17 +67,44 @@ def batch_schedule(cfg, world_size: int = 1) -> "Schedule":
     )
 
 
-def total_steps(cfg, num_prompts: int, world_size: int = 1) -> int:
-    """max_steps, or TRL's count for num_train_epochs passes over
-    `num_prompts`: an epoch is its whole generation rounds (TRL's
-    RepeatSampler drops the last incomplete one), each feeding
-    steps_per_generation x num_iterations micro-batches."""
-    if cfg.max_steps > 0:
-        return cfg.max_steps
+def micro_batches_per_epoch(cfg, num_prompts: int, world_size: int = 1) -> int:
+    """TRL's len(train_dataloader) on each process: one pass over
+    `num_prompts` is its whole generation rounds (RepeatSampler drops the
+    last incomplete one), each feeding steps_per_generation x
+    num_iterations micro-batches (its dataloader batches)."""
     sched = batch_schedule(cfg, world_size)
     rounds = num_prompts // sched.prompts_per_round
-    fed = sched.steps_per_generation * sched.num_iterations
-    per_epoch = max(rounds * fed // sched.gradient_accumulation_steps, 1)
+    return rounds * sched.steps_per_generation * sched.num_iterations
+
+
+def steps_per_epoch(cfg, num_prompts: int, world_size: int = 1) -> int:
+    """transformers' num_update_steps_per_epoch: an epoch's micro-batches
+    in steps of gradient_accumulation_steps, the last step taking what is
+    left (rounded up), at least 1."""
+    micro = micro_batches_per_epoch(cfg, num_prompts, world_size)
+    GA = cfg.gradient_accumulation_steps
+    return max(-(-micro // GA), 1)
+
+
+def micro_batches_in_step(cfg, step: int, num_prompts: int, world_size: int = 1) -> int:
+    """Micro-batches optimizer step `step` (0-based) accumulates, as
+    transformers' loop cuts each epoch: gradient_accumulation_steps, but
+    the last step of an epoch takes only what the epoch has left, so no
+    step spans two epochs."""
+    micro = micro_batches_per_epoch(cfg, num_prompts, world_size)
+    GA = cfg.gradient_accumulation_steps
+    per_epoch = steps_per_epoch(cfg, num_prompts, world_size)
+    if step % per_epoch < per_epoch - 1:
+        return GA
+    return micro - (per_epoch - 1) * GA
+
+
+def total_steps(cfg, num_prompts: int, world_size: int = 1) -> int:
+    """max_steps, or transformers' count for num_train_epochs passes over
+    `num_prompts`: ceil(num_train_epochs x steps_per_epoch)."""
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    per_epoch = steps_per_epoch(cfg, num_prompts, world_size)
     return math.ceil(cfg.num_train_epochs * per_epoch)
 
 

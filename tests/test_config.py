@@ -336,16 +336,116 @@ def test_sampling_filters_with_the_sampler_correction_warn(filters):
     assert TrainConfig(top_k=50, generation_kwargs={"top_k": 0}).warnings() == []
 
 
-def test_vespo_needs_a_token_level_sampler_correction():
-    """The sampler always returns its log-probs, so the rule TRL applies per step is checked at
-    load: a sequence-level mode with loss_type='vespo' is one clear error."""
-    with pytest.raises(
-        ConfigError,
-        match="vllm_importance_sampling_mode='sequence_mask': loss_type='vespo' folds token-level",
+def test_vespo_with_a_sequence_level_sampler_correction_trains_as_trl_without_vllm():
+    """Regression: loss_type='vespo' with the default sequence_mask mode was refused. TRL
+    refuses it only with use_vllm (GRPOTrainer.__init__: `loss_type == "vespo" and use_vllm
+    and vllm_importance_sampling_correction` with a mode outside token_truncate/token_mask);
+    without vLLM it applies no correction, so the loss gets none, and a warning says so."""
+    import torch
+
+    from nanogrpo.grpo import LossConfig, LossInputs, grpo_step
+
+    cfg = TrainConfig(loss_type="vespo").validate()
+    (warning,) = cfg.warnings()
+    assert "vllm_importance_sampling_mode='sequence_mask' it trains with none" in warning
+    loss = LossConfig(**cfg.loss_config())
+    assert loss.vllm_importance_sampling_correction is False
+    logps = torch.zeros(2, 3, dtype=torch.float64)  # a step with the sampler's log-probs runs
+    inputs = LossInputs(
+        logps=logps,
+        advantages=torch.ones(2, dtype=torch.float64),
+        completion_mask=torch.ones(2, 3),
+        sampling_logps=logps - 0.5,
+    )
+    _, metrics = grpo_step(inputs, loss)
+    assert "sampling/importance_sampling_ratio/mean" not in metrics  # no correction, as TRL
+    assert cfg.vllm_importance_sampling_correction is True  # the setting stays as given
+    for quiet in (
+        dict(vllm_importance_sampling_mode="token_mask"),
+        dict(vllm_importance_sampling_correction=False),
     ):
-        TrainConfig(loss_type="vespo").validate()
-    TrainConfig(loss_type="vespo", vllm_importance_sampling_mode="token_mask").validate()
-    TrainConfig(loss_type="vespo", vllm_importance_sampling_correction=False).validate()
+        cfg = TrainConfig(loss_type="vespo", **quiet).validate()
+        assert cfg.warnings() == []
+        assert cfg.loss_config()["vllm_importance_sampling_correction"] == (
+            cfg.vllm_importance_sampling_correction
+        )
+    assert TrainConfig(vllm_importance_sampling_mode="sequence_mask").loss_config()[
+        "vllm_importance_sampling_correction"
+    ]  # other losses keep it
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "dr_grpo", "dapo", "cispo"])
+def test_sequence_level_ratios_with_a_token_sum_warn_as_trl(loss_type):
+    """TRL's GRPOTrainer.__init__ warns when importance_sampling_level='sequence' meets a loss
+    in ["bnpo", "dr_grpo", "dapo", "cispo"]: those sum the sequence's weight over its tokens,
+    so each sequence counts by its length. grpo, sapo and luspo (and token level) stay silent."""
+    (warning,) = TrainConfig(loss_type=loss_type, importance_sampling_level="sequence").warnings()
+    assert warning.startswith(
+        f"importance_sampling_level='sequence' with loss_type={loss_type!r}: the loss adds"
+    )
+    assert "a longer completion counts more" in warning and "loss_type='grpo'" in warning
+    assert TrainConfig(loss_type=loss_type).warnings() == []
+    for quiet in ("grpo", "sapo", "luspo"):
+        cfg = TrainConfig(loss_type=quiet, importance_sampling_level="sequence").validate()
+        assert cfg.warnings() == []
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ({"scale_rewards": True}, "group"),
+        ({"scale_rewards": False}, "none"),
+        ({"scale_rewards": "batch"}, "batch"),
+        (["--scale_rewards=true"], "group"),
+        (["--scale_rewards", "False"], "none"),
+        (["--scale_rewards=0"], "none"),
+        (["--scale_rewards=none"], "none"),
+        (["--scale_rewards=batch"], "batch"),
+    ],
+)
+def test_scale_rewards_takes_trls_bools(given, expected, tmp_path):
+    """Regression: scale_rewards=True was refused. TRL's GRPOConfig.__post_init__ maps True to
+    "group" and False to "none"; on the command line true/false read as for a bool field."""
+    if isinstance(given, dict):
+        assert TrainConfig(**given).validate().scale_rewards == expected
+        path = tmp_path / "c.py"
+        path.write_text(f"model = 'm'\nscale_rewards = {given['scale_rewards']!r}\n")
+        given = ["--config", str(path)]
+    assert load_config(given).scale_rewards == expected
+
+
+def test_scale_rewards_text_that_is_neither_bool_nor_a_choice_is_refused():
+    with pytest.raises(ConfigError, match="scale_rewards='maybe': must be one of"):
+        load_config(["--scale_rewards=maybe"])
+
+
+def test_pad_to_multiple_of_is_accepted_with_a_note(capsys):
+    """Regression: TRL 1.16's pad_to_multiple_of was refused. It pads TRL's prompt and
+    completion tensors to a multiple of positions (GRPOTrainer._generate_and_score_completions'
+    pad calls), masked out of every sum: it changes no number, so it is read with a note."""
+    for value in ("64", "None", "auto"):
+        assert load_config([f"--pad_to_multiple_of={value}"]).model == "out/tiny-init"
+        err = capsys.readouterr().err
+        assert "note: pad_to_multiple_of changes nothing here: TRL pads its tensors" in err
+
+
+def test_eval_on_start_needs_an_eval_set(tmp_path):
+    """transformers' eval_on_start (Trainer._inner_training_loop evaluates before the first
+    epoch, whatever eval_strategy says) is read; without an eval_dataset transformers' evaluate
+    raises, so it is refused at load."""
+    assert TrainConfig().eval_on_start is False
+    with pytest.raises(ConfigError, match="eval_on_start=True: needs an eval_dataset"):
+        TrainConfig(eval_on_start=True).validate()
+    cfg = TrainConfig(eval_on_start=True, eval_dataset="default").validate()
+    assert cfg.evaluates() and cfg.eval_every() == 0  # once, before step 1
+    assert not TrainConfig(eval_dataset="default").evaluates()
+    assert TrainConfig(eval_dataset="default", eval_strategy="steps").evaluates()
+    assert load_config(["--config", "tiny.py", "--eval_on_start"]).eval_on_start is True
+    # a new --dataset drops the file's eval set, and its eval_on_start with it
+    path = tmp_path / "c.py"
+    path.write_text("model = 'm'\neval_dataset = 'default'\neval_on_start = True\n")
+    assert load_config(["--config", str(path)]).eval_on_start is True
+    assert load_config(["--config", str(path), "--dataset=countdown"]).eval_on_start is False
 
 
 def test_every_unknown_key_is_reported_at_once(tmp_path):
@@ -413,7 +513,7 @@ def test_trl_names_nanogrpo_lacks_are_refused_with_the_reason():
         "use_vllm": "nanogrpo's own KV-cached sampler: remove it",
         "fp16": "use bf16=True",
         "deepspeed": "FSDP2 under torchrun",
-        "eval_on_start": "a TRL/transformers setting nanogrpo does not have",
+        "label_smoothing_factor": "a TRL/transformers setting nanogrpo does not have",
     }
     for key, why in cases.items():
         with pytest.raises(ConfigError) as e:

@@ -304,10 +304,11 @@ def test_overrides_win_over_the_fields_but_not_the_loss_temperature():
         (
             {"bad_words_ids": [[1]]},
             "not a key nanogrpo's sampler reads; it reads \\['do_sample', 'min_new_tokens', 'min_p', "
-            "'repetition_penalty', 'stop', 'stop_strings', 'suppress_tokens', 'temperature', 'top_k', "
-            "'top_p'\\]",
+            "'num_beams', 'repetition_penalty', 'stop', 'stop_strings', 'suppress_tokens', "
+            "'temperature', 'top_k', 'top_p'\\]",
         ),
-        ({"num_beams": 4}, "no beam search"),
+        ({"num_beams": 4}, "runs beam sampling; nanogrpo's sampler draws each completion"),
+        ({"num_beams": True}, "use 1 or leave it out"),
         ({"do_sample": False}, "training samples: only True"),
         ({"max_new_tokens": 64}, "set max_completion_length"),
         ({"min_tokens": 3}, "use min_new_tokens"),
@@ -355,6 +356,15 @@ def test_a_tiny_training_run_samples_with_generation_kwargs(tmp_path, monkeypatc
         assert (out.completion_mask.sum(1) >= 3).all()
     with pytest.raises(ConfigError, match="num_beams"):
         tiny(tmp_path, '--generation_kwargs={"num_beams": 2}')
+
+
+def test_num_beams_1_is_plain_sampling_and_sets_nothing():
+    """Regression: generation_kwargs={"num_beams": 1} was refused. It is transformers' default:
+    GenerationConfig.get_generation_mode with num_beams 1 and do_sample=True (TRL's) is SAMPLE,
+    what nanogrpo's sampler does; num_beams > 1 there is BEAM_SAMPLE, refused above."""
+    assert generation_settings({"num_beams": 1, "do_sample": True}) == {}
+    assert generation_settings({"num_beams": None, "top_k": 4}) == {"top_k": 4}
+    TrainConfig(generation_kwargs={"num_beams": 1}).validate()
 
 
 def test_generation_settings_reads_none_as_off_and_joins_both_stop_names():

@@ -1,6 +1,7 @@
 """Learning-rate schedules = transformers' get_scheduler, step for step (fixtures/make_trl_config_fixtures.py)."""
 
 import json
+import math
 import os
 from types import SimpleNamespace
 
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import train
+from nanogrpo import schedules
 from nanogrpo.data import PromptSampler
 from nanogrpo.dist import DistInfo
 from nanogrpo.extras import lr_schedules
@@ -171,7 +173,8 @@ def test_num_train_epochs_counts_steps_as_trl():
     assert cfg.total_steps(100) == 75  # 2 prompts a round, a round a step
     assert TrainConfig(num_iterations=2, num_train_epochs=1).total_steps(10) == 20
     assert TrainConfig(max_steps=7).total_steps(100) == 7
-    # a step over 3 rounds of 1 prompt: 10 prompts feed 3 whole steps
+    # a step over 3 rounds of 1 prompt: 10 prompts feed 20 micro-batches, 3 whole steps and
+    # one of the 2 left over (transformers rounds the epoch's steps up)
     spans = TrainConfig(
         per_device_train_batch_size=4,
         gradient_accumulation_steps=6,
@@ -179,7 +182,106 @@ def test_num_train_epochs_counts_steps_as_trl():
         num_generations=8,
         num_train_epochs=1,
     ).validate()
-    assert spans.total_steps(10) == 3
+    assert spans.total_steps(10) == 4
+
+
+def test_an_epoch_that_ends_inside_a_step_ends_it_early_as_transformers():
+    """Regression: 8 prompts, a round of 1 prompt feeds 2 micro-batches and a step takes 3: an
+    epoch's 16 micro-batches are 5 steps of 3 and one of 1 (transformers' remainder), 6 steps,
+    so 3 epochs are TRL's 18 steps of 48 micro-batches (nanogrpo counted 15 steps, 45)."""
+    cfg = TrainConfig(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=3,
+        steps_per_generation=2,
+        num_generations=8,
+        num_train_epochs=3,
+    ).validate()
+    assert schedules.micro_batches_per_epoch(cfg, 8) == 16
+    assert schedules.steps_per_epoch(cfg, 8) == 6
+    assert cfg.total_steps(8) == 18
+    sizes = [schedules.micro_batches_in_step(cfg, step, 8) for step in range(18)]
+    assert sizes == [3, 3, 3, 3, 3, 1] * 3 and sum(sizes) == 48
+
+
+def trl_epochs(cfg, num_prompts, world_size):
+    """What TRL 1.16 with transformers 5.23 and accelerate 1.15 make of a shape, written from
+    their source -> (len(train_dataloader) on a process, max_steps, the micro-batches of each
+    optimizer step)."""
+    P = world_size
+    micro = cfg.per_device_train_batch_size
+    GA = cfg.gradient_accumulation_steps
+    G = cfg.num_generations
+    # trl GRPOConfig.__post_init__: steps_per_generation and generation_batch_size
+    if cfg.generation_batch_size is None:
+        spg = cfg.steps_per_generation or GA
+        gbs = micro * P * spg
+    else:
+        gbs = cfg.generation_batch_size
+        spg = gbs // (micro * P)
+    # trl GRPOTrainer._get_train_sampler: RepeatSampler(mini_repeat_count=G, batch_size=gbs // G,
+    # repeat_count=num_iterations * spg); RepeatSampler.__len__
+    chunk = gbs // G
+    repeats = cfg.num_iterations * spg
+    samples = (num_prompts // chunk) * chunk * G * repeats
+    # GRPOTrainer.get_train_dataloader: batches of micro * spg, drop_last False (torch BatchSampler)
+    batches = -(-samples // (micro * spg))
+    # accelerate BatchSamplerShard.__len__ (even_batches, no split_batches)
+    if batches % P == 0:
+        length = batches // P
+    else:
+        length = batches // P + 1
+    # transformers Trainer.set_initial_training_values
+    per_epoch = max(length // GA + int(length % GA > 0), 1)
+    max_steps = cfg.max_steps
+    if max_steps < 0:
+        max_steps = math.ceil(cfg.num_train_epochs * per_epoch)
+    # transformers Trainer._run_epoch: the last update of an epoch takes the remainder
+    remainder = length % GA or GA
+    sizes = []
+    while len(sizes) < max_steps:
+        sizes += [GA] * (per_epoch - 1) + [remainder]
+    return length, max_steps, sizes[:max_steps]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    world_size=st.sampled_from([1, 2, 3, 8]),
+    per_device=st.integers(1, 12),
+    GA=st.integers(1, 7),
+    spg=st.integers(1, 5),
+    by_gbs=st.booleans(),
+    mu=st.integers(1, 3),
+    G=st.sampled_from([2, 3, 4, 8, 16]),
+    prompts_factor=st.integers(1, 40),
+    extra_prompts=st.integers(0, 15),
+    epochs=st.sampled_from([0.1, 0.5, 1.0, 1.5, 2.0, 2.7, 3.0]),
+)
+def test_total_steps_and_each_steps_micro_batches_are_trls_for_every_shape(
+    world_size, per_device, GA, spg, by_gbs, mu, G, prompts_factor, extra_prompts, epochs
+):
+    """Over random shapes TRL accepts: max_steps from num_train_epochs, and how many
+    micro-batches each optimizer step accumulates, equal TRL's chain of lengths (trl_epochs)."""
+    gbs = per_device * world_size * spg
+    if gbs % G:
+        return  # TRL refuses it (test_every_batch_shape_runs_or_is_refused_as_trl_does)
+    batch = {"generation_batch_size": gbs} if by_gbs else {"steps_per_generation": spg}
+    cfg = TrainConfig(
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=GA,
+        num_generations=G,
+        num_iterations=mu,
+        num_train_epochs=epochs,
+        **batch,
+    ).validate(world_size)
+    num_prompts = prompts_factor * (gbs // G) + extra_prompts
+    length, max_steps, sizes = trl_epochs(cfg, num_prompts, world_size)
+    assert schedules.micro_batches_per_epoch(cfg, num_prompts, world_size) == length
+    assert cfg.total_steps(num_prompts, world_size) == max_steps
+    ours = [
+        schedules.micro_batches_in_step(cfg, step, num_prompts, world_size)
+        for step in range(max_steps)
+    ]
+    assert ours == sizes
 
 
 def simulate_cycle(cfg, world_size, rank):

@@ -131,6 +131,7 @@ GENERATION_KWARGS = {
     "stop_strings": "stop_strings",
     "stop": "stop_strings",
     "do_sample": None,  # True only (TRL's own value): nothing to set
+    "num_beams": None,  # 1 only (transformers' default): nothing to set
 }
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 # a value of None is the setting off, as in transformers
@@ -150,7 +151,10 @@ STOP_IDS = "rows stop at the tokenizer's eos ids; stop_strings ends them on text
 GENERATION_KWARGS_REFUSED = {
     "do_sample": "training samples: only True (TRL's value); greedy decoding is "
     "sample.py's --temperature 0",
-    "num_beams": "GRPO samples each completion on its own: no beam search",
+    # TRL passes it on to transformers' generate, which with do_sample runs beam sampling
+    # and keeps each row's best beam
+    "num_beams": "TRL hands it to transformers' generate, which then runs beam sampling; "
+    "nanogrpo's sampler draws each completion on its own: use 1 or leave it out",
     "num_return_sequences": "set num_generations",
     "n": "set num_generations",
     "max_new_tokens": LENGTH,
@@ -165,11 +169,14 @@ GENERATION_KWARGS_REFUSED = {
 def generation_settings(generation_kwargs) -> dict:
     """TRL's generation_kwargs -> generate's keyword arguments, for the
     keys of GENERATION_KWARGS (None = off; stop and stop_strings: all of
-    them). ValueError naming a refused key and why, an unknown key and the
-    keys read, or a bad value; temperature must be > 0: training samples."""
+    them; do_sample=True and num_beams=1, plain sampling, set nothing).
+    ValueError naming a refused key and why, an unknown key and the keys
+    read, or a bad value; temperature must be > 0: training samples."""
     out = {}
     for key, value in (generation_kwargs or {}).items():
         if key == "do_sample" and value in (True, None):
+            continue
+        if key == "num_beams" and (value is None or type(value) is int and value == 1):
             continue
         if key in GENERATION_KWARGS_REFUSED:
             why = GENERATION_KWARGS_REFUSED[key]

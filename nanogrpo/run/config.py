@@ -22,7 +22,6 @@ import typing
 from dataclasses import dataclass, field
 
 from nanogrpo.extras.generation_kwargs import generation_settings
-from nanogrpo.extras.loss_terms import VESPO_NEEDS_TOKENS
 from nanogrpo.extras.lr_schedules import SCHEDULES
 from nanogrpo.extras.sampling_checks import check_sampling
 from nanogrpo.extras.tools import TOOL_CALL_PARSERS
@@ -69,6 +68,8 @@ RANGES = [
     (lambda v: 0 <= v <= 1, "must be in [0, 1]", ["ref_model_mixup_alpha"]),
 ]
 REPORTERS = ("none", "tensorboard", "wandb", "trackio")
+# losses that sum a sequence-level weight over the sequence's tokens
+LENGTH_WEIGHTED = ("bnpo", "dr_grpo", "dapo", "cispo")
 # TrainConfig has each loss field, with the same name and default
 LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig))
 TRUE_WORDS = ("true", "1", "yes")  # how a bool is spelled in text
@@ -274,7 +275,12 @@ class TrainConfig:
     top_entropy_quantile: float = setting(
         1.0, "keep the top-rho tokens by entropy in the loss, 1 = all"
     )
-    scale_rewards: str = setting("group", "group | batch | none: what the advantage is divided by")
+    # bool first: the text true/false (any case; 1/0, yes/no) is the bool, as for a bool field
+    scale_rewards: bool | str = setting(
+        "group",
+        "group | batch | none: what the advantage is divided by; True means group, "
+        "False none (TRL's)",
+    )
     multi_objective_aggregation: str = setting("sum_then_normalize", "or normalize_then_sum (GDPO)")
     mask_truncated_completions: bool = setting(
         False, "drop completions that hit max_completion_length from the loss"
@@ -378,6 +384,10 @@ class TrainConfig:
     logging_first_step: bool = setting(False, "also log step 1")
     eval_strategy: str = setting("no", "no | steps")
     eval_steps: int | None = setting(None, 'with eval_strategy="steps"; None = logging_steps')
+    eval_on_start: bool = setting(
+        False,
+        "also evaluate before the first step (transformers' sanity check); needs eval_dataset",
+    )
     save_steps: int = setting(500, "steps between checkpoints, 0 = only at the end; also on Ctrl-C")
     save_total_limit: int | None = setting(
         None, "keep the newest this-many checkpoints this run wrote; None = all"
@@ -421,6 +431,9 @@ class TrainConfig:
             self.resume_from_checkpoint = resume.lower() in TRUE_WORDS
         if self.output_dir is None:
             self.output_dir = DEFAULT_OUTPUT_DIR
+        # TRL's GRPOConfig maps the bools so: True = "group", False = "none"
+        if self.scale_rewards is True or self.scale_rewards is False:
+            self.scale_rewards = "group" if self.scale_rewards else "none"
         # TRL takes report_to as a list too: one comma-separated string here
         if isinstance(self.report_to, (list, tuple)):
             self.report_to = ",".join(self.report_to) or "none"
@@ -440,6 +453,11 @@ class TrainConfig:
         if self.eval_strategy == "no" or not self.eval_dataset:
             return 0
         return self.eval_steps or self.logging_steps
+
+    def evaluates(self) -> bool:
+        """Whether the run evaluates at all: every eval_every() steps, or
+        once before the first step (eval_on_start)."""
+        return self.eval_every() > 0 or (self.eval_on_start and bool(self.eval_dataset))
 
     # --- rules between settings ---------------------------------------------
 
@@ -484,6 +502,11 @@ class TrainConfig:
         self._validate_sampling_and_loss()
         self._validate_rewards()
         self._validate_rollouts()
+        need(
+            not self.eval_on_start or self.eval_dataset,
+            "eval_on_start",
+            "needs an eval_dataset to evaluate (transformers' rule)",
+        )
         need(
             not self.sync_ref_model or self.beta > 0,
             "sync_ref_model",
@@ -559,7 +582,7 @@ class TrainConfig:
                 repetition_penalty=self.repetition_penalty,
             )
             generation_settings(self.generation_kwargs)  # its keys, over those
-            loss = LossConfig(**self.loss_config())
+            LossConfig(**self.loss_config())
         except ValueError as e:
             message = str(e).removeprefix("LossConfig.")
             raise ConfigError(message) from None
@@ -567,10 +590,6 @@ class TrainConfig:
             self.temperature > 0,
             "temperature",
             "training samples, so it must be > 0 (0 = greedy is for sample.py)",
-        )
-        # the sampler always returns its log-probs: checked here, not per step
-        self._need(
-            loss.correction_fits_the_loss(), "vllm_importance_sampling_mode", VESPO_NEEDS_TOKENS
         )
 
     def _validate_rewards(self):
@@ -670,7 +689,29 @@ class TrainConfig:
                 "filters kept; TRL without vLLM applies no correction: "
                 "vllm_importance_sampling_correction=False matches it"
             )
+        if self.importance_sampling_level == "sequence" and self.loss_type in LENGTH_WEIGHTED:
+            out.append(
+                f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}: "
+                "the loss adds each sequence's weight once per token, so a longer "
+                "completion counts more, not once per sequence as in GSPO; "
+                "loss_type='grpo' is GSPO's objective (TRL warns the same)"
+            )
+        if self.vespo_drops_sampler_correction():
+            out.append(
+                "loss_type='vespo' folds only a token-level sampler correction into its "
+                f"weight: with vllm_importance_sampling_mode="
+                f"{self.vllm_importance_sampling_mode!r} it trains with none, as TRL does "
+                "without vLLM; token_truncate or token_mask folds it in, as TRL with vLLM"
+            )
         return out
+
+    def vespo_drops_sampler_correction(self) -> bool:
+        """loss_type='vespo' with the sampler correction on at sequence level: TRL refuses
+        it only with vLLM (use_vllm, which nanogrpo has not) and applies no correction
+        without it, so loss_config turns the correction off."""
+        token_level = self.vllm_importance_sampling_mode in ("token_truncate", "token_mask")
+        correcting = self.vllm_importance_sampling_correction
+        return self.loss_type == "vespo" and correcting and not token_level
 
     # --- what other modules read --------------------------------------------
 
@@ -713,5 +754,9 @@ class TrainConfig:
 
     def loss_config(self) -> dict:
         """Keyword arguments for nanogrpo.grpo.LossConfig (TRL's names):
-        `LossConfig(**cfg.loss_config())`."""
-        return {key: getattr(self, key) for key in LOSS_FIELDS}
+        `LossConfig(**cfg.loss_config())`; the sampler correction off where
+        vespo_drops_sampler_correction."""
+        kwargs = {key: getattr(self, key) for key in LOSS_FIELDS}
+        if self.vespo_drops_sampler_correction():
+            kwargs["vllm_importance_sampling_correction"] = False
+        return kwargs

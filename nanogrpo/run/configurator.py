@@ -444,6 +444,8 @@ def _drop_followers(settings: dict, from_file: dict, command_line: dict):
         dropped = f"eval_dataset={from_file['eval_dataset']!r}"
         if "eval_strategy" not in command_line:
             settings["eval_strategy"] = "no"  # no evaluation, and no warning
+        if "eval_on_start" not in command_line:
+            settings.pop("eval_on_start", None)
         note(
             f"--dataset={settings['dataset']} replaces the config file's "
             f"dataset, so its {dropped} (another task) is not used; "
@@ -590,6 +592,10 @@ NO_EFFECT = {
     "trust_remote_code": "nanogrpo's own model code loads the weights; no remote code runs",
     "dataset_streaming": "the dataset is read whole",
     "bnb_4bit_quant_type": "there is no 4-bit loading (load_in_4bit)",
+    # TRL 1.16 pads its prompt and completion tensors to a multiple of it (128 on Neuron, whose
+    # compiler wants few shapes); the padding is masked out of every sum
+    "pad_to_multiple_of": "TRL pads its tensors to that multiple of positions, all masked: "
+    "no loss, gradient or metric changes",
 }
 
 # trl 1.16 GRPOConfig's fields (with TrainingArguments') that TrainConfig
@@ -608,7 +614,7 @@ TRL_ONLY = set(
     debug deepspeed disable_tqdm do_eval do_predict do_train
     ds3_gather_for_generation enable_jit_checkpoint
     eval_accumulation_steps eval_delay eval_do_concat_batches
-    eval_on_start eval_use_gather_object fp16 fp16_full_eval fsdp
+    eval_use_gather_object fp16 fp16_full_eval fsdp
     fsdp_config full_determinism
     gradient_checkpointing_kwargs greater_is_better hub_always_push
     hub_private_repo hub_revision hub_strategy hub_token
