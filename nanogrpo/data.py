@@ -1,8 +1,8 @@
 """Prompt datasets: a list of dict rows, their checks, and the order the trainer sees them in.
 
-Owns: the row format and its checks (`is_conversational`, `check_rows`, `check_prompts`),
-`columns_of` (the extra columns reward functions receive) and `PromptSampler` (shuffled,
-resumable batches of prompts).
+Owns: the row format and its checks (`is_conversational`, `check_rows`, `check_prompts`,
+`check_same_dataset` on resume), `columns_of` (the extra columns reward functions receive) and
+`PromptSampler` (shuffled, resumable batches of prompts).
 
 Leaves out: where rows come from. `load_dataset` (local .jsonl/.json/.parquet files, files in a
 Hub dataset repo, GSM8K) lives in extras/datasets.py; the built-in tasks `default`, `countdown`
@@ -118,6 +118,18 @@ def columns_of(rows: list[dict]) -> dict[str, list]:
     return {name: [row.get(name) for row in rows] for name in names}
 
 
+def check_same_dataset(rows: list[dict], state: dict, source=None) -> None:
+    """A resumed prompt order (a PromptSampler `state_dict()`) is over its dataset's rows: a
+    dataset of another size is refused (on resume, before its rows are rendered)."""
+    if state["num_rows"] != len(rows):
+        named = "" if source is None else f"dataset={source!r}: "
+        raise ValueError(
+            f"{named}the dataset has {len(rows)} rows, the checkpoint's run had "
+            f"{state['num_rows']}: resume with the same dataset, or start a new run "
+            "in another --output_dir"
+        )
+
+
 # -----------------------------------------------------------------------------
 # sampling order
 
@@ -172,12 +184,7 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a `state_dict()`; the dataset must have the same number of rows."""
-        if state["num_rows"] != len(self.rows):
-            raise ValueError(
-                f"the dataset has {len(self.rows)} rows, the checkpoint's run had "
-                f"{state['num_rows']}: resume with the same dataset, or start a new run "
-                "in another --output_dir"
-            )
+        check_same_dataset(self.rows, state)
         self.epoch = state["epoch"]
         self.position = state["position"]
         self.seed = state["seed"]

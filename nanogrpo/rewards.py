@@ -180,8 +180,8 @@ TRAINER_ARGUMENTS = (
 
 def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
     """Every column a reward function requires (a parameter without default, besides the
-    TRAINER_ARGUMENTS the trainer passes) must be in every row: found at load time, not as a crash
-    at step 50.
+    TRAINER_ARGUMENTS the trainer passes) must be a key of every row (a None value is passed on,
+    as TRL passes it): found at load time, not as a crash at step 50.
     """
     for name, fn in reward_funcs:
         try:
@@ -196,7 +196,7 @@ def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
             and p.name not in TRAINER_ARGUMENTS
         ]
         for i, row in enumerate(rows):
-            missing = [c for c in needed if row.get(c) is None]
+            missing = [c for c in needed if c not in row]
             if missing:
                 raise ValueError(
                     f"reward function {name!r} needs the column(s) {missing}, which row {i} of "

@@ -13,17 +13,19 @@ Leaves out: loading weights (checkpoint/__init__.py), the faster kernels (fast/_
 metrics (run/__init__.py, run/report.py).
 
 Does not know about: what a round does with them (train.py), or resume (run.restore fills in
-the fields a checkpoint holds).
+the fields a checkpoint holds; load_data only reads its prompt order's row count, to refuse
+another dataset before rendering its rows).
 """
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from nanogrpo import checkpoint, dist
-from nanogrpo.data import PromptSampler, check_prompts
+from nanogrpo.data import PromptSampler, check_prompts, check_same_dataset
 from nanogrpo.extras import lora
 from nanogrpo.extras.custom_rollout import resolve_rollout_func
 from nanogrpo.extras.datasets import load_dataset
@@ -155,7 +157,9 @@ def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
             "`get_reward` method."
         )
     sched = cfg.schedule(info.world_size)
-    rows, eval_rows = load_data(cfg, tok, model, reward_funcs, tools, envs, sched.prompts_per_round)
+    rows, eval_rows = load_data(
+        cfg, tok, model, reward_funcs, tools, envs, sched.prompts_per_round, resume_from
+    )
     # max_steps=-1: num_train_epochs passes over the prompts, as TRL counts
     cfg.max_steps = cfg.total_steps(len(rows), info.world_size)
     optimizer, scheduler = make_optimizer(model, cfg, info)
@@ -206,13 +210,16 @@ def build_reward_funcs(cfg: TrainConfig, info) -> list:
     )
 
 
-def load_data(cfg: TrainConfig, tok, model, reward_funcs, tools, envs=None, num_placeholder_rows=1):
+def load_data(
+    cfg: TrainConfig, tok, model, reward_funcs, tools, envs=None, num_placeholder_rows=1, ckpt=None
+):
     """Training and eval rows, checked before step 1: each prompt fits
     the context (with the tools' schemas: with environments, those of its
     row's environment) and carries every column the reward functions read
     (a rollout_func's fields may bring them: not checked then). Without a
     dataset, TRL's num_placeholder_rows empty prompts, which the
-    environment's reset() fills."""
+    environment's reset() fills. Resuming checkpoint `ckpt`, another
+    dataset than its run's is refused first."""
     needs_prompt = envs is None  # an environment's reset() may write it
     if cfg.dataset is None:
         rows = placeholder_rows(num_placeholder_rows)
@@ -220,6 +227,9 @@ def load_data(cfg: TrainConfig, tok, model, reward_funcs, tools, envs=None, num_
         rows = load_dataset(
             cfg.dataset, split=cfg.dataset_split, seed=cfg.seed, needs_prompt=needs_prompt
         )
+    if ckpt:  # its prompt order is over its dataset's rows: checked before they are rendered
+        state = checkpoint.read_json(os.path.join(ckpt, "trainer", "trainer_state.json"))
+        check_same_dataset(rows, state["prompts"], cfg.dataset)
     eval_rows = None
     if cfg.eval_every():
         eval_rows = load_dataset(

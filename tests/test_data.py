@@ -294,3 +294,30 @@ def test_broken_json_names_its_file_and_line(tmp_path, suffix):
     said = rf"broken\{suffix}, line 2: not valid JSON \(Expecting value, column 12\)"
     with pytest.raises(ValueError, match=said):
         load_dataset(str(path))
+
+
+def starts_with_a(completions, **kwargs):
+    return [float(c.startswith("a")) for c in completions]
+
+
+def test_resuming_with_another_dataset_says_so_before_rendering_its_prompts(tmp_path):
+    """A conversational dataset given to resume a run of plain prompts, on a tokenizer without a
+    chat template, failed on rendering its prompts: the changed dataset is named first."""
+    from test_train import tiny
+
+    import train
+
+    plain = tmp_path / "plain.jsonl"
+    chat = tmp_path / "chat.jsonl"
+    write_jsonl(plain, [{"prompt": "abc" + c + "="} for c in "abcdefgh"])
+    write_jsonl(chat, [{"prompt": [{"role": "user", "content": "ab" + c}]} for c in "abcd"])
+    common = [f"--reward_funcs={__name__}:starts_with_a", "--max_steps=1"]
+    train.train(tiny(tmp_path, f"--dataset={plain}", *common))
+    resumed = [f"--dataset={chat}", *common, "--max_steps=2", "--resume_from_checkpoint=true"]
+    named = (
+        f"dataset='{chat}': the dataset has 4 rows, the checkpoint's run had 8: resume with "
+        "the same dataset, or start a new run in another --output_dir"
+    )
+    with pytest.raises(ValueError) as error:
+        train.train(tiny(tmp_path, *resumed))
+    assert str(error.value) == named

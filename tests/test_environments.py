@@ -719,6 +719,20 @@ def test_env_mask_keeps_environment_tokens_out_of_the_loss():
             r"than the model's 61 positions",
         ),
         ({"completions": [1, 2]}, r"'completions', a name the trainer passes"),
+        # None log-probs per completion, or one float per completion: the entry is named
+        (
+            {"logprobs": [None, None]},
+            r"returned None as logprobs\[0\]: expected a list, one log-prob per token of its "
+            r"completion_ids \(or return 'logprobs': None when the function has none\)",
+        ),
+        ({"logprobs": [-0.5, -0.5]}, r"returned -0.5 as logprobs\[0\]: expected a list"),
+        ({"logprobs": [[0.0, 0.0], None]}, r"returned None as logprobs\[1\]"),
+        ({"logprobs": [[0.0, None], [0.0, 0.0]]}, r"logprobs\[0\]\[1\] is None: each entry is"),
+        ({"prompt_ids": [7, [1]]}, r"returned 7 as prompt_ids\[0\]: expected a list"),
+        (
+            {"prompt_ids": [{"input_ids": [1], "attention_mask": [1]}, [1]]},
+            r"as prompt_ids\[0\]: expected a list, its prompt's token ids: take its 'input_ids'",
+        ),
     ],
 )
 def test_a_wrong_rollout_func_output_names_the_field(change, message):
@@ -762,3 +776,31 @@ def test_the_vault_demo_room_and_its_config():
 
     cfg = load_config(["--config", "vault.py"])
     assert cfg.environment_factory == "examples/vault_game.py:VaultRoom" and cfg.reward_funcs == []
+
+
+def test_a_run_on_rows_without_a_prompt_reports_and_summarizes(tmp_path, monkeypatch, capsys):
+    """An environment that owns the data trains on rows without `prompt`; the summary's sample
+    command takes the prompt as reset() wrote it."""
+    rows = write_rows(tmp_path / "rows.jsonl", [{"start": s} for s in range(4)])
+    history = scripted_run(tmp_path, monkeypatch, dataset=rows, max_steps=1)
+    assert [m["step"] for m in history] == [1] and "rewards/Counter/mean" in history[0]
+    out = capsys.readouterr().out
+    assert "python sample.py --model" in out and "--chat ' Start at" in out
+
+
+def test_one_environment_file_under_two_names_is_one_reward_column(tmp_path):
+    """TRL gives a class one reward column however many names map to it: the same
+    "file.py:Class" (however its path is written) is imported once."""
+    path = tmp_path / "rooms.py"
+    path.write_text(
+        "class Room:\n"
+        "    def reset(self, **kwargs):\n"
+        "        return None\n"
+        "    def get_reward(self):\n"
+        "        return 1.0\n"
+    )
+    spec = f"{path}:Room"
+    other = f"{tmp_path}/./rooms.py:Room"
+    envs = Environments({"a": spec, "b": spec, "c": other})
+    assert [name for name, _ in envs.reward_funcs()] == ["Room"]
+    assert envs.factories["a"] is envs.factories["b"] is envs.factories["c"]

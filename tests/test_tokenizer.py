@@ -127,3 +127,44 @@ def test_decode_completions_cuts_each_row_at_its_mask():
         "ab",
         "=",
     ]  # eos kept in ids, skipped in text
+
+
+def test_tokenize_true_gives_ids_as_transformers_and_text_stays_the_default(tok):
+    """transformers' tokenize argument with its meaning: the rendered text encoded without adding
+    special tokens; return_dict (transformers' default) gives {"input_ids", "attention_mask"},
+    one list of ids for one conversation and a list per conversation for a batch. Without
+    tokenize, the text, as every nanogrpo caller reads it."""
+    cases = EXPECTED["chat"][:2]
+    texts = [tok.apply_chat_template(c["messages"]) for c in cases]
+    ids = [tok.encode(text, add_special_tokens=False) for text in texts]
+    assert texts == [tok.apply_chat_template(c["messages"], tokenize=False) for c in cases]
+    one = tok.apply_chat_template(cases[0]["messages"], tokenize=True)
+    assert one == {"input_ids": ids[0], "attention_mask": [1] * len(ids[0])}
+    plain = tok.apply_chat_template(cases[0]["messages"], tokenize=True, return_dict=False)
+    assert plain == ids[0] and all(isinstance(i, int) for i in plain)
+    batch = [c["messages"] for c in cases]
+    assert tok.apply_chat_template(batch) == texts
+    assert tok.apply_chat_template(batch, tokenize=True, return_dict=False) == ids
+    assert tok.apply_chat_template(batch, tokenize=True)["input_ids"] == ids
+    with pytest.raises(ValueError, match=r"\['padding', 'return_tensors'\] are not supported"):
+        tok.apply_chat_template(batch, tokenize=True, return_tensors="pt", padding=True)
+
+
+def test_tokenize_true_matches_transformers_on_gemma3():
+    """Gemma 3's template writes `<bos>` itself: tokenize=True gives transformers' ids (computed
+    once by transformers 5, tests/fixtures/make_gemma3_fixtures.py), with one `<bos>`."""
+    from conftest import real_folder
+
+    expected = json.load(open(os.path.join(fixture_path("real"), "gemma3_tokenizer.json")))
+    gemma = Tokenizer.from_pretrained(real_folder("tokenizer-gemma3"))
+    cases = [c for c in expected["chat"] if "ids" in c]
+    assert cases
+    for c in cases:
+        conversation = expected["conversations"][c["conversation"]]
+        got = gemma.apply_chat_template(
+            conversation,
+            tokenize=True,
+            return_dict=False,
+            add_generation_prompt=c["add_generation_prompt"],
+        )
+        assert got == c["ids"], c

@@ -43,6 +43,7 @@ Choices (TRL 1.16's contract, as its code has it):
 """
 
 import copy
+import numbers
 
 import torch
 
@@ -78,7 +79,8 @@ class RolloutTrainer:
 
     model: the policy (in eval mode, its parameters gathered, while the function runs).
     processing_class, tokenizer: the run's nanogrpo.tokenizer.Tokenizer (encode, decode,
-        apply_chat_template, encode_prompt, eos_token_ids, pad_token_id).
+        apply_chat_template, whose tokenize=True gives ids as transformers', encode_prompt,
+        eos_token_ids, pad_token_id).
     args: the TrainConfig; num_generations, num_generations_eval, max_completion_length,
         temperature: its values, as TRL's trainer holds them.
     state: the run's TrainerState (global_step, max_steps, ...), as reward functions get it.
@@ -174,9 +176,21 @@ def custom_rollout(t, rows: list[dict], copies: int, generator) -> Rollout:
     )
 
 
+# what each field holds per completion, for the error naming an entry that is not a list
+ENTRY = {
+    "prompt_ids": "its prompt's token ids",
+    "completion_ids": "its completion's token ids",
+    "logprobs": (
+        "one log-prob per token of its completion_ids (or return 'logprobs': None when "
+        "the function has none)"
+    ),
+    "env_mask": "one 0 or 1 per token of its completion_ids",
+}
+
+
 def as_lists(output: dict, name: str, n: int) -> list[list]:
     """output[name] as n lists (a tensor row or tuple becomes a list). ValueError naming the
-    field when it is not n entries."""
+    field when it is not n entries, or naming the entry that is not a list."""
     values = output[name]
     if not isinstance(values, (list, tuple)) or len(values) != n:
         got = f"{len(values)} entries" if isinstance(values, (list, tuple)) else repr(values)[:60]
@@ -184,7 +198,24 @@ def as_lists(output: dict, name: str, n: int) -> list[list]:
             f"rollout_func returned {got} as {name!r}; expected a list of {n}: "
             "one per entry of prompts (each entry is one completion)"
         )
-    return [x.tolist() if hasattr(x, "tolist") else list(x) for x in values]
+    lists = []
+    for i, x in enumerate(values):
+        if hasattr(x, "tolist"):  # a tensor or array row
+            x = x.tolist()
+        if not isinstance(x, (list, tuple)):
+            # apply_chat_template(tokenize=True) gives a dict, as transformers' does
+            hint = ": take its 'input_ids'" if isinstance(x, dict) and "input_ids" in x else ""
+            raise ValueError(
+                f"rollout_func returned {x!r:.40} as {name}[{i}]: expected a list, "
+                f"{ENTRY[name]}{hint}"
+            )
+        lists.append(list(x))
+    return lists
+
+
+def is_number(x) -> bool:
+    """A float or int (a bool is not a log-prob)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def checked_output(output, n: int, vocab_size: int, context: int) -> tuple:
@@ -222,6 +253,13 @@ def checked_output(output, n: int, vocab_size: int, context: int) -> tuple:
                     f"rollout_func: {name}[{i}] has {len(values[i])} entries, "
                     f"completion_ids[{i}] {len(c)}: one per completion token"
                 )
+        bad = [j for j, x in enumerate(logprobs[i] if logprobs else []) if not is_number(x)]
+        if bad:
+            j = bad[0]
+            raise ValueError(
+                f"rollout_func: logprobs[{i}][{j}] is {logprobs[i][j]!r:.40}: each entry is "
+                "the log-prob of one completion token, a number"
+            )
         if any(m not in (0, 1) for m in env_mask[i]):
             raise ValueError(f"rollout_func: env_mask[{i}] must hold 0 and 1 only")
     extra = {}

@@ -42,6 +42,7 @@ Choices (TRL 1.16's GRPOTrainer, name for name):
 """
 
 import inspect
+import os
 from dataclasses import dataclass
 
 from nanogrpo.extras.tools import tool_schema
@@ -63,19 +64,37 @@ class Episodes:
     schemas: list[list[dict] | None]  # [n] the JSON schemas of those tools (None: no tools)
 
 
-def resolve_factory(spec):
+def resolve_factory(spec, imported: dict | None = None):
     """A config's environment_factory -> a callable, or {name: callable}: a class or function is
-    itself, "module:Class" or "path/file.py:Class" is imported (as tools are)."""
+    itself, "module:Class" or "path/file.py:Class" is imported (as tools are). In a dict, one
+    string given under several names (the same file however its path is written) is imported
+    once: the names share one class, so its get_reward is one reward column, as TRL's
+    factories sharing a class give one. `imported`: {spec_key: callable} already imported."""
     if isinstance(spec, dict):
-        return {name: resolve_factory(one) for name, one in spec.items()}
+        imported = {}
+        return {name: resolve_factory(one, imported) for name, one in spec.items()}
     if callable(spec):
         return spec
     if isinstance(spec, str) and ":" in spec:
-        return import_function(spec, kind="environment_factory")
+        if imported is None:
+            imported = {}
+        key = spec_key(spec)
+        if key not in imported:
+            imported[key] = import_function(spec, kind="environment_factory")
+        return imported[key]
     raise ValueError(
         f"environment_factory={spec!r}: give a class, 'module:Class', "
         "'path/to/file.py:Class', or a dict of those by environment name"
     )
+
+
+def spec_key(spec: str) -> str:
+    """The key of a "path/file.py:Class" spec: with the file's real path (two spellings of one
+    file are one key); a "module:Class" spec is its own."""
+    path, _, attr = spec.rpartition(":")
+    if path.endswith(".py"):
+        return f"{os.path.realpath(path)}:{attr}"
+    return spec
 
 
 def placeholder_rows(num_rows: int) -> list[dict]:

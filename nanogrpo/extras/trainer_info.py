@@ -2,8 +2,9 @@
 (`trainer_state`) and two ways to log from inside a function (`log_metric`, `log_extra`).
 
 Owns: `TrainerState` (transformers' TrainerState, field for field), `trainer_state_of`, which
-fills one from trainer.py's Trainer as it scores a round, `RewardLogs` (what the functions logged
-in one round) and `reward_kwargs` (the three keyword arguments). Reward functions receive them
+fills one from trainer.py's Trainer as it scores a round, `epochs_done` (its `epoch`),
+`RewardLogs` (what the functions logged in one round) and `reward_kwargs` (the three keyword
+arguments). Reward functions receive them
 from train.py's `reward_rollout`, a rollout_func the state as `trainer.state`
 (extras/custom_rollout.py).
 
@@ -15,11 +16,16 @@ Choices:
 - A plain dataclass, not transformers' class: user code reads it by attribute
   (`trainer_state.global_step`), as it reads TRL's, and nanogrpo never imports transformers
   for it. Fields nanogrpo has nothing for keep transformers' defaults.
-- Epochs are counted in optimizer steps, as transformers counts them.
+- Epochs are counted as transformers' Trainer counts them over TRL's dataloader (`epochs_done`,
+  on schedules.py's epoch arithmetic): micro-batches trained on over an epoch's micro-batches,
+  the last optimizer step of an epoch taking what is left of it. run/report.py logs the same
+  number as each step's `epoch`.
 """
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+
+from nanogrpo.schedules import micro_batches_per_epoch, steps_per_epoch
 
 
 @dataclass
@@ -50,23 +56,34 @@ class TrainerState:
     stateful_callbacks: dict = field(default_factory=dict)
 
 
+def epochs_done(cfg, step: int, num_prompts: int, world_size: int = 1) -> float:
+    """transformers' state.epoch after `step` optimizer steps (TRL logs it as `epoch`): the
+    epochs done plus the share of this epoch's micro-batches trained on, so 1.5 is halfway
+    through the second pass over the prompts."""
+    if step == 0:
+        return 0.0
+    per_epoch = micro_batches_per_epoch(cfg, num_prompts, world_size)  # its dataloader's length
+    updates = steps_per_epoch(cfg, num_prompts, world_size)
+    whole = (step - 1) // updates  # epochs before the one this step ends in
+    into = min((step - whole * updates) * cfg.gradient_accumulation_steps, per_epoch)
+    return whole + into / per_epoch
+
+
 def trainer_state_of(t) -> TrainerState:
     """The TrainerState of trainer.py's Trainer `t` as it scores a round. log_history stays empty:
     the run's logged metrics live in run.Run, which the trainer does not hold."""
     cfg = t.cfg
-    one_epoch = replace(cfg, max_steps=-1, num_train_epochs=1.0)
-    steps_per_epoch = one_epoch.total_steps(len(t.prompts.rows), t.info.world_size)
+    num_prompts = len(t.prompts.rows)
+    world_size = t.info.world_size
     return TrainerState(
-        # transformers counts epochs in optimizer steps: 1.5 = halfway
-        # through the second pass over the prompts
-        epoch=t.step / steps_per_epoch,
+        epoch=epochs_done(cfg, t.step, num_prompts, world_size),
         global_step=t.step,
         max_steps=cfg.max_steps,
         logging_steps=cfg.logging_steps,
         eval_steps=cfg.eval_steps or cfg.logging_steps,
         save_steps=cfg.save_steps,
         train_batch_size=cfg.per_device_train_batch_size,
-        num_train_epochs=math.ceil(cfg.max_steps / steps_per_epoch),
+        num_train_epochs=math.ceil(cfg.max_steps / steps_per_epoch(cfg, num_prompts, world_size)),
         is_local_process_zero=t.info.local_rank == 0,
         is_world_process_zero=t.info.rank == 0,
     )

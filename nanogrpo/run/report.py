@@ -12,7 +12,9 @@ starts and resumes (run/__init__.py).
 
 Of grpo.py it uses `total_reward` and `nanstd` (the one definition of a
 total reward and of a group's spread); of sampler.py the decode-step
-callback it sets (`on_decode_step`).
+callback it sets (`on_decode_step`); of extras/trainer_info.py
+`epochs_done` (each step's `epoch`, as reward functions see it in
+trainer_state).
 """
 
 import json
@@ -27,6 +29,7 @@ from dataclasses import asdict
 import torch
 
 from nanogrpo import dist, sampler
+from nanogrpo.extras.trainer_info import epochs_done
 from nanogrpo.grpo import nanstd, total_reward
 from nanogrpo.run.config import ConfigError, TrainConfig
 
@@ -100,9 +103,28 @@ def print_step(m: dict, run):
         print_samples(run.samples)
 
 
-def print_samples(samples):
-    for prompt, completion, reward in samples:
-        print(f"    {prompt!r} -> {completion!r} (reward {reward:.2f})")
+def print_samples(samples: list[dict]):
+    """The completions table (shown_samples' rows): a header, then a line
+    per completion, each column padded to its widest cell."""
+    if not samples:
+        return
+    header = list(samples[0])
+    lines = [header] + [[table_cell(name, row[name]) for name in header] for row in samples]
+    widths = [max(len(line[j]) for line in lines) for j in range(len(header))]
+    for line in lines:
+        cells = [cell.ljust(width) for cell, width in zip(line, widths)]
+        print("    " + " | ".join(cells).rstrip())
+
+
+def table_cell(column: str, value) -> str:
+    """A value of the completions table as text: prompts and completions
+    quoted (their whitespace shows), the reward to two decimals, what
+    log_extra logged as str() writes it."""
+    if column in ("prompt", "completion"):
+        return repr(value)
+    if column == "reward":
+        return f"{value:.2f}"
+    return str(value)
 
 
 # -----------------------------------------------------------------------------
@@ -272,7 +294,8 @@ def add_round_metrics(run, t, rounds: list[dict], records):
     cycle sampled (train.sample_round's records: ro, local [n, K] this
     rank's rewards, rewards [N, K] all ranks', timing) into each of its
     step records: one round's own values, the mean of several rounds'.
-    Also checks the rewards and keeps a few samples."""
+    Each record also gets TRL's `epoch` at its step. Also checks the
+    rewards and keeps a few samples."""
     info = t.info
     gens = [generation_metrics(t, s["ro"], s["rewards"]) for s in rounds]
     gen = {k: sum(g[k] for g in gens) / len(gens) for k in gens[0]}
@@ -301,10 +324,13 @@ def add_round_metrics(run, t, rounds: list[dict], records):
     tokens = dist.all_reduce_sum(tokens, info).item()
     # TRL's num_tokens: prompt + completion tokens seen so far, all ranks
     seen = run.history[-1].get("num_tokens", 0) if run.history else 0
+    num_prompts = len(t.prompts.rows)
     for m in records:
         m.update(gen)
         m.update(timing)
         m.update(user_metrics)
+        # TRL's epoch: transformers' fractional passes over the prompts
+        m["epoch"] = epochs_done(t.cfg, m["step"], num_prompts, info.world_size)
         m["step_time"] = cycle_time / len(records)
         m["tokens_per_sec"] = tokens / cycle_time
         m["num_tokens"] = seen + tokens
@@ -418,10 +444,14 @@ def tool_metrics(ro, info) -> dict:
     }
 
 
-def eval_metrics(rewards: torch.Tensor, reward_funcs, weights) -> dict:
+def eval_metrics(rewards: torch.Tensor, reward_funcs, weights, logs=None) -> dict:
     """Mean reward per function and in total (unscored rows left out);
-    pass@1 = the share whose first function gives >= 1. rewards [E, K]."""
+    pass@1 = the share whose first function gives >= 1; the mean of what
+    the functions logged with log_metric (logs: extras/trainer_info.py's
+    RewardLogs), as eval/<name>. rewards [E, K]."""
     m = {}
+    for name, values in (logs.metrics if logs else {}).items():
+        m[f"eval/{name}"] = sum(values) / len(values)
     for k, (name, _) in enumerate(reward_funcs):
         m[f"eval/rewards/{name}/mean"] = torch.nanmean(rewards[:, k]).item()
     total = total_reward(rewards, weights)
@@ -430,10 +460,12 @@ def eval_metrics(rewards: torch.Tensor, reward_funcs, weights) -> dict:
     return m
 
 
-def shown_samples(ro, rewards: torch.Tensor, weights, k: int = 2, columns=None) -> list:
-    """(prompt, completion, total reward) of the first sample of each of
-    the first k prompts; the completion ends with the row's value of each
-    column reward functions logged (log_extra). rewards: [n, K] this rank's."""
+def shown_samples(ro, rewards: torch.Tensor, weights, k: int = 2, columns=None) -> list[dict]:
+    """The completions table's rows: the first sample of each of the first
+    k prompts, as {"prompt", "completion", "reward" (total), then a column
+    for each of `columns`, what reward functions logged with log_extra
+    (TRL's table puts them after its own)}. rewards: [n, K] this rank's;
+    columns: {name: [n] values}."""
     G = ro.num_generations
     out = []
     for i in range(0, min(k * G, len(ro.prompts)), G):
@@ -443,10 +475,14 @@ def shown_samples(ro, rewards: torch.Tensor, weights, k: int = 2, columns=None) 
             prompt = prompt[-1]["content"]
         if not isinstance(completion, str):
             completion = conversation_text(completion)
+        row = {
+            "prompt": prompt,
+            "completion": completion,
+            "reward": total_reward(rewards[i : i + 1], weights).item(),
+        }
         for name, values in (columns or {}).items():
-            completion += f" [{name}: {values[i]}]"
-        reward = total_reward(rewards[i : i + 1], weights).item()
-        out.append((prompt, completion, reward))
+            row.setdefault(name, values[i])  # the table's own columns keep their names
+        out.append(row)
     return out
 
 
@@ -564,14 +600,23 @@ def summarize(run, t):
     print(f"done: {len(history)} steps, {change}. Last round:")
     print_samples(run.samples)
     ckpt = os.path.join(run.cfg.output_dir, "checkpoint")
-    prompt = t.prompts.rows[0]["prompt"]
-    if isinstance(prompt, str):
-        text = f"--prompt {shlex.quote(prompt)}"
-    else:
-        text = f"--chat {shlex.quote(prompt[-1]['content'])}"
     print(f"Checkpoint: {ckpt}")
     print(f"Reward curve: {plot_rewards(run.cfg)}")
-    print(f"Sample from it: python sample.py --model {ckpt} {text}", flush=True)
+    print(f"Sample from it: python sample.py --model {ckpt} {sample_text(run, t)}", flush=True)
+
+
+def sample_text(run, t) -> str:
+    """sample.py's prompt argument for the summary: the first row's
+    prompt; where an environment writes it (a row without one, or TRL's
+    empty placeholder), the last round's first prompt as it was sampled."""
+    prompt = t.prompts.rows[0].get("prompt")
+    if isinstance(prompt, str):
+        return f"--prompt {shlex.quote(prompt)}"
+    if prompt and prompt[-1]["content"]:
+        return f"--chat {shlex.quote(prompt[-1]['content'])}"
+    # environments: conversational, reset() wrote the last message
+    shown = run.samples[0]["prompt"] if run.samples else "..."
+    return f"--chat {shlex.quote(shown)}"
 
 
 def plot_rewards(cfg: TrainConfig) -> str:

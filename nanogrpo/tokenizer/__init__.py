@@ -182,17 +182,38 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: list[dict],
+        messages: list[dict] | list[list[dict]],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        tokenize: bool = False,
+        return_dict: bool = True,
         **kwargs,
-    ) -> str:
-        """Render a conversation (list of {"role", "content"} dicts) to the prompt text.
+    ):
+        """Render a conversation (list of {"role", "content"} dicts) to the prompt text; a list of
+        conversations renders each (-> a list).
+
+        tokenize=True gives token ids as transformers (v5) gives them: the rendered text encoded
+        without adding special tokens (the template writes them); with return_dict (True, as
+        there) the dict {"input_ids": ids, "attention_mask": [1, ...]} (a BatchEncoding's keys),
+        else the ids alone. One conversation gives one list of ids, a batch a list per
+        conversation. Unlike transformers, tokenize defaults to False and
+        add_generation_prompt to True: nanogrpo's callers read the text of a prompt. Other
+        keyword arguments are template variables (TRL's chat_template_kwargs); transformers'
+        padding, truncation and tensor arguments are refused by name.
 
         The messages are seen as transformers shows them to a template: keys whose value is None are
         dropped (an OpenAI-style `"content": None` beside `tool_calls` reads as absent), and a
         message's reasoning given as `reasoning_content`, `thinking` or `reasoning` is offered under
         the first two names (Qwen3's template reads `reasoning_content`, gpt-oss's `thinking`)."""
+        # transformers' arguments that shape a tokenizer's output: refused by name, not passed
+        # to the template as variables
+        shaping = ("padding", "truncation", "max_length", "return_tensors", "tokenizer_kwargs")
+        refused = sorted(set(kwargs) & {*shaping, "return_assistant_tokens_mask"})
+        if refused:
+            raise ValueError(
+                f"apply_chat_template: {refused} are not supported here; tokenize=True returns "
+                "lists of ids (make a tensor of them with torch.tensor)"
+            )
         if self.chat_template is None:
             raise ValueError(
                 "this tokenizer has no chat template (no chat_template in tokenizer_config.json "
@@ -200,14 +221,28 @@ class Tokenizer:
             )
         if self._template is None:
             self._template = compile_chat_template(self.chat_template)
+        batched = bool(messages) and isinstance(messages[0], (list, tuple))
+        conversations = messages if batched else [messages]
         context = {k: v for k, v in self.special_tokens.items() if v is not None}
         context.update(kwargs)
-        return self._template.render(
-            messages=[_template_message(m) for m in messages],
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            **context,
-        )
+        texts = [
+            self._template.render(
+                messages=[_template_message(m) for m in conversation],
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            )
+            for conversation in conversations
+        ]
+        if not tokenize:
+            return texts if batched else texts[0]
+        ids = [self.encode(text, add_special_tokens=False) for text in texts]  # [B][T_b]
+        if not return_dict:
+            return ids if batched else ids[0]
+        masks = [[1] * len(x) for x in ids]
+        if not batched:
+            return {"input_ids": ids[0], "attention_mask": masks[0]}
+        return {"input_ids": ids, "attention_mask": masks}
 
     def encode_prompt(self, prompt, tools=None, max_length=None, **template_kwargs) -> list[int]:
         """Token ids of a prompt as TRL makes them: a string is encoded with its special tokens; a
