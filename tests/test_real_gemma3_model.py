@@ -23,7 +23,15 @@ from nanogrpo.tokenizer import Tokenizer
 
 EXPECTED = json.load(open(os.path.join(fixture_path("real"), "gemma3_270m.json")))
 FOLDER = os.path.join(fetch_real.CACHE, fetch_real.GEMMA3["folder"])
-ATOL = 1e-4  # fp32 (the logits reach about 35 in magnitude; ours are within 1e-6 of transformers')
+# A float32 forward rounds away from the float64 logits by an amount that grows with the logits'
+# magnitude (about 35 here) and the prompt's length, and that depends on the CPU's kernels: the
+# same transformers gave 750-token logits 2.5e-4 apart on an Intel and an AMD CPU, each about as
+# far from its float64 ones. So ours are held to transformers' float64 logits with the room float32
+# needs for that prompt and quantity: ATOL plus twice the largest distance of transformers' float32
+# values from them (not to one CPU's float32 rounding). transformers computes RoPE's angles in
+# float32 even in a float64 model, so its float64 logits are not exact ones: they are the
+# reference only for the rest of the network's rounding.
+ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -32,22 +40,28 @@ def gemma3():
     return load_model(FOLDER).eval(), Tokenizer.from_pretrained(FOLDER)
 
 
-def check_logits(logits, expected):
-    """Our logits [T,V] against transformers' summary of them from position `summary_from` on:
-    top-5 values, fixed probe ids, log-sum-exp and mean over the vocabulary, and the maximum at
-    each position."""
-    logits = logits[expected["summary_from"] :]
-    top_ids = torch.tensor(expected["top_ids"])
-    checks = {
-        "top-5 values": (logits.gather(1, top_ids), expected["top_values"]),
-        "maximum": (logits.max(-1).values, [v[0] for v in expected["top_values"]]),
-        "probe values": (logits[:, EXPECTED["probe_ids"]], expected["probe_values"]),
-        "logsumexp": (logits.logsumexp(-1), expected["logsumexp"]),
-        "mean": (logits.mean(-1), expected["mean"]),
+def summaries(logits, case):
+    """Our logits [T,V] summarised as the fixture summarises transformers' from position
+    `summary_from` on: the values at fp32's top-5 ids, the maximum, the values at fixed probe ids,
+    the log-sum-exp and the mean over the vocabulary. -> {name: (ours, fp32 theirs, fp64 theirs)}."""
+    logits = logits[case["summary_from"] :]
+    top_ids = torch.tensor(case["top_ids"])
+    exact = case["float64"]
+    return {
+        "top-5 values": (logits.gather(1, top_ids), case["top_values"], exact["top_values"]),
+        "maximum": (
+            logits.max(-1).values,
+            [v[0] for v in case["top_values"]],
+            [v[0] for v in exact["top_values"]],
+        ),
+        "probe values": (
+            logits[:, EXPECTED["probe_ids"]],
+            case["probe_values"],
+            exact["probe_values"],
+        ),
+        "logsumexp": (logits.logsumexp(-1), case["logsumexp"], exact["logsumexp"]),
+        "mean": (logits.mean(-1), case["mean"], exact["mean"]),
     }
-    for name, (ours, theirs) in checks.items():
-        err = (ours - torch.tensor(theirs)).abs().max().item()
-        assert err <= ATOL, f"{name}: max abs error {err:.2e} > {ATOL} vs transformers"
 
 
 def test_gemma3_270m_config(gemma3):
@@ -73,7 +87,14 @@ def test_gemma3_270m_logits_match_transformers(gemma3, i):
     assert tok.encode(case["text"]) == case["ids"]
     with torch.no_grad():
         logits = model(torch.tensor([case["ids"]]))[0]
-    check_logits(logits, case)
+    for name, (ours, fp32, fp64) in summaries(logits, case).items():
+        exact = torch.tensor(fp64, dtype=torch.float64)
+        room = ATOL + 2 * (torch.tensor(fp32, dtype=torch.float64) - exact).abs().max().item()
+        err = (ours.double() - exact).abs().max().item()
+        assert err <= room, (
+            f"{name}: |ours - transformers' float64| = {err:.2e} > {room:.2e} "
+            f"({ATOL} + twice transformers' own float32 rounding here)"
+        )
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["eager", "shared-prefix"])
