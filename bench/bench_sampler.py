@@ -11,6 +11,7 @@ sampling filters against a decode step.
     python bench/bench_sampler.py --where --chat --model .cache/real/smollm2-135m-instruct  # on chat prompts
     python bench/bench_sampler.py --shared --model .cache/real/smollm2-135m-instruct  # shared prompts
     python bench/bench_sampler.py --fused --batches 1,8,32 --model .cache/real/smollm2-135m-instruct
+    python bench/bench_sampler.py --large_vocab --runs 5             # 4 x 12 tokens, 128k-262k vocabularies
     /work/fixvenv/bin/python bench/bench_sampler.py ...             # with transformers as the baseline
 
 Models (random weights; built with our Transformer, saved, loaded into transformers when installed):
@@ -51,7 +52,7 @@ from nanogrpo.fast.sampling import (
     sample_next_token_fast,
 )
 from nanogrpo.fast.shared_prefix import SharedPrefixCache, SharedPrefixDecoder  # noqa: E402
-from nanogrpo.model import ModelConfig, Transformer  # noqa: E402
+from nanogrpo.model import ModelConfig, Transformer, lm_head_linear  # noqa: E402
 from nanogrpo.sampler import (  # noqa: E402
     apply_top_p,
     generate,
@@ -487,6 +488,111 @@ def bench_shared(args, device, dtype):
             )
 
 
+# tiny fixture models of three families, their vocabulary widened to the real tokenizer's:
+# (fixture, tokenizer folder in .cache/real, model vocabulary)
+LARGE_VOCAB = [
+    ("qwen3_5", "tokenizer-qwen3_5", 248320),
+    ("gemma3", "tokenizer-gemma3", 262144),
+    ("smollm3", "tokenizer-llama3_1", 128256),
+]
+
+
+def large_vocab_checkpoint(family, tokenizer_dir, vocab, out_dir):
+    """tests/fixtures/<family>'s config (hidden 32) with `vocab` rows and tied embeddings, random
+    weights, saved with the real tokenizer: a model whose every cost but the vocabulary is nil."""
+    from nanogrpo.checkpoint import read_json
+    from nanogrpo.checkpoint.hf_format import config_from_hf
+    from nanogrpo.tokenizer import Tokenizer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hf = read_json(os.path.join(root, "tests", "fixtures", family, "config.json"))
+    hf.update(vocab_size=vocab, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Transformer(config_from_hf(hf))
+    tok = Tokenizer.from_pretrained(os.path.join(root, ".cache", "real", tokenizer_dir))
+    save_model(model, out_dir, tokenizer=tok)
+
+
+def loop_logits(model, h, vocab_size, chunk):
+    """sampler.lm_logits as it was: one product per `chunk`-row slice of the LM head."""
+    W = model.lm_head.weight[:vocab_size]
+    fp32 = getattr(model, "cast_lm_head_to_fp32", False)
+    parts = [lm_head_linear(h, W[i : i + chunk], fp32).float() for i in range(0, vocab_size, chunk)]
+    return torch.cat(parts, dim=-1)
+
+
+def bench_large_vocab(args, device, dtype):
+    """4 completions x 12 tokens (1 prompt, train.py's draw and decoder, its sampling defaults) on
+    tiny models with a real tokenizer's vocabulary: the one-off setup (model load, tokenizer load),
+    then generate with sampler.lm_logits (the LM head's 2048-row slices in one batched product)
+    against loop_logits (a product per slice, as before), in turns: wall seconds and the process's
+    CPU seconds, medians; both must give the same ids and log-probs. train.py's own figure, on the
+    checkpoints --keep DIR leaves: `python train.py --model DIR/<family> --max_steps 1
+    --num_generations 4 --max_completion_length 12 --per_device_train_batch_size 4
+    --gradient_accumulation_steps 1 --eval_strategy no --save_steps 0 --output_dir OUT
+    --overwrite_output_dir true` (its "sample" seconds)."""
+    from nanogrpo import sampler
+    from nanogrpo.checkpoint import load_model
+    from nanogrpo.tokenizer import Tokenizer
+
+    print(
+        "| family | vocab | params | model load s | tokenizer load s | generate s, a product "
+        "per slice (CPU s) | generate s, one batched product (CPU s) | speed-up | identical |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    root = args.keep or tempfile.mkdtemp()
+    for family, tokenizer_dir, vocab in LARGE_VOCAB:
+        path = os.path.join(root, family)
+        if not os.path.exists(path):
+            large_vocab_checkpoint(family, tokenizer_dir, vocab, path)
+        t0 = time.perf_counter()
+        model = load_model(path).to(device=device, dtype=dtype).eval()
+        t1 = time.perf_counter()
+        tok = Tokenizer.from_pretrained(path)
+        t2 = time.perf_counter()
+        prompt = tok.encode("eecc=")  # an embedded-default prompt, as train.py encodes it
+        outs = {}
+        cpu = {loop_logits: [], lm_logits: []}
+
+        def run(logits_fn):
+            def fn():
+                sampler.lm_logits = logits_fn  # what Decoder.step and prefill call
+                c0 = time.process_time()
+                try:
+                    outs[logits_fn] = generate(
+                        model,
+                        [prompt],
+                        num_samples=4,
+                        max_new_tokens=12,
+                        stop_ids=tok.eos_token_ids,
+                        pad_id=tok.pad_token_id,
+                        vocab_size=tok.vocab_size,
+                        seeds=[0],
+                        sample_token=sample_next_token_fast,
+                        decoder=SharedPrefixDecoder,
+                    )
+                finally:
+                    sampler.lm_logits = lm_logits
+                cpu[logits_fn].append(time.process_time() - c0)
+
+            return fn
+
+        (before, after), _ = timed([run(loop_logits), run(lm_logits)], device, args.runs)
+        a, b = outs[loop_logits], outs[lm_logits]
+        same = torch.equal(a.completion_ids, b.completion_ids) and torch.equal(
+            a.logprobs, b.logprobs
+        )
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        cpu_before = statistics.median(cpu[loop_logits][1:])  # (after the warm-up)
+        cpu_after = statistics.median(cpu[lm_logits][1:])
+        print(
+            f"| {family} | {vocab:,} | {params:.1f}M | {t1 - t0:.2f} | {t2 - t1:.2f} "
+            f"| {before:.3f} ({cpu_before:.2f}) | {after:.3f} ({cpu_after:.2f}) "
+            f"| {before / after:.1f}x | {same} |",
+            flush=True,
+        )
+
+
 def bench_train_compile(args, device, dtype):
     """Training forward + backward of the 47M model (per-token log-probs of a [4, 192] batch, as GRPO's
     update scores a micro-batch), eager vs every Block compiled with `Block.compile()`: does it pay?"""
@@ -621,6 +727,14 @@ def main():
     ap.add_argument(
         "--fused", action="store_true", help="only: q/k/v and gate/up fused vs separate"
     )
+    ap.add_argument(
+        "--large_vocab",
+        action="store_true",
+        help="only: 4 x 12 tokens on tiny models with real 128k-262k vocabularies",
+    )
+    ap.add_argument(
+        "--keep", default="", help="--large_vocab: build its checkpoints here, reuse them"
+    )
     ap.add_argument("--prompt_lens", default="128,512", help="--shared: prompt lengths")
     ap.add_argument("--chat", action="store_true", help="--where: chat questions, not random ids")
     ap.add_argument("--model", default="", help="a checkpoint dir instead of --models' random ones")
@@ -641,6 +755,8 @@ def main():
         bench_train_compile(args, device, dtype)
     elif args.fused:
         bench_fused(args, device, dtype)
+    elif args.large_vocab:
+        bench_large_vocab(args, device, dtype)
     else:
         bench_generation(args, device, dtype)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")

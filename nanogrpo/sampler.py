@@ -237,13 +237,33 @@ def sample_next_token(logits, u, temperature, top_k, top_p, min_p):
 def lm_logits(model, h, vocab_size, chunk):
     """h [n,D] -> fp32 logits [n,vocab_size]: the real vocabulary's rows
     of the LM head, in slices of `chunk` rows (in float32 with the
-    model's cast_lm_head_to_fp32)."""
+    model's cast_lm_head_to_fp32). The whole slices are multiplied in one
+    batched product, each as the [n,D] x [D,chunk] product a loop over
+    them would make: the same numbers (tests/test_sampler.py checks)."""
     W = model.lm_head.weight[:vocab_size]  # [V,D]: padded rows never scored
     fp32 = getattr(model, "cast_lm_head_to_fp32", False)
-    parts = []
-    for i in range(0, vocab_size, chunk):
-        parts.append(lm_head_linear(h, W[i : i + chunk], fp32).float())
-    return torch.cat(parts, dim=-1)
+    if chunk >= vocab_size:  # one slice (the GPU's whole head)
+        return lm_head_linear(h, W, fp32).float()
+    n, D = h.shape
+    full = vocab_size - vocab_size % chunk  # rows in whole slices
+    logits = h.new_empty(n, vocab_size, dtype=torch.float32)
+    # one call, not one per slice: on CPU each call forks and joins the
+    # threads, and a 262k vocabulary has 128 slices a token (a join waits
+    # for a thread the OS has descheduled when other processes load the CPU)
+    slices = W[:full].view(-1, chunk, D)  # [k,chunk,D]
+    products = head_slices(h, slices, fp32)  # [k,n,chunk]
+    logits[:, :full].view(n, -1, chunk).copy_(products.transpose(0, 1))
+    logits[:, full:] = lm_head_linear(h, W[full:], fp32)  # the last, shorter slice
+    return logits
+
+
+def head_slices(h, slices, fp32):
+    """h [n,D], slices [k,c,D] -> [k,n,c]: model.py's lm_head_linear of
+    each slice, as one batched product."""
+    if not fp32:
+        return torch.matmul(h, slices.transpose(1, 2))
+    with torch.autocast(device_type=h.device.type, enabled=False):
+        return torch.matmul(h.float(), slices.float().transpose(1, 2))
 
 
 class Decoder:

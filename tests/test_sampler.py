@@ -5,6 +5,7 @@ log-probs against the sampler's (their ratio is 1 without filters, the kept mass
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from nanogrpo.checkpoint import load_model
 from nanogrpo.fast import sampling as fast_sampling
 from nanogrpo.fast.sampling import StaticDecoder, filter_candidates, sample_next_token_fast
-from nanogrpo.model import KVCache, Transformer
+from nanogrpo.model import KVCache, Transformer, lm_head_linear
 from nanogrpo.sampler import (
     apply_min_p,
     apply_repetition_penalty,
@@ -23,6 +24,7 @@ from nanogrpo.sampler import (
     apply_top_k,
     apply_top_p,
     generate,
+    lm_logits,
     sample_from,
     sample_next_token,
     uniforms,
@@ -696,6 +698,79 @@ def test_generate_with_the_fast_draw_equals_the_plain_one(top_k, top_p, min_p):
     assert torch.equal(plain.logprobs, fast.logprobs) and torch.equal(
         plain.completion_mask, fast.completion_mask
     )
+
+
+# -----------------------------------------------------------------------------
+# The LM head in slices: one batched product, the numbers of a product per slice
+
+
+def head_model(V, D, dtype=torch.float32, fp32=False):
+    """What lm_logits reads of a model: its lm_head and cast_lm_head_to_fp32."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(D, V, bias=False).to(dtype)
+    return SimpleNamespace(lm_head=head, cast_lm_head_to_fp32=fp32)
+
+
+def logits_per_slice(model, h, V, chunk):
+    """The plain LM head: one product per `chunk`-row slice, joined."""
+    W = model.lm_head.weight[:V]
+    fp32 = model.cast_lm_head_to_fp32
+    parts = [lm_head_linear(h, W[i : i + chunk], fp32).float() for i in range(0, V, chunk)]
+    return torch.cat(parts, dim=-1)
+
+
+@pytest.mark.parametrize(
+    "dtype,fp32,autocast",
+    [
+        (torch.float32, False, False),
+        (torch.bfloat16, False, False),
+        (torch.bfloat16, True, False),
+        (torch.float32, False, True),
+        (torch.float32, True, True),
+    ],
+)
+@pytest.mark.parametrize("n,D", [(1, 32), (4, 32), (32, 96)])
+def test_lm_logits_equals_a_product_per_slice(dtype, fp32, autocast, n, D):
+    """lm_logits multiplies the whole slices in one batched product: the logits of a product per
+    slice, with a shorter last slice or none, in bf16, with cast_lm_head_to_fp32 and under bf16
+    autocast (as a bf16 rollout runs), and padded rows left out. Bit for bit wherever the product
+    is float32 (a float32 batched product runs a product per slice); a bf16 product goes to
+    oneDNN, whose batched kernels may block another way on another CPU: there to bf16's
+    resolution (its outputs round to 8 bits), though equal bits were seen."""
+    model = head_model(5 * 512 + 40, D, dtype, fp32)
+    h = torch.randn(n, D).to(dtype)
+    bf16_product = not fp32 and (dtype == torch.bfloat16 or autocast)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        for V, chunk in ((5 * 512 + 7, 512), (4 * 512, 512), (300, 512)):
+            got = lm_logits(model, h, V, chunk)
+            want = logits_per_slice(model, h, V, chunk)
+            assert got.dtype == torch.float32 and got.shape == (n, V)
+            if bf16_product:
+                torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
+            else:
+                assert torch.equal(got, want)
+
+
+def test_lm_logits_is_one_product_for_many_slices():
+    """A 32-wide model over a 262k vocabulary is 128 slices of 2048 rows: one batched product
+    and one for the shorter last slice, not a product (a fork and join of the CPU threads) per
+    slice each token."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    products = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm):
+                products.append(func)
+            return func(*args, **(kwargs or {}))
+
+    model = head_model(262144, 32)
+    h = torch.randn(4, 32)
+    with Count():
+        logits = lm_logits(model, h, 262144 - 3, 2048)
+    assert len(products) <= 2
+    assert torch.equal(logits, logits_per_slice(model, h, 262144 - 3, 2048))
 
 
 # -----------------------------------------------------------------------------
