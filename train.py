@@ -24,6 +24,7 @@ run restarts from the initial reference model.
 
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -31,14 +32,16 @@ from nanogrpo import dist, fast, run
 from nanogrpo.data import columns_of
 from nanogrpo.extras import lora
 from nanogrpo.extras.custom_rollout import custom_rollout
-from nanogrpo.extras.dynamic_sampling import dynamic_sampling
-from nanogrpo.extras.loss_terms import applied_entropy_coef, entropy_window, next_entropy_coef
+from nanogrpo.extras.dynamic_sampling import groups_with_signal
+from nanogrpo.extras.eval_loss import eval_loss
+from nanogrpo.extras.loss_terms import applied_entropy_coef, entropy_window, update_entropy_coef
 from nanogrpo.extras.trainer_info import RewardLogs, reward_kwargs, trainer_state_of
 from nanogrpo.grpo import LossInputs, LossScale, group_advantages, grpo_step
 from nanogrpo.rewards import score_completions
 from nanogrpo.rollout import Rollout, rollout
 from nanogrpo.run import report
 from nanogrpo.run.config import TrainConfig
+from nanogrpo.schedules import micro_batches_in_step
 from nanogrpo.trainer import Kernels, Trainer, setup  # noqa: F401 (run.train calls train.setup)
 
 # -----------------------------------------------------------------------------
@@ -136,16 +139,18 @@ def advantages_of(t: Trainer, rewards: torch.Tensor, G: int):
 
 
 @torch.no_grad()
-def frozen_logprobs(model, ro: Rollout, t: Trainer) -> torch.Tensor:
-    """Per-token log-probs [n, C], micro-batch by micro-batch."""
+def frozen_logprobs(model, ro: Rollout, t: Trainer, entropy=False):
+    """Per-token log-probs [n, C], micro-batch by micro-batch; with
+    entropy, (log-probs, entropies), both [n, C]."""
     was_training = model.training
     model.eval()
-    parts = []
+    logps = []
+    entropies = []
     size = t.cfg.per_device_train_batch_size
     for i in range(0, len(ro.input_ids), size):
         rows = slice(i, i + size)
         with t.autocast:
-            logps, _ = t.kernels.token_logprobs(
+            part, part_entropy = t.kernels.token_logprobs(
                 model,
                 ro.input_ids[rows],
                 ro.attention_mask[rows],
@@ -153,9 +158,24 @@ def frozen_logprobs(model, ro: Rollout, t: Trainer) -> torch.Tensor:
                 temperature=t.cfg.temperature,
                 vocab_size=t.tok.vocab_size,
             )
-        parts.append(logps)
+        logps.append(part)
+        entropies.append(part_entropy)
     model.train(was_training)
-    return torch.cat(parts)
+    if entropy:
+        return torch.cat(logps), torch.cat(entropies)
+    return torch.cat(logps)
+
+
+def ref_logprobs(t: Trainer, ro: Rollout) -> torch.Tensor | None:
+    """The reference model's log-probs [n, C] when the loss has a KL term
+    (beta > 0): its own copy, or with LoRA the policy with its adapters
+    off; else None."""
+    if t.ref is not None:
+        return frozen_logprobs(t.ref, ro, t)
+    if t.cfg.beta > 0:
+        with lora.disable_adapters(t.model):
+            return frozen_logprobs(t.model, ro, t)
+    return None
 
 
 # -----------------------------------------------------------------------------
@@ -245,15 +265,6 @@ def rows(x: torch.Tensor | None, idx: torch.Tensor):
     return None if x is None else x[idx]
 
 
-def update_entropy_coef(t: Trainer, window: torch.Tensor):
-    """Adaptive entropy control after a step: window = [entropy sum, token
-    count] of this step's micro-batches (entropy_window), summed over ranks
-    here."""
-    window = dist.all_reduce_sum(window, t.info)
-    t.last_entropy = (window[0] / window[1].clamp(min=1)).item()
-    t.entropy_coef = next_entropy_coef(t.loss_cfg, t.entropy_coef, t.last_entropy)
-
-
 def update(t: Trainer, micro) -> dict:
     """One optimizer step, the scheduler's step and TR-DPO's reference
     sync. -> the step's record."""
@@ -295,15 +306,19 @@ def sample_round(t: Trainer, rnd: int) -> tuple[Rollout, dict]:
     # LoRA dropout's masks: seeded per round, so resume is exact
     torch.manual_seed(round_seed(cfg, rnd, info.rank, salt=2))
     rows, copies = round_prompts(t)
-    ro = sample(t, rows, copies, generator)
-    t1 = time.time()
     logs = RewardLogs()  # what the reward functions log
-    local = reward_rollout(ro, t.reward_funcs, t, logs)  # [n, K]
+    # a stop inside drops the round at once (nanogrpo/run/); the parameters
+    # are gathered first, so that nothing inside waits on another rank
+    with dist.gathered(t.model), run.abandonable():
+        ro = sample(t, rows, copies, generator)
+        t1 = time.time()
+        local = reward_rollout(ro, t.reward_funcs, t, logs)  # [n, K]
     stats = {}
     extra = 0.0  # seconds spent sampling and scoring more groups
     if cfg.dynamic_sampling:  # DAPO: only groups whose rewards differ
         start = time.time()
-        ro, local, stats = groups_with_signal(t, ro, local, generator, logs)
+        draw = partial(draw_more, t, generator, logs)
+        ro, local, stats = groups_with_signal(t, ro, local, logs, draw)
         extra = time.time() - start
     rewards = dist.all_gather_rows(local.to(info.device), info).float()
     ro.advantages = advantages_of(t, rewards, cfg.num_generations)
@@ -315,11 +330,7 @@ def sample_round(t: Trainer, rnd: int) -> tuple[Rollout, dict]:
         # the update's forward drops adapter inputs, the sampler's did not:
         # the correction compares the sampler with the policy it ran
         ro.trainer_logps = frozen_logprobs(t.model, ro, t)
-    if t.ref is not None:
-        ro.ref_logps = frozen_logprobs(t.ref, ro, t)
-    elif cfg.beta > 0:  # with LoRA: the policy with its adapters off
-        with lora.disable_adapters(t.model):
-            ro.ref_logps = frozen_logprobs(t.model, ro, t)
+    ro.ref_logps = ref_logprobs(t, ro)
     t3 = time.time()
     timing = {"time/sample": t1 - t0, "time/score": t2 - t1 - extra, "time/logprobs": t3 - t2}
     if cfg.dynamic_sampling:  # sampling and scoring the extra batches
@@ -337,49 +348,34 @@ def sample_round(t: Trainer, rnd: int) -> tuple[Rollout, dict]:
 def train_cycle(t: Trainer) -> tuple[list[dict], list[dict]]:
     """Rounds and optimizer steps in TRL's order until they end together
     (Schedule's cycle; for most shapes one round and its steps): a step
-    takes the next gradient_accumulation_steps micro-batches, sampling a
-    new round whenever none is left. -> (a record per step, what the
-    report needs of each round)."""
-    GA = t.sched.gradient_accumulation_steps
+    takes the next gradient_accumulation_steps micro-batches (an epoch's
+    last step what the epoch has left, as transformers cuts it; the cycle
+    ends there), sampling a new round whenever none is left. -> (a record
+    per step, what the report needs of each round)."""
     queue = []  # (Rollout, row indices) not trained on yet
     rounds = []  # what the report needs of each round sampled
     records = []
     for _ in range(min(t.sched.steps_per_cycle, t.cfg.max_steps - t.step)):
-        while len(queue) < GA:
+        n = micro_batches_in_step(t.cfg, t.step, len(t.prompts.rows), t.info.world_size)
+        while len(queue) < n:
             rnd = t.round + len(rounds)
             ro, sampled = sample_round(t, rnd)
             rounds.append(sampled)
             queue += micro_batches(t, ro, rnd)
-        records.append(update(t, queue[:GA]))
-        del queue[:GA]
+        records.append(update(t, queue[:n]))
+        del queue[:n]
+        if n < t.sched.gradient_accumulation_steps:
+            break  # an epoch's short last step: its rounds are all used
     t.round += len(rounds)
     return records, rounds
 
 
-def groups_with_signal(t: Trainer, ro: Rollout, local, generator, logs):
-    """DAPO's dynamic sampling (nanogrpo/extras/dynamic_sampling.py): the round's groups
-    whose rewards differ, more prompts sampled and scored until there
-    are enough. local: [n, K] rewards. -> (Rollout, rewards, metrics).
-    logs.columns (log_extra) then holds the kept completions' values."""
-    cfg = t.cfg
-
-    def draw():
-        rows, copies = round_prompts(t)
-        more = sample(t, rows, copies, generator)
-        rewards = reward_rollout(more, t.reward_funcs, t, logs)
-        return more, rewards, logs.columns  # what this call logged
-
-    ro, local, logs.columns, stats = dynamic_sampling(
-        ro,
-        local,
-        logs.columns,
-        draw,
-        t.reward_weights,
-        cfg.max_num_gen_batches,
-        t.tok.pad_token_id,
-        t.info,
-    )
-    return ro, local, stats
+def draw_more(t: Trainer, generator, logs):
+    """Dynamic sampling's next batch: a round's prompts sampled and scored.
+    -> (Rollout, rewards [n, K], what this call logged with log_extra)."""
+    rows, copies = round_prompts(t)
+    more = sample(t, rows, copies, generator)
+    return more, reward_rollout(more, t.reward_funcs, t, logs), logs.columns
 
 
 def train(cfg: TrainConfig, command=None) -> list[dict]:
@@ -395,9 +391,11 @@ def train(cfg: TrainConfig, command=None) -> list[dict]:
 @torch.no_grad()
 def evaluate(t: Trainer) -> dict:
     """num_generations_eval samples (None = 1) per eval prompt at the
-    training temperature: mean reward per function, and pass@1 = the share
-    whose first reward function gives >= 1. Each eval row counts once, on
-    any world size."""
+    training temperature, scored as in training (TRL's trainer_state,
+    log_metric, log_extra): mean reward per function, pass@1 = the share
+    whose first reward function gives >= 1, what the functions logged, and
+    eval/loss, the loss grpo_step gives these completions (TRL's eval_loss).
+    Each eval row counts once, on any world size."""
     info = t.info
     num_rows = len(t.eval_rows)
     indices = dist.equal_shard(num_rows, info.rank, info.world_size)
@@ -405,10 +403,26 @@ def evaluate(t: Trainer) -> dict:
     generator = torch.Generator(info.device)
     generator.manual_seed(round_seed(t.cfg, 0, info.rank, salt=17))
     G = t.cfg.num_generations_eval or 1
-    ro = sample(t, rows, G, generator)
-    rewards = reward_rollout(ro, t.reward_funcs).to(info.device)
-    rewards = dist.all_gather_rows(rewards, info)[: num_rows * G]  # [E*G, K]
-    return report.eval_metrics(rewards, t.reward_funcs, t.reward_weights)
+    logs = RewardLogs()  # what the reward functions log
+    with dist.gathered(t.model), run.abandonable():  # as in sample_round
+        ro = sample(t, rows, G, generator)
+        local = reward_rollout(ro, t.reward_funcs, t, logs).to(info.device)  # [n, K]
+    rewards = dist.all_gather_rows(local, info)[: num_rows * G]  # [E*G, K]
+    m = report.eval_metrics(rewards, t.reward_funcs, t.reward_weights, logs)
+    # rows past the end (equal_shard's wrap-around) count once: not here
+    first = info.rank * len(indices)
+    counted = torch.arange(first, first + len(indices), device=info.device) < num_rows
+    logps, entropies = frozen_logprobs(t.model, ro, t, entropy=True)
+    m["eval/loss"] = eval_loss(
+        t,
+        ro,
+        local,
+        counted.repeat_interleave(G),
+        logps=logps,
+        entropies=entropies,
+        ref_logps=ref_logprobs(t, ro),
+    )
+    return m
 
 
 if __name__ == "__main__":

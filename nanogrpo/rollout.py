@@ -70,7 +70,7 @@ class Rollout:
     completion_token_ids: list[list[int]]
     # [n] long: tool calls each completion made (failed ones included); None without tools
     tool_calls: torch.Tensor | None = None
-    # [n] long: of which failed (unknown tool, bad arguments, exception, timeout); None without tools
+    # [n] long: of which failed (unknown tool, bad arguments, exception, timeout); None: no tools
     tool_failures: torch.Tensor | None = None
     # [n] long: assistant turns per completion (1 without tool calls); None without tools
     turns: torch.Tensor | None = None

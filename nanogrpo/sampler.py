@@ -247,9 +247,7 @@ def lm_logits(model, h, vocab_size, chunk):
     n, D = h.shape
     full = vocab_size - vocab_size % chunk  # rows in whole slices
     logits = h.new_empty(n, vocab_size, dtype=torch.float32)
-    # one call, not one per slice: on CPU each call forks and joins the
-    # threads, and a 262k vocabulary has 128 slices a token (a join waits
-    # for a thread the OS has descheduled when other processes load the CPU)
+    # one call, not a thread fork and join per slice (128 for 262k tokens)
     slices = W[:full].view(-1, chunk, D)  # [k,chunk,D]
     products = head_slices(h, slices, fp32)  # [k,n,chunk]
     logits[:, :full].view(n, -1, chunk).copy_(products.transpose(0, 1))

@@ -231,7 +231,7 @@ def load_data(
         state = checkpoint.read_json(os.path.join(ckpt, "trainer", "trainer_state.json"))
         check_same_dataset(rows, state["prompts"], cfg.dataset)
     eval_rows = None
-    if cfg.eval_every():
+    if cfg.evaluates():
         eval_rows = load_dataset(
             cfg.eval_dataset, split=cfg.eval_split, seed=cfg.seed, needs_prompt=needs_prompt
         )[: cfg.eval_size]

@@ -109,7 +109,7 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_and_the_first_finishes(t
     assert first.returncode == 0, err[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [m["step"] for m in rows] == [1, 2]
-    assert trainer_state.missing(tmp_path / "run" / "checkpoint-2") is None
+    assert trainer_state.unresumable(tmp_path / "run" / "checkpoint-2") is None
 
 
 def test_a_killed_run_leaves_no_stale_lock(tmp_path, capsys):
@@ -162,10 +162,63 @@ def test_resume_takes_the_newest_checkpoint_that_can_be_resumed(tmp_path, capsys
         os.remove(run / name / "train_config.json")
     none = (
         r"no checkpoint in .* can be resumed \(checkpoint-4, checkpoint-3, checkpoint-2, "
-        r"checkpoint-1 lack files\): start over with --overwrite_output_dir"
+        r"checkpoint-1 lack files or hold damaged ones\): start over with --overwrite_output_dir"
     )
     with pytest.raises(ConfigError, match=none):
         train.train(tiny(tmp_path, "--max_steps=5", "--resume_from_checkpoint=true"))
+
+
+def cut(path, keep: int):
+    """Keep the first `keep` bytes of the file (negative: all but the last -keep)."""
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[:keep])
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_by_name(tmp_path, capsys):
+    """A truncated model.safetensors in the newest checkpoint stopped the resume with safetensors'
+    own error ("incomplete metadata, file not fully covered"), where a dangling `checkpoint` link
+    fell back to the newest intact checkpoint with a note."""
+    run = tmp_path / "run"
+    train.train(tiny(tmp_path, "--max_steps=2", "--save_steps=1"))
+    cut(run / "checkpoint-2" / "model.safetensors", -100)  # a save cut short by a full disk
+    capsys.readouterr()
+    history = train.train(tiny(tmp_path, "--max_steps=3", "--resume_from_checkpoint=true"))
+    out = capsys.readouterr().out
+    assert f"{run}/checkpoint-2 cannot be resumed (model.safetensors is truncated (" in out
+    assert "points at checkpoint-2: resuming from" in out
+    assert f"resumed from {run}/checkpoint-1 at step 1" in out
+    assert [m["step"] for m in history] == [1, 2, 3]
+    cut(run / "checkpoint-3" / "trainer" / "optimizer.safetensors", -1)
+    resume = f"--resume_from_checkpoint={run}/checkpoint-3"
+    with pytest.raises(ValueError, match="trainer/optimizer.safetensors is truncated") as named:
+        train.train(tiny(tmp_path, "--max_steps=4", resume))  # a path to a damaged one: one line
+    assert "\n" not in str(named.value)
+
+
+def test_unresumable_reads_only_headers_and_names_each_damage(tmp_path):
+    """Each file a resume reads, whole or not: a safetensors file is as long as its header says
+    (8 bytes of length, the JSON header, the data its offsets end at); JSON files parse."""
+    train.train(tiny(tmp_path, "--max_steps=1"))
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    assert trainer_state.unresumable(ckpt) is None
+    model = ckpt / "model.safetensors"
+    whole = open(model, "rb").read()
+    damages = [
+        (whole[:5], "model.safetensors is truncated (5 bytes: not even its header's length)"),
+        (whole[:40], "model.safetensors is truncated (40 bytes: its header alone needs "),
+        (whole[:-1], f"model.safetensors is truncated ({len(whole) - 1} bytes, its header "),
+        (whole + b"x", f"model.safetensors is corrupt ({len(whole) + 1} bytes, its header "),
+        (whole[:8] + b"{" * (len(whole) - 8), "model.safetensors is corrupt (its header is not"),
+    ]
+    for data, problem in damages:
+        model.write_bytes(data)
+        assert trainer_state.unresumable(ckpt).startswith(problem)
+    model.write_bytes(whole)
+    cut(ckpt / "trainer" / "trainer_state.json", 10)
+    assert trainer_state.unresumable(ckpt).startswith(
+        "trainer/trainer_state.json is not valid JSON"
+    )
 
 
 def test_resume_refuses_settings_that_change_what_trains(tmp_path, capsys):

@@ -326,6 +326,9 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
         )
 
     monkeypatch.setattr(train, "rollout", fake_rollout)
+    # no model here to score with: eval/loss is not what this test is about
+    monkeypatch.setattr(train, "frozen_logprobs", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(train, "eval_loss", lambda *args, **kwargs: 0.0)
 
     def half_scored(completions, **kw):
         return [1.0, None]
@@ -333,7 +336,7 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
     from types import SimpleNamespace
 
     t = SimpleNamespace(
-        model=None,
+        model=torch.nn.Linear(1, 1),
         tok=None,
         eval_rows=[{"prompt": "a"}, {"prompt": "b"}],
         cfg=TrainConfig(),
@@ -345,6 +348,34 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
         environments=None,
         rollout_func=None,
         kernels=None,
+        ref=None,
+        prompts=SimpleNamespace(rows=[{"prompt": "a"}]),  # for trainer_state
+        step=0,
     )
     m = train.evaluate(t)
     assert m["eval/reward"] == 1.0
+
+
+def test_a_column_that_is_none_in_some_rows_reaches_the_reward_function():
+    """TRL passes a column's None through to the reward function: only a row without the key
+    is refused, and the message lists that row's columns, the missing one not among them."""
+    from nanogrpo.rewards import check_reward_columns
+
+    seen = []
+
+    def by_difficulty(completions, difficulty, **kwargs):
+        seen.extend(difficulty)
+        return [0.0 if d is None else 1.0 for d in difficulty]
+
+    funcs = [("by_difficulty", by_difficulty)]
+    rows = [{"prompt": "a", "difficulty": "hard"}, {"prompt": "b", "difficulty": None}]
+    check_reward_columns(funcs, rows, "data.jsonl")
+    columns = {"difficulty": [r["difficulty"] for r in rows]}
+    scores = score_completions(funcs, ["a", "b"], ["x", "y"], [[1], [2]], columns)
+    assert seen == ["hard", None] and scores[:, 0].tolist() == [1.0, 0.0]
+    with pytest.raises(
+        ValueError,
+        match=r"needs the column\(s\) \['difficulty'\], which row 1 of dataset data.jsonl "
+        r"lacks \(its columns: \['prompt'\]\)",
+    ):
+        check_reward_columns(funcs, [rows[0], {"prompt": "b"}], "data.jsonl")

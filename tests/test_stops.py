@@ -15,11 +15,13 @@ from conftest import ROOT
 from test_train import strip_timing, tiny
 
 import train
+from nanogrpo import run
 from nanogrpo.run.configurator import read_config_file
 
 # A reward function that, on call STOP_AT of rank STOP_RANK, does STOP_ACTION:
 # self:SIG (the signal to its own process), group:SIG (to torchrun's process
-# group, as a terminal's Ctrl-C), hang (in the reward function) or raise.
+# group, as a terminal's Ctrl-C; then it scores for a minute), hang (in the
+# reward function) or raise.
 REWARD = """
 import os
 import signal
@@ -38,6 +40,7 @@ def length(completions, **kwargs):
             os.kill(os.getpid(), getattr(signal, action[5:]))
         if action.startswith("group:"):  # torchrun's agent is this process's parent
             os.killpg(os.getpgid(os.getppid()), getattr(signal, action[6:]))
+            time.sleep(60)  # a slow reward: torchrun's forwarded signal ends it
         if action == "hang":
             with open(os.environ["STOP_MARK"], "w") as f:
                 f.write(str(time.time()))
@@ -113,19 +116,116 @@ def metrics(path) -> list[dict]:
 
 def test_sigterm_saves_the_last_step_and_the_resumed_run_is_exact(tmp_path):
     """SIGTERM (what timeout, SLURM and Kubernetes send) while the second round is scored: the run
-    ends where that round's cycle does (step 4), saved; resumed, it is the uninterrupted run."""
+    drops that round at once (it waited for the round's cycle to end: minutes on a real model,
+    past Kubernetes' 30 s), saves step 2 and exits 143; resumed, it is the uninterrupted run."""
     rc, out, _ = launch(tmp_path, args(tmp_path, "full", *CYCLES_OF_2))
     assert rc == 0, out[-3000:]
     rc, out, _ = launch(tmp_path, args(tmp_path, "run", *CYCLES_OF_2), at=2, action="self:SIGTERM")
     assert rc == 143, out[-3000:]  # 128 + SIGTERM, as a shell reports it
-    assert "SIGTERM: stopping after step 4: saving it then" in out
-    assert "SIGTERM: stopped at step 4/6: saved" in out and "--resume_from_checkpoint=true" in out
+    assert "SIGTERM: stopping now (the round in flight is dropped): saving step 2" in out
+    assert "SIGTERM: stopped at step 2/6: saved" in out and "--resume_from_checkpoint=true" in out
     assert "Traceback" not in out
-    assert os.path.realpath(tmp_path / "run" / "checkpoint").endswith("checkpoint-4")
+    assert os.path.realpath(tmp_path / "run" / "checkpoint").endswith("checkpoint-2")
     resume = args(tmp_path, "run", *CYCLES_OF_2, "--resume_from_checkpoint=true")
     rc, out, _ = launch(tmp_path, resume)
     assert rc == 0, out[-3000:]
     assert metrics(tmp_path / "run") == metrics(tmp_path / "full")
+
+
+def signal_on_call(monkeypatch, name: str, at: int, sig=signal.SIGTERM, times=1) -> list:
+    """train.<name> sends `sig` to this process `times` times on its call number `at`.
+    -> the calls, as they come."""
+    calls, real = [], getattr(train, name)
+
+    def signalling(*args):
+        calls.append(1)
+        if len(calls) == at:
+            for _ in range(times):
+                os.kill(os.getpid(), sig)
+        return real(*args)
+
+    monkeypatch.setattr(train, name, signalling)
+    return calls
+
+
+EVAL = ["--max_steps=4", "--eval_strategy=steps", "--eval_steps=2", "--eval_size=8"]
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    """The uninterrupted run, evaluated every 2 steps, that stopped ones must resume to."""
+    return strip_timing(train.train(tiny(tmp_path_factory.mktemp("full"), *EVAL)))
+
+
+@pytest.mark.parametrize(
+    "call,step,dropped",
+    [(2, 1, "round"), (3, 2, "evaluation")],  # sample calls: round 1, round 2, eval at 2, ...
+)
+def test_a_stop_while_sampling_drops_it_at_once_and_the_resumed_run_is_exact(
+    tmp_path, monkeypatch, capsys, evaluated, call, step, dropped
+):
+    """SIGTERM while a round or an evaluation samples: the run stops at once (it sampled and
+    scored to the end of the round's cycle first), saves the last step; the resumed run draws the
+    dropped round again (or evaluates first), bit for bit the uninterrupted run."""
+    calls = signal_on_call(monkeypatch, "sample", at=call)
+    with pytest.raises(run.Stopped) as stopped:
+        train.train(tiny(tmp_path, *EVAL))
+    assert stopped.value.signum == signal.SIGTERM and len(calls) == call  # it sampled no more
+    out = capsys.readouterr().out
+    assert f"SIGTERM: stopping now (the {dropped} in flight is dropped): saving step {step}" in out
+    assert f"SIGTERM: stopped at step {step}/4: saved {tmp_path}/run/checkpoint-{step}" in out
+    assert run.stopping["run"] is None and run.signalled["signum"] == 0  # nothing left for the next
+    monkeypatch.undo()
+    resumed = train.train(tiny(tmp_path, *EVAL, "--resume_from_checkpoint=true"))
+    assert strip_timing(resumed) == evaluated
+    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert strip_timing(lines) == evaluated
+
+
+def test_a_stop_after_a_step_of_the_cycle_waits_for_the_cycle_end(tmp_path, monkeypatch, capsys):
+    """SIGTERM during an update: parameters moved in this cycle, so the round sampled after it is
+    not dropped; the run stops where the cycle ends (3 steps from 2 rounds here), saved."""
+    shape = ["--steps_per_generation=3", "--per_device_train_batch_size=4", "--max_steps=6"]
+    samples = signal_on_call(monkeypatch, "sample", at=0)
+    signal_on_call(monkeypatch, "optimizer_step", at=1)
+    with pytest.raises(run.Stopped):
+        train.train(tiny(tmp_path, *shape))
+    out = capsys.readouterr().out
+    assert "SIGTERM: stopping after step 3: saving it then" in out
+    assert "SIGTERM: stopped at step 3/6: saved" in out and "dropped" not in out
+    assert len(samples) == 2
+
+
+def test_a_run_stopped_before_its_first_step_can_simply_run_again(tmp_path, monkeypatch, capsys):
+    """A reward function that raised, or Ctrl-C, before step 1 said "the latest checkpoint is
+    <dir>/checkpoint" (there was none) and left an empty metrics.jsonl: the same command then
+    refused to run ("holds a run: continue it with --resume_from_checkpoint=true")."""
+    score = train.reward_rollout
+
+    def broken(*args):
+        raise ValueError("the reward broke")
+
+    monkeypatch.setattr(train, "reward_rollout", broken)
+    with pytest.raises(ValueError, match="the reward broke"):
+        train.train(tiny(tmp_path, "--max_steps=1"))
+    out = capsys.readouterr().out
+    assert "stopped by an error at step 0/1: not saved (no optimizer step was taken yet); " in out
+    assert "nothing was saved, so the same command starts over" in out
+    assert "latest checkpoint" not in out
+    monkeypatch.setattr(train, "reward_rollout", score)
+    signal_on_call(monkeypatch, "sample", at=1, sig=signal.SIGINT)
+    with pytest.raises(run.Stopped) as stopped:
+        train.train(tiny(tmp_path, "--max_steps=1"))  # the same command runs
+    assert stopped.value.signum == signal.SIGINT
+    out = capsys.readouterr().out
+    assert "Ctrl-C: stopping now, before the first step" in out
+    assert (
+        "nothing to save (no optimizer step was taken yet), so the same command starts over" in out
+    )
+    assert sorted(os.listdir(tmp_path / "run")) == ["metrics.jsonl", "run.lock"]
+    monkeypatch.undo()
+    history = train.train(tiny(tmp_path, "--max_steps=1"))  # and again
+    assert [m["step"] for m in history] == [1]
 
 
 @pytest.fixture(scope="module")
@@ -139,16 +239,19 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("sig,name", [("SIGINT", "Ctrl-C"), ("SIGTERM", "SIGTERM")])
 def test_a_signal_to_torchrun_saves_the_last_step(tmp_path, uninterrupted, sig, name):
-    """Ctrl-C or SIGTERM to torchrun (its process group, as a terminal's Ctrl-C): torchrun passes it
-    to each rank; they stop together where the cycle ends, save it and say how to continue."""
+    """Ctrl-C or SIGTERM to torchrun (its process group, as a terminal's Ctrl-C) while the second
+    round is scored: torchrun passes it to each rank; each drops the round, they agree, save step 2
+    together and say how to continue."""
     rc, out, _ = launch(
         tmp_path, args(tmp_path, "run", *CYCLES_OF_2), nproc=2, at=2, action=f"group:{sig}"
     )
-    assert f"{name}: stopping after step 4: saving it then" in out, out[-3000:]
-    assert f"{name}: stopped at step 4/6: saved" in out
+    assert f"{name}: stopping now (the round in flight is dropped): saving step 2" in out, out[
+        -3000:
+    ]
+    assert f"{name}: stopped at step 2/6: saved" in out
     assert "Continue with:\n  torchrun --nproc_per_node 2 train.py" in out
     assert "not saved" not in out and "[rank" not in out  # no rank's traceback
-    assert os.path.realpath(tmp_path / "run" / "checkpoint").endswith("checkpoint-4")
+    assert os.path.realpath(tmp_path / "run" / "checkpoint").endswith("checkpoint-2")
     resume = args(tmp_path, "run", *CYCLES_OF_2, "--resume_from_checkpoint=true")
     rc, out, _ = launch(tmp_path, resume, nproc=2)
     assert rc == 0, out[-3000:]
@@ -203,18 +306,10 @@ def test_the_error_of_a_rank_that_raises_is_read_first(tmp_path):
 def test_a_second_ctrl_c_stops_at_once_and_handlers_live_only_in_a_run(
     tmp_path, monkeypatch, capsys
 ):
-    """The first Ctrl-C asks for a stop where the cycle ends; a second stops now (saving what is
-    exact, as before). A run off the main thread, where no handler can be set, trains as usual."""
-    calls, score = [], train.reward_rollout
-
-    def interrupted(*args):  # Ctrl-C twice while the second round is scored
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGINT)
-        return score(*args)
-
-    monkeypatch.setattr(train, "reward_rollout", interrupted)
+    """The first Ctrl-C during an update asks for a stop where the cycle ends; a second stops now
+    (saving what is exact, as before). A run off the main thread, where no handler can be set,
+    trains as usual."""
+    signal_on_call(monkeypatch, "optimizer_step", at=2, sig=signal.SIGINT, times=2)
     with pytest.raises(KeyboardInterrupt):
         train.train(tiny(tmp_path, "--max_steps=4", "--save_steps=0"))
     out = capsys.readouterr().out

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -96,7 +97,10 @@ def test_smoke_metrics_and_checkpoint(tmp_path, capsys):
     assert "eval/reward" in lines[1] and "eval/pass@1" in lines[2]
     out = capsys.readouterr().out
     assert (
-        "step    3/3 | reward" in out and "eta" in out and "done: 3 steps" in out and "-> '" in out
+        "step    3/3 | reward" in out
+        and "eta" in out
+        and "done: 3 steps" in out
+        and re.search(r"^    prompt +\| completion", out, re.M)
     )
     ckpt = tmp_path / "run" / "checkpoint"
     model = load_model(ckpt)  # HF format, loadable with the same code as any checkpoint
@@ -952,7 +956,9 @@ def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra(tmp_pa
     history = train.train(cfg)
     assert seen == [(0, 2), (1, 2)]
     assert [m["my/first_letter_right"] for m in history] == [0.5, 0.5]
-    assert "[guess: " in capsys.readouterr().out
+    assert re.search(
+        r"^    prompt +\| completion +\| reward +\| guess$", capsys.readouterr().out, re.M
+    )
 
 
 def test_trainer_state_is_read_by_attribute_as_transformers_trainer_state(tmp_path):
@@ -1019,7 +1025,7 @@ def test_log_metric_twice_in_a_round_logs_the_mean_and_log_extra_the_last(tmp_pa
     history = train.train(cfg)
     assert history[0]["my/metric"] == 2.0
     out = capsys.readouterr().out
-    assert "[guess: second]" in out and "[guess: first]" not in out
+    assert re.search(r"\| second$", out, re.M) and not re.search(r"\| first$", out, re.M)
 
 
 def test_push_to_hub_uploads_each_checkpoint_without_its_optimizer(tmp_path, monkeypatch):
@@ -1375,3 +1381,79 @@ def test_a_new_family_trains(tmp_path, family, use_peft):
         ]
         saved = {**saved, **saved.get("rope_parameters", {})}  # (Qwen3.5's partial RoPE is there)
         assert {k: saved[k] for k in wanted} == wanted and changed
+
+
+def state_reward(completions, trainer_state, log_metric, log_extra, **kwargs):
+    """A TRL reward function that uses all three of TRL's keyword arguments."""
+    log_metric("steps_seen", trainer_state.global_step)
+    log_extra("length", [len(c) for c in completions])
+    return [float(len(c) % 2) for c in completions]
+
+
+def test_evaluation_passes_trls_reward_arguments_and_logs_eval_loss(tmp_path):
+    """Evaluation calls reward functions as training does, with trainer_state, log_metric and
+    log_extra (a function that takes them trained, then failed at its first evaluation); what
+    log_metric logged there is eval/<name>; eval/loss is grpo_step's on the eval completions: with
+    one completion a prompt there is no advantage, so with beta=0 it is 0 and with beta>0 it is
+    the KL to the reference, which training has moved away from."""
+    common = [
+        f"--reward_funcs={__name__}:state_reward",
+        "--max_steps=2",
+        "--eval_strategy=steps",
+        "--eval_steps=2",
+        "--eval_size=4",
+        "--learning_rate=1e-2",
+    ]
+    history = train.train(tiny(tmp_path / "a", *common))
+    assert history[-1]["eval/steps_seen"] == 2
+    assert history[-1]["eval/loss"] == 0.0
+    history = train.train(tiny(tmp_path / "b", *common, "--beta=0.5"))
+    assert history[-1]["eval/loss"] > 0
+    history = train.train(tiny(tmp_path / "c", *common, "--num_generations_eval=4"))
+    assert math.isfinite(history[-1]["eval/loss"])
+
+
+def test_an_epochs_short_last_step_trains_what_the_epoch_has_left(tmp_path, monkeypatch):
+    """num_train_epochs over 8 prompts, a round of 1 prompt feeding 2 micro-batches and a step
+    taking 3: transformers' loop runs an epoch as 5 steps of 3 micro-batches and one of 1, TRL's 6
+    steps and 16 micro-batches an epoch (the loop took 3 a step across epochs: 15 steps, 45 in 3
+    epochs)."""
+    rows = [{"prompt": "abc" + "abcdefgh"[i] + "=", "target": "abc"} for i in range(8)]
+    with open(tmp_path / "data.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    sizes = []
+    step = train.optimizer_step
+    monkeypatch.setattr(
+        train, "optimizer_step", lambda t, micro: sizes.append(len(micro)) or step(t, micro)
+    )
+    cfg = tiny(
+        tmp_path,
+        f"--dataset={tmp_path}/data.jsonl",
+        "--max_steps=-1",
+        "--num_train_epochs=1",
+        "--per_device_train_batch_size=4",
+        "--gradient_accumulation_steps=3",
+        "--steps_per_generation=2",
+        "--num_generations=8",
+        "--max_completion_length=2",
+    )
+    history = train.train(cfg)
+    assert sizes == [3, 3, 3, 3, 3, 1]
+    assert [m["step"] for m in history] == [1, 2, 3, 4, 5, 6]
+
+
+def test_eval_on_start_evaluates_before_the_first_step(tmp_path):
+    """eval_on_start (transformers' sanity check): an evaluation before step 1, its own record
+    at step 0 in metrics.jsonl, and none at the end when eval_strategy is "no"."""
+    cfg = tiny(
+        tmp_path,
+        "--max_steps=1",
+        "--eval_on_start=true",
+        "--eval_dataset=default",
+        "--eval_size=4",
+    )
+    history = train.train(cfg)
+    assert history[0]["step"] == 0 and "eval/reward" in history[0] and "loss" not in history[0]
+    assert history[1]["step"] == 1 and "eval/reward" not in history[1]
+    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [m["step"] for m in lines] == [0, 1]

@@ -4,7 +4,8 @@ advantage 0 everywhere and teaches nothing, so it is dropped and more
 prompts are sampled until the round has its number of groups.
 
 Owns: `groups_with_spread` (which groups carry a learning signal),
-`dynamic_sampling` (draw until every rank has its groups, within a bound),
+`dynamic_sampling` (draw until every rank has its groups, within a bound;
+`groups_with_signal`, the same with a Trainer's settings),
 and the two Rollout operations it needs: `select_groups` (keep some
 groups of a round) and `concat_rollouts` (join rounds into one).
 
@@ -45,6 +46,24 @@ def groups_with_spread(rewards, weights, G):
     total = total_reward(rewards, weights).view(-1, G)  # [groups, G]
     std = nanstd(total, dim=1)  # [groups], NaN where < 2 scored
     return std > 1e-8
+
+
+def groups_with_signal(t, ro, rewards, logs, draw):
+    """The round's groups whose rewards differ, more drawn until there are
+    enough (dynamic_sampling with trainer.py's Trainer t's settings).
+    rewards: [n, K]; logs: the round's RewardLogs, whose columns (log_extra)
+    then hold the kept completions' values. -> (Rollout, rewards, metrics)."""
+    ro, rewards, logs.columns, stats = dynamic_sampling(
+        ro,
+        rewards,
+        logs.columns,
+        draw,
+        t.reward_weights,
+        t.cfg.max_num_gen_batches,
+        t.tok.pad_token_id,
+        t.info,
+    )
+    return ro, rewards, stats
 
 
 def dynamic_sampling(ro, rewards, columns, draw, weights, max_batches, pad_id, info):

@@ -1,7 +1,7 @@
 """The algorithm options TRL GRPOTrainer puts around its loss (reference: TRL 1.16,
 trl/trainer/grpo_trainer.py, `_compute_loss` and `_generate_and_score_completions`), each off by
 default; grpo.py's `grpo_step` calls them where an option is on, and train.py runs the entropy
-control between optimizer steps (`applied_entropy_coef`, `entropy_window`, `next_entropy_coef`).
+control between optimizer steps (`applied_entropy_coef`, `entropy_window`, `update_entropy_coef`).
 
 Owns: `check_options` (the rules of the options' settings, which LossConfig calls),
 `off_policy_mask` (DeepSeek-V3.2's OPSM, off_policy_mask_threshold),
@@ -9,12 +9,13 @@ Owns: `check_options` (the rules of the options' settings, which LossConfig call
 sampler and the trainer, TRL's vllm_importance_sampling_*: here the "vllm" engine is nanogrpo's
 own sampler), `vespo_sampler_weights` and `VESPO_NEEDS_TOKENS` (which of those corrections
 VESPO can take), `high_entropy_mask` (top_entropy_quantile), and the entropy bonus:
-`entropy_bonus`, `entropy_window`, `applied_entropy_coef` and `next_entropy_coef`
-(entropy_coef, use_adaptive_entropy).
+`entropy_bonus`, `entropy_window`, `applied_entropy_coef`, `next_entropy_coef` and
+`update_entropy_coef`, which moves a Trainer's coefficient after a step (entropy_coef,
+use_adaptive_entropy).
 
 Does not know about: the loss variants and how micro-batch losses add up (grpo.py), TrainConfig
-(`cfg` is any object with LossConfig's fields), log-probs (logprobs.py), or other processes (the
-caller sums entropy_window over micro-batches and ranks before next_entropy_coef).
+(`cfg` is any object with LossConfig's fields) or log-probs (logprobs.py). Its one collective is
+update_entropy_coef's sum of a step's entropy_window over ranks.
 
 Choices:
 - Inputs are [N,C] with masked positions already cleaned (grpo_step does it), except
@@ -27,6 +28,8 @@ Choices:
 """
 
 import torch
+
+from nanogrpo import dist
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 VESPO_NEEDS_TOKENS = (
@@ -195,3 +198,12 @@ def next_entropy_coef(cfg, coef, entropy):
     if entropy <= cfg.entropy_target:
         return min(coef + cfg.entropy_coef_delta, cfg.entropy_coef_max)
     return max(coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
+
+
+def update_entropy_coef(t, window: torch.Tensor):
+    """Adaptive entropy control after a step of trainer.py's Trainer t:
+    window = [entropy sum, token count] of the step's micro-batches
+    (entropy_window), summed over ranks here."""
+    window = dist.all_reduce_sum(window, t.info)
+    t.last_entropy = (window[0] / window[1].clamp(min=1)).item()
+    t.entropy_coef = next_entropy_coef(t.loss_cfg, t.entropy_coef, t.last_entropy)

@@ -3,7 +3,8 @@
 Owns: the output folder (one run at a time holds it; a fresh run never replaces another), which
 checkpoint a run resumes from and what it restores, what is checked before step 1 so that the
 first save cannot fail (a writable folder, the hub), saving (on schedule, on Ctrl-C or SIGTERM,
-after an error; a LoRA run's merged checkpoint), stopping every rank where a cycle ends, the
+after an error; a LoRA run's merged checkpoint), stopping every rank where a cycle ends or, while
+a round samples before the cycle's first step, at once (`abandonable`: the round is dropped), the
 embedded default's tiny checkpoint, `train`: the loop of train.py's cycles with all of that around
 them (evaluation and saves on schedule), and `main`: one-line errors (`--help` is
 run/configurator.py's). What a run reports (metrics, console, trackers, summary) is
@@ -215,26 +216,30 @@ def remove_unfinished_saves(cfg: TrainConfig, info):
 
 def find_checkpoint(cfg: TrainConfig) -> str | None:
     """The checkpoint to resume from: `resume` may be a path (it must
-    hold all a resume reads) or true: the newest checkpoint-<step> of
-    out_dir that does, as TRL's get_last_checkpoint (each passed over is
-    named); None starts fresh."""
+    hold, whole, all a resume reads) or true: the newest checkpoint-<step>
+    of out_dir that does, as TRL's get_last_checkpoint (each passed over
+    is named, with the file that is missing or damaged); None starts
+    fresh."""
     resume = cfg.resume_from_checkpoint  # False, True or a path (TrainConfig normalises text)
     if not resume:
         return None
     if isinstance(resume, str):
-        problem = checkpoints.missing(resume)
+        problem = checkpoints.unresumable(resume)
         if problem:
-            raise FileNotFoundError(
-                f"resume_from_checkpoint={resume!r} holds no trainer state "
-                f"({problem}): point it at an out_dir/checkpoint-<step> "
-                "written by train.py, or use --resume_from_checkpoint=true"
+            lacks = problem.startswith("no ")
+            error = FileNotFoundError if lacks else ValueError
+            why = "holds no trainer state" if lacks else "cannot be resumed"
+            raise error(
+                f"resume_from_checkpoint={resume!r} {why} ({problem}): point it at an "
+                "intact out_dir/checkpoint-<step> written by train.py, or use "
+                "--resume_from_checkpoint=true"
             )
         return resume
     out_dir = cfg.output_dir
     passed = []  # checkpoints that cannot be resumed
     for name in step_dirs(out_dir):
         path = os.path.join(out_dir, name)
-        problem = checkpoints.missing(path)
+        problem = checkpoints.unresumable(path)
         if problem is None:
             note_link(out_dir, path)
             return path
@@ -243,7 +248,7 @@ def find_checkpoint(cfg: TrainConfig) -> str | None:
     if passed and not cfg.overwrite_output_dir:
         raise ConfigError(
             f"resume_from_checkpoint=true: no checkpoint in {out_dir} can be "
-            f"resumed ({', '.join(passed)} lack files): start over with "
+            f"resumed ({', '.join(passed)} lack files or hold damaged ones): start over with "
             "--overwrite_output_dir=true (deletes them), or choose another "
             "--output_dir"
         )
@@ -352,10 +357,17 @@ def clear_out_dir(cfg: TrainConfig, info):
     """A fresh run never silently replaces another: an out_dir holding
     what train.py writes is an error, unless overwrite_output_dir asks
     to delete those files (only those), or resume_from_checkpoint=true
-    found nothing saved to continue."""
+    found nothing saved to continue. What a run that stopped before its
+    first step leaves (an empty metrics.jsonl, run.lock) is no run."""
     names = []  # rank 0 looks and decides: another rank could look after it deleted
     if info.is_main and os.path.isdir(cfg.output_dir):
         names = sorted(n for n in os.listdir(cfg.output_dir) if re.fullmatch(RUN_FILES, n))
+        # a run that never took a step leaves metrics.jsonl empty: nothing to keep
+        # (open_logs rewrites it)
+        if names == ["metrics.jsonl"] and not os.path.getsize(
+            os.path.join(cfg.output_dir, names[0])
+        ):
+            names = []
     names = dist.broadcast_object(names)
     if not names:
         return
@@ -462,6 +474,7 @@ def restore(run: Run, t):
             "(per_device_train_batch_size stays, as in TRL)"
         )
     run.history = state["history"]
+    run.pending = state.get("pending", [])
     run.written = [
         n for n in state.get("checkpoints", []) if os.path.isdir(os.path.join(cfg.output_dir, n))
     ]
@@ -526,6 +539,8 @@ def save(run: Run, t):
         "checkpoints": run.written + [name],
         "world_size": run.info.world_size,
     }
+    if run.pending:  # a cycle's records whose evaluation a stop dropped: the resumed run does it
+        state["pending"] = run.pending
     checkpoints.save_checkpoint(
         cfg.output_dir, t.step, t.model, t.optimizer, t.tok, state, config_record(cfg), run.info
     )
@@ -628,16 +643,20 @@ def cycle(run: Run, t):
 
 @contextmanager
 def saving_on_stop(run: Run, t):
-    """Inside: Ctrl-C (SIGINT) or SIGTERM asks for a stop where the cycle
-    ends (on_stop_signal, stop_if_signalled; in the last cycle the run
-    ends as usual); a second Ctrl-C stops at once (save_on_stop keeps
-    what is exact). An error saves the last
-    completed step, then is re-raised. With several processes an error
-    saves nothing (the others may be inside a collective): rank_error
-    names it with this rank and step, for main's one line."""
+    """Inside: Ctrl-C (SIGINT) or SIGTERM stops the run at once while it
+    samples or scores before the cycle's first step (abandonable: the
+    round is dropped, the last step saved), else where the cycle ends
+    (on_stop_signal, stop_if_signalled; in the last cycle the run ends as
+    usual); a second Ctrl-C stops at once (save_on_stop keeps what is
+    exact). An error saves the last completed step, then is re-raised.
+    With several processes an error saves nothing (the others may be
+    inside a collective): rank_error names it with this rank and step,
+    for main's one line."""
     previous = catch_stop_signals(run, t)
     try:
         yield
+    except Abandoned as e:  # every rank together (abandonable's exit)
+        stop(run, t, e.signum)
     except KeyboardInterrupt:
         if run.info.sharded:
             dist.tell_peers(f"rank {run.info.rank}: interrupted")
@@ -656,6 +675,8 @@ def saving_on_stop(run: Run, t):
         raise
     finally:
         restore_signals(previous)
+        stopping.update(run=None, t=None, window=False)
+        signalled["signum"] = 0
 
 
 def saved(run: Run, step: int) -> bool:
@@ -669,10 +690,9 @@ def save_on_stop(run: Run, t, why: str):
     sampler where the round began, so the resumed run redoes that round."""
     cfg = run.cfg
     where = f"{why} at step {t.step}/{cfg.max_steps}"
-    latest = os.path.join(cfg.output_dir, "checkpoint")
     reason = unsaveable(run, t)
     if reason:
-        dist.print0(f"\n{where}: not saved ({reason}); the latest checkpoint is {latest}")
+        dist.print0(f"\n{where}: not saved ({reason}); {after_unsaved(run)}")
         return
     report.log(run)  # a finished round's records, if stopped in its evaluation
     if not saved(run, t.step):
@@ -683,6 +703,20 @@ def save_on_stop(run: Run, t, why: str):
         f"\n{where}: saved {cfg.output_dir}/checkpoint-{t.step}. "
         f"Continue with:\n  {resume_command(run)}"
     )
+
+
+def after_unsaved(run: Run) -> str:
+    """What a stop that saved nothing leaves to continue from: the newest
+    checkpoint this run wrote or resumed from; else, when no step was
+    logged, nothing (clear_out_dir keeps nothing of a run without steps)."""
+    if run.written:
+        latest = os.path.join(run.cfg.output_dir, run.written[-1])
+        return f"the latest checkpoint is {latest}. Continue with:\n  {resume_command(run)}"
+    if run.resume_from:
+        return f"the same command resumes {run.resume_from} again"
+    if not run.history:
+        return "nothing was saved, so the same command starts over"
+    return "nothing was saved: start over with --overwrite_output_dir=true"
 
 
 def unsaveable(run: Run, t) -> str | None:
@@ -734,12 +768,25 @@ def rank_error(run: Run, t, e: Exception) -> Exception | None:
 STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 # the stop signal this process received inside saving_on_stop; 0 = none
 signalled = {"signum": 0}
+# the run inside saving_on_stop (one at a time) and its Trainer, for abandonable;
+# window: inside abandonable
+stopping = {"run": None, "t": None, "window": False}
 
 
 class Stopped(BaseException):
     """The run stopped on a signal, its last step saved: main exits with
     128 + signum (130 for Ctrl-C, 143 for SIGTERM), as a shell reports a
     signal. Not an Exception: no `except Exception` takes it for an error."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class Abandoned(KeyboardInterrupt):
+    """A stop signal inside `abandonable`: the round being sampled or
+    scored is dropped. A KeyboardInterrupt, so that what passes Ctrl-C
+    through (asyncio's tasks, `except Exception`) passes it through too."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -757,6 +804,7 @@ def catch_stop_signals(run: Run, t) -> dict:
     the main thread) nothing changes; an ignored signal (a background
     job's SIGINT) stays ignored."""
     signalled["signum"] = 0
+    stopping.update(run=run, t=t, window=False)
     previous = {}
 
     def handler(signum, frame):
@@ -780,11 +828,13 @@ def restore_signals(previous: dict):
 
 
 def on_stop_signal(run: Run, t, signum: int, frame):
-    """A stop signal only sets a flag (a signal arriving mid-step corrupts
-    nothing): the loop stops where the cycle ends (stop_if_signalled). A
-    second Ctrl-C stops at once; a repeated SIGTERM changes nothing (SLURM
-    signals every process, and torchrun passes it on too). SIGTERM after
-    another rank failed is torchrun stopping this one: it ends at once."""
+    """A stop signal sets a flag (a signal arriving mid-step corrupts
+    nothing): the loop stops where the cycle ends (stop_if_signalled).
+    Inside `abandonable` before the cycle's first step it also raises
+    Abandoned, at once. A second Ctrl-C stops at once; a repeated
+    SIGTERM changes nothing (SLURM signals every process, and torchrun
+    passes it on too). SIGTERM after another rank failed is torchrun
+    stopping this one: it ends at once."""
     if signum == signal.SIGTERM and run.info.sharded and dist.peer_failed():
         end_now(run, t, frame)
     if signalled["signum"]:
@@ -794,6 +844,43 @@ def on_stop_signal(run: Run, t, signum: int, frame):
     signalled["signum"] = signum
     if run.info.is_main:
         say(stopping_line(run, t, signum))
+    if stopping["window"] and nothing_moved(run, t):
+        raise Abandoned(signum)
+
+
+def nothing_moved(run: Run, t) -> bool:
+    """Whether no parameter moved in the current cycle (or none is
+    running): dropping what it sampled loses no step."""
+    return run.cycle_begin is None or t.step == run.cycle_start_step
+
+
+@contextmanager
+def abandonable():
+    """Around local work of a round that moves no parameter (train.py's
+    sampling and scoring, evaluation's): a stop signal inside drops it at
+    once when no parameter moved in the cycle (on_stop_signal raises
+    Abandoned). Nothing inside may be a collective (train.py gathers
+    FSDP's parameters before): a rank leaves it at any point. At the exit
+    every rank learns whether any was signalled (one small all-reduce, so
+    no rank starts a collective another left); if one was, all raise
+    Abandoned together, and saving_on_stop saves the last step. Outside a
+    run (saving_on_stop) it does nothing."""
+    run = stopping["run"]
+    t = stopping["t"]
+    if run is None:
+        yield
+        return
+    try:
+        stopping["window"] = True
+        try:
+            yield
+        finally:
+            stopping["window"] = False
+    except Abandoned:
+        pass  # the ranks agree below
+    signum = dist.max_over_ranks(signalled["signum"], run.info)
+    if signum and nothing_moved(run, t):
+        raise Abandoned(signum)
 
 
 def stopping_line(run: Run, t, signum: int) -> str:
@@ -802,6 +889,11 @@ def stopping_line(run: Run, t, signum: int) -> str:
     name = STOP_SIGNALS[signum]
     if run.cycle_begin is None and t.step == 0:
         return f"\n{name}: stopping before the first step"
+    if stopping["window"] and nothing_moved(run, t):
+        if t.step == 0:
+            return f"\n{name}: stopping now, before the first step"
+        dropped = "evaluation" if run.cycle_begin is None else "round"
+        return f"\n{name}: stopping now (the {dropped} in flight is dropped): saving step {t.step}"
     end = t.step
     if run.cycle_begin is not None:  # inside a cycle
         cycle_end = run.cycle_start_step + t.sched.steps_per_cycle
@@ -846,12 +938,25 @@ def stop_if_signalled(run: Run, t):
     reached any rank, every rank saves the last step together and the run
     ends (Stopped). One small all-reduce a cycle."""
     signum = dist.max_over_ranks(signalled["signum"], run.info)
-    if not signum:
-        return
+    if signum:
+        stop(run, t, signum)
+
+
+def stop(run: Run, t, signum: int):
+    """Every rank together, on a signal (stop_if_signalled, or an
+    abandoned round): the round in flight is dropped (the prompt sampler
+    goes back to where its cycle began; round_seed redraws it on resume),
+    the last step saved, then Stopped."""
+    if run.cycle_begin is not None:
+        t.prompts.load_state_dict(run.cycle_begin)
+        run.cycle_begin = None
     cfg = run.cfg
     where = f"{STOP_SIGNALS[signum]}: stopped at step {t.step}/{cfg.max_steps}"
     if t.step == 0:
-        dist.print0(f"{where}: nothing to save (no optimizer step was taken yet)")
+        dist.print0(
+            f"{where}: nothing to save (no optimizer step was taken yet), "
+            "so the same command starts over"
+        )
     else:
         if not saved(run, t.step):
             save(run, t)
@@ -887,12 +992,18 @@ def train(algo, cfg: TrainConfig, command=None) -> list[dict]:
     t.kernels = algo.kernels(cfg)
     if r.resume_from:
         restore(r, t)
-    if t.step >= cfg.max_steps:
+    if t.step >= cfg.max_steps and not r.pending:
         report.nothing_to_do(t)
         dist.teardown()
         return r.history
     open_logs(r, t)
     with saving_on_stop(r, t):
+        if cfg.eval_on_start:  # transformers' check before any step, on resume too
+            report.log_eval(r, {"step": t.step, **algo.evaluate(t)})
+        if r.pending:  # saved on a stop that dropped their evaluation
+            if t.eval_rows:
+                r.pending[-1].update(algo.evaluate(t))
+            report.log(r)
         while t.step < cfg.max_steps:
             stop_if_signalled(r, t)  # Ctrl-C, SIGTERM: save, then end
             first_step = t.step
@@ -902,7 +1013,7 @@ def train(algo, cfg: TrainConfig, command=None) -> list[dict]:
             r.pending = records
             eval_due = crossed(cfg.eval_every(), first_step, t.step)
             last = t.step == cfg.max_steps
-            if t.eval_rows and (eval_due or last):
+            if t.eval_rows and cfg.eval_every() and (eval_due or last):
                 r.pending[-1].update(algo.evaluate(t))
             report.log(r)
             if crossed(cfg.save_steps, first_step, t.step) or last:

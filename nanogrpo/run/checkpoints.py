@@ -5,7 +5,7 @@ out_dir/checkpoint links to the newest.
 
 Owns: `save_checkpoint` (written under a temporary name, renamed when
 complete, then the link swapped), `prune_checkpoints` (save_total_limit),
-what a checkpoint needs to be resumed (`missing`), the optimizer's files
+what a checkpoint needs to be resumed, whole (`unresumable`), the optimizer's files
 (`save_optimizer`) and `load_trainer_state`.
 
 Does not know about: the model's file format (checkpoint/__init__.py writes
@@ -23,6 +23,7 @@ Choices:
   a checkpoint written by N processes resumes on M.
 """
 
+import json
 import os
 import shutil
 from contextlib import suppress
@@ -122,10 +123,12 @@ LEGACY_OPTIMIZER = "trainer/optimizer.pt"
 IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
-def missing(ckpt_dir) -> str | None:
-    """What ckpt_dir lacks to be resumed ("no trainer/optimizer.json"), or
-    None when it holds everything load_trainer_state and the model loader
-    read."""
+def unresumable(ckpt_dir) -> str | None:
+    """Why ckpt_dir cannot be resumed ("no trainer/optimizer.json",
+    "model.safetensors is truncated ..."), or None when it holds, whole,
+    everything load_trainer_state and the model loader read. Cheap: the
+    JSON files are parsed, of a safetensors file only its header is read
+    (damaged: what a save killed mid-write or a full disk leaves)."""
     if not os.path.isdir(ckpt_dir):
         return "no such directory"
 
@@ -144,6 +147,61 @@ def missing(ckpt_dir) -> str | None:
     for name in model_files + files:
         if not has(name):
             return f"no {name}"
+    for name in model_files + files:
+        problem = damaged(ckpt_dir, name)
+        if problem:
+            return problem
+    if has("model.safetensors.index.json"):
+        index = checkpoint.read_json(os.path.join(ckpt_dir, "model.safetensors.index.json"))
+        for name in sorted(set(index.get("weight_map", {}).values())):
+            if not has(name):
+                return f"no {name} (model.safetensors.index.json names it)"
+            problem = damaged(ckpt_dir, name)
+            if problem:
+                return problem
+    return None
+
+
+def damaged(ckpt_dir, name: str) -> str | None:
+    """Why the file `name` of ckpt_dir is not whole, or None: a JSON file
+    must parse, a safetensors file must be as long as its header says."""
+    path = os.path.join(ckpt_dir, name)
+    if name.endswith(".json"):
+        try:
+            checkpoint.read_json(path)
+        except ValueError:
+            return f"{name} is not valid JSON (cut short?)"
+        return None
+    if name.endswith(".safetensors"):
+        problem = safetensors_problem(path)
+        return f"{name} is {problem}" if problem else None
+    return None
+
+
+def safetensors_problem(path) -> str | None:
+    """What is wrong with a .safetensors file, from its header alone, or
+    None. The format: 8 bytes (little-endian) N, N bytes of JSON mapping
+    each tensor to its data_offsets [begin, end) in the data that follows:
+    a whole file is 8 + N + the largest end bytes long."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"truncated ({size} bytes: not even its header's length)"
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            return f"truncated ({size} bytes: its header alone needs {8 + n})"
+        text = f.read(n)
+    try:
+        header = json.loads(text)
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return "corrupt (its header is not a safetensors header)"
+    expected = 8 + n + max(ends, default=0)
+    if size < expected:
+        return f"truncated ({size} bytes, its header describes {expected})"
+    if size > expected:
+        return f"corrupt ({size} bytes, its header describes {expected})"
     return None
 
 

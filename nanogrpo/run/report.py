@@ -62,6 +62,22 @@ def log(run):
             close_progress(run)
 
 
+def log_eval(run, m: dict):
+    """An evaluation apart from a step (eval_on_start, before step
+    t.step + 1), as transformers logs it: its own record in history,
+    metrics.jsonl and the trackers, and one console line."""
+    m = without_nan(m)
+    run.history.append(m)
+    if not run.info.is_main:
+        return
+    with open(os.path.join(run.cfg.output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(m) + "\n")
+    for report in run.reporters:
+        report(m, m["step"])
+    line = f"eval before step {m['step'] + 1}: reward {m['eval/reward']:.3f}"
+    print(f"{line}, pass@1 {m['eval/pass@1']:.3f}, loss {m['eval/loss']:+.4f}", flush=True)
+
+
 def without_nan(m: dict) -> dict:
     return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in m.items()}
 
@@ -586,7 +602,7 @@ def check_dynamic_sampling(run, kept: float, wanted: int, max_batches: int):
 def summarize(run, t):
     """Mean reward over the first and last tenth of the steps, a few
     completions, the reward curve and a sample command that works."""
-    history = run.history
+    history = [m for m in run.history if "loss" in m]  # steps, not eval_on_start's record
     if not run.info.is_main or not history:
         return
     k = max(1, len(history) // 10)
