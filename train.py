@@ -139,9 +139,9 @@ def advantages_of(t: Trainer, rewards: torch.Tensor, G: int):
 
 
 @torch.no_grad()
-def frozen_logprobs(model, ro: Rollout, t: Trainer, entropy=False):
-    """Per-token log-probs [n, C], micro-batch by micro-batch; with
-    entropy, (log-probs, entropies), both [n, C]."""
+def frozen_logprobs(model, ro: Rollout, t: Trainer):
+    """Per-token (log-probs, entropies), both [n, C], micro-batch by
+    micro-batch."""
     was_training = model.training
     model.eval()
     logps = []
@@ -161,9 +161,7 @@ def frozen_logprobs(model, ro: Rollout, t: Trainer, entropy=False):
         logps.append(part)
         entropies.append(part_entropy)
     model.train(was_training)
-    if entropy:
-        return torch.cat(logps), torch.cat(entropies)
-    return torch.cat(logps)
+    return torch.cat(logps), torch.cat(entropies)
 
 
 def ref_logprobs(t: Trainer, ro: Rollout) -> torch.Tensor | None:
@@ -171,10 +169,10 @@ def ref_logprobs(t: Trainer, ro: Rollout) -> torch.Tensor | None:
     (beta > 0): its own copy, or with LoRA the policy with its adapters
     off; else None."""
     if t.ref is not None:
-        return frozen_logprobs(t.ref, ro, t)
+        return frozen_logprobs(t.ref, ro, t)[0]
     if t.cfg.beta > 0:
         with lora.disable_adapters(t.model):
-            return frozen_logprobs(t.model, ro, t)
+            return frozen_logprobs(t.model, ro, t)[0]
     return None
 
 
@@ -206,7 +204,7 @@ def optimizer_step(t: Trainer, micro) -> dict:
     coef = applied_entropy_coef(t.loss_cfg, t.entropy_coef, t.last_entropy)
     window = torch.zeros(2, dtype=torch.float64, device=t.info.device)
     values = {}  # metric -> [(value, weight)] of each micro-batch
-    total_loss = 0.0
+    losses = []  # each micro-batch's loss, detached
     for k, (ro, idx) in enumerate(micro):
         dist.gradient_sync(t.model, enabled=(k == GA - 1))
         with t.autocast:
@@ -238,9 +236,10 @@ def optimizer_step(t: Trainer, micro) -> dict:
             world_size=t.info.world_size,
             steps_per_generation=t.sched.steps_per_generation,
         )
-        loss, metrics = grpo_step(inputs, t.loss_cfg, scale, entropy_coef=coef)
+        # metrics as 0-dim tensors: the step reads them all at once
+        loss, metrics = grpo_step(inputs, t.loss_cfg, scale, entropy_coef=coef, read_metrics=False)
         loss.backward()
-        total_loss += loss.item()
+        losses.append(loss.detach())
         if bonus:  # the adaptive control's [entropy sum, token count]
             window += entropy_window(inputs.entropies, inputs.completion_mask, t.loss_cfg)
         weights = report.micro_batch_weights(ro.completion_mask[idx], t.loss_cfg)
@@ -250,8 +249,10 @@ def optimizer_step(t: Trainer, micro) -> dict:
     grad_norm = dist.clip_grad_norm(t.model, max_norm)
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
+    # the step's one read of its metrics (a float() each would wait each time)
+    values, losses = report.read_floats((values, losses))
     out = report.across_micro_batches(values, t.info)
-    out["loss"] = total_loss
+    out["loss"] = sum(losses, 0.0)  # added in order, as a running total
     out["grad_norm"] = grad_norm
     if t.loss_cfg.use_adaptive_entropy:
         update_entropy_coef(t, window)
@@ -325,11 +326,11 @@ def sample_round(t: Trainer, rnd: int) -> tuple[Rollout, dict]:
     ro.num_items = dist.all_reduce_sum(ro.completion_mask.sum(), info)
     t2 = time.time()
     if t.sched.off_policy:  # the policy moves before some update
-        ro.old_logps = frozen_logprobs(t.model, ro, t)
+        ro.old_logps, _ = frozen_logprobs(t.model, ro, t)
     elif cfg.vllm_importance_sampling_correction and lora.has_dropout(t.model):
         # the update's forward drops adapter inputs, the sampler's did not:
         # the correction compares the sampler with the policy it ran
-        ro.trainer_logps = frozen_logprobs(t.model, ro, t)
+        ro.trainer_logps, _ = frozen_logprobs(t.model, ro, t)
     ro.ref_logps = ref_logprobs(t, ro)
     t3 = time.time()
     timing = {"time/sample": t1 - t0, "time/score": t2 - t1 - extra, "time/logprobs": t3 - t2}
@@ -390,12 +391,9 @@ def train(cfg: TrainConfig, command=None) -> list[dict]:
 
 @torch.no_grad()
 def evaluate(t: Trainer) -> dict:
-    """num_generations_eval samples (None = 1) per eval prompt at the
-    training temperature, scored as in training (TRL's trainer_state,
-    log_metric, log_extra): mean reward per function, pass@1 = the share
-    whose first reward function gives >= 1, what the functions logged, and
-    eval/loss, the loss grpo_step gives these completions (TRL's eval_loss).
-    Each eval row counts once, on any world size."""
+    """num_generations_eval samples (None = 1) per eval prompt, scored as
+    in training: report.eval_metrics' rewards and pass@1, and TRL's
+    eval_loss. Each eval row counts once, on any world size."""
     info = t.info
     num_rows = len(t.eval_rows)
     indices = dist.equal_shard(num_rows, info.rank, info.world_size)
@@ -412,16 +410,10 @@ def evaluate(t: Trainer) -> dict:
     # rows past the end (equal_shard's wrap-around) count once: not here
     first = info.rank * len(indices)
     counted = torch.arange(first, first + len(indices), device=info.device) < num_rows
-    logps, entropies = frozen_logprobs(t.model, ro, t, entropy=True)
-    m["eval/loss"] = eval_loss(
-        t,
-        ro,
-        local,
-        counted.repeat_interleave(G),
-        logps=logps,
-        entropies=entropies,
-        ref_logps=ref_logprobs(t, ro),
-    )
+    counted = counted.repeat_interleave(G)  # [n]
+    logps, ents = frozen_logprobs(t.model, ro, t)
+    ref = ref_logprobs(t, ro)
+    m["eval/loss"] = eval_loss(t, ro, local, counted, logps=logps, entropies=ents, ref_logps=ref)
     return m
 
 

@@ -370,11 +370,12 @@ def grpo_step(
     cfg: LossConfig,
     scale: LossScale | None = None,
     entropy_coef: float | None = None,
+    read_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict]:
     """One micro-batch's GRPO loss (a scalar to .backward()) and its metrics (plain floats).
     scale None: LossScale(), this micro-batch is the whole step. entropy_coef: the coefficient
     this step applies (applied_entropy_coef); None = cfg.entropy_coef. The adaptive control's
-    window is the caller's to sum (entropy_window)."""
+    window is the caller's to sum (entropy_window). read_metrics=False: 0-dim tensor metrics."""
     scale = LossScale() if scale is None else scale
     _check_inputs(inputs, cfg, scale)
     m = inputs.completion_mask.bool()
@@ -433,12 +434,14 @@ def grpo_step(
         # TRL's policy_loss: the loss before the bonus and the grad_accum division
         per_micro_batch = cfg.loss_type in ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
         unscaled = scale.grad_accum if per_micro_batch else 1
-        metrics["policy_loss"] = float(total.detach() * unscaled)
+        metrics["policy_loss"] = total.detach() * unscaled
         coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
         total = total - coef * entropy_bonus(entropies, bonus_mask, scale.grad_accum)
     if is_weights is not None:
         metrics.update(importance_sampling_metrics(behavior, sampling, is_weights, m))
     metrics.update(_loss_metrics(cfg, m, A, ratio_1, kl, entropies, phi))
+    if read_metrics:
+        metrics = {k: float(v) for k, v in metrics.items()}
     return total, metrics
 
 
@@ -483,7 +486,7 @@ def _check_inputs(inputs, cfg, scale):
 
 @torch.no_grad()
 def _loss_metrics(cfg, m, A, ratio_1, kl, entropies, phi):
-    """TRL's metrics of the loss, as plain floats: the KL, the entropy, and how often the loss
+    """TRL's metrics of the loss, as 0-dim tensors: the KL, the entropy, and how often the loss
     type's clip or weight acted (ratio_1: the ratio the clip looked at)."""
     metrics = {}
     if kl is not None:
@@ -502,7 +505,7 @@ def _loss_metrics(cfg, m, A, ratio_1, kl, entropies, phi):
         metrics["cispo_clip_ratio"] = _masked_mean((ratio_1 > cfg.epsilon_high) & (A > 0), m)
     elif cfg.loss_type == "vespo":
         metrics["vespo/phi_seq_mean"] = phi.mean()
-    return {k: float(v) for k, v in metrics.items()}
+    return metrics
 
 
 def _masked_mean(x, m):
@@ -520,5 +523,9 @@ def _seq_mean(x, m):
 
 
 def _nan_reduce(x, op):
-    x = x[~torch.isnan(x)]
-    return op(x) if x.numel() else torch.nan
+    """torch.min or max of x [N]'s non-NaN values (NaN if none), a 0-dim tensor, no host read."""
+    if x.numel() == 0:
+        return torch.tensor(torch.nan, dtype=x.dtype, device=x.device)
+    unpicked = math.inf if op is torch.min else -math.inf
+    picked = op(torch.where(torch.isnan(x), unpicked, x))
+    return torch.where(torch.isnan(x).all(), torch.nan, picked)

@@ -125,20 +125,21 @@ def vespo_sampler_weights(is_weights, cfg):
 @torch.no_grad()
 def importance_sampling_metrics(old_logps, sampling_logps, is_weights, mask):
     """TRL's sampling/* metrics of one batch: |log pi_old - log pi_sampler| over its tokens
-    (mean, max) and the correction weights (min, mean, max; per sequence or per token)."""
+    (mean, max) and the correction weights (min, mean, max; per sequence or per token), as
+    0-dim float64 tensors on the inputs' device."""
     delta = (old_logps - sampling_logps).abs()[mask].double()
     w = is_weights.flatten() if is_weights.shape[1] == 1 else is_weights[mask]
     w = w.double()
     if delta.numel() == 0:
-        delta = torch.zeros(1, dtype=torch.float64)
+        delta = torch.zeros(1, dtype=torch.float64, device=delta.device)
     if w.numel() == 0:
-        w = torch.zeros(1, dtype=torch.float64)
+        w = torch.zeros(1, dtype=torch.float64, device=w.device)
     return {
-        "sampling/sampling_logp_difference/mean": float(delta.mean()),
-        "sampling/sampling_logp_difference/max": float(delta.max()),
-        "sampling/importance_sampling_ratio/min": float(w.min()),
-        "sampling/importance_sampling_ratio/mean": float(w.mean()),
-        "sampling/importance_sampling_ratio/max": float(w.max()),
+        "sampling/sampling_logp_difference/mean": delta.mean(),
+        "sampling/sampling_logp_difference/max": delta.max(),
+        "sampling/importance_sampling_ratio/min": w.min(),
+        "sampling/importance_sampling_ratio/mean": w.mean(),
+        "sampling/importance_sampling_ratio/max": w.max(),
     }
 
 

@@ -213,8 +213,13 @@ def scored_width(completion_mask) -> int:
     """Completion columns up to and including the last one any row scores (at least 1): a
     micro-batch's rows are padded to the round's longest completion, and a causal model's
     outputs before a column never depend on it, so the rest need no forward or backward."""
-    scored = completion_mask.bool().any(0).nonzero()  # a host sync
-    return int(scored[-1]) + 1 if len(scored) else 1
+    C = completion_mask.shape[1]
+    if C == 0:
+        return 1
+    scored = completion_mask.bool().any(0)  # [C]
+    # column j's number j + 1 where scored, else 0: the largest is the width
+    numbers = torch.arange(1, C + 1, device=completion_mask.device)
+    return max(int((scored * numbers).max()), 1)  # one host sync
 
 
 def score_chunks(
@@ -317,14 +322,23 @@ def rows_without_gradient(advantages, beta, model, length, entropy_bonus=False):
     if beta != 0 or entropy_bonus:
         return None
     free = advantages == 0
-    params = sum(p.numel() for p in model.parameters())
-    saved = 4 * params * int(free.sum()) * length
-    floor = SKIP_MIN_FLOPS.get(advantages.device.type, SKIP_MIN_FLOPS["cuda"])
-    if saved < floor:
+    saved = backward_flops(model, int(free.sum()), length)
+    if saved < skip_min_flops(advantages.device):
         free[:] = False
     if free.all():
         free[0] = False
     return free
+
+
+def backward_flops(model, rows: int, length: int) -> int:
+    """The FLOPs a backward over `rows` rows of `length` tokens costs."""
+    params = sum(p.numel() for p in model.parameters())
+    return 4 * params * rows * length
+
+
+def skip_min_flops(device: torch.device) -> float:
+    """The backward FLOPs a skipped backward must save to pay on device."""
+    return SKIP_MIN_FLOPS.get(device.type, SKIP_MIN_FLOPS["cuda"])
 
 
 def policy_logprobs(
@@ -347,9 +361,13 @@ def policy_logprobs(
     backward, no stored activations). Their log-probs and entropies still
     count in the loss and the metrics. The entropy carries a gradient
     only with entropy_bonus."""
-    free = rows_without_gradient(
-        advantages, beta, model, input_ids.shape[1], entropy_bonus=entropy_bonus
-    )
+    n, length = input_ids.shape
+    free = None
+    # on one rank, a batch whose every row freed would not pay is decided
+    # from its shape alone: no read of the advantages (a host sync)
+    alone = world_size == 1
+    if not alone or backward_flops(model, n, length) >= skip_min_flops(advantages.device):
+        free = rows_without_gradient(advantages, beta, model, length, entropy_bonus=entropy_bonus)
     return _split_scoring(
         model,
         input_ids,

@@ -313,15 +313,15 @@ def add_round_metrics(run, t, rounds: list[dict], records):
     Each record also gets TRL's `epoch` at its step. Also checks the
     rewards and keeps a few samples."""
     info = t.info
-    gens = [generation_metrics(t, s["ro"], s["rewards"]) for s in rounds]
+    checks = {}  # check_rewards' numbers, of the last round
+    gens = [generation_metrics(t, s["ro"], s["rewards"], checks) for s in rounds]
     gen = {k: sum(g[k] for g in gens) / len(gens) for k in gens[0]}
     timing = {}
     for s in rounds:
         for k, v in s["timing"].items():
             timing[k] = timing.get(k, 0.0) + v
     last = rounds[-1]
-    total = total_reward(last["rewards"], t.reward_weights)
-    check_rewards(run, total, gens[-1]["frac_reward_zero_std"])
+    check_rewards(run, checks["scored"], checks["max_abs"], gens[-1]["frac_reward_zero_std"])
     check_lengths(run, gen["completions/clipped_ratio"], t.cfg.max_completion_length)
     shown = t.cfg.num_completions_to_print or 2
     run.samples = shown_samples(
@@ -336,8 +336,10 @@ def add_round_metrics(run, t, rounds: list[dict], records):
     user_metrics = {k: sum(v) / len(v) for k, v in logged.items()}
     updates = sum(m["time/update"] for m in records)
     cycle_time = sum(timing.values()) + updates
-    tokens = torch.tensor(float(sum(s["ro"].num_tokens() for s in rounds)), device=info.device)
-    tokens = dist.all_reduce_sum(tokens, info).item()
+    tokens = float(sum(s["ro"].num_tokens() for s in rounds))
+    if info.world_size > 1:
+        tokens = torch.tensor(tokens, device=info.device)
+        tokens = dist.all_reduce_sum(tokens, info).item()
     # TRL's num_tokens: prompt + completion tokens seen so far, all ranks
     seen = run.history[-1].get("num_tokens", 0) if run.history else 0
     num_prompts = len(t.prompts.rows)
@@ -364,13 +366,48 @@ def micro_batch_weights(mask: torch.Tensor, loss_cfg) -> dict:
     """How much a micro-batch's value of each sampling/* metric weighs in
     its step's: its tokens (the sampler's log-prob difference; the
     correction's weights per token) or its rows (weights per sequence).
-    mask: [n, C]."""
-    tokens = float(mask.sum())
+    mask: [n, C]. The token count stays a 0-dim tensor (read_floats reads
+    it with the step's metrics)."""
+    tokens = mask.sum()
     per_row = loss_cfg.vllm_importance_sampling_mode.startswith("sequence")
     return {
         "sampling/sampling_logp_difference/mean": tokens,
         "sampling/importance_sampling_ratio/mean": len(mask) if per_row else tokens,
     }
+
+
+def read_floats(tree):
+    """tree (nested dicts, lists, tuples) with each 0-dim tensor in it
+    replaced by its Python float, all read from the device at once: one
+    host sync where a float() each would wait for the device every time.
+    The floats are float()'s (a float32 widens to float64 exactly)."""
+    tensors = list(_tensors(tree))
+    if not tensors:
+        return tree
+    stacked = torch.stack([x.detach().double().reshape(()) for x in tensors])
+    return _with_floats(tree, iter(stacked.tolist()))
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensors(value)
+
+
+def _with_floats(tree, floats):
+    """tree with its tensors, in _tensors' order, replaced by floats."""
+    if isinstance(tree, torch.Tensor):
+        return next(floats)
+    if isinstance(tree, dict):
+        return {k: _with_floats(v, floats) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_with_floats(v, floats) for v in tree)
+    return tree
 
 
 def across_micro_batches(values: dict, info) -> dict:
@@ -406,44 +443,81 @@ def across_micro_batches(values: dict, info) -> dict:
     return out
 
 
-def generation_metrics(t, ro, rewards: torch.Tensor) -> dict:
+def generation_metrics(t, ro, rewards: torch.Tensor, checks: dict | None = None) -> dict:
     """TRL's reward, completion-length and tool metrics over the round's
     completions that train, on all ranks (with dynamic sampling, those of
     the groups kept; TRL has none, so its metrics are of the batch that
-    trains). rewards: [N, K]."""
+    trains). rewards: [N, K]. checks: a dict to fill with what
+    check_rewards needs ("scored", "max_abs"). The values are read from
+    the device at once; a reward column holding NaN (unscored rows) is
+    read again, its scored rows alone."""
     info = t.info
     total = total_reward(rewards, t.reward_weights)  # [N], NaN = unscored
-    scored = total[~torch.isnan(total)]
     groups = total.view(-1, t.cfg.num_generations)  # [N/G, G]
     group_std = nanstd(groups, dim=1)  # NaN where < 2 scored
     zero_std = torch.isclose(group_std, torch.zeros_like(group_std))
     lengths = dist.all_gather_rows(ro.completion_lengths.float(), info)
     truncated = dist.all_gather_rows(ro.truncated.float(), info)
-    m = {
-        "reward": scored.mean().item(),
-        "reward_std": scored.std().item() if len(scored) > 1 else 0.0,
-        "frac_reward_zero_std": zero_std.float().mean().item(),
-        "completions/mean_length": lengths.mean().item(),
-        "completions/min_length": lengths.min().item(),
-        "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": truncated.mean().item(),
-    }
-    # TRL's: lengths of the completions that ended with a stop token (0 if none)
-    ended = lengths[truncated == 0]
-    if len(ended) == 0:
-        ended = torch.zeros(1)
-    m["completions/mean_terminated_length"] = ended.mean().item()
-    m["completions/min_terminated_length"] = ended.min().item()
-    m["completions/max_terminated_length"] = ended.max().item()
+    # TRL's: lengths of the completions that ended with a stop token (0 if
+    # none). Lengths are whole numbers: their float32 sum is exact in any
+    # order, so the masked sum is the sum of the ended rows alone.
+    ended = truncated == 0  # [N]
+    some = ended.any()
+    count = ended.sum().clamp(min=1)
+    columns = [total] + [rewards[:, k].contiguous() for k in range(len(t.reward_funcs))]
+    read = read_floats(
+        {
+            "stats": [_nan_free_stats(column) for column in columns],
+            "max_abs": torch.where(torch.isnan(total), 0, total).abs().max(),
+            "frac_reward_zero_std": zero_std.float().mean(),
+            "completions/mean_length": lengths.mean(),
+            "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(),
+            "completions/clipped_ratio": truncated.mean(),
+            "completions/mean_terminated_length": torch.where(ended, lengths, 0).sum() / count,
+            "completions/min_terminated_length": torch.where(
+                some, torch.where(ended, lengths, math.inf).min(), 0
+            ),
+            "completions/max_terminated_length": torch.where(
+                some, torch.where(ended, lengths, -math.inf).max(), 0
+            ),
+        }
+    )
+    stats = [
+        _scored_stats(column, *values)
+        for column, values in zip(columns, read.pop("stats"), strict=True)
+    ]
+    if checks is not None:
+        checks["scored"] = len(total) - stats[0][2]
+        checks["max_abs"] = read.pop("max_abs")
+    read.pop("max_abs", None)
+    m = {"reward": stats[0][0], "reward_std": stats[0][1]}
+    m.update(read)
     if ro.tool_calls is not None:  # the config's tools or an environment's
         m.update(tool_metrics(ro, info))
-    for k, (name, _) in enumerate(t.reward_funcs):
-        column = rewards[:, k][~torch.isnan(rewards[:, k])]
-        mean = column.mean().item() if len(column) else math.nan
-        std = column.std().item() if len(column) > 1 else 0.0
+    for (name, _), (mean, std, _) in zip(t.reward_funcs, stats[1:], strict=True):
         m[f"rewards/{name}/mean"] = mean
         m[f"rewards/{name}/std"] = std
     return m
+
+
+def _nan_free_stats(x: torch.Tensor) -> list:
+    """[mean, std, unscored rows] of x [N] as 0-dim tensors: x's mean and
+    std are its scored rows' when no row is NaN (the common case)."""
+    std = x.std() if len(x) > 1 else torch.zeros((), device=x.device)
+    return [x.mean(), std, torch.isnan(x).sum()]
+
+
+def _scored_stats(x: torch.Tensor, mean: float, std: float, unscored: float) -> tuple:
+    """(mean, std, unscored rows) of x's scored rows: the whole-column
+    values already read, or where a row is NaN, those of the scored rows
+    alone (NaN mean and 0 std when fewer than 1 and 2)."""
+    if unscored == 0:
+        return mean, std, 0
+    scored = x[~torch.isnan(x)]
+    mean = scored.mean().item() if len(scored) else math.nan
+    std = scored.std().item() if len(scored) > 1 else 0.0
+    return mean, std, int(unscored)
 
 
 def tool_metrics(ro, info) -> dict:
@@ -483,8 +557,11 @@ def shown_samples(ro, rewards: torch.Tensor, weights, k: int = 2, columns=None) 
     (TRL's table puts them after its own)}. rewards: [n, K] this rank's;
     columns: {name: [n] values}."""
     G = ro.num_generations
+    shown = range(0, min(k * G, len(ro.prompts)), G)
+    # each shown row's total, read at once
+    totals = read_floats([total_reward(rewards[i : i + 1], weights)[0] for i in shown])
     out = []
-    for i in range(0, min(k * G, len(ro.prompts)), G):
+    for i, reward in zip(shown, totals, strict=True):
         prompt = ro.prompts[i]
         completion = ro.completions[i]
         if not isinstance(prompt, str):
@@ -494,7 +571,7 @@ def shown_samples(ro, rewards: torch.Tensor, weights, k: int = 2, columns=None) 
         row = {
             "prompt": prompt,
             "completion": completion,
-            "reward": total_reward(rewards[i : i + 1], weights).item(),
+            "reward": reward,
         }
         for name, values in (columns or {}).items():
             row.setdefault(name, values[i])  # the table's own columns keep their names
@@ -527,12 +604,12 @@ def warn_once(run, key: str, message: str):
         dist.print0(f"warning: {message}")
 
 
-def check_rewards(run, total: torch.Tensor, frac_zero_std: float, patience: int = 10):
+def check_rewards(run, scored: int, max_abs: float, frac_zero_std: float, patience: int = 10):
     """Say so (once each) when a round's rewards cannot teach: none
     scored, too large for float32 statistics, or no spread in any group
-    for `patience` rounds in a row. total: [N] weighted rewards."""
-    scored = total[~torch.isnan(total)]
-    if len(scored) == 0:
+    for `patience` rounds in a row. scored: rows with a weighted reward;
+    max_abs: their largest |reward| (generation_metrics' checks)."""
+    if scored == 0:
         warn_once(
             run,
             "unscored",
@@ -540,11 +617,11 @@ def check_rewards(run, total: torch.Tensor, frac_zero_std: float, patience: int 
             "function returned None or NaN for every completion, "
             "so nothing is learned",
         )
-    elif scored.abs().max() > 1e18:
+    elif max_abs > 1e18:
         warn_once(
             run,
             "overflow",
-            f"rewards up to {scored.abs().max():.2e} overflow float32 "
+            f"rewards up to {max_abs:.2e} overflow float32 "
             "statistics (the group std becomes inf, advantages 0): "
             "rescale the reward functions",
         )
