@@ -511,3 +511,35 @@ def test_torchrun_trains_shapes_whose_groups_span_processes(tmp_path, nproc, sha
     lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [m["step"] for m in lines] == [1, 2]
     assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in lines)
+
+
+def nested_gather(rank, world_size, port, out_dir):
+    """Whether the parameters are still whole after an inner `gathered` ends inside an outer one,
+    and sharded again after the outer ends."""
+    join_group(rank, world_size, port)
+    from torch.distributed.tensor import DTensor
+
+    from nanogrpo import dist
+    from nanogrpo.checkpoint import load_model
+
+    info = dist.setup("cpu")
+    model = load_model(fixture_path("qwen2"), info=info)
+    weight = model.layers[0].mlp.gate_proj  # a block's linear: its weight is a DTensor when sharded
+    with dist.gathered(model):
+        with dist.gathered(model):  # rollout's, inside train.py's
+            pass
+        whole_after_inner = not isinstance(weight.weight, DTensor)
+    sharded_after_outer = isinstance(weight.weight, DTensor)
+    torch.save((whole_after_inner, sharded_after_outer), f"{out_dir}/rank{rank}.pt")
+    dist.teardown()
+
+
+def test_a_gather_inside_a_gather_leaves_the_parameters_to_the_outer_one(tmp_path):
+    """train.py gathers the parameters before a round's abandonable window (nothing collective
+    may run inside it) and rollout gathers them too: the inner one must not shard them again
+    when it ends, or a forward later in the window would gather them inside it."""
+    mp.start_processes(
+        nested_gather, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == (True, True)

@@ -82,13 +82,13 @@ def _pick_device(device: str, world_size: int, local_rank: int):
     if not device.startswith("cuda"):
         return torch.device(device)
     if not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but no CUDA device is "
-                         "visible; use device='cpu'")
+        raise ValueError(f"device={device!r} but no CUDA device is visible; use device='cpu'")
     if device != "cuda" and world_size > 1:
         raise ValueError(
             f"device={device!r} puts every one of the {world_size} processes "
             "on one GPU; use device='cuda' (each rank takes its LOCAL_RANK's "
-            "GPU) or CUDA_VISIBLE_DEVICES")
+            "GPU) or CUDA_VISIBLE_DEVICES"
+        )
     index = local_rank if device == "cuda" else int(device.split(":")[1])
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
@@ -165,8 +165,7 @@ def max_over_ranks(value: int, info: DistInfo) -> int:
 FAILED_KEY = "nanogrpo/failed"  # in torchrun's store: a rank's last words
 
 
-def collective_failure(e: BaseException, info: DistInfo,
-                       timeout: float) -> str | None:
+def collective_failure(e: BaseException, info: DistInfo, timeout: float) -> str | None:
     """What a failed collective says about the other ranks, in words
     ("rank 1 stopped answering (ddp_timeout=10 s)"), or None when e is no
     collective's failure. gloo raises a RuntimeError naming its own source
@@ -238,13 +237,18 @@ def shard_model(model, info: DistInfo, mixed_precision: bool):
     blocks compute in bf16 and gradients are reduced in fp32 while the
     sharded master weights stay fp32."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import (MixedPrecisionPolicy, fully_shard,
-                                        register_fsdp_forward_method)
+    from torch.distributed.fsdp import (
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     kwargs = {"mesh": mesh}
     if mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -275,8 +279,8 @@ def fill_from_rank0(model, full: dict):
     """Fill a sharded model (allocated, values undefined) from rank 0's full
     state dict, broadcast shard by shard (other ranks pass {}), so no GPU
     ever holds a full copy."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, set_model_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
 
@@ -284,21 +288,32 @@ def fill_from_rank0(model, full: dict):
 def fsdp_modules(model):
     """The FSDP-wrapped modules of model (empty for a plain module)."""
     from torch.distributed.fsdp import FSDPModule
+
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+# ids of the models a `gathered` holds unsharded now
+_held = set()
 
 
 @contextmanager
 def gathered(model):
     """Gather every sharded parameter once for a whole sampling phase (not
     once per decode step), and shard them again afterwards. A no-op for an
-    unsharded model."""
+    unsharded model, and inside another `gathered` of the same model: the
+    outer one shards them again when it ends."""
     modules = fsdp_modules(model)
+    if not modules or id(model) in _held:
+        yield model
+        return
+    _held.add(id(model))
     for m in modules:
         m.unshard()
         m.set_reshard_after_forward(False)
     try:
         yield model
     finally:
+        _held.discard(id(model))
         for m in modules:
             m.set_reshard_after_forward(True)
             m.reshard()
@@ -308,6 +323,7 @@ def gradient_sync(model, enabled: bool):
     """Turn FSDP's gradient reduce-scatter on (last micro-step) or off
     (earlier micro-steps)."""
     from torch.distributed.fsdp import FSDPModule
+
     if isinstance(model, FSDPModule):  # the root; recurse=True reaches every block
         model.set_requires_gradient_sync(enabled, recurse=True)
 
@@ -330,10 +346,9 @@ def full_state_dict(model, keep=None) -> dict:
     to the CPU)."""
     if not fsdp_modules(model):
         state = model.state_dict()
-        return {k: v.detach().cpu() for k, v in state.items()
-                if keep is None or keep(k)}
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_model_state_dict)
+        return {k: v.detach().cpu() for k, v in state.items() if keep is None or keep(k)}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
     if rank() != 0:
