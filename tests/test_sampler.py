@@ -834,3 +834,28 @@ def test_ratio_with_top_k_is_the_kept_mass():
     ratio = (trainer - out.logprobs).exp()  # [N,C]
     assert torch.allclose(ratio[mask], kept[mask], atol=1e-5, rtol=0)
     assert (ratio[mask] < 1).all()
+
+
+def test_compiled_decode_under_bf16_autocast_over_fp32_weights(monkeypatch):
+    """One unsharded bf16 training process samples under autocast with fp32 weights: the static
+    cache is bf16 (what its keys are computed in; under autocast k leaves RoPE in fp32 and v in
+    bf16), the compiled step writes both into it and equals the eager step."""
+    torch._dynamo.reset()
+    step = torch.compile(
+        fast_sampling._decode_step, backend="aot_eager", dynamic=False, fullgraph=True
+    )
+    monkeypatch.setattr(fast_sampling, "_COMPILED", {None: step})
+    model = Transformer(tiny_config())
+    args = dict(num_samples=3, max_new_tokens=6, seeds=[1, 2], top_p=0.9, stop_ids=[3])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (
+            model.cache_dtype() == torch.bfloat16
+            and model.new_cache(1, 4).k[0].dtype == torch.bfloat16
+        )
+        fast = generate(model, [[1, 2, 3], [4, 5]], decoder=StaticDecoder, **args)
+        want = generate(model, [[1, 2, 3], [4, 5]], **args)
+    assert model.cache_dtype() == torch.float32
+    assert torch.equal(fast.completion_ids, want.completion_ids)
+    # the static step attends over every slot of its bucket (masked), eager over the filled ones:
+    # bf16 attention sums in another order (seen 5e-4 at |logp| ~4.5)
+    torch.testing.assert_close(fast.logprobs, want.logprobs, rtol=0, atol=1e-2)
