@@ -189,7 +189,7 @@ def micro_batches(t: Trainer, ro: Rollout, rnd: int) -> list[tuple]:
     size = t.cfg.per_device_train_batch_size
     seed = round_seed(t.cfg, rnd, t.info.rank, salt=1)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    perm = perm.to(t.info.device)
+    perm = dist.to_device(perm, t.info.device)
     micro = [perm[i : i + size] for i in range(0, n, size)]
     return [(ro, micro[k]) for k in t.sched.replay_order()]
 
@@ -321,7 +321,7 @@ def sample_round(t: Trainer, rnd: int) -> tuple[Rollout, dict]:
         draw = partial(draw_more, t, generator, logs)
         ro, local, stats = groups_with_signal(t, ro, local, logs, draw)
         extra = time.time() - start
-    rewards = dist.all_gather_rows(local.to(info.device), info).float()
+    rewards = dist.all_gather_rows(dist.to_device(local, info.device), info).float()
     ro.advantages = advantages_of(t, rewards, cfg.num_generations)
     ro.num_items = dist.all_reduce_sum(ro.completion_mask.sum(), info)
     t2 = time.time()

@@ -114,14 +114,16 @@ def join_prompt_completion(
     """
     P = max(len(p) for p in prompt_ids)
     n, C = completion_ids.shape
-    input_ids = torch.full((n, P + C), pad_id, dtype=torch.long, device=completion_ids.device)
-    attention_mask = torch.zeros((n, P + C), dtype=torch.long, device=completion_ids.device)
+    # the prompts are host lists: laid out on the CPU, moved in one copy
+    both = torch.zeros((2, n, P), dtype=torch.long)  # [ids, mask] of the prompts
+    both[0] = pad_id
     for i, p in enumerate(prompt_ids):
         rows = slice(i * num_generations, (i + 1) * num_generations)
-        input_ids[rows, P - len(p) : P] = torch.tensor(p, device=completion_ids.device)
-        attention_mask[rows, P - len(p) :] = 1
-    input_ids[:, P:] = completion_ids
-    return input_ids, attention_mask
+        both[0, rows, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+        both[1, rows, P - len(p) :] = 1
+    ids, mask = dist.to_device(both, completion_ids.device)
+    input_ids = torch.cat([ids, completion_ids], 1)
+    return input_ids, torch.cat([mask, torch.ones_like(completion_ids)], 1)
 
 
 def sampling_kwargs(cfg, tok=None, kernels=None) -> dict:

@@ -118,6 +118,16 @@ def print0(*args, **kwargs):
 # Collectives (identity with one process)
 
 
+def to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """A CPU tensor on `device` without the host waiting for the GPU: a copy
+    from pageable memory would drain the stream first; from pinned memory it
+    is queued (the caching host allocator keeps the buffer until it is done)."""
+    device = torch.device(device)
+    if device.type != "cuda" or x.device.type != "cpu":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 def all_reduce_sum(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """Sum of x over ranks (a new tensor)."""
     x = x.clone()
@@ -249,6 +259,9 @@ def shard_model(model, info: DistInfo, mixed_precision: bool):
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
+        # outside a forward the parameters are the fp32 shards: a KV cache made then
+        # (fast/logprobs.py's prompt pass) must still hold the bf16 keys the blocks compute
+        model.compute_dtype = torch.bfloat16
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

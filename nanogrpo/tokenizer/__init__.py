@@ -173,11 +173,13 @@ class Tokenizer:
         self, completion_ids, completion_mask
     ) -> tuple[list[list[int]], list[str]]:
         """Generated rows [N,C] (right-padded, mask [N,C]) -> (each row's ids up to its length, its
-        text with special tokens skipped). One device-to-host transfer for the lengths of the
-        whole batch.
+        text with special tokens skipped). One device-to-host transfer for the whole batch.
         """
-        lengths = completion_mask.sum(1).tolist()
-        ids = [row[:n] for row, n in zip(completion_ids.tolist(), lengths)]
+        N, C = completion_ids.shape
+        both = completion_ids.new_empty((N, 1 + C))  # [N, 1+C]: each row's length, its ids
+        both[:, 0] = completion_mask.sum(1)
+        both[:, 1:] = completion_ids
+        ids = [row[1 : 1 + row[0]] for row in both.tolist()]
         return ids, self.batch_decode(ids)
 
     def apply_chat_template(
