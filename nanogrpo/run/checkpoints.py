@@ -6,27 +6,34 @@ out_dir/checkpoint links to the newest.
 Owns: `save_checkpoint` (written under a temporary name, renamed when
 complete, then the link swapped), `prune_checkpoints` (save_total_limit),
 what a checkpoint needs to be resumed, whole (`unresumable`), the optimizer's files
-(`save_optimizer`) and `load_trainer_state`.
+(`save_optimizer`, `load_optimizer`) and `load_trainer_state`.
 
 Does not know about: the model's file format (checkpoint/__init__.py writes
 it), what the trainer state holds (run/__init__.py's save decides), or the
 GRPO math.
 
-With several processes rank 0 writes every file; the gathering and barriers
-are dist/__init__.py's and torch.distributed's.
+With several processes rank 0 writes the model and the JSON files (the
+weights gathered by dist/__init__.py) and every rank writes its own shard
+of the optimizer, all into rank 0's temporary directory, which rank 0
+renames once every rank is done: out_dir must be one filesystem every rank
+sees.
 
 Choices:
 - No pickle: the trainer state and the optimizer's settings are JSON, its
   tensors safetensors, so a checkpoint cannot run code.
-- The optimizer is saved whole (gathered to rank 0's CPU under FSDP2, as
-  the weights are) and keyed by parameter name, as one process holds it:
-  a checkpoint written by N processes resumes on M.
+- The optimizer is saved per process (trainer/optimizer-rank<r>-of-<N>.safetensors,
+  FSDP2's dim-0 shards as each rank holds them; no rank gathers more than
+  its own) and keyed by parameter name, with optimizer.json saying which rows
+  each file holds: a checkpoint written by N processes resumes on M, each
+  rank reading only the rows of its new shards. The single
+  trainer/optimizer.safetensors of older checkpoints (and the older
+  trainer/optimizer.pt, on one process) still load.
 """
 
 import json
 import os
 import shutil
-from contextlib import suppress
+from contextlib import ExitStack, suppress
 
 import torch
 
@@ -52,6 +59,8 @@ def save_checkpoint(
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash
         os.makedirs(os.path.join(tmp, "trainer"))
+    # every rank writes its optimizer shard there: rank 0 sends it once made
+    tmp = dist.broadcast_object(tmp)
     try:
         if info.is_main:
             checkpoint.write_model(
@@ -107,13 +116,12 @@ def prune_checkpoints(
     return remaining
 
 
-# What a checkpoint holds, beside the model's files: all of it is needed
-# to resume.
+# What a checkpoint holds, beside the model's files and the optimizer's
+# tensors (optimizer_files): all of it is needed to resume.
 RUN_STATE_FILES = [
     "train_config.json",
     "trainer/trainer_state.json",
     "trainer/optimizer.json",
-    "trainer/optimizer.safetensors",
 ]
 # the one-process optimizer file of older checkpoints: tensors and plain
 # numbers, read with torch.load(weights_only=True), which runs no code
@@ -151,15 +159,32 @@ def unresumable(ckpt_dir) -> str | None:
         problem = damaged(ckpt_dir, name)
         if problem:
             return problem
+    named = []  # (file, the file that names it)
     if has("model.safetensors.index.json"):
         index = checkpoint.read_json(os.path.join(ckpt_dir, "model.safetensors.index.json"))
         for name in sorted(set(index.get("weight_map", {}).values())):
-            if not has(name):
-                return f"no {name} (model.safetensors.index.json names it)"
-            problem = damaged(ckpt_dir, name)
-            if problem:
-                return problem
+            named.append((name, "model.safetensors.index.json"))
+    if not has(LEGACY_OPTIMIZER):
+        for name in optimizer_files(os.path.join(ckpt_dir, "trainer")):
+            named.append((f"trainer/{name}", "trainer/optimizer.json"))
+    for name, by in named:
+        if not has(name):
+            return f"no {name} ({by} names it)"
+        problem = damaged(ckpt_dir, name)
+        if problem:
+            return problem
     return None
+
+
+def optimizer_files(path) -> list[str]:
+    """The optimizer's safetensors files in `path` (a checkpoint's trainer/),
+    as its optimizer.json names them: one per saving rank, or the single
+    optimizer.safetensors of older checkpoints."""
+    layout = checkpoint.read_json(os.path.join(path, "optimizer.json"))
+    world = layout.get("world_size")
+    if world is None:
+        return ["optimizer.safetensors"]
+    return [rank_file(r, world) for r in range(world)]
 
 
 def damaged(ckpt_dir, name: str) -> str | None:
@@ -205,60 +230,187 @@ def safetensors_problem(path) -> str | None:
     return None
 
 
-def save_optimizer(path, model, optimizer, info: dist.DistInfo):
-    """The optimizer's whole state, keyed by parameter name (every rank
-    calls it: under FSDP2 it gathers to rank 0, which writes):
-    optimizer.safetensors holds its tensors ("<param>.<field>", e.g.
-    "layers.0.mlp.up_proj.weight.exp_avg"), optimizer.json its
-    param_groups and any field that is not a tensor."""
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+def rank_file(rank: int, world_size: int) -> str:
+    """The name of the file of optimizer tensors rank `rank` of
+    `world_size` processes writes."""
+    return f"optimizer-rank{rank:05d}-of-{world_size:05d}.safetensors"
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_optimizer_state_dict(model, optimizer, options=options)
-    if not info.is_main:
-        return  # {} here: rank 0 holds the gathered state
-    tensors = {}
+
+def shard_rows(num_rows: int, rank: int, world_size: int) -> list[int]:
+    """[begin, end) of the dim-0 rows `rank` holds of a tensor FSDP2 shards
+    over `world_size` ranks (torch.chunk's rule: blocks of
+    ceil(num_rows / world_size), the last ones short or empty)."""
+    size = -(-num_rows // world_size)
+    begin = min(num_rows, rank * size)
+    return [begin, min(num_rows, begin + size)]
+
+
+def save_optimizer(path, model, optimizer, info: dist.DistInfo):
+    """Write the optimizer state into `path`, each rank its own shard, keyed
+    by parameter name (every rank calls it; nothing is gathered).
+    rank_file(rank, world_size) holds that rank's tensors ("<param>.<field>",
+    e.g. "layers.0.mlp.up_proj.weight.exp_avg"); rank 0's optimizer.json holds
+    the param_groups, the fields that are not tensors, world_size, and for each
+    tensor its global shape, dtype and rows: the [begin, end) of dim 0 each
+    rank's file holds, or null for a tensor whole in rank 0's file (AdamW's
+    step, every tensor of one process)."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.tensor import DTensor, Shard
+
+    # under FSDP2 its tensors are this rank's DTensor shards, not copies
+    state = get_optimizer_state_dict(model, optimizer)
+    mine = {}  # what this rank's file holds
+    tensors = {}  # name -> shape, dtype, rows
     others = {}  # {param: {field: value}} of fields that are not tensors
     for name, fields in state["state"].items():
         for key, value in fields.items():
-            if torch.is_tensor(value):
-                tensors[f"{name}.{key}"] = value.detach().cpu().contiguous()
-            else:
+            if not torch.is_tensor(value):
                 others.setdefault(name, {})[key] = value
-    save_file(tensors, os.path.join(path, "optimizer.safetensors"))
-    layout = {"param_groups": state["param_groups"], "state": others}
-    checkpoint.write_json(os.path.join(path, "optimizer.json"), layout)
+                continue
+            rows = None
+            shape = list(value.shape)
+            dtype = str(value.dtype).removeprefix("torch.")
+            if isinstance(value, DTensor):
+                assert value.placements == (Shard(0),), value.placements
+                n = shape[0]
+                rows = [shard_rows(n, r, info.world_size) for r in range(info.world_size)]
+                value = value.to_local()  # [rows of this rank, ...]
+                begin, end = rows[info.rank]
+                assert value.shape[0] == end - begin, (name, value.shape, rows)
+            tensors[f"{name}.{key}"] = {"shape": shape, "dtype": dtype, "rows": rows}
+            if rows is not None or info.is_main:
+                mine[f"{name}.{key}"] = value.detach().cpu().contiguous()
+    save_file(mine, os.path.join(path, rank_file(info.rank, info.world_size)))
+    if info.is_main:
+        layout = {
+            "param_groups": state["param_groups"],
+            "state": others,
+            "world_size": info.world_size,
+            "tensors": tensors,
+        }
+        checkpoint.write_json(os.path.join(path, "optimizer.json"), layout)
+
+
+def read_layout(path) -> dict:
+    """optimizer.json of `path`, with "files": the safetensors files in
+    saving rank order. A checkpoint older than the per-rank files has one,
+    optimizer.safetensors, with every tensor whole: its table of tensors
+    comes from that file's header."""
+    from safetensors import safe_open
+
+    layout = checkpoint.read_json(os.path.join(path, "optimizer.json"))
+    layout["files"] = optimizer_files(path)
+    if "tensors" in layout:
+        return layout
+    with safe_open(os.path.join(path, "optimizer.safetensors"), framework="pt") as f:
+        tensors = {k: {"shape": f.get_slice(k).get_shape(), "rows": None} for k in f.keys()}
+    layout["tensors"] = tensors
+    return layout
+
+
+class ShardReader:
+    """Reads saved optimizer tensors, or rows of them, from only the files
+    that hold them (safetensors reads just those bytes); each file is opened
+    once. Use as a context manager."""
+
+    def __init__(self, path, layout: dict):
+        self.path = path
+        self.layout = layout
+        self.stack = ExitStack()
+        self.opened = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stack.close()
+
+    def file(self, name: str):
+        from safetensors import SafetensorError, safe_open
+
+        if name not in self.opened:
+            file = os.path.join(self.path, name)
+            try:
+                opened = safe_open(file, framework="pt", device="cpu")
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{file} cannot be read (truncated or corrupt?): {e}") from None
+            self.opened[name] = self.stack.enter_context(opened)
+        return self.opened[name]
+
+    def read(self, key: str, rows=None) -> torch.Tensor:
+        """The tensor `key`, or only its dim-0 rows [begin, end) = rows."""
+        entry = self.layout["tensors"][key]
+        files = self.layout["files"]
+        if entry["rows"] is None:  # whole, in the first file
+            f = self.file(files[0])
+            if rows is None:
+                return f.get_tensor(key)
+            return f.get_slice(key)[rows[0] : rows[1]]
+        begin, end = rows or [0, entry["shape"][0]]
+        parts = []
+        for name, (lo, hi) in zip(files, entry["rows"]):
+            a = max(begin, lo)
+            b = min(end, hi)
+            if a < b:
+                parts.append(self.file(name).get_slice(key)[a - lo : b - lo])
+        if not parts:  # an empty shard: rank 0's file holds rows of every one
+            parts.append(self.file(files[0]).get_slice(key)[0:0])
+        return torch.cat(parts)
+
+
+def local_value(reader: ShardReader, key: str, param) -> torch.Tensor:
+    """The saved state tensor `key` as this rank's optimizer holds it for
+    `param`: under FSDP2 a tensor shaped like its parameter is this rank's
+    rows of it, a DTensor placed as the parameter is; anything else (AdamW's
+    step, every tensor of one process) whole."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = list(reader.layout["tensors"][key]["shape"])
+    if not isinstance(param, DTensor) or shape != list(param.shape):
+        return reader.read(key)
+    assert param.placements == (Shard(0),), param.placements
+    mesh = param.device_mesh
+    rows = shard_rows(shape[0], mesh.get_local_rank(), mesh.size())
+    local = reader.read(key, rows).to(param.device)  # [rows of this rank, ...]
+    assert local.shape == param.to_local().shape, (key, local.shape)
+    return DTensor.from_local(
+        local, mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
 
 
 def read_optimizer(path) -> dict:
-    """save_optimizer's files -> the optimizer state dict keyed by
-    parameter name (torch.distributed.checkpoint.state_dict's layout)."""
-    layout = checkpoint.read_json(os.path.join(path, "optimizer.json"))
-    tensors = checkpoint.read_safetensors(path, file="optimizer.safetensors")
+    """save_optimizer's files (or an older optimizer.safetensors) -> the
+    whole optimizer state dict keyed by parameter name
+    (torch.distributed.checkpoint.state_dict's layout), on this process."""
+    layout = read_layout(path)
     state = layout["state"]
-    for key, value in tensors.items():
-        name, field = key.rsplit(".", 1)
-        state.setdefault(name, {})[field] = value
+    with ShardReader(path, layout) as reader:
+        for key in layout["tensors"]:
+            name, field = key.rsplit(".", 1)
+            state.setdefault(name, {})[field] = reader.read(key)
     return {"state": state, "param_groups": layout["param_groups"]}
 
 
-def load_optimizer(path, model, optimizer, info: dist.DistInfo):
+def load_optimizer(path, model, optimizer):
     """Fill `optimizer` from save_optimizer's files in `path`, saved by any
-    number of processes. Under FSDP2 rank 0 reads them and each tensor is
-    broadcast and cut into this run's shards (every rank calls it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    number of processes, or from an older single optimizer.safetensors.
+    Every rank calls it and reads only the rows of its own shards."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    state = {"state": {}, "param_groups": None}  # ranks > 0: rank 0 sends
-    if info.is_main:
-        state = read_optimizer(path)
-    state["param_groups"] = dist.broadcast_object(state["param_groups"])
-    for saved, group in zip(state["param_groups"], optimizer.param_groups):
+    layout = read_layout(path)
+    params = dict(model.named_parameters())
+    state = layout["state"]  # fields that are not tensors
+    with ShardReader(path, layout) as reader:
+        for key in layout["tensors"]:
+            name, field = key.rsplit(".", 1)
+            if name not in params:
+                raise ValueError(f"{path}: the optimizer state of {name!r}, not in this model")
+            state.setdefault(name, {})[field] = local_value(reader, key, params[name])
+    groups = layout["param_groups"]
+    for saved, group in zip(groups, optimizer.param_groups):
         saved.update({k: group[k] for k in IMPLEMENTATION if k in group})
-    options = None
-    if info.sharded:
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_optimizer_state_dict(model, optimizer, state, options=options)
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups})
 
 
 def load_trainer_state(ckpt_dir, model, optimizer, info: dist.DistInfo) -> dict:
@@ -267,7 +419,7 @@ def load_trainer_state(ckpt_dir, model, optimizer, info: dist.DistInfo) -> dict:
     path = os.path.join(ckpt_dir, "trainer")
     legacy = os.path.join(ckpt_dir, LEGACY_OPTIMIZER)
     if os.path.exists(os.path.join(path, "optimizer.json")) or not os.path.exists(legacy):
-        load_optimizer(path, model, optimizer, info)
+        load_optimizer(path, model, optimizer)
     elif info.sharded:
         raise ValueError(
             f"{ckpt_dir} holds a one-process optimizer in the older format "
