@@ -356,6 +356,8 @@ class ShardReader:
                 parts.append(self.file(name).get_slice(key)[a - lo : b - lo])
         if not parts:  # an empty shard: rank 0's file holds rows of every one
             parts.append(self.file(files[0]).get_slice(key)[0:0])
+        if len(parts) == 1:
+            return parts[0]  # not copied again by a cat
         return torch.cat(parts)
 
 
