@@ -12,7 +12,6 @@ import time
 import pytest
 import torch
 from conftest import ROOT, assert_no_pickle, forbid_unpickling
-from safetensors.torch import load_file
 from test_dist import torchrun
 
 import train
@@ -189,9 +188,10 @@ def test_a_damaged_newest_checkpoint_is_passed_over_by_name(tmp_path, capsys):
     assert "points at checkpoint-2: resuming from" in out
     assert f"resumed from {run}/checkpoint-1 at step 1" in out
     assert [m["step"] for m in history] == [1, 2, 3]
-    cut(run / "checkpoint-3" / "trainer" / "optimizer.safetensors", -1)
+    cut(run / "checkpoint-3" / "trainer" / "optimizer-rank00000-of-00001.safetensors", -1)
     resume = f"--resume_from_checkpoint={run}/checkpoint-3"
-    with pytest.raises(ValueError, match="trainer/optimizer.safetensors is truncated") as named:
+    damaged = "trainer/optimizer-rank00000-of-00001.safetensors is truncated"
+    with pytest.raises(ValueError, match=damaged) as named:
         train.train(tiny(tmp_path, "--max_steps=4", resume))  # a path to a damaged one: one line
     assert "\n" not in str(named.value)
 
@@ -282,8 +282,8 @@ def test_resume_with_another_dataset_names_it(tmp_path):
 
 
 def optimizer_steps(ckpt) -> set:
-    tensors = load_file(ckpt / "trainer" / "optimizer.safetensors")
-    return {v.item() for k, v in tensors.items() if k.endswith(".step")}
+    state = trainer_state.read_optimizer(ckpt / "trainer")
+    return {fields["step"].item() for fields in state["state"].values()}
 
 
 def test_a_checkpoint_of_two_processes_resumes_on_one_and_back_without_pickle(
@@ -356,6 +356,7 @@ def test_a_one_process_checkpoint_of_the_older_format_still_resumes(tmp_path):
         group["params"] = [index[n] for n in group["params"]]
     torch.save(state, ckpt / "optimizer.pt")
     (ckpt / "optimizer.json").unlink()
-    (ckpt / "optimizer.safetensors").unlink()
+    for f in ckpt.glob("optimizer-rank*.safetensors"):
+        f.unlink()
     resumed = train.train(tiny(tmp_path / "b", "--resume_from_checkpoint=true", "--max_steps=4"))
     assert strip_timing(resumed) == strip_timing(full)
