@@ -158,10 +158,8 @@ def total_reward(rewards, weights=None):
     entries, NaN for a row no function scored. The one definition that the advantages, training
     metrics, evaluation, printed samples, dynamic sampling and sample.py use."""
     K = rewards.shape[1]
-    if weights is None:  # made on the device: no copy for the host to wait on
-        w = torch.ones(K, dtype=rewards.dtype, device=rewards.device)
-    else:
-        w = torch.as_tensor(weights).to(dtype=rewards.dtype, device=rewards.device)
+    w = rewards.new_ones(K) if weights is None else torch.as_tensor(weights)  # ones: no copy
+    w = w.to(dtype=rewards.dtype, device=rewards.device)
     if w.shape != (K,):
         raise ValueError(f"reward_weights has {w.numel()} entries but rewards has K={K} columns")
     total = torch.nansum(rewards * w, dim=1)  # [N]

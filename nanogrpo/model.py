@@ -179,6 +179,8 @@ class KVCache:
 
             shapes = cache_shapes(cfg, batch_size, kv)
             self.linear = [t == "linear_attention" for t in cfg.layer_types]
+        if dtype == torch.float32 and torch.is_autocast_enabled(device.type):  # keys in bf16
+            dtype = torch.get_autocast_dtype(device.type)
         self.k = [torch.zeros(k, dtype=dtype, device=device) for k, _ in shapes]
         wide = torch.promote_types(dtype, torch.float32)  # a recurrent state stays float32
         self.v = [
@@ -238,7 +240,6 @@ class Attention(nn.Module):
             cache_start
         ):  # static shapes: attend over every slot (masked)
             slots = cache_start + torch.arange(T, device=q.device)
-            # (under autocast k is fp32 after RoPE, v bf16: both stored in the cache's dtype)
             cache.k[layer].index_copy_(2, slots, k.to(cache.k[layer].dtype))
             cache.v[layer].index_copy_(2, slots, v.to(cache.v[layer].dtype))
             k, v = cache.k[layer], cache.v[layer]  # [B,Hkv,max_len,D]
@@ -368,8 +369,6 @@ class Transformer(nn.Module):
         self.gradient_checkpointing = False
         # the LM head in float32 under autocast (lm_head_linear)
         self.cast_lm_head_to_fp32 = False
-        # the dtype keys are computed in when it is not the weights' (FSDP2's bf16 parameters)
-        self.compute_dtype = None
         if self.embed_tokens.weight.device.type != "meta":
             self.apply(self._init_weights)
 
@@ -481,17 +480,7 @@ class Transformer(nn.Module):
         return out(h)
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        """A zeroed KV cache for `batch_size` rows of up to `max_len` tokens, on the model's
-        device, in cache_dtype()."""
+        """A zeroed KV cache, `batch_size` rows of `max_len` slots, in the keys' compute dtype."""
         w = self.embed_tokens.weight
-        return KVCache(self.config, batch_size, max_len, self.cache_dtype(), w.device)
-
-    def cache_dtype(self) -> torch.dtype:
-        """The dtype the keys are computed in: autocast's over fp32 weights, FSDP2's bf16
-        parameters (compute_dtype), else the weights'. A wider cache would cast every key it
-        holds at every attention call."""
-        w = self.embed_tokens.weight
-        dtype = self.compute_dtype or w.dtype
-        if dtype == torch.float32 and torch.is_autocast_enabled(w.device.type):
-            dtype = torch.get_autocast_dtype(w.device.type)
-        return dtype
+        dtype = getattr(self, "compute_dtype", w.dtype)  # dist.shard_model sets FSDP2's
+        return KVCache(self.config, batch_size, max_len, dtype, w.device)

@@ -114,16 +114,15 @@ def join_prompt_completion(
     """
     P = max(len(p) for p in prompt_ids)
     n, C = completion_ids.shape
-    # the prompts are host lists: laid out on the CPU, moved in one copy
-    both = torch.zeros((2, n, P), dtype=torch.long)  # [ids, mask] of the prompts
+    both = torch.zeros((2, n, P), dtype=torch.long)  # prompt [ids, mask]: on the CPU, one copy
     both[0] = pad_id
     for i, p in enumerate(prompt_ids):
         rows = slice(i * num_generations, (i + 1) * num_generations)
         both[0, rows, P - len(p) :] = torch.tensor(p, dtype=torch.long)
         both[1, rows, P - len(p) :] = 1
     ids, mask = dist.to_device(both, completion_ids.device)
-    input_ids = torch.cat([ids, completion_ids], 1)
-    return input_ids, torch.cat([mask, torch.ones_like(completion_ids)], 1)
+    ones = torch.ones_like(completion_ids)
+    return torch.cat([ids, completion_ids], 1), torch.cat([mask, ones], 1)
 
 
 def sampling_kwargs(cfg, tok=None, kernels=None) -> dict:
