@@ -39,7 +39,7 @@ from nanogrpo import checkpoint, dist
 from nanogrpo.extras import lora
 from nanogrpo.model import ModelConfig, Transformer
 from nanogrpo.rewards import RewardError
-from nanogrpo.run import checkpoints, report
+from nanogrpo.run import checkpoints, plan, report
 from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.run.configurator import help_text, load_config
 from nanogrpo.tokenizer import char_level_tokenizer
@@ -985,6 +985,12 @@ def train(algo, cfg: TrainConfig, command=None) -> list[dict]:
     """Run GRPO as configured: the run around `algo`'s cycles (train.py: its setup, kernels,
     train_cycle and evaluate, looked up on it at each call). -> per-step metrics (also
     metrics.jsonl)."""
+    if cfg.dry_run:  # nothing loaded, nothing started: the plan of the run
+        world_size = cfg.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        cfg.validate(world_size)
+        if int(os.environ.get("RANK", "0")) == 0:
+            plan.dry_run(cfg, world_size)
+        return []
     info = dist.setup(cfg.device, cfg.ddp_timeout)
     cfg.validate(info.world_size)
     r, cfg = start(cfg, info, command)

@@ -408,6 +408,14 @@ class TrainConfig:
     overwrite_output_dir: bool = setting(
         False, "start over in an output_dir holding a run (deletes its checkpoints, logs)"
     )
+    dry_run: bool = setting(
+        False,
+        "print the memory plan per process and the batch table, write output_dir/plan.json "
+        "and exit (the model's config.json alone is read)",
+    )
+    dry_run_world_size: int | None = setting(
+        None, "dry_run: the process count to plan for; None = this launch's"
+    )
     report_to: str | list[str] = setting(
         "none",
         'none | tensorboard | wandb | trackio, or several: comma-separated or a list (["wandb"])',
