@@ -28,7 +28,7 @@ from functools import partial
 
 import torch
 
-from nanogrpo import dist, fast, run
+from nanogrpo import distributed as dist, fast, run
 from nanogrpo.data import columns_of
 from nanogrpo.extras import lora
 from nanogrpo.extras.custom_rollout import custom_rollout

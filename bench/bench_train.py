@@ -105,7 +105,7 @@ def even_code_points(completions, **kwargs) -> list[float]:
 
 def make_tiny_checkpoint(path: str, seed: int):
     """The embedded default's random init, made by train.py's own code (random weights from `seed`)."""
-    from nanogrpo.dist import DistInfo
+    from nanogrpo.distributed import DistInfo
     from nanogrpo.run import ensure_tiny_checkpoint
     from nanogrpo.run.configurator import load_config
 

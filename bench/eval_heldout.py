@@ -26,7 +26,7 @@ def main(argv=None):
     import torch
 
     import train
-    from nanogrpo import dist
+    from nanogrpo import distributed as dist
     from nanogrpo.checkpoint import load_model
     from nanogrpo.extras.custom_rollout import resolve_rollout_func
     from nanogrpo.extras.datasets import load_dataset

@@ -400,7 +400,7 @@ def part_fsdp(c: Check) -> dict:
     """One process, FSDP2 (NCCL on CUDA): one AdamW step of the sharded model = the plain one."""
     import torch.distributed as tdist
 
-    from nanogrpo import dist
+    from nanogrpo import distributed as dist
     from nanogrpo.fast.logprobs import token_logprobs
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0")

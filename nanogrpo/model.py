@@ -7,9 +7,9 @@ MLP) and a static `KVCache`. With `num_labels`, the same decoder is a *ForSequen
 model: a `score` head replaces the LM head.
 
 Leaves out: Hugging Face checkpoints (checkpoint/: config.json, safetensors, tensor names), the
-families' own layers (extras/gemma3.py; extras/qwen3_5.py and its linear attention,
-extras/gated_deltanet.py: through `family_parts`), RoPE scaling (extras/rope_scaling.py), LoRA
-(extras/lora.py), FSDP2 (dist/), and the LM head in chunks (fast/logprobs.py, via `head`).
+families' own layers (models/gemma3.py; models/qwen3_5.py and its linear attention,
+models/gated_deltanet.py: through `family_parts`), RoPE scaling (extras/rope_scaling.py), LoRA
+(extras/lora.py), FSDP2 (distributed/), and the LM head in chunks (fast/logprobs.py, via `head`).
 
 Does not know about: files, tokenization, sampling, losses, or more than one process.
 
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from nanogrpo.extras import rope_scaling
 
-# (gemma3_text and qwen3_5_text: extras/gemma3.py and extras/qwen3_5.py, through family_parts)
+# (gemma3_text and qwen3_5_text: models/gemma3.py and models/qwen3_5.py, through family_parts)
 SUPPORTED_MODEL_TYPES = tuple("llama mistral qwen2 qwen3 smollm3 gemma3_text qwen3_5_text".split())
 FAMILY_MODULES = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5"}
 
@@ -71,7 +71,7 @@ class ModelConfig:
     rope_local_base_freq: float | None = None
     query_pre_attn_scalar: float | None = None
     # Qwen3.5: RoPE on the first head_dim * partial_rotary_factor dims; its "linear_attention"
-    # layers (extras/gated_deltanet.py): key/value heads and their dims, the convolution's width
+    # layers (models/gated_deltanet.py): key/value heads and their dims, the convolution's width
     partial_rotary_factor: float = 1.0
     linear_num_key_heads: int | None = None
     linear_num_value_heads: int | None = None
@@ -162,7 +162,7 @@ def apply_rope(x, cos, sin):
 class KVCache:
     """Static key/value buffers for every layer: k[layer], v[layer] are [B, H_kv, max_len,
     head_dim] (a Qwen3.5 linear-attention layer's are its state instead, whole rather than per
-    slot: extras/gated_deltanet.py's cache_shapes).
+    slot: models/gated_deltanet.py's cache_shapes).
 
     Written in place at slot indices by `Transformer.forward(..., cache=, cache_start=)`; never
     reallocated while decoding. `select(rows)` builds a cache holding only (or repeating) some
@@ -175,7 +175,7 @@ class KVCache:
         shapes = [(kv, kv)] * cfg.num_hidden_layers
         self.linear = [False] * cfg.num_hidden_layers
         if cfg.model_type == "qwen3_5_text":
-            from nanogrpo.extras.gated_deltanet import cache_shapes
+            from nanogrpo.models.gated_deltanet import cache_shapes
 
             shapes = cache_shapes(cfg, batch_size, kv)
             self.linear = [t == "linear_attention" for t in cfg.layer_types]
@@ -299,7 +299,7 @@ class Block(nn.Module):
 def family_module(model_type):
     """The extras/ module of a family whose layers differ from Block's (Gemma 3, Qwen3.5)."""
     name = FAMILY_MODULES.get(model_type)
-    return None if name is None else importlib.import_module(f"nanogrpo.extras.{name}")
+    return None if name is None else importlib.import_module(f"nanogrpo.models.{name}")
 
 
 def family_parts(cfg: ModelConfig):

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanogrpo import dist
+from nanogrpo import distributed as dist
 from nanogrpo.extras.generation_kwargs import generation_settings
 from nanogrpo.extras.tool_rounds import continue_with_tools, pad_tool_rows
 from nanogrpo.extras.tools import tool_schema

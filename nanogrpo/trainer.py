@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanogrpo import checkpoint, dist
+from nanogrpo import checkpoint, distributed as dist
 from nanogrpo.data import PromptSampler, check_prompts, check_same_dataset
 from nanogrpo.extras import lora
 from nanogrpo.extras.custom_rollout import resolve_rollout_func

@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 from conftest import fixture_path
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from nanogrpo.extras.loss_terms import (
     applied_entropy_coef,

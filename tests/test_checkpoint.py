@@ -198,7 +198,7 @@ def test_resume_never_unpickles_code(tmp_path, monkeypatch):
     """Security regression: optimizer.pt and trainer_state.pt were loaded with weights_only=False, so
     a pickle payload in a shared checkpoint ran on --resume. Now no file of a checkpoint is a pickle
     (JSON and safetensors) and resuming never calls an unpickler."""
-    from nanogrpo import dist
+    from nanogrpo import distributed as dist
     from nanogrpo.run.checkpoints import load_trainer_state, save_checkpoint
 
     model = Transformer(tiny_config())

@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from nanogrpo.run import config as config_module
-from nanogrpo.run import configurator
+from nanogrpo.run import config as config_module, configurator
 from nanogrpo.run.config import LOSS_FIELDS, ConfigError, TrainConfig
 from nanogrpo.run.configurator import convert, load_config
 

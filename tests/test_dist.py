@@ -45,7 +45,7 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
     the full weights from rank 0."""
     join_group(rank, world_size, port)
     import train
-    from nanogrpo import dist
+    from nanogrpo import distributed as dist
     from nanogrpo.checkpoint import load_model
 
     # split off zero-advantage rows even for the fixture's small model
@@ -195,7 +195,7 @@ def forward_backward(rank, world_size, port, out_dir):
     log-probs with grad under dist.autocast, backward; save the logits and
     every warning raised."""
     join_group(rank, world_size, port)
-    from nanogrpo import dist
+    from nanogrpo import distributed as dist
     from nanogrpo.checkpoint import load_model
     from nanogrpo.fast.logprobs import token_logprobs
     from nanogrpo.run.config import TrainConfig
@@ -261,7 +261,7 @@ def spanning_step(rank, world_size, port, out_path):
     from types import SimpleNamespace
 
     import train
-    from nanogrpo import dist
+    from nanogrpo import distributed as dist
     from nanogrpo.checkpoint import load_model
     from nanogrpo.grpo import LossConfig
     from nanogrpo.rollout import Rollout
@@ -519,7 +519,7 @@ def nested_gather(rank, world_size, port, out_dir):
     join_group(rank, world_size, port)
     from torch.distributed.tensor import DTensor
 
-    from nanogrpo import dist
+    from nanogrpo import distributed as dist
     from nanogrpo.checkpoint import load_model
 
     info = dist.setup("cpu")

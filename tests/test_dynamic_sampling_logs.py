@@ -9,7 +9,7 @@ import torch
 from test_train import DYNAMIC, tiny
 
 import train
-from nanogrpo.dist import DistInfo
+from nanogrpo.distributed import DistInfo
 from nanogrpo.extras.dynamic_sampling import dynamic_sampling
 from nanogrpo.rollout import Rollout
 from nanogrpo.run import report

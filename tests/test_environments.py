@@ -17,8 +17,7 @@ from conftest import ROOT, fixture_path, tiny_config
 from test_dist import torchrun
 
 import train
-from nanogrpo import checkpoint
-from nanogrpo import rollout as rollout_module
+from nanogrpo import checkpoint, rollout as rollout_module
 from nanogrpo.extras import tool_rounds
 from nanogrpo.extras.custom_rollout import checked_output, generate_rollout_completions, rollout_of
 from nanogrpo.extras.environments import Environments

@@ -8,8 +8,7 @@ import os
 import pytest
 import torch
 from conftest import fixture_path
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from nanogrpo.grpo import LOSS_TYPES, LossConfig, LossInputs, LossScale, group_advantages, grpo_step
 from nanogrpo.logprobs import kl_divergence

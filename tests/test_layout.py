@@ -40,7 +40,7 @@ def parse(path: Path) -> ast.Module:
 def imported_modules(path: Path) -> set[str]:
     """Every module `path` imports, at module level or inside functions, and the dotted names it
     reaches through an imported module's attributes (`torch.optim.AdamW` after `import torch`).
-    `from nanogrpo import dist` is nanogrpo.dist, `from nanogrpo.extras import lora`
+    `from nanogrpo import distributed as dist` is nanogrpo.distributed, `from nanogrpo.extras import lora`
     nanogrpo.extras.lora, `from nanogrpo.grpo import LossConfig` nanogrpo.grpo."""
     tree = parse(path)
     package = (
@@ -93,7 +93,7 @@ REWARDS = ("nanogrpo.rewards", "nanogrpo.extras.builtin_rewards", "nanogrpo.extr
 GRPO = ("nanogrpo.grpo", "nanogrpo.extras.loss_terms")
 LOGPROBS = ("nanogrpo.logprobs", "nanogrpo.fast.logprobs")
 SAMPLER = ("nanogrpo.sampler", "nanogrpo.fast.sampling")
-PROCESSES = ("nanogrpo.dist", "torch.distributed")
+PROCESSES = ("nanogrpo.distributed", "torch.distributed")
 FILES = ("nanogrpo.checkpoint", "nanogrpo.run.checkpoints", "safetensors")
 MODEL = ("nanogrpo.model",)
 TOOLS = ("nanogrpo.extras.tools", "nanogrpo.extras.tool_rounds")
@@ -209,7 +209,7 @@ def test_the_vocabulary_finds_terms_as_words_only():
     assert not uses({"nanogrpo.run.config"}, "nanogrpo.run")
     here = imported_modules(PACKAGE / "trainer.py")
     assert {
-        "nanogrpo.dist",
+        "nanogrpo.distributed",
         "nanogrpo.extras.lora",
         "nanogrpo.run.config",
         "torch.optim.AdamW",
@@ -349,7 +349,7 @@ TIMING = re.compile(
 )
 # (file, text): figures that are not measurements
 NOT_TIMINGS = {
-    ("nanogrpo/dist/__init__.py", "10 s"): "an example of collective_failure's message",
+    ("nanogrpo/distributed/__init__.py", "10 s"): "an example of collective_failure's message",
     ("nanogrpo/run/report.py", "1.2 min"): "an example of the status line's text",
 }
 

@@ -7,8 +7,7 @@ import os
 import pytest
 import torch
 from conftest import GEMMA3, QWEN3_5, fixture_path, tiny_config
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from nanogrpo.checkpoint import load_model
 from nanogrpo.fast.logprobs import token_logprobs
@@ -632,7 +631,7 @@ def masked_rank_step(rank, world_size, port, out_path):
     from test_dist import join_group
 
     import train
-    from nanogrpo import dist, fast
+    from nanogrpo import distributed as dist, fast
     from nanogrpo.fast import logprobs
     from nanogrpo.grpo import LossConfig
     from nanogrpo.rollout import Rollout

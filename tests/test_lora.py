@@ -10,8 +10,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 from conftest import FIXTURES, QWEN3_5, fixture_path, tiny_config
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from safetensors.torch import load_file
 
 from nanogrpo import fast
@@ -146,7 +145,7 @@ def test_reference_logprobs_with_adapters_off_are_the_base_models():
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
     import train
-    from nanogrpo import dist
+    from nanogrpo import distributed as dist
     from nanogrpo.grpo import LossConfig
     from nanogrpo.rollout import Rollout
     from nanogrpo.run.config import TrainConfig

@@ -82,7 +82,7 @@ def test_gemma3_config_and_layers():
     """Gemma 3's config.json in transformers 5's layout (rope_parameters per layer type) and the
     classic one (rope_theta, rope_local_base_freq, rope_scaling, no layer_types), each written
     back in its own layout; the embedding scale is rounded to the embedding's dtype."""
-    from nanogrpo.extras.gemma3 import Gemma3Embedding
+    from nanogrpo.models.gemma3 import Gemma3Embedding
 
     hf = json.load(open(fixture_path("gemma3") + "/config.json"))
     cfg = config_from_hf(hf)

@@ -13,7 +13,7 @@ from conftest import assert_no_pickle, forbid_unpickling, tiny_config
 from safetensors.torch import load_file, save_file
 from test_dist import free_port, join_group
 
-from nanogrpo import dist
+from nanogrpo import distributed as dist
 from nanogrpo.model import Transformer
 from nanogrpo.run import checkpoints
 

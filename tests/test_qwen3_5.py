@@ -11,14 +11,13 @@ import os
 import pytest
 import torch
 from conftest import QWEN3_5, fixture_path, tiny_config
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from safetensors.torch import load_file
 
 from nanogrpo.checkpoint import load_model, save_model
 from nanogrpo.checkpoint.hf_format import config_from_hf
-from nanogrpo.extras.gated_deltanet import chunked_delta_rule, l2_normalize, recurrent_delta_rule
 from nanogrpo.model import Transformer
+from nanogrpo.models.gated_deltanet import chunked_delta_rule, l2_normalize, recurrent_delta_rule
 
 
 def rule_inputs(B, T, H, Dk, Dv, seed, dtype=torch.float64):

@@ -10,8 +10,7 @@ import shutil
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import train
 from nanogrpo.checkpoint import load_model, read_json, save_model

@@ -305,7 +305,7 @@ def test_total_reward_is_the_weighted_nan_aware_sum():
 def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
     """Regression: eval/reward counted a row no function scored as 0, training excluded it."""
     import train
-    from nanogrpo import dist
+    from nanogrpo import distributed as dist
     from nanogrpo.rollout import Rollout
     from nanogrpo.run.config import TrainConfig
 

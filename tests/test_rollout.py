@@ -191,7 +191,7 @@ def test_a_turn_with_a_block_that_is_not_a_call_ends_the_completion(monkeypatch)
     the text stays as the model wrote it, no tool runs (not even a well-formed call beside it),
     nothing counts as a call or a failure, so tools/failure_frequency is TRL's, and the
     completion ends after that turn."""
-    from nanogrpo.dist import DistInfo
+    from nanogrpo.distributed import DistInfo
     from nanogrpo.run.report import tool_metrics
 
     tok, ro, log = run_script(monkeypatch, questions=("oops", "mul"))

@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import FAMILIES, GEMMA3, QWEN3_5, fixture_path, tiny_config
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from nanogrpo.checkpoint import load_model
 from nanogrpo.fast import sampling as fast_sampling

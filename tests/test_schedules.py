@@ -7,13 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import train
 from nanogrpo import schedules
 from nanogrpo.data import PromptSampler
-from nanogrpo.dist import DistInfo
+from nanogrpo.distributed import DistInfo
 from nanogrpo.extras import lr_schedules
 from nanogrpo.run.config import ConfigError, TrainConfig
 

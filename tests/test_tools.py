@@ -12,8 +12,7 @@ import sys
 
 import pytest
 from conftest import fixture_path
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from nanogrpo.extras import tools as tools_module
 from nanogrpo.extras.tools import (

@@ -750,7 +750,7 @@ def trainer_for(model, optimizer, cfg, loss_cfg):
     """The fields of train.Trainer that an optimizer step reads."""
     from types import SimpleNamespace
 
-    from nanogrpo.dist import DistInfo
+    from nanogrpo.distributed import DistInfo
 
     return SimpleNamespace(
         model=model,
@@ -996,7 +996,7 @@ def test_trainer_state_counts_epochs_in_optimizer_steps_as_transformers():
     is halfway through the second epoch, and 5 steps reach into a third."""
     from types import SimpleNamespace
 
-    from nanogrpo.dist import DistInfo
+    from nanogrpo.distributed import DistInfo
     from nanogrpo.extras.trainer_info import trainer_state_of
 
     cfg = tiny("unused", "--max_steps=5", "--logging_steps=4", "--eval_steps=6", "--save_steps=7")

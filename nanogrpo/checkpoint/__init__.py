@@ -9,7 +9,7 @@ Does not know about: the forward pass (model.py), tokenization (a tokenizer it i
 itself), GRPO, or the run.
 
 With several processes it decides which rank reads and writes (rank 0) and where all must wait;
-the collectives themselves are dist/__init__.py's (barrier, broadcast, sharding, gathering a
+the collectives themselves are distributed/__init__.py's (barrier, broadcast, sharding, gathering a
 state dict).
 
 Choices:
@@ -29,7 +29,7 @@ from functools import partial
 
 import torch
 
-from nanogrpo import dist
+from nanogrpo import distributed as dist
 from nanogrpo.checkpoint.hf_format import (
     UNUSED,
     config_from_hf,

@@ -66,7 +66,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     defaults = {"rope_theta": 10000.0, **FAMILY_DEFAULTS.get(hf["model_type"], {})}
     hf = {**defaults, **{k: v for k, v in hf.items() if v is not None}}
     rope = dict(hf.get("rope_parameters") or {})
-    # Qwen3.5: partial RoPE; its multimodal sections are plain RoPE on text (extras/qwen3_5.py)
+    # Qwen3.5: partial RoPE; its multimodal sections are plain RoPE on text (models/qwen3_5.py)
     partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
     rope.pop("mrope_section", None)
     rope.pop("mrope_interleaved", None)

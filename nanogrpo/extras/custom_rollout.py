@@ -47,7 +47,7 @@ import numbers
 
 import torch
 
-from nanogrpo import dist
+from nanogrpo import distributed as dist
 from nanogrpo.extras.trainer_info import trainer_state_of
 from nanogrpo.rewards import TRAINER_ARGUMENTS, import_function
 from nanogrpo.rollout import Rollout, join_prompt_completion, sampling_kwargs

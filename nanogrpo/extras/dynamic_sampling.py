@@ -35,7 +35,7 @@ Choices:
 
 import torch
 
-from nanogrpo import dist
+from nanogrpo import distributed as dist
 from nanogrpo.grpo import nanstd, total_reward
 from nanogrpo.rollout import Rollout
 

@@ -14,7 +14,7 @@ Choices:
   the sampler correction, when on, applies here too.
 """
 
-from nanogrpo import dist
+from nanogrpo import distributed as dist
 from nanogrpo.grpo import LossInputs, LossScale, group_advantages, grpo_step
 
 

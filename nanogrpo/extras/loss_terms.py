@@ -29,7 +29,7 @@ Choices:
 
 import torch
 
-from nanogrpo import dist
+from nanogrpo import distributed as dist
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 VESPO_NEEDS_TOKENS = (

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from nanogrpo import checkpoint, dist
+from nanogrpo import checkpoint, distributed as dist
 from nanogrpo.extras import lora
 from nanogrpo.model import ModelConfig, Transformer
 from nanogrpo.rewards import RewardError

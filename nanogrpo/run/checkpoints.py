@@ -13,7 +13,7 @@ it), what the trainer state holds (run/__init__.py's save decides), or the
 GRPO math.
 
 With several processes rank 0 writes the model and the JSON files (the
-weights gathered by dist/__init__.py) and every rank writes its own shard
+weights gathered by distributed/__init__.py) and every rank writes its own shard
 of the optimizer, all into rank 0's temporary directory, which rank 0
 renames once every rank is done: out_dir must be one filesystem every rank
 sees.
@@ -37,7 +37,7 @@ from contextlib import ExitStack, suppress
 
 import torch
 
-from nanogrpo import checkpoint, dist
+from nanogrpo import checkpoint, distributed as dist
 
 
 def save_checkpoint(

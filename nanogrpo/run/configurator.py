@@ -578,7 +578,7 @@ NO_EFFECT = {
     "ddp_bucket_cap_mb": NO_DDP,
     "ddp_broadcast_buffers": NO_DDP,
     "ddp_static_graph": NO_DDP,
-    "ddp_backend": "the backend is nccl on CUDA, gloo on CPU (nanogrpo/dist/)",
+    "ddp_backend": "the backend is nccl on CUDA, gloo on CPU (nanogrpo/distributed/)",
     "ignore_bias_buffers": NO_DDP,
     "local_rank": "torchrun's LOCAL_RANK environment variable places each process",
     "do_train": "train.py trains",

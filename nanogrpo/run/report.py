@@ -28,7 +28,7 @@ from dataclasses import asdict
 
 import torch
 
-from nanogrpo import dist, sampler
+from nanogrpo import distributed as dist, sampler
 from nanogrpo.extras.trainer_info import epochs_done
 from nanogrpo.grpo import nanstd, total_reward
 from nanogrpo.run.config import ConfigError, TrainConfig

@@ -1,11 +1,11 @@
 """Qwen3.5's text decoder layers (transformers' Qwen3_5ForCausalLM, model_type "qwen3_5_text").
 
 Owns: `Qwen3_5Block` (a layer of either kind, by `layer_types`: "linear_attention" is a Gated
-DeltaNet, extras/gated_deltanet.py; "full_attention" is `GatedAttention`), `GatedAttention` (q/k
+DeltaNet, models/gated_deltanet.py; "full_attention" is `GatedAttention`), `GatedAttention` (q/k
 norms, RoPE on the first head_dim * partial_rotary_factor dims, the output times sigmoid of a gate
 the query projection also makes) and `fill_defaults` (Qwen3_5TextConfig's defaults on a
 ModelConfig). model.py reaches them through its one seam, `family_parts`; the norms are Gemma 3's
-(x / rms(x) * (1 + weight), extras/gemma3.py), and so is the default layer pattern's helper.
+(x / rms(x) * (1 + weight), models/gemma3.py), and so is the default layer pattern's helper.
 
 Does not know about: files (checkpoint/hf_format.py reads config.json, and a qwen3_5 checkpoint's
 language model), sampling, losses, or more than one process.
@@ -18,9 +18,9 @@ Choices:
 import torch
 import torch.nn as nn
 
-from nanogrpo.extras.gated_deltanet import GatedDeltaNet
-from nanogrpo.extras.gemma3 import Gemma3RMSNorm, fill_layer_types
 from nanogrpo.model import MLP, Attention, apply_rope
+from nanogrpo.models.gated_deltanet import GatedDeltaNet
+from nanogrpo.models.gemma3 import Gemma3RMSNorm, fill_layer_types
 
 
 def fill_defaults(cfg):
