@@ -7,7 +7,7 @@ processes -> every derived count), and how TRL's Trainer cuts epochs into optimi
 
 Leaves out: the learning rate at each step (nanogrpo/extras/lr_schedules.py: transformers'
 lr_scheduler_type values) and the rules that keep the counts whole (TrainConfig's validate, in
-nanogrpo/run/config.py).
+nanogrpo/run/rules.py).
 
 Does not know about: optimizers, checkpoints, or processes (world_size is a number it is given);
 it reads a TrainConfig's batch fields.

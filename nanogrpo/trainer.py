@@ -10,7 +10,7 @@ their tools the prompts' checks.
 
 Leaves out: loading weights (checkpoint/__init__.py), the faster kernels (fast/__init__.py's
 `kernels`, which train.py picks), and the run around the algorithm: resume, saving, stops,
-metrics (run/__init__.py, run/report.py).
+metrics (nanogrpo/run/).
 
 Does not know about: what a round does with them (train.py), or resume (run.restore fills in
 the fields a checkpoint holds; load_data only reads its prompt order's row count, to refuse

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from nanogrpo.run import config as config_module, configurator
+from nanogrpo.run import configurator, rules
 from nanogrpo.run.config import LOSS_FIELDS, ConfigError, TrainConfig
 from nanogrpo.run.configurator import convert, load_config
 
@@ -173,7 +173,7 @@ def test_every_range_rule_names_real_fields_and_rejects_just_outside():
         "must be in [0, 1)": 1,
         "must be in [0, 1]": 1.5,
     }
-    for _, why, keys in config_module.RANGES:
+    for _, why, keys in rules.RANGES:
         for key in keys:
             assert key in configurator.FIELD_TYPES
             with pytest.raises(ConfigError, match=rf"^{key}=.*{re.escape(why)}"):

@@ -1,80 +1,31 @@
-"""Every training setting: one dataclass and the rules between its fields.
+"""Every training setting: one dataclass.
 
-Owns: `TrainConfig` (fields, defaults, the rules between them). Names, meanings and defaults are
-TRL's GRPOConfig's (with transformers' TrainingArguments) wherever TRL has the setting.
+Owns: `TrainConfig`'s fields and defaults. Names, meanings and defaults are TRL's GRPOConfig's
+(with transformers' TrainingArguments) wherever TRL has the setting; the rules between fields
+(`validate`, `check_lora`, `warnings`) are run/rules.py's, which TrainConfig inherits.
 run/configurator.py reads a config file and the command line into it; schedules.py derives the
 batch Schedule from it, trainer.py the optimizer and its learning-rate schedule.
 
 Does not know about: the model, tokenization, files, or processes: what a setting does is for
-train.py and the modules it calls.
-
-The sampler's and the loss's own rules are called, not restated (sampling_checks.check_sampling,
-grpo.LossConfig, extras/generation_kwargs.py's generation_settings).
-
-Choices: `validate` raises ConfigError naming the first broken rule, `check_lora` is the LoRA
-rule trainer.setup applies again once the loaded model shows whether it carries adapters, and
-`warnings` names what is valid but probably not meant. trainer.py and run/__init__.py check only
-what needs the model, the disk or the environment.
+train.py and the modules it calls. trainer.py and run/__init__.py check only what needs the
+model, the disk or the environment.
 """
 
 import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-from nanogrpo.extras.generation_kwargs import generation_settings
-from nanogrpo.extras.lr_schedules import SCHEDULES
-from nanogrpo.extras.sampling_checks import check_sampling
-from nanogrpo.extras.tools import TOOL_CALL_PARSERS
-from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, LossConfig
+from nanogrpo.grpo import LossConfig
+from nanogrpo.run.rules import (  # noqa: F401 (ConfigError: its home for callers)
+    ConfigError,
+    Rules,
+)
 from nanogrpo.schedules import Schedule, batch_schedule, total_steps
 
-
-class ConfigError(ValueError):
-    """A config key is unknown, has the wrong type, or is inconsistent with the others."""
-
-
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
-CHOICES = {
-    "scale_rewards": SCALE_REWARDS,
-    "multi_objective_aggregation": AGGREGATIONS,
-    "lr_scheduler_type": SCHEDULES,
-    "tool_call_format": ("auto", *TOOL_CALL_PARSERS),
-    "optim": OPTIMIZERS,
-    "eval_strategy": ("no", "steps"),
-}
-# (rule, message, fields): each range rule of TrainConfig once; the loss's own live in LossConfig
-AT_LEAST_1 = """per_device_train_batch_size gradient_accumulation_steps num_iterations
-    max_completion_length logging_steps ref_model_sync_steps eval_size lora_r
-    steps_per_generation generation_batch_size max_tool_calling_iterations
-    save_total_limit soft_punish_cache eval_steps max_prompt_length
-    num_generations_eval num_completions_to_print max_num_gen_batches""".split()
-RANGES = [
-    (lambda v: v >= 1, "must be at least 1", AT_LEAST_1),
-    (
-        lambda v: v >= 0,
-        "must be >= 0 (0 = off)",
-        ["learning_rate", "weight_decay", "warmup_steps", "save_steps"],
-    ),
-    (
-        lambda v: v > 0,
-        "must be > 0",
-        ["lora_alpha", "max_grad_norm", "tool_timeout", "num_train_epochs", "ddp_timeout"],
-    ),
-    (
-        lambda v: 0 <= v < 1,
-        "must be in [0, 1)",
-        ["adam_beta1", "adam_beta2", "warmup_ratio", "lora_dropout"],
-    ),
-    (lambda v: 0 <= v <= 1, "must be in [0, 1]", ["ref_model_mixup_alpha"]),
-]
-REPORTERS = ("none", "tensorboard", "wandb", "trackio")
-# losses that sum a sequence-level weight over the sequence's tokens
-LENGTH_WEIGHTED = ("bnpo", "dr_grpo", "dapo", "cispo")
 # TrainConfig has each loss field, with the same name and default
 LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig))
 TRUE_WORDS = ("true", "1", "yes")  # how a bool is spelled in text
 FALSE_WORDS = ("false", "0", "no")
-WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_OUTPUT_DIR = "trainer_output"  # transformers' output_dir=None
 
 
@@ -91,7 +42,7 @@ def setting(default=None, help: str = "", *, factory=None, group: str | None = N
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Rules):
     """All settings of a run. Each field's help says what it means, and
     the first field of a group names the group (train.py --help prints
     them). Names, meanings and defaults are TRL's GRPOConfig's (with
@@ -468,258 +419,6 @@ class TrainConfig:
         return self.eval_every() > 0 or (self.eval_on_start and bool(self.eval_dataset))
 
     # --- rules between settings ---------------------------------------------
-
-    def _need(self, ok: bool, key: str, why: str):
-        if not ok:
-            raise ConfigError(f"{key}={getattr(self, key)!r}: {why}")
-
-    def validate(self, world_size: int = 1) -> "TrainConfig":
-        """Raise ConfigError naming the first inconsistent setting;
-        returns self."""
-        need = self._need
-        need(
-            self.optim in OPTIMIZERS or "8bit" not in self.optim,
-            "optim",
-            "needs bitsandbytes, which nanogrpo does not use: use adamw_torch "
-            "(or LoRA, use_peft=True, for a small optimizer state)",
-        )
-        for key, allowed in CHOICES.items():
-            value = getattr(self, key)
-            need(value in allowed, key, f"must be one of {list(allowed)}")
-        # None passes where the field allows it (its comment says what None means)
-        for ok, why, keys in RANGES:
-            for key in keys:
-                value = getattr(self, key)
-                need(value is None or ok(value), key, why)
-        d = self.device
-        cuda_n = d.startswith("cuda:") and d[5:].isdigit()
-        need(d in ("auto", "cpu", "cuda") or cuda_n, "device", "must be auto, cpu, cuda or cuda:N")
-        self._validate_batch(world_size)
-        kwargs = self.model_init_kwargs or {}
-        unknown = sorted(set(kwargs) - {"dtype", "torch_dtype"})
-        need(
-            not unknown,
-            "model_init_kwargs",
-            f"nanogrpo builds its own model: only dtype is read, not {unknown}",
-        )
-        need(
-            self.weight_dtype() in WEIGHT_DTYPES,
-            "model_init_kwargs",
-            f"dtype must be one of {list(WEIGHT_DTYPES)} or auto",
-        )
-        self._validate_sampling_and_loss()
-        self._validate_rewards()
-        self._validate_rollouts()
-        need(
-            not self.eval_on_start or self.eval_dataset,
-            "eval_on_start",
-            "needs an eval_dataset to evaluate (transformers' rule)",
-        )
-        need(
-            not self.sync_ref_model or self.beta > 0,
-            "sync_ref_model",
-            "needs beta > 0 (a reference model)",
-        )
-        self.check_lora(self.use_peft)
-        need(
-            not self.merge_adapter or self.use_peft,
-            "merge_adapter",
-            "needs use_peft=true (an adapter to merge)",
-        )
-        need(
-            not (self.plain and self.torch_compile),
-            "torch_compile",
-            "compiles nanogrpo/fast/'s decode step, which plain=true leaves out: set one of them",
-        )
-        need(
-            all(r in REPORTERS for r in self.reporters()),
-            "report_to",
-            f"takes names from {list(REPORTERS)}",
-        )
-        return self
-
-    def _validate_batch(self, world_size: int):
-        """TRL's GRPOConfig rules for the batch, with TRL's reasons."""
-        need = self._need
-        G = self.num_generations
-        need(G >= 2, "num_generations", "GRPO needs at least 2 completions per prompt")
-        both = self.steps_per_generation and self.generation_batch_size
-        need(
-            not both,
-            "generation_batch_size",
-            "set it or steps_per_generation, not both (as in TRL)",
-        )
-        global_batch = self.per_device_train_batch_size * world_size
-        gbs = self.generation_batch_size
-        need(
-            gbs is None or gbs % global_batch == 0,
-            "generation_batch_size",
-            f"must be divisible by the global batch size "
-            f"(per_device_train_batch_size x processes = {global_batch}; TRL's rule)",
-        )
-        sched = batch_schedule(self, world_size)
-        if sched.generation_batch_size % G:
-            raise ConfigError(
-                f"generation_batch_size ({sched.generation_batch_size} = "
-                f"per_device_train_batch_size x {world_size} process(es) x "
-                f"steps_per_generation {sched.steps_per_generation}) must be "
-                f"divisible by num_generations ({G}): a generation round "
-                "holds whole groups (TRL's rule)"
-            )
-        need(
-            not self.dynamic_sampling or sched.whole_groups_per_rank,
-            "dynamic_sampling",
-            f"needs each process to hold whole groups: "
-            f"per_device_train_batch_size x steps_per_generation "
-            f"({sched.completions_per_round_per_rank}) must be a multiple of "
-            f"num_generations={G}",
-        )
-        need(
-            self.max_steps > 0 or self.max_steps == -1,
-            "max_steps",
-            "must be > 0, or -1 for num_train_epochs",
-        )
-
-    def _validate_sampling_and_loss(self):
-        try:  # the sampler's and the loss's own rules, not restated here
-            check_sampling(
-                temperature=self.temperature,
-                top_k=self.top_k,
-                top_p=self.top_p,
-                min_p=self.min_p or 0.0,
-                repetition_penalty=self.repetition_penalty,
-            )
-            generation_settings(self.generation_kwargs)  # its keys, over those
-            LossConfig(**self.loss_config())
-        except ValueError as e:
-            message = str(e).removeprefix("LossConfig.")
-            raise ConfigError(message) from None
-        self._need(
-            self.temperature > 0,
-            "temperature",
-            "training samples, so it must be > 0 (0 = greedy is for sample.py)",
-        )
-
-    def _validate_rewards(self):
-        need = self._need
-        n = len(self.reward_funcs)
-        # an environment's get_reward may be the reward: trainer.setup checks once it has one
-        need(
-            n >= 1 or self.environment_factory is not None,
-            "reward_funcs",
-            "needs at least one reward function (or an environment_factory whose "
-            "environment defines get_reward)",
-        )
-        for key in ("reward_weights", "reward_processing_classes"):
-            value = getattr(self, key)
-            need(
-                value is None or len(value) == n,
-                key,
-                f"needs one entry per reward function ({n}); "
-                "reward_processing_classes holds None where a function "
-                "is not a reward model",
-            )
-        window = self.soft_punish_cache
-        need(
-            window is None or window <= self.max_completion_length,
-            "soft_punish_cache",
-            "must be in [1, max_completion_length]",
-        )
-
-    def _validate_rollouts(self):
-        """TRL's rules for environment_factory, rollout_func and a run without a dataset."""
-        need = self._need
-        factory = self.environment_factory
-        need(
-            self.rollout_func is None or not (self.tools or factory is not None),
-            "rollout_func",
-            "generates whole completions: call tools from inside it, and "
-            "leave tools and environment_factory unset",
-        )
-        if self.dataset is not None:
-            return
-        need(
-            factory is not None,
-            "dataset",
-            "a dataset is required unless an environment_factory is provided (TRL's rule), "
-            "whose reset() returns each prompt",
-        )
-        need(
-            not isinstance(factory, dict),
-            "dataset",
-            "a dict environment_factory (several environments) needs a dataset with an "
-            "`environment` column to route each row to its environment (TRL's rule)",
-        )
-        need(
-            self.max_steps > 0,
-            "max_steps",
-            "must be > 0 without a dataset: the environment owns the data, so max_steps "
-            "sets the length of training (TRL's rule)",
-        )
-
-    def check_lora(self, lora: bool):
-        """The rules that depend on whether the policy carries LoRA
-        adapters: `lora` is use_peft here (validate), or, once the model is
-        loaded, whether it has them (a PEFT adapter directory as `model`
-        brings its own)."""
-        if lora and self.sync_ref_model:
-            raise ConfigError(
-                "sync_ref_model=True: refused with LoRA adapters (use_peft, or "
-                "a PEFT adapter directory as model), as TRL does"
-            )
-
-    def warnings(self) -> list[str]:
-        """What is valid but probably not meant, one sentence each."""
-        out = []
-        if self.eval_strategy != "no" and not self.eval_dataset:
-            out.append(
-                f"eval_strategy={self.eval_strategy!r} without an eval_dataset: no evaluation"
-            )
-        # the sampler's own settings: the fields, with generation_kwargs over them
-        given = generation_settings(self.generation_kwargs)
-        top_k = given.get("top_k", self.top_k)
-        top_p = given.get("top_p", self.top_p)
-        min_p = given.get("min_p", self.min_p)
-        filtered = (
-            top_k > 0
-            or top_p < 1
-            or bool(min_p)
-            or bool(given.get("suppress_tokens"))
-            or given.get("min_new_tokens", 0) > 0
-        )
-        if filtered and self.vllm_importance_sampling_correction:
-            out.append(
-                "the sampler's log-probs are those of the distribution "
-                "top_k/top_p/min_p (or generation_kwargs' suppress_tokens, "
-                "min_new_tokens) leave (as vLLM's processed_logprobs, "
-                "which TRL uses), so vllm_importance_sampling_correction "
-                "weighs each completion by the probability mass the "
-                "filters kept; TRL without vLLM applies no correction: "
-                "vllm_importance_sampling_correction=False matches it"
-            )
-        if self.importance_sampling_level == "sequence" and self.loss_type in LENGTH_WEIGHTED:
-            out.append(
-                f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}: "
-                "the loss adds each sequence's weight once per token, so a longer "
-                "completion counts more, not once per sequence as in GSPO; "
-                "loss_type='grpo' is GSPO's objective (TRL warns the same)"
-            )
-        if self.vespo_drops_sampler_correction():
-            out.append(
-                "loss_type='vespo' folds only a token-level sampler correction into its "
-                f"weight: with vllm_importance_sampling_mode="
-                f"{self.vllm_importance_sampling_mode!r} it trains with none, as TRL does "
-                "without vLLM; token_truncate or token_mask folds it in, as TRL with vLLM"
-            )
-        return out
-
-    def vespo_drops_sampler_correction(self) -> bool:
-        """loss_type='vespo' with the sampler correction on at sequence level: TRL refuses
-        it only with vLLM (use_vllm, which nanogrpo has not) and applies no correction
-        without it, so loss_config turns the correction off."""
-        token_level = self.vllm_importance_sampling_mode in ("token_truncate", "token_mask")
-        correcting = self.vllm_importance_sampling_correction
-        return self.loss_type == "vespo" and correcting and not token_level
 
     # --- what other modules read --------------------------------------------
 
