@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from nanogrpo import sampler
 from nanogrpo.extras.sampling_checks import check_sampling, need
 
 # -----------------------------------------------------------------------------
@@ -44,6 +43,12 @@ class Banned:
         return self.early if t < self.min_new_tokens else self.always
 
 
+def id_mask(ids, V):
+    """Ids [k] -> bool [V], True at each id in [0, V); the others go to a column cut off."""
+    ids = torch.where((ids >= 0) & (ids < V), ids, V)
+    return torch.zeros(V + 1, dtype=torch.bool, device=ids.device).index_fill_(0, ids, True)[:V]
+
+
 def banned_tokens(suppress_tokens, stops, min_new_tokens, V, device):
     """-> Banned, or None when nothing is. Ids outside [0, V) are ignored,
     as transformers does."""
@@ -51,8 +56,8 @@ def banned_tokens(suppress_tokens, stops, min_new_tokens, V, device):
     ids = torch.tensor(ids, dtype=torch.long, device=device)  # [k]
     if len(ids) == 0 and min_new_tokens == 0:
         return None
-    always = sampler.token_mask(ids[None], V)[0] if len(ids) else None  # [V]
-    early = sampler.token_mask(torch.cat([ids, stops])[None], V)[0]  # [V]
+    always = id_mask(ids, V) if len(ids) else None  # [V]
+    early = id_mask(torch.cat([ids, stops]), V)  # [V]
     for mask in (always, early if min_new_tokens else None):
         if mask is not None and bool(mask.all()):
             raise ValueError(
