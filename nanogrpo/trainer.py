@@ -85,8 +85,7 @@ class Trainer:
     environments: Environments | None = None
     # the config's rollout_func, resolved (extras/custom_rollout.py), or None
     rollout_func: object = None
-    # the sampling and scoring functions (train.py's `kernels` sets them)
-    kernels: Kernels = field(default_factory=Kernels)
+    kernels: Kernels = field(default_factory=Kernels)  # sampling and scoring: train.kernels
 
 
 def load_policy(path, cfg: TrainConfig, info, lora_settings=None):
@@ -128,8 +127,8 @@ def make_optimizer(model, cfg: TrainConfig, info):
     return optimizer, scheduler
 
 
-def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
-    """Model (+ reference), tokenizer, optimizer, rewards, data, each checked before step 1."""
+def setup(cfg: TrainConfig, info, resume_from=None, kernels=None) -> Trainer:
+    """Model (+ reference), tokenizer, optimizer, rewards, data (checked before step 1), kernels."""
     torch.manual_seed(cfg.seed + info.rank)
     tok = Tokenizer.from_pretrained(cfg.model)
     model = load_policy(resume_from or cfg.model, cfg, info, cfg.lora_settings())
@@ -184,6 +183,7 @@ def setup(cfg: TrainConfig, info, resume_from=None) -> Trainer:
         entropy_coef=cfg.entropy_coef,
         environments=envs,
         rollout_func=resolve_rollout_func(cfg.rollout_func),
+        kernels=kernels or Kernels(),
     )
 
 

@@ -157,8 +157,7 @@ def train(algo, cfg: TrainConfig, command=None) -> list[dict]:
     info = dist.setup(cfg.device, cfg.ddp_timeout)
     cfg.validate(info.world_size)
     r, cfg = start(cfg, info, command)
-    t = algo.setup(cfg, info, r.resume_from)
-    t.kernels = algo.kernels(cfg)
+    t = algo.setup(cfg, info, r.resume_from, kernels=algo.kernels(cfg))
     if r.resume_from:
         restore(r, t)
     if t.step >= cfg.max_steps and not r.pending:
