@@ -32,6 +32,7 @@ def main(argv=None):
     from nanogrpo.extras.datasets import load_dataset
     from nanogrpo.extras.environments import Environments
     from nanogrpo.extras.tools import resolve_tools
+    from nanogrpo.grpo import LossConfig
     from nanogrpo.rewards import resolve_reward_funcs
     from nanogrpo.run.configurator import load_config
     from nanogrpo.tokenizer import Tokenizer
@@ -60,6 +61,11 @@ def main(argv=None):
     rows = load_dataset(
         cfg.eval_dataset, split=cfg.eval_split, seed=cfg.seed, needs_prompt=envs is None
     )[: cfg.eval_size]
+    train_rows = rows  # an environment config's or a procedural task's training set may be large
+    if cfg.dataset:
+        train_rows = load_dataset(
+            cfg.dataset, split=cfg.dataset_split, seed=cfg.seed, needs_prompt=envs is None
+        )
     t = SimpleNamespace(
         cfg=cfg,
         info=info,
@@ -73,6 +79,12 @@ def main(argv=None):
         rollout_func=resolve_rollout_func(cfg.rollout_func),
         autocast=dist.autocast(info, cfg.use_bf16(info.device)),
         kernels=train.kernels(cfg),  # the draw and decode step training samples with
+        # what the reward functions' trainer_state and eval/loss read: step 0, the training
+        # prompts' count, the loss settings; no reference model (as before the first step)
+        step=0,
+        prompts=SimpleNamespace(rows=train_rows),
+        loss_cfg=LossConfig(**cfg.loss_config()),
+        ref=None,
     )
     m = train.evaluate(t)  # reads these fields of nanogrpo.trainer.Trainer
     p, n = m["eval/pass@1"], len(rows)
