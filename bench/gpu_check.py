@@ -115,15 +115,8 @@ class Check:
 
     def timed(self, fn, runs=3):
         """(median seconds of `runs` calls after a warm-up, the warm-up's seconds)."""
-        warm = self.clock(fn)
-        return statistics.median(self.clock(fn) for _ in range(runs)), warm
-
-    def clock(self, fn):
-        self.sync()
-        t = time.perf_counter()
-        fn()
-        self.sync()
-        return time.perf_counter() - t
+        (median,), (warm,) = bench_sampler.timed([fn], self.device, runs)
+        return median, warm
 
     def peak_reset(self):
         if self.device.type == "cuda":

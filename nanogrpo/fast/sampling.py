@@ -198,7 +198,7 @@ def _decode_cache(model, prefill, src, S):
         cache is None
         or cache.k[0].shape[0] != len(src)
         or cache.max_len != S
-        or cache.k[0].dtype != model.new_cache(1, 1).k[0].dtype  # autocast's, FSDP2's
+        or cache.k[0].dtype != prefill.k[0].dtype  # the keys' dtype (autocast's, FSDP2's)
         or cache.k[0].device != w.device
     ):
         cache = _DECODE_CACHES[model] = model.new_cache(len(src), S)
