@@ -19,9 +19,10 @@ import sys
 import torch
 
 from nanogrpo.checkpoint import load_model
+from nanogrpo.extras.reward_funcs import resolve_reward_funcs
 from nanogrpo.fast.sampling import sample_next_token_fast
 from nanogrpo.grpo import total_reward
-from nanogrpo.rewards import RewardError, resolve_reward_funcs, score_completions
+from nanogrpo.rewards import RewardError, score_completions
 from nanogrpo.run.report import open_sampling_progress
 from nanogrpo.sampler import generate
 from nanogrpo.tokenizer import Tokenizer

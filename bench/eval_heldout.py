@@ -31,9 +31,9 @@ def main(argv=None):
     from nanogrpo.extras.custom_rollout import resolve_rollout_func
     from nanogrpo.extras.datasets import load_dataset
     from nanogrpo.extras.environments import Environments
+    from nanogrpo.extras.reward_funcs import resolve_reward_funcs
     from nanogrpo.extras.tools import resolve_tools
     from nanogrpo.grpo import LossConfig
-    from nanogrpo.rewards import resolve_reward_funcs
     from nanogrpo.run.configurator import load_config
     from nanogrpo.tokenizer import Tokenizer
 

@@ -87,7 +87,7 @@ def main(argv=None):
     from trl import GRPOConfig, GRPOTrainer
 
     from nanogrpo.extras.datasets import load_dataset
-    from nanogrpo.rewards import resolve_reward_funcs
+    from nanogrpo.extras.reward_funcs import resolve_reward_funcs
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,16 +1,14 @@
-"""Reward functions and reward models, and turning their outputs into one [N, K] reward matrix.
+"""Reward functions' scores: calling every function on a batch of completions and turning their
+outputs into one [N, K] reward matrix.
 
-Owns: resolving config entries (`resolve_reward_funcs`: a built-in's name, looked up in
-`BUILTINS`, "module:function", "file.py:function", or a reward model's entry), calling every
-function on a batch of completions (`score_completions`), checking that the dataset has the
-columns they read (`check_reward_columns`), and `import_function`, which the tools, environments
-and rollout_func settings use too.
+Owns: `score_completions` (TRL's calling convention, async functions awaited together, outputs
+checked), `check_reward_columns` (the dataset has the columns the functions read) and
+`RewardError`.
 
-Leaves out: the built-in reward functions (`accuracy`, `format`, `soft_overlong`, `countdown`,
-`default_task`) and their `BUILTINS` table live in extras/builtin_rewards.py; the
-`TrainerState` that reward functions receive as `trainer_state` lives in extras/trainer_info.py
-(both stay importable from here, for users' reward files); loading a reward model is
-extras/reward_model.py's, imported only when an entry names one.
+Left out, and where it lives: turning config entries into functions (a built-in's name,
+"module:function", "file.py:function", a reward model: extras/reward_funcs.py, called by
+trainer.py's setup); the built-in functions (extras/builtin_rewards.py); the `trainer_state`
+they receive (extras/trainer_info.py).
 
 Does not know about: the policy, advantages (grpo.py), where dataset columns come from (data.py,
 extras/datasets.py), or other processes.
@@ -25,121 +23,15 @@ Choices:
 """
 
 import asyncio
-import difflib
-import importlib.util
 import inspect
 import math
 import numbers
-import os
 
 import torch
-
-# importable here for users' reward files (`from nanogrpo.rewards import accuracy_reward`), where
-# they lived before they moved to extras/
-from nanogrpo.extras.builtin_rewards import (  # noqa: F401
-    BUILTINS,
-    accuracy_reward,
-    check_equation,
-    completion_text,
-    countdown_reward,
-    default_task_reward,
-    default_task_score,
-    format_reward,
-    soft_overlong_punishment,
-)
-from nanogrpo.extras.trainer_info import TrainerState, trainer_state_of  # noqa: F401
 
 
 class RewardError(RuntimeError):
     """A reward function failed or returned something that is not one score per completion."""
-
-
-# -----------------------------------------------------------------------------
-# resolving names, reward models, scoring a batch
-
-
-def import_function(spec: str, kind: str = "reward function"):
-    """'package.module:function' or 'path/to/file.py:function' -> the function (`kind` names it in
-    errors)."""
-    module_name, _, attr = spec.rpartition(":")
-    try:
-        if module_name.endswith(".py"):
-            loader_spec = importlib.util.spec_from_file_location(
-                f"_reward_{abs(hash(module_name))}", module_name
-            )
-            module = importlib.util.module_from_spec(loader_spec)
-            loader_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except (ImportError, OSError) as e:
-        raise ValueError(f"{kind} {spec!r}: cannot import {module_name!r} ({e})") from e
-    except SyntaxError as e:  # one line naming the place, not a traceback
-        raise ValueError(f"{kind} {spec!r}: {e.filename}, line {e.lineno}: {e.msg}") from None
-    except Exception as e:  # the file ran and raised
-        raise ValueError(
-            f"{kind} {spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}"
-        ) from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"{kind} {spec!r}: {module_name!r} has no function {attr!r}")
-    return fn
-
-
-def resolve_reward_funcs(
-    names_or_callables,
-    *,
-    max_completion_length: int | None = None,
-    soft_punish_cache: int | None = None,
-    reward_processing_classes=None,
-    device="cpu",
-    dtype=torch.float32,
-    batch_size: int = 32,
-) -> list[tuple[str, object]]:
-    """Config entries -> [(name, fn)]: callables, built-in names, "module:function" or
-    "file.py:function", and reward models: the directory or hub id ('org/name') of a
-    *ForSequenceClassification checkpoint, loaded by `reward_model` with
-    reward_processing_classes[i] (TRL's name: one entry per function; None = the model's own
-    tokenizer; ignored for other functions, as in TRL). `soft_overlong` is built from
-    max_completion_length and soft_punish_cache (default: a quarter of max_completion_length)."""
-    if isinstance(names_or_callables, str) or callable(names_or_callables):
-        names_or_callables = [names_or_callables]
-    tokenizers = list(reward_processing_classes or [None] * len(names_or_callables))
-    if len(tokenizers) != len(names_or_callables):
-        raise ValueError(
-            f"reward_processing_classes: {len(tokenizers)} entries, {len(names_or_callables)} "
-            "functions"
-        )
-    resolved = []
-    for item, tokenizer in zip(names_or_callables, tokenizers):
-        if callable(item):
-            resolved.append((getattr(item, "__name__", type(item).__name__), item))
-        elif not isinstance(item, str):
-            raise TypeError(f"a reward function is a name or a callable, got {item!r}")
-        elif item == "soft_overlong":
-            if max_completion_length is None:
-                raise ValueError("soft_overlong needs max_completion_length")
-            cache = soft_punish_cache
-            if cache is None:
-                cache = max(1, max_completion_length // 4)
-            resolved.append((item, soft_overlong_punishment(max_completion_length, cache)))
-        elif item in BUILTINS:
-            resolved.append((item, BUILTINS[item]))
-        elif os.path.isdir(item) or (
-            ":" not in item and item.count("/") == 1 and not item.startswith((".", "~"))
-        ):
-            from nanogrpo.extras.reward_model import reward_model  # loads weights: only when used
-
-            resolved.append(reward_model(item, tokenizer, device, dtype, batch_size))
-        elif ":" in item:
-            resolved.append((item.rpartition(":")[2], import_function(item)))
-        else:
-            close = difflib.get_close_matches(item, BUILTINS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(
-                f"unknown reward function {item!r}{hint}; built-ins are {sorted(BUILTINS)}, or "
-                "give 'module:function' or a reward model's directory or hub id"
-            )
-    return resolved
 
 
 def _check_scores(name: str, scores, n: int) -> list[float]:

@@ -7,6 +7,7 @@ import pytest
 from nanogrpo.data import PromptSampler, check_rows, columns_of, is_conversational
 from nanogrpo.extras.builtin_rewards import check_equation
 from nanogrpo.extras.datasets import load_dataset, read_rows
+from nanogrpo.extras.reward_funcs import resolve_reward_funcs
 from nanogrpo.extras.tasks import (
     DEFAULT_TASK_CHARS,
     addition,
@@ -14,7 +15,7 @@ from nanogrpo.extras.tasks import (
     gsm8k_rows,
     make_default_task,
 )
-from nanogrpo.rewards import resolve_reward_funcs, score_completions
+from nanogrpo.rewards import score_completions
 
 STANDARD = [
     {"prompt": "2+2=", "answer": "4", "level": 1},

@@ -14,9 +14,10 @@ from hypothesis import given, settings, strategies as st
 
 import train
 from nanogrpo.checkpoint import load_model, read_json, save_model
+from nanogrpo.extras.reward_funcs import resolve_reward_funcs
 from nanogrpo.extras.reward_model import score_texts
 from nanogrpo.model import ModelConfig, Transformer
-from nanogrpo.rewards import RewardError, resolve_reward_funcs, score_completions
+from nanogrpo.rewards import RewardError, score_completions
 from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.tokenizer import Tokenizer
 

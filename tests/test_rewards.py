@@ -14,7 +14,8 @@ from nanogrpo.extras.builtin_rewards import (
     soft_overlong_punishment,
 )
 from nanogrpo.extras.math_answers import extract_answer, last_boxed, parse_number
-from nanogrpo.rewards import RewardError, resolve_reward_funcs, score_completions
+from nanogrpo.extras.reward_funcs import resolve_reward_funcs
+from nanogrpo.rewards import RewardError, score_completions
 
 
 def as_messages(texts):
@@ -194,36 +195,12 @@ def test_resolve_names_callables_and_modules(tmp_path, monkeypatch):
         resolve_reward_funcs(["soft_overlong"])
 
 
-# names that moved from rewards.py to extras/, and where they live now
-MOVED = {
-    "builtin_rewards": [
-        "accuracy_reward",
-        "format_reward",
-        "soft_overlong_punishment",
-        "countdown_reward",
-        "check_equation",
-        "default_task_score",
-        "default_task_reward",
-        "completion_text",
-        "BUILTINS",
-    ],
-    "trainer_info": ["TrainerState", "trainer_state_of"],
-}
-
-
-def test_moved_names_stay_importable_from_rewards(tmp_path):
-    """A user's reward file that imports a built-in from nanogrpo.rewards keeps working: each moved name is the
-    same object there as in its new home."""
-    import importlib
-
-    from nanogrpo import rewards
-
-    for module, names in MOVED.items():
-        home = importlib.import_module(f"nanogrpo.extras.{module}")
-        for name in names:
-            assert getattr(rewards, name) is getattr(home, name), name
+def test_user_reward_file_importing_builtins(tmp_path):
+    """A user's reward file that builds on the built-ins and on trainer_state imports them from their
+    homes (extras/builtin_rewards.py, extras/trainer_info.py) and resolves as any "file.py:function"."""
     (tmp_path / "user_rewards.py").write_text(
-        "from nanogrpo.rewards import TrainerState, accuracy_reward, format_reward\n"
+        "from nanogrpo.extras.builtin_rewards import accuracy_reward, format_reward\n"
+        "from nanogrpo.extras.trainer_info import TrainerState\n"
         "def both(completions, answer, trainer_state=None, **kw):\n"
         "    assert isinstance(trainer_state, TrainerState)\n"
         "    return [a + f for a, f in zip(accuracy_reward(completions, answer=answer), format_reward(completions))]\n"

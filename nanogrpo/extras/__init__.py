@@ -9,8 +9,8 @@ is read. Most are TRL GRPOTrainer's options, under its names.
 - extras/environments.py: environment_factory; extras/custom_rollout.py: rollout_func
 - extras/generation_kwargs.py: generation_kwargs (suppress_tokens, min_new_tokens, stop strings)
 - extras/lora.py: LoRA adapters, as PEFT defines them
-- extras/reward_model.py, extras/builtin_rewards.py, extras/math_answers.py: reward models and
-  the built-in reward functions
+- extras/reward_funcs.py, extras/reward_model.py, extras/builtin_rewards.py,
+  extras/math_answers.py: reward entries resolved, reward models, the built-in reward functions
 - extras/tasks.py, extras/datasets.py: built-in prompt tasks, loading datasets by name
 - extras/lr_schedules.py: the learning-rate schedules
 - extras/trainer_info.py: what reward functions receive beside the completions (trainer_state,

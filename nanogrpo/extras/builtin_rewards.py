@@ -6,9 +6,9 @@ Owns: `accuracy` (math answers), `format` (`<think>...</think><answer>...</answe
 dense score of the default copy task, extras/tasks.py), the `BUILTINS` table that names them, and
 `completion_text` (a completion's text, whichever format it arrived in).
 
-Does not know about: how names become functions or how a batch is scored (rewards.py, which
-looks names up in `BUILTINS`), where the columns they read come from (extras/tasks.py,
-extras/datasets.py), tokenizers, torch, the trainer, or other processes.
+Does not know about: how names become functions (extras/reward_funcs.py, which looks names
+up in `BUILTINS`) or how a batch is scored (rewards.py), where the columns they read come from
+(extras/tasks.py, extras/datasets.py), tokenizers, torch, the trainer, or other processes.
 
 Choices:
 - TRL's calling convention, as every reward function: each names the arguments it reads

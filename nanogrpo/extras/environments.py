@@ -11,7 +11,7 @@ more reward function, scored as any other), checkpoints, files, or other
 processes.
 
 Tool calls are parsed and run by extras/tool_rounds.py and extras/tools.py
-with the functions given here; of rewards.py it uses `import_function`, to
+with the functions given here; of extras/reward_funcs.py it uses `import_function`, to
 resolve "module:Class".
 
 Choices (TRL 1.16's GRPOTrainer, name for name):
@@ -45,8 +45,8 @@ import inspect
 import os
 from dataclasses import dataclass
 
+from nanogrpo.extras.reward_funcs import import_function
 from nanogrpo.extras.tools import tool_schema
-from nanogrpo.rewards import import_function
 
 # TRL's prompt of a row without one: the environment's reset() writes it
 EMPTY_PROMPT = [{"role": "user", "content": ""}]

@@ -13,8 +13,8 @@ Does not know about: sampling, losses, or the model: extras/tool_rounds.py
 runs the calls between generation rounds, with the functions the config's
 `tools` and environments bring.
 
-Of rewards.py it uses `import_function`, to resolve "module:function"; of extras/datasets.py
-the content-part types that carry an image.
+Of extras/reward_funcs.py it uses `import_function`, to resolve "module:function"; of
+extras/datasets.py the content-part types that carry an image.
 """
 
 import asyncio
@@ -308,7 +308,7 @@ def assistant_message(content: str, calls: list[dict]) -> dict:
 def resolve_tools(specs) -> dict:
     """Config entries ("module:function", "path/file.py:function") or callables -> {name:
     function}."""
-    from nanogrpo.rewards import import_function
+    from nanogrpo.extras.reward_funcs import import_function
 
     out = {}
     for spec in specs or ():
