@@ -8,8 +8,9 @@ model: a `score` head replaces the LM head.
 
 Leaves out: Hugging Face checkpoints (checkpoint/: config.json, safetensors, tensor names), the
 families' own layers (models/gemma3.py; models/qwen3_5.py and its linear attention,
-models/gated_deltanet.py: through `family_parts`), RoPE scaling (extras/rope_scaling.py), LoRA
-(extras/lora.py), FSDP2 (distributed/), and the LM head in chunks (fast/logprobs.py, via `head`).
+models/gated_deltanet.py: registered in `FAMILIES` by nanogrpo/models/, which the checkpoint
+loader imports), LoRA (extras/lora.py), FSDP2 (distributed/), and the LM head in chunks
+(fast/logprobs.py, via `head`).
 
 Does not know about: files, tokenization, sampling, losses, or more than one process.
 
@@ -25,7 +26,6 @@ Choices:
 - Every query may always attend to its own slot, so a fully padded row never divides by zero (NaN).
 """
 
-import importlib
 import math
 from dataclasses import dataclass, field
 
@@ -33,11 +33,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogrpo.extras import rope_scaling
-
-# (gemma3_text and qwen3_5_text: models/gemma3.py and models/qwen3_5.py, through family_parts)
 SUPPORTED_MODEL_TYPES = tuple("llama mistral qwen2 qwen3 smollm3 gemma3_text qwen3_5_text".split())
-FAMILY_MODULES = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5"}
+# model_type -> the module of a family whose layers differ from Block's: its Block, RMSNorm,
+# Embedding, window_mask, fill_defaults and optional cache_shapes. nanogrpo/models/ fills it
+# (gemma3_text, qwen3_5_text) when imported, as the checkpoint loader does.
+FAMILIES = {}
+ROPE_TYPES = ("default", "linear", "llama3")
 
 # -----------------------------------------------------------------------------
 # Config
@@ -101,14 +102,24 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        if self.model_type in FAMILY_MODULES:
-            family_module(self.model_type).fill_defaults(self)
+        if self.model_type in ("gemma3_text", "qwen3_5_text") and self.model_type not in FAMILIES:
+            raise ValueError(
+                f"model_type={self.model_type!r}: its layers are in nanogrpo/models/, not imported "
+                "yet; `import nanogrpo.models` (nanogrpo.checkpoint does)"
+            )
+        if self.model_type in FAMILIES:
+            FAMILIES[self.model_type].fill_defaults(self)
         if self.no_rope_layers is not None and len(self.no_rope_layers) < self.num_hidden_layers:
             raise ValueError(
                 f"config.json: no_rope_layers has {len(self.no_rope_layers)} entries for "
                 f"{self.num_hidden_layers} layers"
             )
-        rope_scaling.check(self.rope_scaling)  # (None: no scaling)
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"config.json: rope_scaling.rope_type={rope_type!r} is not supported; "
+                f"supported: {', '.join(ROPE_TYPES)}"
+            )
 
     @property
     def qk_norm(self) -> bool:
@@ -141,8 +152,27 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     theta = cfg.rope_local_base_freq if local else cfg.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     if cfg.rope_scaling and not local:  # long-context scaling (Llama 3.1's llama3, linear)
-        inv_freq = rope_scaling.scale_inv_freq(inv_freq, cfg.rope_scaling)
+        inv_freq = scale_inv_freq(inv_freq, cfg.rope_scaling)
     return inv_freq
+
+
+def scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """inv_freq [D/2] for contexts longer than the model was trained on: `linear` divides every
+    frequency by `factor`; Llama 3.1's `llama3` keeps the high ones, divides the low ones and
+    blends in between (config.json's rope_scaling names)."""
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind != "llama3":
+        return inv_freq
+    factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, smoothed, scaled)
 
 
 def rope_cos_sin(inv_freq, positions, dtype):
@@ -174,10 +204,9 @@ class KVCache:
         kv = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
         shapes = [(kv, kv)] * cfg.num_hidden_layers
         self.linear = [False] * cfg.num_hidden_layers
-        if cfg.model_type == "qwen3_5_text":
-            from nanogrpo.models.gated_deltanet import cache_shapes
-
-            shapes = cache_shapes(cfg, batch_size, kv)
+        family = FAMILIES.get(cfg.model_type)
+        if hasattr(family, "cache_shapes"):  # Qwen3.5: linear-attention layers keep a state
+            shapes = family.cache_shapes(cfg, batch_size, kv)
             self.linear = [t == "linear_attention" for t in cfg.layer_types]
         if dtype == torch.float32 and torch.is_autocast_enabled(device.type):  # keys in bf16
             dtype = torch.get_autocast_dtype(device.type)
@@ -296,16 +325,10 @@ class Block(nn.Module):
 # The model
 
 
-def family_module(model_type):
-    """The extras/ module of a family whose layers differ from Block's (Gemma 3, Qwen3.5)."""
-    name = FAMILY_MODULES.get(model_type)
-    return None if name is None else importlib.import_module(f"nanogrpo.models.{name}")
-
-
 def family_parts(cfg: ModelConfig):
     """The seam for families whose layers differ: (block class, called as block(cfg, layer index),
     norm class, embedding class, sliding-window mask or None), from the family's module."""
-    family = family_module(cfg.model_type)
+    family = FAMILIES.get(cfg.model_type)
     if family is None:
         return Block, RMSNorm, nn.Embedding, None
     return family.Block, family.RMSNorm, family.Embedding, family.window_mask

@@ -191,3 +191,22 @@ def test_rope_table_moves_to_the_input_device_once():
     assert table.device.type == "meta"
     model(ids)
     assert model.inv_freq is table
+
+
+def test_family_layers_not_registered_is_a_clear_error():
+    """Gemma 3's and Qwen3.5's layers live in nanogrpo/models/, which registers them in
+    model.FAMILIES when imported (the checkpoint loader imports it): a config of such a family built
+    before that names the fix instead of building a Llama-style model silently."""
+    import subprocess
+    import sys
+
+    code = (
+        "from nanogrpo.model import ModelConfig\n"
+        "try:\n    ModelConfig(model_type='gemma3_text')\nexcept ValueError as e:\n    print(e)\n"
+        "import nanogrpo.models\n"
+        "print(ModelConfig(model_type='gemma3_text').sliding_window)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    first, second = out.stdout.strip().splitlines()
+    assert "import nanogrpo.models" in first and "gemma3_text" in first
+    assert second == "4096"

@@ -12,6 +12,7 @@ Does not know about: files (checkpoint/__init__.py reads and writes them), the f
 
 from dataclasses import fields
 
+import nanogrpo.models  # noqa: F401 (registers Gemma 3's and Qwen3.5's layers in model.FAMILIES)
 from nanogrpo.model import SUPPORTED_MODEL_TYPES, ModelConfig, Transformer
 
 # config.json's architectures: the family's prefix + ForCausalLM etc.

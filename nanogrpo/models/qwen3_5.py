@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from nanogrpo.model import MLP, Attention, apply_rope
-from nanogrpo.models.gated_deltanet import GatedDeltaNet
+from nanogrpo.models.gated_deltanet import GatedDeltaNet, cache_shapes  # noqa: F401 (FAMILIES)
 from nanogrpo.models.gemma3 import Gemma3RMSNorm, fill_layer_types
 
 
@@ -91,5 +91,5 @@ class Qwen3_5Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# what model.family_parts reads
+# what model.family_parts and model.KVCache read (cache_shapes: the linear layers' states)
 Block, RMSNorm, Embedding, window_mask = Qwen3_5Block, Gemma3RMSNorm, nn.Embedding, None
