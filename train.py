@@ -7,19 +7,15 @@ One round of GRPO (sample_round): prompts -> G completions each (rollout.py; a g
 ranks, as in TRL) -> rewards (rewards.py) -> group advantages over all ranks (grpo.py) -> old
 log-probs when the update is off-policy, reference log-probs when beta > 0 (logprobs.py).
 Then (train_cycle) each optimizer step takes the next gradient_accumulation_steps micro-batches
-of the rounds -> micro-batched grpo_step -> clip -> AdamW step. The batch arithmetic is TRL's
-(schedules.Schedule, printed at the start of every run); `step` counts optimizer steps, as TRL's
-global_step does.
+of the rounds -> micro-batched grpo_step -> clip -> AdamW step, in TRL's batch arithmetic
+(schedules.py). `train`, at the bottom, is the loop: cycles, evaluation, saves and stops.
 
-What the rounds start from (model, tokenizer, optimizer, rewards, prompts) is built by
-nanogrpo/trainer.py; what a run does around the algorithm (output folder, resume, Ctrl-C,
-metrics, trackers, printing) lives in nanogrpo/run/. The options enter at named places:
-`kernels` (nanogrpo/fast/), `sample` (environment_factory, rollout_func), `groups_with_signal`
-(DAPO's dynamic sampling), the entropy control in `optimizer_step`, LoRA's reference model in
-`sample_round` (nanogrpo/extras/).
-
-Known gap: with sync_ref_model the synced reference weights are not checkpointed, so a resumed
-run restarts from the initial reference model.
+Setup (model, tokenizer, optimizer, rewards, prompts) is nanogrpo/trainer.py's; the run's
+bookkeeping (output folder, resume, signals, metrics, trackers) nanogrpo/run/'s. Options enter
+at named places: `kernels` (fast/), `sample` (environment_factory, rollout_func),
+`groups_with_signal` (dynamic sampling), the entropy control in `optimizer_step`, LoRA's
+reference in `ref_logprobs` (extras/). Known gap: sync_ref_model's synced reference weights are
+not checkpointed; a resumed run restarts from the initial reference model.
 """
 
 import sys
@@ -29,7 +25,6 @@ from functools import partial
 import torch
 
 from nanogrpo import distributed as dist, fast, run
-from nanogrpo.data import columns_of
 from nanogrpo.extras import lora
 from nanogrpo.extras.custom_rollout import custom_rollout
 from nanogrpo.extras.dynamic_sampling import groups_with_signal
@@ -37,32 +32,28 @@ from nanogrpo.extras.eval_loss import eval_loss
 from nanogrpo.extras.loss_terms import applied_entropy_coef, entropy_window, update_entropy_coef
 from nanogrpo.extras.trainer_info import RewardLogs, reward_kwargs, trainer_state_of
 from nanogrpo.grpo import LossInputs, LossScale, group_advantages, grpo_step
-from nanogrpo.rewards import score_completions
+from nanogrpo.logprobs import frozen_logprobs, sync_ref_model
+from nanogrpo.rewards import score_rollout
 from nanogrpo.rollout import Rollout, rollout
 from nanogrpo.run import report
 from nanogrpo.run.config import TrainConfig
 from nanogrpo.schedules import micro_batches_in_step
-from nanogrpo.trainer import Kernels, Trainer, setup  # noqa: F401 (run.train calls train.setup)
+from nanogrpo.trainer import Kernels, Trainer, setup
 
 # -----------------------------------------------------------------------------
 # Setup (nanogrpo/trainer.py): model, tokenizer, optimizer, rewards, data
 
 
 def kernels(cfg: TrainConfig) -> Kernels:
-    """The one place speed is chosen, applied from outside as gpt-fast
-    applies torch.compile: nanogrpo/fast/'s sort-free draw (and with
-    torch_compile the compiled decode step), chunked log-probs that share
-    each prompt's forward, no backward for rows without advantage. Each
-    equals the course function it stands for; plain=true trains with the
-    course's alone (tests/test_train.py holds the two runs equal)."""
+    """The one place speed is chosen (nanogrpo/fast/, each kernel equal to the course function it
+    stands for): plain=true trains with the course's alone."""
     if cfg.plain:
         return Kernels()
     return Kernels(**fast.kernels(torch_compile=cfg.torch_compile))
 
 
 def round_seed(cfg: TrainConfig, rnd: int, rank: int, salt=0) -> int:
-    """A seed per round and rank: sampling is reproducible, and resume
-    needs no RNG state."""
+    """A seed per round and rank: sampling is reproducible, and resume needs no RNG state."""
     return (cfg.seed * 1_000_003 + rnd * 7919 + rank * 104_729 + salt) % 2**63
 
 
@@ -71,11 +62,10 @@ def round_seed(cfg: TrainConfig, rnd: int, rank: int, salt=0) -> int:
 
 
 def round_prompts(t: Trainer) -> tuple[list[dict], int]:
-    """This rank's share of the next round, as TRL's RepeatSampler hands
-    it out: the round's prompts each repeated G times, each rank a
-    consecutive slice. -> (rows, copies of each): whole groups when the
-    slice holds them, else each completion its own row (a group spans
-    ranks; its advantages still come from all G rewards)."""
+    """This rank's share of the next round, as TRL's RepeatSampler hands it out: the round's prompts
+    each repeated G times, each rank a consecutive slice. -> (rows, copies of each): whole groups
+    when the slice holds them, else each completion its own row (a group spans ranks; its advantages
+    still come from all G rewards)."""
     rows = t.prompts.next_batch()
     share = t.sched.rank_share(t.info.rank)  # [(prompt, copies)]
     counts = {c for _, c in share}
@@ -85,9 +75,9 @@ def round_prompts(t: Trainer) -> tuple[list[dict], int]:
 
 
 def sample(t: Trainer, rows: list[dict], copies: int, generator) -> Rollout:
-    """`copies` completions of each row: rollout.py's sampler, each
-    completion in its own environment (reset here) with environment_factory;
-    or the config's rollout_func (nanogrpo/extras/custom_rollout.py)."""
+    """`copies` completions of each row: rollout.py's sampler, each completion in its own
+    environment (reset here) with environment_factory; or the config's rollout_func
+    (nanogrpo/extras/custom_rollout.py)."""
     if t.rollout_func is not None:
         return custom_rollout(t, rows, copies, generator)
     episodes = None
@@ -99,28 +89,18 @@ def sample(t: Trainer, rows: list[dict], copies: int, generator) -> Rollout:
 
 
 def reward_rollout(ro: Rollout, reward_funcs, t=None, logs=None) -> torch.Tensor:
-    """Every reward function, called with TRL's convention (dataset
-    columns repeated per completion, the rollout's extra fields:
-    `environments`, a rollout_func's; with t, TRL's trainer_state,
-    log_metric and log_extra, logging into `logs`). -> [n, K] fp32,
-    NaN = unscored."""
-    G = ro.num_generations
-    columns = {
-        k: [v for v in values for _ in range(G)] for k, values in columns_of(ro.rows).items()
-    }
-    columns.update(ro.extra_fields or {})
+    """rewards.score_rollout, with t: TRL's trainer_state, log_metric and log_extra (logging into
+    `logs`). -> [n, K] fp32, NaN = unscored."""
     extras = None
     if t is not None:
         logs.columns = {}  # log_extra's columns: of this call's completions
         extras = reward_kwargs(trainer_state_of(t), logs)
-    return score_completions(
-        reward_funcs, ro.prompts, ro.completions, ro.completion_token_ids, columns, extras
-    )
+    return score_rollout(ro, reward_funcs, extras)
 
 
 def advantages_of(t: Trainer, rewards: torch.Tensor, G: int):
-    """Group advantages over all ranks' rewards [N, K] (scale_rewards
-    "batch" normalises over the whole batch) -> this rank's rows [n]."""
+    """Group advantages over all ranks' rewards [N, K] (scale_rewards "batch" normalises over the
+    whole batch) -> this rank's rows [n]."""
     cfg = t.cfg
     advantages = group_advantages(
         rewards,
@@ -138,41 +118,28 @@ def advantages_of(t: Trainer, rewards: torch.Tensor, G: int):
 # Log-probs of the sampled tokens under a frozen model (old policy, ref)
 
 
-@torch.no_grad()
-def frozen_logprobs(model, ro: Rollout, t: Trainer):
-    """Per-token (log-probs, entropies), both [n, C], micro-batch by
-    micro-batch."""
-    was_training = model.training
-    model.eval()
-    logps = []
-    entropies = []
-    size = t.cfg.per_device_train_batch_size
-    for i in range(0, len(ro.input_ids), size):
-        rows = slice(i, i + size)
-        with t.autocast:
-            part, part_entropy = t.kernels.token_logprobs(
-                model,
-                ro.input_ids[rows],
-                ro.attention_mask[rows],
-                ro.completion_mask[rows],
-                temperature=t.cfg.temperature,
-                vocab_size=t.tok.vocab_size,
-            )
-        logps.append(part)
-        entropies.append(part_entropy)
-    model.train(was_training)
-    return torch.cat(logps), torch.cat(entropies)
+def frozen(model, ro: Rollout, t: Trainer):
+    """(log-probs, entropies) [n, C] of the rollout under `model`, frozen, with the kernels and
+    micro-batch size of the update."""
+    return frozen_logprobs(
+        model,
+        ro,
+        t.cfg.per_device_train_batch_size,
+        t.kernels.token_logprobs,
+        t.autocast,
+        temperature=t.cfg.temperature,
+        vocab_size=t.tok.vocab_size,
+    )
 
 
 def ref_logprobs(t: Trainer, ro: Rollout) -> torch.Tensor | None:
-    """The reference model's log-probs [n, C] when the loss has a KL term
-    (beta > 0): its own copy, or with LoRA the policy with its adapters
-    off; else None."""
+    """The reference model's log-probs [n, C] when the loss has a KL term (beta > 0): its own copy,
+    or with LoRA the policy with its adapters off; else None."""
     if t.ref is not None:
-        return frozen_logprobs(t.ref, ro, t)[0]
+        return frozen(t.ref, ro, t)[0]
     if t.cfg.beta > 0:
         with lora.disable_adapters(t.model):
-            return frozen_logprobs(t.model, ro, t)[0]
+            return frozen(t.model, ro, t)[0]
     return None
 
 
@@ -181,10 +148,9 @@ def ref_logprobs(t: Trainer, ro: Rollout) -> torch.Tensor | None:
 
 
 def micro_batches(t: Trainer, ro: Rollout, rnd: int) -> list[tuple]:
-    """What round `rnd` feeds the optimizer steps, in order: its rows
-    shuffled (seeded by the round), cut into steps_per_generation
-    micro-batches, replayed num_iterations times.
-    -> [(ro, row indices)]."""
+    """What round `rnd` feeds the optimizer steps, in order: its rows shuffled (seeded by the
+    round), cut into steps_per_generation micro-batches, replayed num_iterations times. -> [(ro,
+    row indices)]."""
     n = t.sched.completions_per_round_per_rank
     size = t.cfg.per_device_train_batch_size
     seed = round_seed(t.cfg, rnd, t.info.rank, salt=1)
@@ -195,9 +161,8 @@ def micro_batches(t: Trainer, ro: Rollout, rnd: int) -> list[tuple]:
 
 
 def optimizer_step(t: Trainer, micro) -> dict:
-    """One optimizer step over `micro`, GA (Rollout, row indices) pairs
-    (from one round or several). -> loss metrics over the step's
-    micro-batches (report.across_micro_batches)."""
+    """One optimizer step over `micro`, GA (Rollout, row indices) pairs (from one round or several).
+    -> loss metrics over the step's micro-batches (report.across_micro_batches)."""
     GA = len(micro)
     bonus = t.loss_cfg.entropy_bonus_on()
     # every micro-batch of the step applies the coefficient of the last one
@@ -245,8 +210,7 @@ def optimizer_step(t: Trainer, micro) -> dict:
         weights = report.micro_batch_weights(ro.completion_mask[idx], t.loss_cfg)
         for key, value in metrics.items():
             values.setdefault(key, []).append((value, weights.get(key, 1.0)))
-    max_norm = t.cfg.max_grad_norm or 0.0
-    grad_norm = dist.clip_grad_norm(t.model, max_norm)
+    grad_norm = dist.clip_grad_norm(t.model, t.cfg.max_grad_norm or 0.0)
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
     # the step's one read of its metrics (a float() each would wait each time)
@@ -267,40 +231,30 @@ def rows(x: torch.Tensor | None, idx: torch.Tensor):
 
 
 def update(t: Trainer, micro) -> dict:
-    """One optimizer step, the scheduler's step and TR-DPO's reference
-    sync. -> the step's record."""
+    """One optimizer step, the scheduler's step and TR-DPO's reference sync. -> the step's
+    record."""
     cfg = t.cfg
     t0 = time.time()
     lr_used = t.scheduler.get_last_lr()[0]
     m = optimizer_step(t, micro)
     t.scheduler.step()
     t.step += 1
-    due = t.step % cfg.ref_model_sync_steps == 0
-    if t.ref is not None and cfg.sync_ref_model and due:
+    if t.ref is not None and cfg.sync_ref_model and t.step % cfg.ref_model_sync_steps == 0:
         sync_ref_model(t.ref, t.model, cfg.ref_model_mixup_alpha)
     m["step"] = t.step
-    # the rate this step used (the scheduler has moved on)
-    m["learning_rate"] = lr_used
+    m["learning_rate"] = lr_used  # the rate this step used (the scheduler has moved on)
     m["time/update"] = time.time() - t0
     return m
 
 
-@torch.no_grad()
-def sync_ref_model(ref, policy, alpha: float):
-    """TR-DPO: ref <- alpha * policy + (1 - alpha) * ref."""
-    for r, p in zip(ref.parameters(), policy.parameters()):
-        r.mul_(1 - alpha).add_(p.detach(), alpha=alpha)
-
-
 # -----------------------------------------------------------------------------
-# The loop
+# Rounds and steps in TRL's order
 
 
 def sample_round(t: Trainer, rnd: int) -> tuple[Rollout, dict]:
-    """Generation round `rnd`: sample, reward, advantages over all ranks,
-    old/ref log-probs. -> (the Rollout, what the report needs of it)."""
-    cfg = t.cfg
-    info = t.info
+    """Generation round `rnd`: sample, reward, advantages over all ranks, old/ref log-probs. -> (the
+    Rollout, what the report needs of it)."""
+    cfg, info = t.cfg, t.info
     t0 = time.time()
     generator = torch.Generator(info.device)
     generator.manual_seed(round_seed(cfg, rnd, info.rank))
@@ -326,33 +280,25 @@ def sample_round(t: Trainer, rnd: int) -> tuple[Rollout, dict]:
     ro.num_items = dist.all_reduce_sum(ro.completion_mask.sum(), info)
     t2 = time.time()
     if t.sched.off_policy:  # the policy moves before some update
-        ro.old_logps, _ = frozen_logprobs(t.model, ro, t)
+        ro.old_logps, _ = frozen(t.model, ro, t)
     elif cfg.vllm_importance_sampling_correction and lora.has_dropout(t.model):
         # the update's forward drops adapter inputs, the sampler's did not:
         # the correction compares the sampler with the policy it ran
-        ro.trainer_logps, _ = frozen_logprobs(t.model, ro, t)
+        ro.trainer_logps, _ = frozen(t.model, ro, t)
     ro.ref_logps = ref_logprobs(t, ro)
     t3 = time.time()
     timing = {"time/sample": t1 - t0, "time/score": t2 - t1 - extra, "time/logprobs": t3 - t2}
     if cfg.dynamic_sampling:  # sampling and scoring the extra batches
         timing["time/dynamic_sampling"] = extra
-    return ro, {
-        "ro": ro,
-        "local": local,
-        "rewards": rewards,
-        "timing": timing,
-        "stats": stats,
-        "logs": logs,
-    }
+    return ro, dict(ro=ro, local=local, rewards=rewards, timing=timing, stats=stats, logs=logs)
 
 
 def train_cycle(t: Trainer) -> tuple[list[dict], list[dict]]:
-    """Rounds and optimizer steps in TRL's order until they end together
-    (Schedule's cycle; for most shapes one round and its steps): a step
-    takes the next gradient_accumulation_steps micro-batches (an epoch's
-    last step what the epoch has left, as transformers cuts it; the cycle
-    ends there), sampling a new round whenever none is left. -> (a record
-    per step, what the report needs of each round)."""
+    """Rounds and optimizer steps in TRL's order until they end together (Schedule's cycle; for most
+    shapes one round and its steps): a step takes the next gradient_accumulation_steps micro-batches
+    (an epoch's last step what the epoch has left, as transformers cuts it; the cycle ends there),
+    sampling a new round whenever none is left. -> (a record per step, what the report needs of each
+    round)."""
     queue = []  # (Rollout, row indices) not trained on yet
     rounds = []  # what the report needs of each round sampled
     records = []
@@ -379,21 +325,15 @@ def draw_more(t: Trainer, generator, logs):
     return more, reward_rollout(more, t.reward_funcs, t, logs), logs.columns
 
 
-def train(cfg: TrainConfig, command=None) -> list[dict]:
-    """Run GRPO as configured: nanogrpo/run/'s loop (output folder, resume, stops, saves,
-    evaluation, reports) around this file's train_cycle. -> per-step metrics (metrics.jsonl)."""
-    return run.train(sys.modules[__name__], cfg, command)
-
-
 # -----------------------------------------------------------------------------
 # Evaluation
 
 
 @torch.no_grad()
 def evaluate(t: Trainer) -> dict:
-    """num_generations_eval samples (None = 1) per eval prompt, scored as
-    in training: report.eval_metrics' rewards and pass@1, and TRL's
-    eval_loss. Each eval row counts once, on any world size."""
+    """num_generations_eval samples (None = 1) per eval prompt, scored as in training:
+    report.eval_metrics' rewards and pass@1, and TRL's eval_loss. Each eval row counts once, on any
+    world size."""
     info = t.info
     num_rows = len(t.eval_rows)
     indices = dist.equal_shard(num_rows, info.rank, info.world_size)
@@ -411,10 +351,49 @@ def evaluate(t: Trainer) -> dict:
     first = info.rank * len(indices)
     counted = torch.arange(first, first + len(indices), device=info.device) < num_rows
     counted = counted.repeat_interleave(G)  # [n]
-    logps, ents = frozen_logprobs(t.model, ro, t)
+    logps, ents = frozen(t.model, ro, t)
     ref = ref_logprobs(t, ro)
     m["eval/loss"] = eval_loss(t, ro, local, counted, logps=logps, entropies=ents, ref_logps=ref)
     return m
+
+
+# -----------------------------------------------------------------------------
+# The run
+
+
+def train(cfg: TrainConfig, command=None) -> list[dict]:
+    """Run GRPO as configured: cycles until max_steps, evaluation and saves where they are due, a
+    save on Ctrl-C, SIGTERM or an error. -> per-step metrics (also metrics.jsonl)."""
+    if cfg.dry_run:  # nothing loaded, nothing started: the plan of the run
+        return run.dry_run(cfg)
+    info = dist.setup(cfg.device, cfg.ddp_timeout)
+    cfg.validate(info.world_size)
+    r, cfg = run.start(cfg, info, command)  # on resume, the checkpoint's optimizer settings
+    t = setup(cfg, info, r.resume_from, kernels=kernels(cfg))
+    if not run.begin(r, t):  # restored; False: max_steps already reached
+        return r.history
+    with run.saving_on_stop(r, t):
+        if cfg.eval_on_start:  # transformers' check before any step, on resume too
+            report.log_eval(r, {"step": t.step, **evaluate(t)})
+        if r.pending:  # saved on a stop that dropped their evaluation
+            if t.eval_rows:
+                r.pending[-1].update(evaluate(t))
+            report.log(r)
+        while t.step < cfg.max_steps:
+            run.stop_if_signalled(r, t)  # Ctrl-C, SIGTERM: save, then end
+            first_step = t.step
+            with run.cycle(r, t):  # where a stop inside it goes back to
+                records, rounds = train_cycle(t)
+            report.add_round_metrics(r, t, rounds, records)
+            r.pending = records
+            last = t.step == cfg.max_steps
+            eval_due = run.crossed(cfg.eval_every(), first_step, t.step) or last
+            if t.eval_rows and cfg.eval_every() and eval_due:
+                records[-1].update(evaluate(t))
+            report.log(r)
+            if run.crossed(cfg.save_steps, first_step, t.step) or last:
+                run.save(r, t)
+    return run.finish(r, t)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Per-token log-probs and entropies of completion tokens; KL estimators.
 
-Owns: scoring sampled tokens under a model (the policy, the old policy, the reference model) and
-`kl_divergence`. `token_logprobs` is the definition: full logits, log_softmax, gather.
-`policy_logprobs` is the update's scoring: token_logprobs with gradient.
+Owns: scoring sampled tokens under a model (the policy, the old policy, the reference model:
+`frozen_logprobs`), TR-DPO's reference update (`sync_ref_model`) and `kl_divergence`.
+`token_logprobs` is the definition: full logits, log_softmax, gather. `policy_logprobs` is the
+update's scoring: token_logprobs with gradient.
 
 Does not know about: losses, sampling, or processes (under FSDP2 the model's forward gathers
 what it needs). Of the model it calls `model(input_ids, attention_mask=)` -> logits [N,L,V].
@@ -17,6 +18,8 @@ gradients): the LM head in chunks, never the full [N,C,V] logits; rows that shar
 sharing its forward; rows whose advantage is 0 scored without gradient; the entropy's gradient
 only when asked.
 """
+
+import contextlib
 
 import torch
 
@@ -107,6 +110,32 @@ def policy_logprobs(
 #   k1 = -log r              unbiased, high variance, can be negative
 #   k2 = (log r)^2 / 2       biased, low variance, >= 0
 #   k3 = (r - 1) - log r     unbiased, low variance, >= 0 (what GRPO and TRL use)
+
+
+@torch.no_grad()
+def frozen_logprobs(model, ro, batch_size, score=token_logprobs, autocast=None, **kwargs):
+    """The tokens of a rollout (rollout.Rollout) under a model that is not trained on them (the
+    old policy, the reference model), batch_size rows at a time, in eval mode. score:
+    token_logprobs or fast/logprobs.py's equal kernel, called with kwargs (temperature,
+    vocab_size). -> (log-probs, entropies), both [n, C]."""
+    was_training = model.training
+    model.eval()
+    parts = []  # [(log-probs, entropies)] of each batch
+    for i in range(0, len(ro.input_ids), batch_size):
+        rows = slice(i, i + batch_size)
+        with autocast or contextlib.nullcontext():
+            ids, mask = ro.input_ids[rows], ro.attention_mask[rows]
+            parts.append(score(model, ids, mask, ro.completion_mask[rows], **kwargs))
+    model.train(was_training)
+    logps, entropies = zip(*parts)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+@torch.no_grad()
+def sync_ref_model(ref, policy, alpha: float):
+    """TR-DPO's reference update: ref <- alpha * policy + (1 - alpha) * ref."""
+    for r, p in zip(ref.parameters(), policy.parameters()):
+        r.mul_(1 - alpha).add_(p.detach(), alpha=alpha)
 
 
 def kl_divergence(logps, ref_logps, kind="k3"):

@@ -1,9 +1,9 @@
 """Reward functions' scores: calling every function on a batch of completions and turning their
 outputs into one [N, K] reward matrix.
 
-Owns: `score_completions` (TRL's calling convention, async functions awaited together, outputs
-checked), `check_reward_columns` (the dataset has the columns the functions read) and
-`RewardError`.
+Owns: `score_rollout` and `score_completions` (TRL's calling convention, async functions
+awaited together, outputs checked), `check_reward_columns` (the dataset has the columns the
+functions read) and `RewardError`.
 
 Left out, and where it lives: turning config entries into functions (a built-in's name,
 "module:function", "file.py:function", a reward model: extras/reward_funcs.py, called by
@@ -28,6 +28,8 @@ import math
 import numbers
 
 import torch
+
+from nanogrpo.data import columns_of
 
 
 class RewardError(RuntimeError):
@@ -94,6 +96,19 @@ def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
                     f"reward function {name!r} needs the column(s) {missing}, which row {i} of "
                     f"dataset {source} lacks (its columns: {sorted(row)})"
                 )
+
+
+def score_rollout(ro, reward_funcs, extras: dict | None = None) -> torch.Tensor:
+    """Every reward function on a rollout's completions (rollout.Rollout), called with TRL's
+    convention: the dataset's columns repeated per completion, the rollout's extra fields
+    (`environments`, a rollout_func's) and `extras` (trainer_state, log_metric, log_extra).
+    -> [n, K] fp32, NaN = unscored."""
+    G = ro.num_generations
+    columns = {k: [v for v in vs for _ in range(G)] for k, vs in columns_of(ro.rows).items()}
+    columns.update(ro.extra_fields or {})
+    return score_completions(
+        reward_funcs, ro.prompts, ro.completions, ro.completion_token_ids, columns, extras
+    )
 
 
 def score_completions(

@@ -1,13 +1,15 @@
 """What a training run does around the algorithm: the bookkeeping train.py calls.
 
-Owns `train`: the loop of train.py's cycles with the run around them (evaluation and saves on
-schedule), `start` and the logs it opens, and `main`: one-line errors (`--help` is
-run/configurator.py's). The parts, one file each: the output folder, its lock, the checks before
-step 1 and the embedded default's tiny checkpoint (run/outdir.py), which checkpoint a run resumes
-from and what it restores (run/resume.py), saving on schedule, on a stop and after an error
-(run/saving.py), stopping every rank on Ctrl-C or SIGTERM and naming a rank's failure
-(run/stops.py). What a run reports (metrics, console, trackers, summary) is run/report.py's; the
-files of a checkpoint-<step>/ are run/checkpoints.py's; the dry run's plan is run/plan.py's.
+Owns what train.py's loop calls around its cycles: `start` (the output folder, the checkpoint to
+resume from), `begin` (restore, open the logs), `cycle`, `crossed` (is a save or an evaluation
+due), `finish`, `dry_run`, and `main`: one-line errors (`--help` is run/configurator.py's). It
+never calls train.py: train.py calls it. The parts, one file each: the output folder, its lock,
+the checks before step 1 and the embedded default's tiny checkpoint (run/outdir.py), which
+checkpoint a run resumes from and what it restores (run/resume.py), saving on schedule, on a stop
+and after an error (run/saving.py), stopping every rank on Ctrl-C or SIGTERM and naming a rank's
+failure (run/stops.py). What a run reports (metrics, console, trackers, summary) is
+run/report.py's; the files of a checkpoint-<step>/ are run/checkpoints.py's; the dry run's plan
+is run/plan.py's.
 
 Does not know about: the GRPO math, sampling, or log-probs.
 
@@ -128,15 +130,7 @@ def cycle(run: Run, t):
 
 
 # -----------------------------------------------------------------------------
-# Stopping on a signal: every rank where the same cycle ends
-
-
-# -----------------------------------------------------------------------------
-# The command line
-
-
-# -----------------------------------------------------------------------------
-# The run around the algorithm's cycles
+# Around the loop
 
 
 def crossed(every: int, before: int, after: int) -> bool:
@@ -144,53 +138,37 @@ def crossed(every: int, before: int, after: int) -> bool:
     return every > 0 and after // every > before // every
 
 
-def train(algo, cfg: TrainConfig, command=None) -> list[dict]:
-    """Run GRPO as configured: the run around `algo`'s cycles (train.py: its setup, kernels,
-    train_cycle and evaluate, looked up on it at each call). -> per-step metrics (also
-    metrics.jsonl)."""
-    if cfg.dry_run:  # nothing loaded, nothing started: the plan of the run
-        world_size = cfg.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
-        cfg.validate(world_size)
-        if int(os.environ.get("RANK", "0")) == 0:
-            plan.dry_run(cfg, world_size)
-        return []
-    info = dist.setup(cfg.device, cfg.ddp_timeout)
-    cfg.validate(info.world_size)
-    r, cfg = start(cfg, info, command)
-    t = algo.setup(cfg, info, r.resume_from, kernels=algo.kernels(cfg))
-    if r.resume_from:
-        restore(r, t)
-    if t.step >= cfg.max_steps and not r.pending:
+def dry_run(cfg: TrainConfig) -> list:
+    """--dry_run: nothing loaded, nothing started; rank 0 prints and writes the plan of the run
+    (run/plan.py) for dry_run_world_size processes (default: WORLD_SIZE). -> [] (no steps)."""
+    world_size = cfg.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.validate(world_size)
+    if int(os.environ.get("RANK", "0")) == 0:
+        plan.dry_run(cfg, world_size)
+    return []
+
+
+def begin(run: Run, t) -> bool:
+    """Restore a resumed run's trainer and history, then open the logs. -> False when there is
+    nothing left to do (max_steps reached and nothing pending: said, processes torn down)."""
+    if run.resume_from:
+        restore(run, t)
+    if t.step >= run.cfg.max_steps and not run.pending:
         report.nothing_to_do(t)
         dist.teardown()
-        return r.history
-    open_logs(r, t)
-    with saving_on_stop(r, t):
-        if cfg.eval_on_start:  # transformers' check before any step, on resume too
-            report.log_eval(r, {"step": t.step, **algo.evaluate(t)})
-        if r.pending:  # saved on a stop that dropped their evaluation
-            if t.eval_rows:
-                r.pending[-1].update(algo.evaluate(t))
-            report.log(r)
-        while t.step < cfg.max_steps:
-            stop_if_signalled(r, t)  # Ctrl-C, SIGTERM: save, then end
-            first_step = t.step
-            with cycle(r, t):  # where a stop inside it goes back to
-                records, rounds = algo.train_cycle(t)
-            report.add_round_metrics(r, t, rounds, records)
-            r.pending = records
-            eval_due = crossed(cfg.eval_every(), first_step, t.step)
-            last = t.step == cfg.max_steps
-            if t.eval_rows and cfg.eval_every() and (eval_due or last):
-                r.pending[-1].update(algo.evaluate(t))
-            report.log(r)
-            if crossed(cfg.save_steps, first_step, t.step) or last:
-                save(r, t)
-    if cfg.merge_adapter:
-        save_merged(r, t)
-    report.summarize(r, t)
+        return False
+    open_logs(run, t)
+    return True
+
+
+def finish(run: Run, t) -> list[dict]:
+    """After the last step: merge_adapter's merged model, the summary, processes torn down.
+    -> per-step metrics (also metrics.jsonl)."""
+    if run.cfg.merge_adapter:
+        save_merged(run, t)
+    report.summarize(run, t)
     dist.teardown()
-    return r.history
+    return run.history
 
 
 def main(argv: list[str], train) -> int:
