@@ -80,12 +80,10 @@ def sample(t: Trainer, rows: list[dict], copies: int, generator) -> Rollout:
     (nanogrpo/extras/custom_rollout.py)."""
     if t.rollout_func is not None:
         return custom_rollout(t, rows, copies, generator)
-    episodes = None
-    if t.environments is not None:
-        episodes = t.environments.start(rows, copies)
-    return rollout(
-        t.model, t.tok, rows, t.cfg, copies, generator, t.autocast, t.tools, episodes, t.kernels
-    )
+    episodes = None if t.environments is None else t.environments.start(rows, copies)
+    how = dict(settings=t.sampling, generator=generator, turns=t.turns, episodes=episodes)
+    with t.autocast:
+        return rollout(t.model, t.tok, rows, t.cfg, num_generations=copies, **how)
 
 
 def reward_rollout(ro: Rollout, reward_funcs, t=None, logs=None) -> torch.Tensor:

@@ -31,7 +31,9 @@ def main(argv=None):
     from nanogrpo.extras.custom_rollout import resolve_rollout_func
     from nanogrpo.extras.datasets import load_dataset
     from nanogrpo.extras.environments import Environments
+    from nanogrpo.extras.generation_kwargs import sampling_kwargs
     from nanogrpo.extras.reward_funcs import resolve_reward_funcs
+    from nanogrpo.extras.tool_rounds import ToolTurns
     from nanogrpo.extras.tools import resolve_tools
     from nanogrpo.grpo import LossConfig
     from nanogrpo.run.configurator import load_config
@@ -74,7 +76,8 @@ def main(argv=None):
         eval_rows=rows,
         reward_funcs=funcs,
         reward_weights=torch.tensor(weights),
-        tools=tools,
+        turns=ToolTurns(tools) if tools else None,
+        sampling=sampling_kwargs(cfg, tok, train.kernels(cfg)),
         environments=envs,
         rollout_func=resolve_rollout_func(cfg.rollout_func),
         autocast=dist.autocast(info, cfg.use_bf16(info.device)),

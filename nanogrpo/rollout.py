@@ -2,16 +2,17 @@
 
 Owns: the `Rollout` record (one generation round of one rank: every field the rest of the round
 reads, by name) and `rollout(...)`, which encodes the prompts, samples with `sampler.generate`
-(with the config's settings: `sampling_kwargs`), decodes, and joins prompt and completion into
-the [n, P+C] rows the log-prob pass scores.
+(with the `settings` it is given), decodes, and joins prompt and completion into the [n, P+C]
+rows the log-prob pass scores.
 
 Does not know about: rewards, advantages or losses (train.py fills the `advantages`,
 `old_logps`, `ref_logps`, `trainer_logps` and `num_items` fields), optimizers, or files.
 
-Left out, and where it lives: the tool rounds of completions that call tools
-(nanogrpo/extras/tool_rounds.py; rollout hands them the rows that called), environments
-(nanogrpo/extras/environments.py: an `Episodes` record gives each completion its prompt and
-tools, taken as `episodes`), a config's rollout_func in place of all of this
+Left out, and where it lives: the config's sampler settings and generation_kwargs
+(nanogrpo/extras/generation_kwargs.py's sampling_kwargs, taken as `settings`), the tool rounds of
+completions that call tools (nanogrpo/extras/tool_rounds.py's ToolTurns, taken as `turns`),
+environments (nanogrpo/extras/environments.py: an `Episodes` record gives each completion its
+prompt and turns, taken as `episodes`), a config's rollout_func in place of all of this
 (nanogrpo/extras/custom_rollout.py), picking groups and joining rounds for DAPO's dynamic sampling
 (nanogrpo/extras/dynamic_sampling.py), and the fast draw and compiled decode step
 (nanogrpo/fast/sampling.py, passed in as `kernels`).
@@ -40,9 +41,6 @@ from dataclasses import dataclass
 import torch
 
 from nanogrpo import distributed as dist
-from nanogrpo.extras.generation_kwargs import generation_settings
-from nanogrpo.extras.tool_rounds import continue_with_tools, pad_tool_rows
-from nanogrpo.extras.tools import tool_schema
 from nanogrpo.sampler import generate
 
 
@@ -125,32 +123,6 @@ def join_prompt_completion(
     return torch.cat([ids, completion_ids], 1), torch.cat([mask, ones], 1)
 
 
-def sampling_kwargs(cfg, tok=None, kernels=None) -> dict:
-    """The sampler settings of a TrainConfig, as `generate` takes them: the sampling fields, then
-    generation_kwargs over them (TRL's order: its keys win). Stop strings are matched on
-    `tok.decode` of the generated ids, so they need `tok`. kernels (trainer.Kernels): the draw
-    and the decoder; None = the course's sample_next_token and eager Decoder.
-    """
-    settings = dict(
-        max_new_tokens=cfg.max_completion_length,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        min_p=cfg.min_p or 0.0,
-        repetition_penalty=cfg.repetition_penalty,
-    )
-    if kernels is not None:
-        settings.update(sample_token=kernels.sample_token, decoder=kernels.decoder)
-    settings.update(generation_settings(getattr(cfg, "generation_kwargs", None)))
-    if settings.get("stop_strings"):
-        if tok is None:
-            raise ValueError(
-                "generation_kwargs' stop strings need the tokenizer: sampling_kwargs(cfg, tok)"
-            )
-        settings["decode"] = tok.decode
-    return settings
-
-
 def encode_prompts(tok, prompts: list, schemas: list, G: int, cfg) -> tuple[list, int]:
     """Token ids of the prompts of n = groups x G completions (prompts[r], rendered with the tool
     schemas schemas[r]): each group's once when its G completions share prompt and tools (the
@@ -178,39 +150,35 @@ def rollout(
     tok,
     rows: list[dict],
     cfg,
+    *,
     num_generations: int,
+    settings: dict,
     generator=None,
-    autocast=None,
-    tools: dict | None = None,
+    turns=None,
     episodes=None,
-    kernels=None,
 ) -> Rollout:
-    """Sample `num_generations` completions for each row's prompt with the config's sampling
-    settings, calling `tools` ({name: function}, from nanogrpo/extras/tools.py's resolve_tools)
-    -> a Rollout (advantages and log-probs not yet filled in). With `episodes`
-    (environments.Episodes, one entry per completion), each completion has the prompt and tools
-    given there instead, and the Rollout's extra_fields hold its environment for the reward
-    functions. kernels: the draw and decoder to sample with (trainer.Kernels; None = the
-    course's).
+    """Sample `num_generations` completions for each row's prompt with `settings`, generate's
+    keyword arguments (extras/generation_kwargs.py's sampling_kwargs(cfg, tok, kernels)) -> a
+    Rollout (advantages and log-probs not yet filled in). turns: None, or the tool rounds
+    (extras/tool_rounds.py's ToolTurns: each completion's tools, their schemas, `play`). With
+    `episodes` (environments.Episodes, one entry per completion), each completion has the prompt
+    and turns given there instead, and the Rollout's extra_fields hold its environment for the
+    reward functions. Runs under the caller's autocast, if any.
     """
     G = num_generations
     if episodes is None:
         prompts = [r["prompt"] for r in rows for _ in range(G)]
-        row_tools = tools or {}
-        schemas = [tool_schema(f) for f in tools.values()] if tools else None
-        row_schemas = [schemas] * len(prompts)
-    else:
-        prompts, row_tools, row_schemas = episodes.prompts, episodes.tools, episodes.schemas
-    calling = any(row_tools) if isinstance(row_tools, list) else bool(row_tools)
-    if calling and isinstance(prompts[0], str):
+    else:  # each completion's own prompt and tools (rows may have no prompt)
+        prompts, turns = episodes.prompts, episodes.turns
+    if turns is not None and isinstance(prompts[0], str):
         raise ValueError(
             "tools need conversational prompts (message lists); this dataset's are plain strings"
         )
-    prompt_ids, step = encode_prompts(tok, prompts, row_schemas, G, cfg)
-    settings = sampling_kwargs(cfg, tok, kernels)
+    schemas = [None] * len(prompts) if turns is None else turns.schemas_of(len(prompts))
+    prompt_ids, step = encode_prompts(tok, prompts, schemas, G, cfg)
     was_training = model.training
     model.eval()
-    with torch.no_grad(), dist.gathered(model), autocast or torch.autocast("cpu", enabled=False):
+    with torch.no_grad(), dist.gathered(model):
         out = generate(
             model,
             prompt_ids,
@@ -222,57 +190,21 @@ def rollout(
             **settings,
         )
         token_ids, texts = tok.decode_completions(out.completion_ids, out.completion_mask)
-        if calling:  # tool rounds: nanogrpo/extras/tool_rounds.py
+        completions, counts = texts, {}
+        if turns is not None:  # rows of different lengths, tool-result tokens masked out
             prompt_of = [prompt_ids[r // step] for r in range(len(token_ids))]
-            # each row's sampler log-probs, as long as its ids
-            logps = [x[: len(t)] for x, t in zip(out.logprobs.tolist(), token_ids)]
-            truncated = out.truncated.tolist()
-            masks, completions, truncated, calls, failures = continue_with_tools(
-                model,
-                tok,
-                prompt_of,
-                token_ids,
-                logps,
-                texts,
-                truncated,
-                row_tools,
-                cfg,
-                generator,
-                settings,
-            )
-    model.train(was_training)
-    if calling:  # rows of different lengths, tool-result tokens masked out
-        completion_ids, model_mask, sampling_logps, truncated, turns, calls, failures = (
-            pad_tool_rows(
-                token_ids,
-                masks,
-                logps,
-                truncated,
-                completions,
-                calls,
-                failures,
-                tok.pad_token_id,
-                out.completion_ids.device,
-            )
-        )
-    else:
-        completion_ids = out.completion_ids
-        model_mask = out.completion_mask
-        truncated = out.truncated
-        sampling_logps = out.logprobs  # [n,C], 0 off the completion
-        turns = calls = failures = None
-        completions = texts
-        if not isinstance(prompts[0], str):
+            first = (out, token_ids, texts)  # the sampler's first turn
+            more = dict(prompt_of=prompt_of, generator=generator, settings=settings)
+            out, completions, counts = turns.play(model, tok, cfg, first, **more)
+        elif not isinstance(prompts[0], str):
             completions = [[{"role": "assistant", "content": t}] for t in texts]
-    mask = model_mask.float()
+    model.train(was_training)
+    mask = out.completion_mask.float()
     if cfg.mask_truncated_completions:
-        mask = mask * (~truncated).float()[:, None]
+        mask = mask * (~out.truncated).float()[:, None]
     input_ids, attention_mask = join_prompt_completion(
-        prompt_ids, completion_ids, tok.pad_token_id, step
+        prompt_ids, out.completion_ids, tok.pad_token_id, step
     )
-    extra_fields = None
-    if episodes is not None:
-        extra_fields = {"environments": episodes.instances}
     return Rollout(
         rows=rows,
         num_generations=num_generations,
@@ -280,14 +212,12 @@ def rollout(
         input_ids=input_ids,
         attention_mask=attention_mask,
         completion_mask=mask,
-        completion_lengths=model_mask.sum(1),
-        truncated=truncated,
+        completion_lengths=out.completion_mask.sum(1),
+        truncated=out.truncated,
         prompts=prompts,
         completions=completions,
         completion_token_ids=token_ids,
-        tool_calls=calls,
-        tool_failures=failures,
-        turns=turns,
-        sampling_logps=sampling_logps,
-        extra_fields=extra_fields,
+        sampling_logps=out.logprobs,  # [n,C], 0 off the completion and on tool results
+        extra_fields=None if episodes is None else {"environments": episodes.instances},
+        **counts,
     )

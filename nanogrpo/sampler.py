@@ -9,10 +9,9 @@ inverse-CDF draw.
 Left out, and where it lives: the same draw without sorting the vocabulary and a compiled
 static-shape decode step (nanogrpo/fast/sampling.py; generate takes them as `sample_token` and
 `decoder`, the loop is the same); TRL's generation_kwargs, the tokens suppress_tokens and
-min_new_tokens ban, and stop strings (nanogrpo/extras/generation_kwargs.py, reached through
-generate's `suppress_tokens`, `min_new_tokens`, `stop_strings` arguments); the checks of
-generate's arguments (nanogrpo/extras/sampling_checks.py); the decode step that reads each
-prompt's keys once per group (nanogrpo/fast/shared_prefix.py).
+min_new_tokens ban, and stop strings (nanogrpo/extras/generation_kwargs.py, handed in as
+generate's `processors`); the decode step that reads each prompt's keys once per group
+(nanogrpo/fast/shared_prefix.py).
 
 Does not know about: tokenization (prompts, stop ids and the pad id come as ints), rewards,
 losses, or more than one process.
@@ -49,8 +48,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanogrpo.extras import generation_kwargs
-from nanogrpo.extras.sampling_checks import check_limits, check_prompts, check_sampling
 from nanogrpo.model import lm_head_linear
 
 
@@ -327,6 +324,48 @@ class Rows:
 on_decode_step = None
 
 
+# -----------------------------------------------------------------------------
+# Checks of generate's arguments: one early ValueError naming the argument, its value and the rule
+
+
+def need(ok, name, value, rule):
+    if not ok:
+        raise ValueError(f"{name}={value!r}: {rule}")
+
+
+def check_sampling(temperature, top_k, top_p, min_p, repetition_penalty):
+    """The one rule for the sampling settings (generate, TrainConfig and
+    generation_kwargs' checks call it); ValueError if off."""
+    need(temperature >= 0, "temperature", temperature, "must be >= 0 (0 means greedy)")
+    need(top_k >= 0, "top_k", top_k, "must be >= 0 (0 means off)")
+    need(0 < top_p <= 1, "top_p", top_p, "must be in (0, 1] (1 means off)")
+    need(0 <= min_p <= 1, "min_p", min_p, "must be in [0, 1] (0 means off)")
+    penalty = repetition_penalty
+    need(penalty > 0, "repetition_penalty", penalty, "must be > 0 (1 means off)")
+
+
+def check_prompts(model, prompt_ids, num_samples, max_new_tokens, vocab_size, seeds):
+    """ValueError naming the first argument of generate that cannot run."""
+    need(num_samples >= 1, "num_samples", num_samples, "must be >= 1")
+    need(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, "must be >= 1")
+    V = model.config.vocab_size
+    need(vocab_size > 0, "vocab_size", vocab_size, "must be >= 1")
+    need(len(prompt_ids) > 0, "prompt_ids", prompt_ids, "needs at least one prompt")
+    for i, p in enumerate(prompt_ids):
+        need(len(p) > 0, "prompt_ids", f"[..., {i}: []]", f"prompt {i} is empty")
+        ids = f"[..., {i}: [{min(p)}..{max(p)}]]"
+        ok = min(p) >= 0 and max(p) < V
+        need(ok, "prompt_ids", ids, f"prompt {i} has ids outside [0, {V})")
+    longest = max(map(len, prompt_ids))
+    limit = model.config.max_position_embeddings
+    too_long = (
+        f"the longest prompt ({longest}) + max_new_tokens exceeds max_position_embeddings={limit}"
+    )
+    need(longest + max_new_tokens <= limit, "max_new_tokens", max_new_tokens, too_long)
+    ok = seeds is None or len(seeds) == len(prompt_ids)
+    need(ok, "seeds", seeds, "needs one seed per prompt")
+
+
 @torch.no_grad()  # not inference_mode: the outputs feed autograd (masks)
 def generate(
     model,
@@ -346,10 +385,7 @@ def generate(
     sample_token=sample_next_token,
     decoder=None,
     progress=None,
-    suppress_tokens=(),
-    min_new_tokens=0,
-    stop_strings=(),
-    decode=None,
+    processors=None,
 ) -> Generation:
     """Sample `num_samples` completions of up to `max_new_tokens` tokens
     for each prompt.
@@ -369,18 +405,17 @@ def generate(
     every decode step (`done` of `total` positions sampled, `rows` rows
     decoding); None = the module's `on_decode_step`, which is None too
     unless a training run on a terminal shows its status line there.
-    transformers' names: suppress_tokens (ids never sampled) and
-    min_new_tokens (no stop id among a row's first min_new_tokens tokens)
-    change the distribution drawn from, and so the log-probs; a row also
-    ends with the token that completes one of `stop_strings` in
-    decode(its generated ids) (decode: a list of ids -> text)."""
+    processors: None, or processors(N, C, stop ids [k], V, device) ->
+    (banned, stop_strings), this call's limits beyond the sampling fields
+    (extras/generation_kwargs.py's, for suppress_tokens, min_new_tokens,
+    stop strings), each None or: banned.at(t), the bool [V] mask of the
+    tokens step t may not draw (or None); stop_strings.check(out_ids, rows,
+    t) ends rows, stop_strings.ends [N] where it did."""
     # ids past the model's rows are never drawn (Gemma 3's tokenizer has one: <image_soft_token>)
     vocab_size = min(vocab_size or model.config.vocab_size, model.config.vocab_size)
     prompt_ids = [[int(t) for t in p] for p in prompt_ids]
     check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     check_prompts(model, prompt_ids, num_samples, max_new_tokens, vocab_size, seeds)
-    stop_strings = [stop_strings] if isinstance(stop_strings, str) else stop_strings
-    check_limits(min_new_tokens, stop_strings, decode)
     dev = model.lm_head.weight.device
     # CPU BLAS multiplies [n,D] by slices of 2048 vocab rows faster than by the whole [V,D]
     chunk = 2048 if dev.type == "cpu" else vocab_size
@@ -394,13 +429,9 @@ def generate(
     stops = sorted({int(s) for s in stop_ids or ()})
     stops = torch.tensor(stops, dtype=torch.long, device=dev)
     settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    # the settings beyond the sampling fields: nanogrpo/extras/generation_kwargs.py
-    banned = generation_kwargs.banned_tokens(
-        suppress_tokens, stops, min_new_tokens, vocab_size, dev
-    )
-    strings = None
-    if stop_strings:
-        strings = generation_kwargs.StopStrings(stop_strings, decode, P * G, max_new_tokens, dev)
+    banned = strings = None  # the limits beyond the sampling fields
+    if processors is not None:
+        banned, strings = processors(P * G, max_new_tokens, stops, vocab_size, dev)
     out_ids, out_logps = decode_loop(
         model,
         decoder,

@@ -30,8 +30,10 @@ from nanogrpo.extras import lora
 from nanogrpo.extras.custom_rollout import resolve_rollout_func
 from nanogrpo.extras.datasets import load_dataset
 from nanogrpo.extras.environments import Environments, placeholder_rows
+from nanogrpo.extras.generation_kwargs import sampling_kwargs
 from nanogrpo.extras.lr_schedules import lr_lambda, warmup_length
 from nanogrpo.extras.reward_funcs import resolve_reward_funcs
+from nanogrpo.extras.tool_rounds import ToolTurns
 from nanogrpo.extras.tools import resolve_tools, tool_schema
 from nanogrpo.grpo import LossConfig
 from nanogrpo.logprobs import policy_logprobs, token_logprobs
@@ -72,7 +74,10 @@ class Trainer:
     loss_cfg: LossConfig
     reward_funcs: list  # [(name, fn)]
     reward_weights: torch.Tensor  # [K]
-    tools: dict  # {name: function} the policy may call
+    # the config's tools as rollout's tool rounds (extras/tool_rounds.py), or None
+    turns: ToolTurns | None
+    # generate's keyword arguments: the sampling fields, generation_kwargs, the kernels' draw
+    sampling: dict
     prompts: PromptSampler  # all ranks' prompts, resumable
     eval_rows: list | None
     autocast: object  # bf16 autocast where the run computes in bf16 on one process, else a no-op
@@ -175,7 +180,8 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None) -> Trainer:
         loss_cfg=LossConfig(**cfg.loss_config()),
         reward_funcs=reward_funcs,
         reward_weights=torch.tensor(weights, device=info.device),
-        tools=tools,
+        turns=ToolTurns(tools) if tools else None,
+        sampling=sampling_kwargs(cfg, tok, kernels or Kernels()),
         prompts=PromptSampler(
             rows, sched.prompts_per_round, seed=cfg.seed, shuffle=cfg.shuffle_dataset
         ),

@@ -21,6 +21,7 @@ from nanogrpo import checkpoint, rollout as rollout_module
 from nanogrpo.extras import tool_rounds
 from nanogrpo.extras.custom_rollout import checked_output, generate_rollout_completions, rollout_of
 from nanogrpo.extras.environments import Environments
+from nanogrpo.extras.generation_kwargs import sampling_kwargs
 from nanogrpo.extras.tools import tool_suffix_ids
 from nanogrpo.model import Transformer
 from nanogrpo.rollout import rollout
@@ -188,7 +189,18 @@ def run_rollout(monkeypatch, envs, rows, G=2, log=None, seed=0):
     cfg = TrainConfig(max_completion_length=1000, tool_timeout=5.0)
     model = Transformer(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096))
     episodes = envs.start(rows, G)
-    ro = rollout(model, tok, rows, cfg, G, torch.Generator().manual_seed(seed), episodes=episodes)
+    gen = torch.Generator().manual_seed(seed)
+    settings = sampling_kwargs(cfg, tok)
+    ro = rollout(
+        model,
+        tok,
+        rows,
+        cfg,
+        num_generations=G,
+        settings=settings,
+        generator=gen,
+        episodes=episodes,
+    )
     return tok, ro
 
 

@@ -11,10 +11,9 @@ from test_sampler import PROMPTS, TOKENIZER_VOCAB, filtered, left_pad, load, sam
 
 from nanogrpo import rollout as rollout_module
 from nanogrpo.extras import tool_rounds
-from nanogrpo.extras.generation_kwargs import generation_settings
+from nanogrpo.extras.generation_kwargs import generation_settings, processors, sampling_kwargs
 from nanogrpo.fast.sampling import sample_next_token_fast
 from nanogrpo.model import Transformer
-from nanogrpo.rollout import sampling_kwargs
 from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.sampler import Decoder, generate
 from nanogrpo.tokenizer import char_level_tokenizer
@@ -63,8 +62,7 @@ def test_a_stop_string_spanning_two_tokens_ends_the_row():
         PROMPTS,
         max_new_tokens=10,
         temperature=0,
-        stop_strings=stop,
-        decode=lambda ids: "".join(f"<{i}>" for i in ids),
+        processors=processors(stop_strings=stop, decode=lambda ids: "".join(f"<{i}>" for i in ids)),
     )
     assert out.completion_mask[0].tolist() == [True] * 5 + [False] * 5
     assert out.completion_ids[0, :5].tolist() == row[:5] and (out.completion_ids[0, 5:] == 0).all()
@@ -93,7 +91,7 @@ def test_stop_strings_end_each_row_where_its_full_text_first_holds_one(decoder):
         decoder=decoder,
     )
     free = generate(model, PROMPTS, **args)
-    out = generate(model, PROMPTS, stop_strings=stops, decode=decode, **args)
+    out = generate(model, PROMPTS, processors=processors(stop_strings=stops, decode=decode), **args)
     C = args["max_new_tokens"]
     ends = {"string": 0, "id": 0, "length": 0, "string, then an id in its 8 steps": 0}
     for r in range(len(out.completion_ids)):
@@ -196,20 +194,22 @@ def test_suppressed_tokens_are_never_sampled_and_the_logprobs_renormalise():
         repetition_penalty=1.3,
         seeds=[1, 2, 3, 4],
     )
-    out = generate(model, PROMPTS, suppress_tokens=banned + [10_000], **args)  # 10_000: ignored
+    limits = processors(suppress_tokens=banned + [10_000])  # 10_000: ignored
+    out = generate(model, PROMPTS, processors=limits, **args)
     assert not torch.isin(out.completion_ids[out.completion_mask], torch.tensor(banned)).any()
     want = recomputed_logprobs(model, out, args, lambda t: banned)
     live = out.completion_mask
     assert torch.allclose(out.logprobs[live], want[live], atol=2e-4)
     assert torch.isfinite(want[live]).all()
-    greedy = generate(model, PROMPTS, max_new_tokens=10, temperature=0, suppress_tokens=banned)
+    limits = processors(suppress_tokens=banned)
+    greedy = generate(model, PROMPTS, max_new_tokens=10, temperature=0, processors=limits)
     assert not torch.isin(greedy.completion_ids, torch.tensor(banned)).any()
     with pytest.raises(ValueError, match="leave no token to sample"):
         generate(
             model,
             PROMPTS,
             max_new_tokens=4,
-            suppress_tokens=range(TOKENIZER_VOCAB),
+            processors=processors(suppress_tokens=range(TOKENIZER_VOCAB)),
             vocab_size=TOKENIZER_VOCAB,
         )
 
@@ -233,7 +233,7 @@ def test_min_new_tokens_holds_the_stop_ids_back():
     )
     free = generate(model, PROMPTS, **args)
     assert (free.completion_mask.sum(1) <= 4).sum() >= 4  # without it, many rows end early
-    out = generate(model, PROMPTS, min_new_tokens=4, **args)
+    out = generate(model, PROMPTS, processors=processors(min_new_tokens=4), **args)
     length = out.completion_mask.sum(1)
     assert (length >= 5).all() and (length == 5).any()  # the stop id may come as the 5th token
     assert not torch.isin(out.completion_ids[:, :4], torch.tensor(stops)).any()
@@ -255,10 +255,9 @@ def test_the_fast_draw_equals_the_plain_one_with_suppression(top_k, top_p, min_p
         top_p=top_p,
         min_p=min_p,
         seeds=[11, 12, 13, 14],
-        suppress_tokens=[252, 62, 14, 37],
-        min_new_tokens=3,
-        stop_strings=["cab"],
-        decode=decode,
+        processors=processors(
+            suppress_tokens=[252, 62, 14, 37], min_new_tokens=3, stop_strings=["cab"], decode=decode
+        ),
     )
     plain = generate(model, PROMPTS, **args)
     fast = generate(model, PROMPTS, sample_token=sample_next_token_fast, **args)
@@ -293,8 +292,11 @@ def test_overrides_win_over_the_fields_but_not_the_loss_temperature():
     got = sampling_kwargs(cfg)
     assert (got["temperature"], got["top_k"], got["top_p"], got["min_p"]) == (0.5, 3, 0.8, 0.0)
     assert got["repetition_penalty"] == 1.2
-    assert (got["min_new_tokens"], got["suppress_tokens"]) == (2, [5])
-    assert "do_sample" not in got and cfg.temperature == 1.0
+    banned, strings = got["processors"](1, 4, torch.tensor([0]), 10, "cpu")  # N, C, stops, V
+    assert banned.at(0).nonzero().flatten().tolist() == [0, 5]  # the stop id, before 2 tokens
+    assert banned.at(2).nonzero().flatten().tolist() == [5] and strings is None
+    assert "do_sample" not in got and "suppress_tokens" not in got and cfg.temperature == 1.0
+    assert "processors" not in sampling_kwargs(TrainConfig())  # none: generate runs without
     assert sampling_kwargs(TrainConfig(top_k=20))["top_k"] == 20  # none given: the fields
 
 
@@ -350,8 +352,7 @@ def test_a_tiny_training_run_samples_with_generation_kwargs(tmp_path, monkeypatc
     history = train.train(cfg)
     assert [m["step"] for m in history] == [1, 2, 3] and len(seen) >= 3
     for kwargs, out in seen:
-        assert kwargs["suppress_tokens"] == [9] and kwargs["min_new_tokens"] == 2
-        assert kwargs["top_k"] == 5
+        assert kwargs["processors"] is not None and kwargs["top_k"] == 5
         assert not (out.completion_ids[out.completion_mask] == 9).any()
         assert (out.completion_mask.sum(1) >= 3).all()
     with pytest.raises(ConfigError, match="num_beams"):

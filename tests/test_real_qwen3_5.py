@@ -140,8 +140,18 @@ def test_a_qwen3_5_tool_rollout_is_what_the_template_renders(tok, monkeypatch):
         tiny_config(**{**QWEN3_5, "vocab_size": 248320, "max_position_embeddings": 4096})
     )
     prompt = [{"role": "user", "content": "What is 40 + 2?"}]
+    from nanogrpo.extras.generation_kwargs import sampling_kwargs
+    from nanogrpo.extras.tool_rounds import ToolTurns
+
     ro = rollout_module.rollout(
-        model, tok, [{"prompt": prompt}], cfg, 1, torch.Generator(), tools={"add": add}
+        model,
+        tok,
+        [{"prompt": prompt}],
+        cfg,
+        num_generations=1,
+        settings=sampling_kwargs(cfg, tok),
+        generator=torch.Generator(),
+        turns=ToolTurns({"add": add}),
     )
     call_message = {"type": "function", "function": {"name": "add", "arguments": {"a": 40, "b": 2}}}
     assert ro.completions[0] == [

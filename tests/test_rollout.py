@@ -13,6 +13,8 @@ from conftest import fixture_path, tiny_config
 
 from nanogrpo import rollout as rollout_module
 from nanogrpo.extras import tool_rounds
+from nanogrpo.extras.generation_kwargs import sampling_kwargs
+from nanogrpo.extras.tool_rounds import ToolTurns
 from nanogrpo.extras.tools import resolve_tools, tool_schema, tool_suffix_ids
 from nanogrpo.model import Transformer
 from nanogrpo.rollout import rollout
@@ -51,6 +53,13 @@ AFTER = {  # the last tool result -> the next turn
     "{'error': 'timed out after 0.2 s'}": "Sorry",
     "{'error': 'Tool nope not found.'}": "ok",
 }
+
+
+def how(cfg, tok, G, seed):
+    """rollout's keyword arguments: G completions each, the config's sampler settings, a seeded
+    generator."""
+    gen = torch.Generator().manual_seed(seed)
+    return dict(num_generations=G, settings=sampling_kwargs(cfg, tok), generator=gen)
 
 
 def chat_tokenizer():
@@ -115,7 +124,7 @@ def run_script(
     tools = resolve_tools(list(tools))
     return (
         tok,
-        rollout(model, tok, rows, cfg, 2, torch.Generator().manual_seed(0), tools=tools),
+        rollout(model, tok, rows, cfg, **how(cfg, tok, 2, 0), turns=ToolTurns(tools)),
         log,
     )
 
@@ -258,7 +267,14 @@ def test_tools_need_conversational_prompts(monkeypatch):
     tok = chat_tokenizer()
     model = Transformer(tiny_config(vocab_size=tok.vocab_size))
     with pytest.raises(ValueError, match="conversational prompts"):
-        rollout(model, tok, [{"prompt": "mul"}], TrainConfig(), 2, tools=resolve_tools([add]))
+        rollout(
+            model,
+            tok,
+            [{"prompt": "mul"}],
+            TrainConfig(),
+            **how(TrainConfig(), tok, 2, 0),
+            turns=ToolTurns(resolve_tools([add])),
+        )
 
 
 def test_logprobs_and_update_run_on_a_tool_rollout(monkeypatch):
@@ -288,14 +304,13 @@ def test_logprobs_and_update_run_on_a_tool_rollout(monkeypatch):
 
 def test_sampling_logps_are_the_generations_logprobs():
     """Without tools, sampling_logps is generate's own `logprobs` for the same seeds."""
-    from nanogrpo.rollout import sampling_kwargs
     from nanogrpo.sampler import generate
 
     tok = chat_tokenizer()
     model = Transformer(tiny_config(vocab_size=tok.vocab_size))
     cfg = TrainConfig(max_completion_length=16, temperature=0.7, top_k=5, top_p=0.9)
     rows = [{"prompt": "abc"}, {"prompt": "hello world"}]
-    ro = rollout(model, tok, rows, cfg, 3, torch.Generator().manual_seed(0))
+    ro = rollout(model, tok, rows, cfg, **how(cfg, tok, 3, 0))
     out = generate(
         model,
         ro.prompt_ids,
@@ -359,7 +374,7 @@ def test_sampling_logps_through_tool_rounds(monkeypatch):
     model = Transformer(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096))
     rows = [{"prompt": [{"role": "user", "content": q}]} for q in ("mul", "bad")]
     tools = resolve_tools([add, boom, slow_add, sleepy])
-    ro = rollout(model, tok, rows, cfg, 2, torch.Generator().manual_seed(0), tools=tools)
+    ro = rollout(model, tok, rows, cfg, **how(cfg, tok, 2, 0), turns=ToolTurns(tools))
     mask = ro.completion_mask  # [n,C] the model's tokens (mask_truncated_completions is off)
     assert ro.sampling_logps.shape == mask.shape and ro.sampling_logps.dtype == torch.float32
     for r, n in lengths.items():  # a round of tool results, then the sampler's continuation
@@ -383,7 +398,7 @@ def tiny_rollout(prompts, max_completion_length, G=2, seed=0):
     model = Transformer(tiny_config(vocab_size=tok.vocab_size))
     cfg = TrainConfig(max_completion_length=max_completion_length, temperature=0.7)
     rows = [{"prompt": p} for p in prompts]
-    return tok, model, rollout(model, tok, rows, cfg, G, torch.Generator().manual_seed(seed))
+    return tok, model, rollout(model, tok, rows, cfg, **how(cfg, tok, G, seed))
 
 
 def assert_same_rollout(a, b):

@@ -51,7 +51,7 @@ from nanogrpo import distributed as dist
 from nanogrpo.extras.reward_funcs import import_function
 from nanogrpo.extras.trainer_info import trainer_state_of
 from nanogrpo.rewards import TRAINER_ARGUMENTS
-from nanogrpo.rollout import Rollout, join_prompt_completion, sampling_kwargs
+from nanogrpo.rollout import Rollout, join_prompt_completion
 from nanogrpo.sampler import generate
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
@@ -105,7 +105,7 @@ class RolloutTrainer:
 
     def generate(self, prompt_ids: list[list[int]], **overrides) -> list[dict]:
         """One completion of each prompt (a list of token ids), sampled as the run samples
-        (rollout.sampling_kwargs; `overrides` are more of sampler.generate's keyword arguments,
+        (the trainer's `sampling`; `overrides` are more of sampler.generate's keyword arguments,
         e.g. max_new_tokens) from this round's random stream.
         -> [{"completion_ids": its ids up to and including its stop id, "logprobs": the
         sampler's log-prob of each}], one per prompt."""
@@ -118,7 +118,7 @@ class RolloutTrainer:
             pad_id=tok.pad_token_id,
             generator=self.generator,
             vocab_size=tok.vocab_size,
-            **{**sampling_kwargs(self.args, tok, self._trainer.kernels), **overrides},
+            **{**self._trainer.sampling, **overrides},
         )
         ids, _ = tok.decode_completions(out.completion_ids, out.completion_mask)
         logps = out.logprobs.tolist()  # [P][C]

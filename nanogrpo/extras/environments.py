@@ -46,6 +46,7 @@ import os
 from dataclasses import dataclass
 
 from nanogrpo.extras.reward_funcs import import_function
+from nanogrpo.extras.tool_rounds import ToolTurns
 from nanogrpo.extras.tools import tool_schema
 
 # TRL's prompt of a row without one: the environment's reset() writes it
@@ -60,8 +61,9 @@ class Episodes:
 
     instances: list  # [n] each completion's environment, reset for it
     prompts: list  # [n] each completion's prompt: its row's, reset's observation appended
-    tools: list[dict]  # [n] {name: function} it may call: the config's tools, its bound methods
-    schemas: list[list[dict] | None]  # [n] the JSON schemas of those tools (None: no tools)
+    # the tool rounds (extras/tool_rounds.py): [n] {name: function} each may call (the config's
+    # tools, its environment's bound methods) and their JSON schemas; None: no tools
+    turns: ToolTurns | None
 
 
 def resolve_factory(spec, imported: dict | None = None):
@@ -260,4 +262,5 @@ class Environments:
             prompts.append(with_observation(self.prompt_of(row), observation))
         tools = [{**self.tools, **{m.__name__: m for m in methods_of(env)}} for env in instances]
         schemas = [self.schemas[name] for name in names]
-        return Episodes(instances=instances, prompts=prompts, tools=tools, schemas=schemas)
+        turns = ToolTurns(tools, schemas) if any(tools) else None
+        return Episodes(instances=instances, prompts=prompts, turns=turns)

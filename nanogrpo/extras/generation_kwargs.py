@@ -1,10 +1,12 @@
 """TRL's generation_kwargs, and the sampler's settings beyond the sampling fields.
 
-Owns: `generation_settings` (generation_kwargs -> `sampler.generate`'s
-keyword arguments, with the keys TRL's backends read that nanogrpo
-refuses and why), and what `generate` does with three of them:
-`banned_tokens` (suppress_tokens, and the stop ids before min_new_tokens)
-and `StopStrings` (stop_strings, vLLM's `stop`).
+Owns: `sampling_kwargs` (a TrainConfig's sampler settings, as
+`sampler.generate` takes them), `generation_settings` (generation_kwargs ->
+those keyword arguments, with the keys TRL's backends read that nanogrpo
+refuses and why), and what `generate` does with three of them, handed in
+as its `processors` (`processors`): `banned_tokens` (suppress_tokens, and
+the stop ids before min_new_tokens) and `StopStrings` (stop_strings,
+vLLM's `stop`).
 
 Does not know about: models, tokenization (stop strings are matched on
 the text of the `decode` callable the caller passes), rewards, losses,
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanogrpo.extras.sampling_checks import check_sampling, need
+from nanogrpo.sampler import check_sampling, need
 
 # -----------------------------------------------------------------------------
 # What limits a row: suppressed tokens, stop strings
@@ -117,6 +119,35 @@ class StopStrings:
         stopped = rows.stopped.tolist()
         self.closed.update(r for r, s in zip(index, stopped) if s)
         self.checked = t + 1
+
+
+def check_limits(min_new_tokens, stop_strings, decode):
+    """ValueError if generate's min_new_tokens or stop strings cannot run."""
+    ok = isinstance(min_new_tokens, int) and min_new_tokens >= 0
+    need(ok, "min_new_tokens", min_new_tokens, "must be an int >= 0 (0 means off)")
+    ok = all(isinstance(s, str) and s for s in stop_strings or ())
+    need(ok, "stop_strings", stop_strings, "must be non-empty strings")
+    ok = not stop_strings or callable(decode)
+    need(ok, "decode", decode, "stop_strings need decode: token ids -> text")
+
+
+def processors(suppress_tokens=(), min_new_tokens=0, stop_strings=(), decode=None):
+    """generate's `processors` for transformers' suppress_tokens (ids never sampled),
+    min_new_tokens (no stop id among a row's first min_new_tokens tokens) and stop_strings (a row
+    ends with the token that completes one in decode(its generated ids); decode: a list of ids ->
+    text), or None when all are off. The first two change the distribution drawn from, and so the
+    log-probs. ValueError if they cannot run."""
+    stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or ())
+    check_limits(min_new_tokens, stop_strings, decode)
+    if not suppress_tokens and not min_new_tokens and not stop_strings:
+        return None
+
+    def make(N, C, stops, V, device):  # a call's own: StopStrings keeps state
+        banned = banned_tokens(suppress_tokens, stops, min_new_tokens, V, device)
+        strings = StopStrings(stop_strings, decode, N, C, device) if stop_strings else None
+        return banned, strings
+
+    return make
 
 
 # -----------------------------------------------------------------------------
@@ -230,3 +261,34 @@ def _check_setting(key, name, value):
             check_sampling(**{**sampling, name: value})
         except ValueError as e:
             raise ValueError(f"generation_kwargs: {e}") from None
+
+
+def sampling_kwargs(cfg, tok=None, kernels=None) -> dict:
+    """The sampler settings of a TrainConfig, as `generate` takes them: the sampling fields, then
+    generation_kwargs over them (TRL's order: its keys win; suppress_tokens, min_new_tokens and
+    stop strings as `processors`). Stop strings are matched on `tok.decode` of the generated ids,
+    so they need `tok`. kernels (trainer.Kernels): the draw and the decoder; None = the course's
+    sample_next_token and eager Decoder.
+    """
+    settings = dict(
+        max_new_tokens=cfg.max_completion_length,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        min_p=cfg.min_p or 0.0,
+        repetition_penalty=cfg.repetition_penalty,
+    )
+    if kernels is not None:
+        settings.update(sample_token=kernels.sample_token, decoder=kernels.decoder)
+    settings.update(generation_settings(getattr(cfg, "generation_kwargs", None)))
+    names = ("suppress_tokens", "min_new_tokens", "stop_strings")
+    limits = {k: settings.pop(k) for k in names if k in settings}
+    if limits.get("stop_strings"):
+        if tok is None:
+            raise ValueError(
+                "generation_kwargs' stop strings need the tokenizer: sampling_kwargs(cfg, tok)"
+            )
+        limits["decode"] = tok.decode
+    if processors(**limits) is not None:
+        settings["processors"] = processors(**limits)
+    return settings

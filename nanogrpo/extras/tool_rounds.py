@@ -1,13 +1,15 @@
 """Tool rounds (TRL's `tools=` and `_tool_call_loop`): completions that call tools continue.
 
-Owns: `continue_with_tools` (parse each completion's tool calls, run them,
+Owns: `ToolTurns` (what rollout.rollout takes as `turns`: each completion's
+tools and their schemas, and `play`, the tool rounds on the sampler's first
+turn), `continue_with_tools` (parse each completion's tool calls, run them,
 append the results and sample again, round after round) and
 `pad_tool_rows` (the rows of different lengths it leaves, as the [n,C]
 tensors a Rollout holds, tool-result ids masked out).
 
-Does not know about: where a row's functions come from (rollout.rollout
-passes them: TRL's `tools`, or an environment's), rewards, losses, or other
-processes.
+Does not know about: where a row's functions come from (TRL's `tools`
+through trainer.py's setup, or an environment's), rewards, losses, or
+other processes.
 
 Tool schemas, parsing and running are extras/tools.py's.
 
@@ -22,6 +24,8 @@ Choices, as TRL's:
   tool-result ids are 0.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from nanogrpo.extras.tools import (
@@ -29,10 +33,66 @@ from nanogrpo.extras.tools import (
     parser_for,
     run_tools,
     tool_message,
+    tool_schema,
     tool_suffix_ids,
     typed_arguments,
 )
-from nanogrpo.sampler import generate
+from nanogrpo.sampler import Generation, generate
+
+
+@dataclass
+class ToolTurns:
+    """The tool rounds of a rollout: `tools`, {name: function} of every completion or one per
+    completion (an environment's methods with the config's tools), and their JSON schemas
+    (`schemas`: one list for all, or one per completion; None = the tools' own)."""
+
+    tools: dict | list[dict]
+    schemas: list | None = None
+
+    def __post_init__(self):
+        if self.schemas is None and isinstance(self.tools, dict):
+            self.schemas = [tool_schema(f) for f in self.tools.values()] or None
+
+    def schemas_of(self, n: int) -> list:
+        """[n] the schemas each completion's prompt is rendered with."""
+        return self.schemas if isinstance(self.tools, list) else [self.schemas] * n
+
+    def play(self, model, tok, cfg, first, *, prompt_of, generator, settings):
+        """The tool rounds after the sampler's first turn, `first` = (a sampler.Generation, its
+        rows' ids, their texts). prompt_of[r]: row r's prompt ids; settings: generate's keyword
+        arguments. -> (the whole completions as a Generation, tool-result ids 0 in its mask; their
+        message lists; {turns, tool_calls, tool_failures}, each [n] long)."""
+        out, token_ids, texts = first
+        logps = [x[: len(t)] for x, t in zip(out.logprobs.tolist(), token_ids)]
+        truncated = out.truncated.tolist()
+        masks, completions, truncated, calls, failures = continue_with_tools(
+            model,
+            tok,
+            prompt_of,
+            token_ids,
+            logps,
+            texts,
+            truncated,
+            self.tools,
+            cfg,
+            generator,
+            settings,
+        )
+        ids, mask, logps, truncated, turns, calls, failures = pad_tool_rows(
+            token_ids,
+            masks,
+            logps,
+            truncated,
+            completions,
+            calls,
+            failures,
+            tok.pad_token_id,
+            out.completion_ids.device,
+        )
+        whole = Generation(
+            completion_ids=ids, completion_mask=mask, logprobs=logps, truncated=truncated
+        )
+        return whole, completions, dict(turns=turns, tool_calls=calls, tool_failures=failures)
 
 
 def continue_with_tools(
@@ -41,7 +101,7 @@ def continue_with_tools(
     """The tool rounds (TRL's `_tool_call_loop`) on rows of generated `ids` and their sampler
     log-probs `logps` (lists of the same lengths, extended in place: 0.0 for tool-result ids).
     prompt_of[r]: row r's prompt ids; tools: {name: function} of every row, or one per row;
-    settings: generate's sampling keyword arguments (rollout.sampling_kwargs).
+    settings: generate's keyword arguments (generation_kwargs.sampling_kwargs).
     -> (per-row model-token masks, message lists, truncated, tool calls, failed tool calls).
     """
     M, limit = cfg.max_completion_length, model.config.max_position_embeddings

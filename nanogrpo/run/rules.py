@@ -6,15 +6,15 @@ them (run/config.py holds its fields).
 
 Does not know about: the model, tokenization, files, or processes.
 
-The sampler's and the loss's own rules are called, not restated (sampling_checks.check_sampling,
+The sampler's and the loss's own rules are called, not restated (sampler.check_sampling,
 grpo.LossConfig, extras/generation_kwargs.py's generation_settings).
 """
 
 from nanogrpo.extras.generation_kwargs import generation_settings
 from nanogrpo.extras.lr_schedules import SCHEDULES
-from nanogrpo.extras.sampling_checks import check_sampling
 from nanogrpo.extras.tools import TOOL_CALL_PARSERS
 from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, LossConfig
+from nanogrpo.sampler import check_sampling
 from nanogrpo.schedules import batch_schedule
 
 
