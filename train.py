@@ -25,7 +25,7 @@ from functools import partial
 import torch
 
 from nanogrpo import distributed as dist, fast, run
-from nanogrpo.extras import lora
+from nanogrpo.extras import lora, loss_terms
 from nanogrpo.extras.custom_rollout import custom_rollout
 from nanogrpo.extras.dynamic_sampling import groups_with_signal
 from nanogrpo.extras.eval_loss import eval_loss
@@ -200,7 +200,8 @@ def optimizer_step(t: Trainer, micro) -> dict:
             steps_per_generation=t.sched.steps_per_generation,
         )
         # metrics as 0-dim tensors: the step reads them all at once
-        loss, metrics = grpo_step(inputs, t.loss_cfg, scale, entropy_coef=coef, read_metrics=False)
+        terms = dict(terms=loss_terms, entropy_coef=coef, read_metrics=False)
+        loss, metrics = grpo_step(inputs, t.loss_cfg, scale, **terms)
         loss.backward()
         losses.append(loss.detach())
         if bonus:  # the adaptive control's [entropy sum, token count]

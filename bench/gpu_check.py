@@ -338,6 +338,7 @@ def loss_inputs(g, N, C, dtype, device):
 
 def part_grpo_step(c: Check) -> dict:
     """Every loss type on the device in fp32 = the float64 CPU reference."""
+    from nanogrpo.extras import loss_terms
     from nanogrpo.grpo import LOSS_TYPES, LossConfig, LossScale, grpo_step
 
     out, ok = {}, True
@@ -356,7 +357,7 @@ def part_grpo_step(c: Check) -> dict:
         res = []
         for device, dtype in ((torch.device("cpu"), torch.float64), (c.device, torch.float32)):
             inputs = loss_inputs(torch.Generator().manual_seed(0), 16, 24, dtype, device)
-            loss, metrics = grpo_step(inputs, cfg, scale)
+            loss, metrics = grpo_step(inputs, cfg, scale, terms=loss_terms)
             loss.backward()
             res.append((loss.detach().double().cpu(), inputs.logps.grad.double().cpu(), metrics))
         (l64, g64, m64), (l32, g32, m32) = res

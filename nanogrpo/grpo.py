@@ -10,8 +10,9 @@ losses add up to the optimizer step's): one function for every loss_type.
 
 Leaves out: the options TRL puts around its loss, each off by default: the off-policy sequence
 mask, the importance-sampling correction between the sampler and the trainer,
-top_entropy_quantile's token mask, the entropy bonus and its adaptive coefficient. They live in
-extras/loss_terms.py, and grpo_step calls them where an option is on. Computing log-probs is
+top_entropy_quantile's token mask, the entropy bonus and its adaptive coefficient. Their
+settings' rules are LossConfig's; their code is extras/loss_terms.py's, which grpo_step calls
+where an option is on, as its caller passes it (`terms`). Computing log-probs is
 logprobs.py's (of it, grpo_step uses `kl_divergence`). Out of scope: MoE auxiliary losses.
 
 Does not know about: models, sampling, optimizers, or other processes (the caller gathers rewards
@@ -32,15 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from nanogrpo.extras.loss_terms import (
-    check_options,
-    entropy_bonus,
-    high_entropy_mask,
-    importance_sampling_metrics,
-    off_policy_mask,
-    sampler_importance_weights,
-    vespo_sampler_weights,
-)
 from nanogrpo.logprobs import kl_divergence
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
@@ -48,6 +40,7 @@ PPO_CLIP_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "luspo")
 IS_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass
@@ -82,7 +75,7 @@ class LossConfig:
     off_policy_mask_threshold: float | None = None
     # weight each token by pi_trainer / pi_sampler (TRL's name: "vllm" = the sampler)
     vllm_importance_sampling_correction: bool = True
-    vllm_importance_sampling_mode: str = "sequence_mask"  # one of loss_terms.IS_MODES
+    vllm_importance_sampling_mode: str = "sequence_mask"  # one of IS_MODES
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_clip_max: float | None = 3.0
 
@@ -122,7 +115,34 @@ class LossConfig:
             "'token' with loss_type='vespo' (VESPO builds its own sequence weight "
             "from token ratios)",
         )
-        check_options(self, check)  # the options' rules: extras/loss_terms.py
+        # the options' settings (extras/loss_terms.py): the entropy bonus, OPSM, the correction
+        check(
+            self.entropy_coef_min <= self.entropy_coef_max,
+            "entropy_coef_min",
+            f"a float <= entropy_coef_max={self.entropy_coef_max}",
+        )
+        check(self.entropy_coef_delta >= 0, "entropy_coef_delta", "a float >= 0")
+        threshold = self.off_policy_mask_threshold
+        check(
+            threshold is None or threshold >= 0,
+            "off_policy_mask_threshold",
+            "None or a float >= 0 (e.g. 0.5)",
+        )
+        mode = self.vllm_importance_sampling_mode
+        check(mode in IS_MODES, "vllm_importance_sampling_mode", ", ".join(IS_MODES))
+        low = self.vllm_importance_sampling_clip_min
+        high = self.vllm_importance_sampling_clip_max
+        check(
+            low is None or high is None or low < high,
+            "vllm_importance_sampling_clip_min",
+            f"None or a float < vllm_importance_sampling_clip_max={high}",
+        )
+        truncating = self.vllm_importance_sampling_correction and mode.endswith("truncate")
+        check(
+            not truncating or low is not None or high is not None,
+            "vllm_importance_sampling_clip_max",
+            "a float (or set vllm_importance_sampling_clip_min) with a *_truncate mode",
+        )
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
 
@@ -369,15 +389,19 @@ def grpo_step(
     inputs: LossInputs,
     cfg: LossConfig,
     scale: LossScale | None = None,
+    *,
+    terms=None,
     entropy_coef: float | None = None,
     read_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict]:
     """One micro-batch's GRPO loss (a scalar to .backward()) and its metrics (plain floats).
-    scale None: LossScale(), this micro-batch is the whole step. entropy_coef: the coefficient
-    this step applies (applied_entropy_coef); None = cfg.entropy_coef. The adaptive control's
-    window is the caller's to sum (entropy_window). read_metrics=False: 0-dim tensor metrics."""
+    scale None: LossScale(), this micro-batch is the whole step. terms: the options' code
+    (the module nanogrpo.extras.loss_terms), needed when cfg turns one on. entropy_coef: the
+    coefficient this step applies (applied_entropy_coef); None = cfg.entropy_coef. The adaptive
+    control's window is the caller's to sum (entropy_window). read_metrics=False: 0-dim tensor
+    metrics."""
     scale = LossScale() if scale is None else scale
-    _check_inputs(inputs, cfg, scale)
+    _check_inputs(inputs, cfg, scale, terms)
     m = inputs.completion_mask.bool()
     logps = torch.where(m, inputs.logps, 0)  # the gradient into masked slots is now exactly 0
     old = logps.detach() if inputs.old_logps is None else torch.where(m, inputs.old_logps, 0)
@@ -392,7 +416,7 @@ def grpo_step(
         trainer = inputs.trainer_logps
         behavior = old if trainer is None else torch.where(m, trainer, 0)
         if cfg.vllm_importance_sampling_correction:
-            is_weights = sampler_importance_weights(behavior, sampling, m, cfg)
+            is_weights = terms.sampler_importance_weights(behavior, sampling, m, cfg)
     ratio_1, phi = ratio, None  # ratio_1: the ratio the clip metrics look at
     if cfg.loss_type in PPO_CLIP_TYPES:
         loss, ratio_1 = clipped_surrogate(ratio, A, cfg.epsilon, cfg.epsilon_high, cfg.delta)
@@ -402,18 +426,19 @@ def grpo_step(
         loss = sapo_loss(ratio, A, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
     else:  # vespo
         k_lam = (cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg)
-        phi = vespo_weight(log_ratio, m, A, *k_lam, vespo_sampler_weights(is_weights, cfg))
+        weights = None if is_weights is None else terms.vespo_sampler_weights(is_weights, cfg)
+        phi = vespo_weight(log_ratio, m, A, *k_lam, weights)
         loss = -phi * A * logps
     loss = loss.expand_as(logps)  # [N,C] (sequence-level losses are [N,1])
 
     if cfg.off_policy_mask_threshold is not None:
         sampled_by = old if sampling is None else sampling
-        keep = off_policy_mask(A, logps, sampled_by, m, cfg.off_policy_mask_threshold)
+        keep = terms.off_policy_mask(A, logps, sampled_by, m, cfg.off_policy_mask_threshold)
         loss = torch.where(keep, loss, 0)
     bonus_mask = m  # the tokens the entropy bonus acts on
     entropies = None if inputs.entropies is None else torch.where(m, inputs.entropies, 0)
     if cfg.top_entropy_quantile < 1:
-        bonus_mask = high_entropy_mask(entropies.detach(), m, cfg.top_entropy_quantile)
+        bonus_mask = terms.high_entropy_mask(entropies.detach(), m, cfg.top_entropy_quantile)
         loss = torch.where(bonus_mask, loss, 0)
     if is_weights is not None and cfg.loss_type != "vespo":
         loss = loss * is_weights
@@ -436,17 +461,25 @@ def grpo_step(
         unscaled = scale.grad_accum if per_micro_batch else 1
         metrics["policy_loss"] = total.detach() * unscaled
         coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
-        total = total - coef * entropy_bonus(entropies, bonus_mask, scale.grad_accum)
+        total = total - coef * terms.entropy_bonus(entropies, bonus_mask, scale.grad_accum)
     if is_weights is not None:
-        metrics.update(importance_sampling_metrics(behavior, sampling, is_weights, m))
+        metrics.update(terms.importance_sampling_metrics(behavior, sampling, is_weights, m))
     metrics.update(_loss_metrics(cfg, m, A, ratio_1, kl, entropies, phi))
     if read_metrics:
         metrics = {k: float(v) for k, v in metrics.items()}
     return total, metrics
 
 
-def _check_inputs(inputs, cfg, scale):
-    """Shapes, the inputs cfg needs, and scale's counts."""
+def _check_inputs(inputs, cfg, scale, terms):
+    """Shapes, the inputs cfg needs, scale's counts, and the options' code if one is on."""
+    correcting = inputs.sampling_logps is not None and cfg.vllm_importance_sampling_correction
+    options = cfg.off_policy_mask_threshold is not None or cfg.top_entropy_quantile < 1
+    if terms is None and (correcting or options or cfg.entropy_bonus_on()):
+        raise ValueError(
+            "an option around the loss is on (the sampler correction with sampling_logps, "
+            "off_policy_mask_threshold, top_entropy_quantile < 1 or the entropy bonus): pass its "
+            "code, grpo_step(..., terms=nanogrpo.extras.loss_terms)"
+        )
     logps = inputs.logps
     if logps.dim() != 2:
         raise ValueError(f"logps must be [N,C]; got shape {tuple(logps.shape)}")

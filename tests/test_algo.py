@@ -11,6 +11,7 @@ import torch
 from conftest import fixture_path
 from hypothesis import given, settings, strategies as st
 
+from nanogrpo.extras import loss_terms
 from nanogrpo.extras.loss_terms import (
     applied_entropy_coef,
     entropy_window,
@@ -43,7 +44,7 @@ def step(logps, adv, mask, cfg, sampling_logps=None, entropies=None, trainer_log
         sampling_logps=sampling_logps,
         trainer_logps=trainer_logps,
     )
-    return grpo_step(inputs, cfg, LossScale(**scale))
+    return grpo_step(inputs, cfg, LossScale(**scale), terms=loss_terms)
 
 
 def run_case(cfg, inputs, call, entropy_coef=None):
@@ -62,7 +63,7 @@ def run_case(cfg, inputs, call, entropy_coef=None):
         sampling_logps=x.get("sampling"),
     )
     scale = LossScale(steps_per_generation=call.pop("spg", None), **call)
-    loss, metrics = grpo_step(inputs, cfg, scale, entropy_coef=entropy_coef)
+    loss, metrics = grpo_step(inputs, cfg, scale, terms=loss_terms, entropy_coef=entropy_coef)
     grad, grad_ent = torch.autograd.grad(loss, (logp, ent), allow_unused=True)
     if grad_ent is None:
         grad_ent = torch.zeros_like(ent)

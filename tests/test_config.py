@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from nanogrpo.extras import loss_terms
 from nanogrpo.run import configurator, rules
 from nanogrpo.run.config import LOSS_FIELDS, ConfigError, TrainConfig
 from nanogrpo.run.configurator import convert, load_config
@@ -356,7 +357,7 @@ def test_vespo_with_a_sequence_level_sampler_correction_trains_as_trl_without_vl
         completion_mask=torch.ones(2, 3),
         sampling_logps=logps - 0.5,
     )
-    _, metrics = grpo_step(inputs, loss)
+    _, metrics = grpo_step(inputs, loss, terms=loss_terms)
     assert "sampling/importance_sampling_ratio/mean" not in metrics  # no correction, as TRL
     assert cfg.vllm_importance_sampling_correction is True  # the setting stays as given
     for quiet in (

@@ -10,6 +10,7 @@ import torch
 from conftest import fixture_path
 from hypothesis import given, settings, strategies as st
 
+from nanogrpo.extras import loss_terms
 from nanogrpo.grpo import LOSS_TYPES, LossConfig, LossInputs, LossScale, group_advantages, grpo_step
 from nanogrpo.logprobs import kl_divergence
 
@@ -41,7 +42,7 @@ def step(logps, old, ref, adv, mask, cfg, entropies=None, entropy_coef=None, **s
         ref_logps=ref,
         entropies=entropies,
     )
-    return grpo_step(inputs, cfg, LossScale(**scale), entropy_coef=entropy_coef)
+    return grpo_step(inputs, cfg, LossScale(**scale), terms=loss_terms, entropy_coef=entropy_coef)
 
 
 # -----------------------------------------------------------------------------

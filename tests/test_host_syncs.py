@@ -87,6 +87,7 @@ def test_the_default_syncs_the_host_at_most_12_times_a_step(tmp_path):
 def test_tensor_metrics_read_at_once_are_grpo_steps_floats():
     """read_metrics=False keeps grpo_step's metrics as tensors; report.read_floats
     reads them all at once into the very floats grpo_step gives by default."""
+    from nanogrpo.extras import loss_terms
     from nanogrpo.grpo import LossConfig, LossInputs, grpo_step
     from nanogrpo.run.report import read_floats
 
@@ -103,8 +104,8 @@ def test_tensor_metrics_read_at_once_are_grpo_steps_floats():
         sampling_logps=-torch.rand(N, C, generator=g),
     )
     cfg = LossConfig(entropy_coef=0.01)
-    _, floats = grpo_step(inputs, cfg)
-    _, tensors = grpo_step(inputs, cfg, read_metrics=False)
+    _, floats = grpo_step(inputs, cfg, terms=loss_terms)
+    _, tensors = grpo_step(inputs, cfg, terms=loss_terms, read_metrics=False)
     assert all(isinstance(v, torch.Tensor) for v in tensors.values())
     read = read_floats(tensors)
     assert read.keys() == floats.keys()

@@ -11,6 +11,7 @@ import torch
 import train
 from nanogrpo import fast, run
 from nanogrpo.checkpoint import load_model
+from nanogrpo.extras import loss_terms
 from nanogrpo.fast.logprobs import token_logprobs
 from nanogrpo.rewards import RewardError
 from nanogrpo.run import report
@@ -840,7 +841,7 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
                         entropies=entropies,
                     )
                     scale = LossScale(num_items=ro.num_items, grad_accum=2, steps_per_generation=2)
-                    loss, metrics = grpo_step(inputs, loss_cfg, scale)
+                    loss, metrics = grpo_step(inputs, loss_cfg, scale, terms=loss_terms)
                     loss.backward()
                     for k, v in {**metrics, "loss": loss.item()}.items():
                         sums[k] = sums.get(k, 0.0) + v / (1 if k == "loss" else 2)

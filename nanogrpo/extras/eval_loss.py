@@ -15,6 +15,7 @@ Choices:
 """
 
 from nanogrpo import distributed as dist
+from nanogrpo.extras import loss_terms
 from nanogrpo.grpo import LossInputs, LossScale, group_advantages, grpo_step
 
 
@@ -43,7 +44,7 @@ def eval_loss(t, ro, rewards, counted, *, logps, entropies, ref_logps) -> float:
         num_items=dist.all_reduce_sum(mask.sum(), info),
         world_size=info.world_size,
     )
-    loss, _ = grpo_step(inputs, t.loss_cfg, scale)
+    loss, _ = grpo_step(inputs, t.loss_cfg, scale, terms=loss_terms)
     # the ranks' losses average to the batch's, as their gradients do
     total = dist.all_reduce_sum(loss.detach().double(), info)
     return total.item() / info.world_size

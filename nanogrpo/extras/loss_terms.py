@@ -1,10 +1,11 @@
 """The algorithm options TRL GRPOTrainer puts around its loss (reference: TRL 1.16,
 trl/trainer/grpo_trainer.py, `_compute_loss` and `_generate_and_score_completions`), each off by
-default; grpo.py's `grpo_step` calls them where an option is on, and train.py runs the entropy
-control between optimizer steps (`applied_entropy_coef`, `entropy_window`, `update_entropy_coef`).
+default. grpo.py's `grpo_step` calls them where an option is on, from the module its caller
+passes as `terms` (train.py passes this one); train.py runs the entropy control between optimizer
+steps (`applied_entropy_coef`, `entropy_window`, `update_entropy_coef`). The rules of their
+settings are LossConfig's.
 
-Owns: `check_options` (the rules of the options' settings, which LossConfig calls),
-`off_policy_mask` (DeepSeek-V3.2's OPSM, off_policy_mask_threshold),
+Owns: `off_policy_mask` (DeepSeek-V3.2's OPSM, off_policy_mask_threshold),
 `sampler_importance_weights` and `importance_sampling_metrics` (the correction between the
 sampler and the trainer, TRL's vllm_importance_sampling_*: here the "vllm" engine is nanogrpo's
 own sampler), `vespo_sampler_weights` and `VESPO_NEEDS_TOKENS` (which of those corrections
@@ -31,43 +32,10 @@ import torch
 
 from nanogrpo import distributed as dist
 
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 VESPO_NEEDS_TOKENS = (
     "loss_type='vespo' folds token-level weights into its own: use token_truncate or "
     "token_mask, or vllm_importance_sampling_correction=False (as TRL)"
 )
-
-
-def check_options(cfg, check):
-    """The rules of the entropy bonus, OPSM and the sampler correction, for LossConfig:
-    check(ok, field name, what is allowed) raises its error."""
-    check(
-        cfg.entropy_coef_min <= cfg.entropy_coef_max,
-        "entropy_coef_min",
-        f"a float <= entropy_coef_max={cfg.entropy_coef_max}",
-    )
-    check(cfg.entropy_coef_delta >= 0, "entropy_coef_delta", "a float >= 0")
-    threshold = cfg.off_policy_mask_threshold
-    check(
-        threshold is None or threshold >= 0,
-        "off_policy_mask_threshold",
-        "None or a float >= 0 (e.g. 0.5)",
-    )
-    mode = cfg.vllm_importance_sampling_mode
-    check(mode in IS_MODES, "vllm_importance_sampling_mode", ", ".join(IS_MODES))
-    low = cfg.vllm_importance_sampling_clip_min
-    high = cfg.vllm_importance_sampling_clip_max
-    check(
-        low is None or high is None or low < high,
-        "vllm_importance_sampling_clip_min",
-        f"None or a float < vllm_importance_sampling_clip_max={high}",
-    )
-    truncating = cfg.vllm_importance_sampling_correction and mode.endswith("truncate")
-    check(
-        not truncating or low is not None or high is not None,
-        "vllm_importance_sampling_clip_max",
-        "a float (or set vllm_importance_sampling_clip_min) with a *_truncate mode",
-    )
 
 
 # -----------------------------------------------------------------------------
