@@ -1,6 +1,8 @@
 """The package's layout, checked: each module's "Does not know about:" line is true of its imports,
-the course (the top-level modules and train.py) stays small, no reference library is imported at
-run time, docstrings name files that exist and hold no measured timings."""
+the course (the top-level modules and train.py) stays small and imports only itself and the
+infrastructure (the options plug into its seams), no import cycle, nothing in the package calls
+back train.py, no reference library is imported at run time, docstrings name files that exist and
+hold no measured timings."""
 
 import ast
 import io
@@ -237,6 +239,67 @@ def test_the_course_is_at_most_twelve_files_and_its_budget():
     assert len(files) <= MAX_COURSE_FILES, f"{len(files)} course files {sorted(lines)}; {rule}"
     total = sum(lines.values())
     assert total <= MAX_COURSE_LINES, f"{total} course lines > {MAX_COURSE_LINES} {lines}; {rule}"
+
+
+# What a student reads: the eight algorithm modules import each other and the infrastructure only;
+# the options plug into their seams from trainer.py's setup and train.py (which may import extras/
+# and fast/)
+ALGORITHM = ("data", "model", "sampler", "rollout", "rewards", "grpo", "logprobs", "schedules")
+INFRASTRUCTURE = ("nanogrpo.checkpoint", "nanogrpo.tokenizer", "nanogrpo.distributed")
+
+
+def nanogrpo_imports(path: Path) -> set[str]:
+    """The nanogrpo modules `path` imports (anywhere in it), each named by its file's module."""
+    out = set()
+    for name in imported_modules(path):
+        parts = name.split(".")
+        for k in range(len(parts), 1, -1):  # the longest prefix that is a module of the package
+            if parts[0] == "nanogrpo" and is_package_module(".".join(parts[:k])):
+                out.add(".".join(parts[:k]))
+                break
+    return out - {module_name(path)}
+
+
+def test_the_algorithm_modules_import_only_the_course_and_the_infrastructure():
+    course = {f"nanogrpo.{m}" for m in ALGORITHM} | {"nanogrpo.trainer"}
+    problems = []
+    for m in ALGORITHM:
+        for dep in sorted(nanogrpo_imports(PACKAGE / f"{m}.py")):
+            if dep not in course and not dep.startswith(INFRASTRUCTURE) and dep != "nanogrpo":
+                problems.append(f"nanogrpo/{m}.py imports {dep}: give the course a seam for it")
+    assert sorted(p.stem for p in PACKAGE.glob("*.py")) == sorted(
+        ALGORITHM + ("__init__", "trainer")
+    )
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_cycle_and_nothing_calls_back_train_py():
+    """No module of nanogrpo reaches itself through its imports (a package importing its own
+    submodules aside), and the run machinery is called by train.py, never the other way."""
+    graph = {module_name(p): nanogrpo_imports(p) for p in package_files()}
+
+    def reaches(start, goal, seen):
+        for dep in graph.get(start, ()):
+            if dep == goal:
+                return True
+            if dep not in seen:
+                seen.add(dep)
+                if reaches(dep, goal, seen):
+                    return True
+        return False
+
+    own = lambda m, d: d.startswith(m + ".") or m.startswith(d + ".")  # noqa: E731
+    cycles = [
+        f"{m} -> {d} -> ... -> {m}"
+        for m, deps in graph.items()
+        for d in sorted(deps)
+        if not own(m, d) and reaches(d, m, {d})
+    ]
+    assert not cycles, "\n".join(cycles)
+    train_py = (ROOT / "train.py").read_text()
+    assert "sys.modules[__name__]" not in train_py
+    for path in package_files():
+        assert "train" not in imported_modules(path), f"{path} imports train.py"
 
 
 def test_course_modules_say_what_they_leave_out():
