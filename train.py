@@ -369,6 +369,7 @@ def train(cfg: TrainConfig, command=None) -> list[dict]:
     cfg.validate(info.world_size)
     r, cfg = run.start(cfg, info, command)  # on resume, the checkpoint's optimizer settings
     t = setup(cfg, info, r.resume_from, kernels=kernels(cfg))
+    cfg = t.cfg  # max_steps counted (num_train_epochs)
     if not run.begin(r, t):  # restored; False: max_steps already reached
         return r.history
     with run.saving_on_stop(r, t):

@@ -17,6 +17,7 @@ the fields a checkpoint holds; load_data only reads its prompt order's row count
 another dataset before rendering its rows).
 """
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -165,8 +166,11 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None) -> Trainer:
     rows, eval_rows = load_data(
         cfg, tok, model, reward_funcs, tools, envs, sched.prompts_per_round, resume_from
     )
-    # max_steps=-1: num_train_epochs passes over the prompts, as TRL counts
-    cfg.max_steps = cfg.total_steps(len(rows), info.world_size)
+    # max_steps=-1: num_train_epochs passes over the prompts, as TRL counts; the trainer holds
+    # a copy with the count, the validated config is left as it was
+    total = cfg.total_steps(len(rows), info.world_size)
+    if total != cfg.max_steps:
+        cfg = dataclasses.replace(cfg, max_steps=total)
     optimizer, scheduler = make_optimizer(model, cfg, info)
     return Trainer(
         cfg=cfg,

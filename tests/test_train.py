@@ -1441,6 +1441,7 @@ def test_an_epochs_short_last_step_trains_what_the_epoch_has_left(tmp_path, monk
     history = train.train(cfg)
     assert sizes == [3, 3, 3, 3, 3, 1]
     assert [m["step"] for m in history] == [1, 2, 3, 4, 5, 6]
+    assert cfg.max_steps == -1  # validated, never changed: the trainer's copy holds the count
 
 
 def test_eval_on_start_evaluates_before_the_first_step(tmp_path):

@@ -150,7 +150,9 @@ def dry_run(cfg: TrainConfig) -> list:
 
 def begin(run: Run, t) -> bool:
     """Restore a resumed run's trainer and history, then open the logs. -> False when there is
-    nothing left to do (max_steps reached and nothing pending: said, processes torn down)."""
+    nothing left to do (max_steps reached and nothing pending: said, processes torn down). The run
+    reads the trainer's config from here on: its max_steps counted (num_train_epochs)."""
+    run.cfg = t.cfg
     if run.resume_from:
         restore(run, t)
     if t.step >= run.cfg.max_steps and not run.pending:
