@@ -2,10 +2,11 @@
 
 Owns: `ToolTurns` (what rollout.rollout takes as `turns`: each completion's
 tools and their schemas, and `play`, the tool rounds on the sampler's first
-turn), `continue_with_tools` (parse each completion's tool calls, run them,
-append the results and sample again, round after round) and
-`pad_tool_rows` (the rows of different lengths it leaves, as the [n,C]
-tensors a Rollout holds, tool-result ids masked out).
+turn), `ToolRows` (the batch's rows as they grow), `continue_with_tools`
+(parse each completion's tool calls, run them, append the results and
+sample again, round after round) and `pad_tool_rows` (the rows of
+different lengths it leaves, as the [n,C] tensors a Rollout holds,
+tool-result ids masked out).
 
 Does not know about: where a row's functions come from (TRL's `tools`
 through trainer.py's setup, or an environment's), rewards, losses, or
@@ -63,47 +64,41 @@ class ToolTurns:
         arguments. -> (the whole completions as a Generation, tool-result ids 0 in its mask; their
         message lists; {turns, tool_calls, tool_failures}, each [n] long)."""
         out, token_ids, texts = first
-        logps = [x[: len(t)] for x, t in zip(out.logprobs.tolist(), token_ids)]
-        truncated = out.truncated.tolist()
-        masks, completions, truncated, calls, failures = continue_with_tools(
-            model,
-            tok,
-            prompt_of,
-            token_ids,
-            logps,
-            texts,
-            truncated,
-            self.tools,
-            cfg,
-            generator,
-            settings,
+        rows = ToolRows(
+            ids=token_ids,
+            logps=[x[: len(t)] for x, t in zip(out.logprobs.tolist(), token_ids)],
+            texts=texts,
+            truncated=out.truncated.tolist(),
         )
-        ids, mask, logps, truncated, turns, calls, failures = pad_tool_rows(
-            token_ids,
-            masks,
-            logps,
-            truncated,
-            completions,
-            calls,
-            failures,
-            tok.pad_token_id,
-            out.completion_ids.device,
-        )
-        whole = Generation(
-            completion_ids=ids, completion_mask=mask, logprobs=logps, truncated=truncated
-        )
-        return whole, completions, dict(turns=turns, tool_calls=calls, tool_failures=failures)
+        more = dict(prompt_of=prompt_of, generator=generator, settings=settings)
+        continue_with_tools(model, tok, cfg, rows, self.tools, **more)
+        whole, counts = pad_tool_rows(rows, tok.pad_token_id, out.completion_ids.device)
+        return whole, rows.messages, counts
 
 
-def continue_with_tools(
-    model, tok, prompt_of, ids, logps, texts, truncated, tools, cfg, generator, settings
-):
-    """The tool rounds (TRL's `_tool_call_loop`) on rows of generated `ids` and their sampler
-    log-probs `logps` (lists of the same lengths, extended in place: 0.0 for tool-result ids).
-    prompt_of[r]: row r's prompt ids; tools: {name: function} of every row, or one per row;
-    settings: generate's keyword arguments (generation_kwargs.sampling_kwargs).
-    -> (per-row model-token masks, message lists, truncated, tool calls, failed tool calls).
-    """
+@dataclass
+class ToolRows:
+    """The rows of a batch through the tool rounds, one list entry per row, extended in place:
+    the generated ids (tool-result ids included), the sampler's log-probs of them (0.0 on tool
+    results), the first turn's texts, whether each ran out of room; continue_with_tools fills
+    the rest."""
+
+    ids: list[list[int]]
+    logps: list[list[float]]
+    texts: list[str]
+    truncated: list[bool]
+    masks: list[list[int]] | None = None  # 1 on the model's tokens, 0 on tool results
+    messages: list[list[dict]] | None = None  # the completion as messages
+    calls: list[int] | None = None  # tool calls made (failed ones included)
+    failures: list[int] | None = None  # of which failed
+
+
+def continue_with_tools(model, tok, cfg, rows: ToolRows, tools, *, prompt_of, generator, settings):
+    """The tool rounds (TRL's `_tool_call_loop`) on `rows`, extended in place (ids, logps,
+    truncated) and filled in (masks, messages, calls, failures). prompt_of[r]: row r's prompt
+    ids; tools: {name: function} of every row, or one per row; settings: generate's keyword
+    arguments (generation_kwargs.sampling_kwargs)."""
+    ids, logps, texts, truncated = rows.ids, rows.logps, rows.texts, rows.truncated
     M, limit = cfg.max_completion_length, model.config.max_position_embeddings
     parser = parser_for(cfg.tool_call_format, tok.chat_template)
 
@@ -178,28 +173,23 @@ def continue_with_tools(
                 messages[r].append(assistant_message(content, calls[r]))
         active = [r for r in going if calls[r]]
         rounds += 1
-    return masks, messages, truncated, num_calls, num_failed
+    rows.masks, rows.messages, rows.calls, rows.failures = masks, messages, num_calls, num_failed
 
 
-def pad_tool_rows(token_ids, masks, logps, truncated, completions, calls, failures, pad_id, device):
-    """continue_with_tools' per-row lists -> (completion_ids [n,C], model_mask [n,C] bool,
-    sampling_logps [n,C] fp32, truncated [n], turns [n], calls [n], failures [n]), right-padded
-    to the longest row C; tool-result ids are 0 in the mask."""
-    C = max(map(len, token_ids))
-    completion_ids = torch.tensor([x + [pad_id] * (C - len(x)) for x in token_ids], device=device)
-    model_mask = torch.tensor(
-        [m + [0] * (C - len(m)) for m in masks], device=device, dtype=torch.bool
+def pad_tool_rows(rows: ToolRows, pad_id: int, device) -> tuple[Generation, dict]:
+    """continue_with_tools' rows -> (a sampler.Generation of them, right-padded to the longest
+    row C, tool-result ids 0 in its mask; {turns, tool_calls, tool_failures}, each [n] long)."""
+    C = max(map(len, rows.ids))
+    whole = Generation(
+        completion_ids=torch.tensor([x + [pad_id] * (C - len(x)) for x in rows.ids], device=device),
+        completion_mask=torch.tensor(
+            [m + [0] * (C - len(m)) for m in rows.masks], device=device, dtype=torch.bool
+        ),
+        logprobs=torch.tensor(
+            [x + [0.0] * (C - len(x)) for x in rows.logps], device=device, dtype=torch.float32
+        ),
+        truncated=torch.tensor(rows.truncated, device=device),
     )
-    sampling_logps = torch.tensor(
-        [x + [0.0] * (C - len(x)) for x in logps], device=device, dtype=torch.float32
-    )
-    turns = [sum(m["role"] == "assistant" for m in c) for c in completions]
-    return (
-        completion_ids,
-        model_mask,
-        sampling_logps,
-        torch.tensor(truncated, device=device),
-        torch.tensor(turns, device=device),
-        torch.tensor(calls, device=device),
-        torch.tensor(failures, device=device),
-    )
+    turns = [sum(m["role"] == "assistant" for m in c) for c in rows.messages]
+    counts = dict(turns=turns, tool_calls=rows.calls, tool_failures=rows.failures)
+    return whole, {k: torch.tensor(v, device=device) for k, v in counts.items()}
