@@ -37,6 +37,9 @@ from nanogrpo.logprobs import kl_divergence
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 PPO_CLIP_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "luspo")
+# the loss types whose micro-batch losses `aggregate` divides by grad_accum (the others divide
+# the step's sum by its token count)
+PER_MICRO_BATCH = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
 IS_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -457,8 +460,7 @@ def grpo_step(
     metrics = {}
     if cfg.entropy_bonus_on():
         # TRL's policy_loss: the loss before the bonus and the grad_accum division
-        per_micro_batch = cfg.loss_type in ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
-        unscaled = scale.grad_accum if per_micro_batch else 1
+        unscaled = scale.grad_accum if cfg.loss_type in PER_MICRO_BATCH else 1
         metrics["policy_loss"] = total.detach() * unscaled
         coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
         total = total - coef * terms.entropy_bonus(entropies, bonus_mask, scale.grad_accum)

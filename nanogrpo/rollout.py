@@ -123,6 +123,15 @@ def join_prompt_completion(
     return torch.cat([ids, completion_ids], 1), torch.cat([mask, ones], 1)
 
 
+def trained_mask(model_mask, truncated, cfg) -> torch.Tensor:
+    """The completion mask the loss trains on [n,C] float: the model's tokens, none of a truncated
+    row with mask_truncated_completions (TRL's rule)."""
+    mask = model_mask.float()
+    if cfg.mask_truncated_completions:
+        mask = mask * (~truncated).float()[:, None]
+    return mask
+
+
 def encode_prompts(tok, prompts: list, schemas: list, G: int, cfg) -> tuple[list, int]:
     """Token ids of the prompts of n = groups x G completions (prompts[r], rendered with the tool
     schemas schemas[r]): each group's once when its G completions share prompt and tools (the
@@ -199,9 +208,7 @@ def rollout(
         elif not isinstance(prompts[0], str):
             completions = [[{"role": "assistant", "content": t}] for t in texts]
     model.train(was_training)
-    mask = out.completion_mask.float()
-    if cfg.mask_truncated_completions:
-        mask = mask * (~out.truncated).float()[:, None]
+    mask = trained_mask(out.completion_mask, out.truncated, cfg)
     input_ids, attention_mask = join_prompt_completion(
         prompt_ids, out.completion_ids, tok.pad_token_id, step
     )

@@ -259,6 +259,23 @@ def _first(names: list, n: int = 10) -> str:
     return f"{names[:n]}{' ...' if len(names) > n else ''}"
 
 
+def check_tensors(ours: dict, expected: dict, implied: set, what: str, source: str):
+    """ValueError unless `ours` has every tensor of `expected` (but the `implied` ones), no
+    other, each of its shape: the error lists missing and unexpected tensors, or names the first
+    shape mismatch. what: "checkpoint", "adapter"; source: what implies the expected shapes."""
+    missing = sorted(set(expected) - set(ours) - implied)
+    unexpected = sorted(set(ours) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{what} does not match {source}: missing tensors {_first(missing)}; "
+            f"unexpected tensors {_first(unexpected)}"
+        )
+    for name, tensor in ours.items():
+        shape, want = tuple(tensor.shape), tuple(expected[name].shape)
+        if shape != want:
+            raise ValueError(f"{what} tensor {name} has shape {shape}, {source} implies {want}")
+
+
 def from_hf_names(state: dict, model: Transformer) -> dict:
     """HF-named tensors -> a complete state dict of `model` (a tied lm_head
     is the embedding), with an error listing missing or unexpected tensors
@@ -274,21 +291,7 @@ def from_hf_names(state: dict, model: Transformer) -> dict:
         ours.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
     expected = model.state_dict()
     implied = {"lm_head.weight"} if tied else set()
-    missing = sorted(set(expected) - set(ours) - implied)
-    unexpected = sorted(set(ours) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            "checkpoint does not match its config.json: "
-            f"missing tensors {_first(missing)}; "
-            f"unexpected tensors {_first(unexpected)}"
-        )
-    for name, tensor in ours.items():
-        shape = tuple(tensor.shape)
-        want = tuple(expected[name].shape)
-        if shape != want:
-            raise ValueError(
-                f"checkpoint tensor {name} has shape {shape}, config.json implies {want}"
-            )
+    check_tensors(ours, expected, implied, "checkpoint", "config.json")
     if tied and "lm_head.weight" in expected:  # (a classifier has no LM head)
         ours["lm_head.weight"] = ours["embed_tokens.weight"]
     return ours

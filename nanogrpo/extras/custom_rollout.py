@@ -51,7 +51,7 @@ from nanogrpo import distributed as dist
 from nanogrpo.extras.reward_funcs import import_function
 from nanogrpo.extras.trainer_info import trainer_state_of
 from nanogrpo.rewards import TRAINER_ARGUMENTS
-from nanogrpo.rollout import Rollout, join_prompt_completion
+from nanogrpo.rollout import Rollout, join_prompt_completion, trained_mask
 from nanogrpo.sampler import generate
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
@@ -300,9 +300,7 @@ def rollout_of(output, rows, copies, prompts, tok, cfg, context, device) -> Roll
     truncated = torch.tensor(
         [bool(x) and x[-1] not in stops for x in completion_ids], device=device
     )
-    mask = model_mask.float()
-    if cfg.mask_truncated_completions:
-        mask = mask * (~truncated).float()[:, None]
+    mask = trained_mask(model_mask, truncated, cfg)
     input_ids, attention_mask = join_prompt_completion(prompt_ids, ids, pad, 1)
     texts = tok.batch_decode(completion_ids)
     completions = (

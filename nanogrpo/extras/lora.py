@@ -378,21 +378,11 @@ def from_peft_state(tensors: dict, model) -> dict:
     ours = {from_peft_name(k): v for k, v in tensors.items()}
     saved = model.lora_config["modules_to_save"]
     expected = {k: v for k, v in model.state_dict().items() if is_adapter_key(k, saved)}
-    missing = sorted(set(expected) - set(ours))
-    unexpected = sorted(set(ours) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            "adapter does not match its adapter_config.json and the base "
-            f"model: missing tensors {missing[:6]}, unexpected tensors "
-            f"{unexpected[:6]}"
-        )
-    for k, v in ours.items():
-        shape = tuple(v.shape)
-        want = tuple(expected[k].shape)
-        if shape != want:
-            raise ValueError(
-                f"adapter tensor {k} has shape {shape}, the base model and r imply {want}"
-            )
+    # the one check of tensors against a model (checkpoint/ imports this module: here, not above)
+    from nanogrpo.checkpoint.hf_format import check_tensors
+
+    source = "its adapter_config.json and the base model (r)"
+    check_tensors(ours, expected, set(), "adapter", source)
     return ours
 
 
