@@ -41,7 +41,7 @@ from nanogrpo.schedules import micro_batches_in_step
 from nanogrpo.trainer import Kernels, Trainer, setup
 
 # -----------------------------------------------------------------------------
-# Setup (nanogrpo/trainer.py): model, tokenizer, optimizer, rewards, data
+# The kernels a run computes with, the seed of each round (setup is nanogrpo/trainer.py's)
 
 
 def kernels(cfg: TrainConfig) -> Kernels:

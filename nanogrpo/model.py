@@ -12,12 +12,14 @@ models/gated_deltanet.py: registered in `FAMILIES` by nanogrpo/models/, which th
 loader imports), LoRA (extras/lora.py), FSDP2 (distributed/), and the LM head in chunks
 (fast/logprobs.py, via `head`).
 
-Does not know about: files, tokenization, sampling, losses, or more than one process.
+Does not know about: files, tokenization, sampling, losses, or more than one process (FSDP2
+wraps its blocks from outside; `hidden_states` only leaves them a place to gather and reshard).
 
 Choices:
 - Parameter names mirror HF's (`layers.0.self_attn.q_proj.weight`, ...) so a checkpoint's names are
   ours with a `model.` prefix, and what we save is what transformers and vLLM expect.
-- One attention code path for everything: training (no cache), prefill and decode. Positions
+- One attention function for everything: training (no cache), prefill and decode (its branches
+  are the cache's own `attend` hook, static shapes, a growing cache and the GQA fold). Positions
   (for RoPE) are explicit per row, and keys are masked with an explicit boolean mask
   `key_valid & causal`, so left-padded prompts of different lengths batch together and a query
   shorter than the keys (decode against a cache) is aligned correctly. SDPA's `is_causal` aligns the

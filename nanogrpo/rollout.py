@@ -32,7 +32,8 @@ Choices:
   returns with logprobs_mode="processed_logprobs"; TRL's importance-sampling correction compares
   it with the trainer's.
 - A group's G completions share one prompt, encoded and prefilled once, unless `episodes` gives
-  them different prompts (different observations of their environments' reset): then each
+  them different prompts (different observations of their environments' reset), or a group
+  spans ranks (train.py's round_prompts hands each completion out as its own row): then each
   completion has its own, and `prompt_ids` holds one entry per completion.
 """
 

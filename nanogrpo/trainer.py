@@ -13,8 +13,9 @@ Leaves out: loading weights (checkpoint/__init__.py), the faster kernels (fast/_
 metrics (nanogrpo/run/).
 
 Does not know about: what a round does with them (train.py), or resume (run.restore fills in
-the fields a checkpoint holds; load_data only reads its prompt order's row count, to refuse
-another dataset before rendering its rows).
+the fields a checkpoint holds; setup only loads the policy's weights from the checkpoint it is
+given, and load_data reads its prompt order's row count, to refuse another dataset before
+rendering its rows).
 """
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""Everything that knows about more than one process: torch.distributed setup and FSDP2.
+"""torch.distributed setup, FSDP2 and the collectives every multi-process path calls.
 
 Owns: process-group setup from torchrun's environment (nccl on CUDA, gloo on
 CPU), sharding the model with PyTorch's own FSDP2 (`fully_shard` on each

@@ -25,9 +25,11 @@ four tricks:
 The entropy carries a gradient only when asked (entropy_grad=True: TRL's
 entropy bonus); the plain version's always has one.
 
-Does not know about: losses, sampling, or torch.distributed (world_size
-is a number it is given: with several ranks every rank makes the same
-calls, so FSDP2's collectives stay in step).
+Does not know about: sampling, or torch.distributed (world_size is a
+number it is given: with several ranks every rank makes the same calls,
+so FSDP2's collectives stay in step). Of the loss it knows one thing,
+rows_without_gradient's rule: which rows' loss has no gradient, given the
+loss settings it is passed (advantages, beta, the entropy bonus).
 
 Of the model it uses its call `model(input_ids, attention_mask=,
 positions=, cache=, cache_start=, head=fn)` (fn(hidden after the final

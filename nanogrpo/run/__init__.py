@@ -13,8 +13,9 @@ is run/plan.py's.
 
 Does not know about: the GRPO math, sampling, or log-probs.
 
-It reads a few named fields of trainer.py's `Trainer` (cfg, info, sched, model, optimizer,
-scheduler, tok, prompts, step, round, entropy_coef, last_entropy) to save and restore them.
+Of trainer.py's `Trainer` it reads named fields (cfg, info, sched, model, optimizer, scheduler,
+tok, prompts, step, round, entropy_coef, last_entropy, reward_weights) to report, save and restore
+them, and begin takes its cfg (max_steps counted) as the run's.
 """
 
 import atexit
