@@ -9,8 +9,8 @@ Hub dataset repo, GSM8K) lives in extras/datasets.py; the built-in tasks `defaul
 and `addition` live in extras/tasks.py.
 
 Does not know about: tokenization or chat templates (tokenizer/ renders conversational prompts;
-check_prompts calls the tokenizer it is given and reads its unknown token), rewards (rewards.py), or processes (train.py's
-round_prompts gives each rank its share of a batch).
+check_prompts calls the tokenizer it is given and reads its unknown token), rewards
+(rewards.py), or processes (train.py's round_prompts gives each rank its share of a batch).
 
 Choices:
 - A dataset is a plain `list[dict]`. Every row has `prompt`: a string (standard format) or a

@@ -7,7 +7,8 @@ update's scoring: token_logprobs with gradient.
 
 Does not know about: losses, sampling, or processes (under FSDP2 the model's forward gathers
 what it needs; `policy_logprobs` takes the loss's advantages, beta and entropy_bonus only to
-share its signature with fast/logprobs.py's twin, which skips rows without gradient). Of the model it calls `model(input_ids, attention_mask=)` -> logits [N,L,V].
+share its signature with fast/logprobs.py's twin, which skips rows without gradient). Of the
+model it calls `model(input_ids, attention_mask=)` -> logits [N,L,V].
 
 Choices: temperature divides the logits before the softmax, as TRL scores, and the entropy is the
 tempered distribution's, in nats. Positions with completion_mask == 0 come out as exactly 0 (no

@@ -206,8 +206,9 @@ def test_resume_never_unpickles_code(tmp_path, monkeypatch):
     model(torch.zeros(1, 3, dtype=torch.long)).sum().backward()
     opt.step()
     info = dist.DistInfo()
+    state = {"step": 1, "history": [{"reward": 0.5}]}
     ckpt = save_checkpoint(
-        tmp_path, 1, model, opt, None, {"step": 1, "history": [{"reward": 0.5}]}, {}, info
+        tmp_path, 1, model, opt, tokenizer=None, trainer_state=state, train_config={}, info=info
     )
     files = [os.path.join(d, f) for d, _, names in os.walk(ckpt) for f in names]
     assert sorted(os.path.relpath(f, ckpt) for f in files) == [

@@ -51,7 +51,13 @@ def sample(max_batches):
     more = iter([(*B, columns_b)])
     columns_a = {"id": list(A[0].completions)}
     return dynamic_sampling(
-        *A, columns_a, lambda: next(more), torch.ones(1), max_batches, pad_id=0, info=DistInfo()
+        *A,
+        columns_a,
+        lambda: next(more),
+        weights=torch.ones(1),
+        max_batches=max_batches,
+        pad_id=0,
+        info=DistInfo(),
     )
 
 

@@ -51,7 +51,16 @@ def named_state(model, optimizer) -> dict:
 
 
 def save(model, optimizer, out_dir, info) -> str:
-    return checkpoints.save_checkpoint(out_dir, 2, model, optimizer, None, {"step": 2}, {}, info)
+    return checkpoints.save_checkpoint(
+        out_dir,
+        2,
+        model,
+        optimizer,
+        tokenizer=None,
+        trainer_state={"step": 2},
+        train_config={},
+        info=info,
+    )
 
 
 def files_of(ckpt) -> list[str]:

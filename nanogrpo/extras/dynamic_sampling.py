@@ -33,6 +33,8 @@ Choices:
   longest prompt and completion, which changes no scored log-prob.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from nanogrpo import distributed as dist
@@ -53,20 +55,31 @@ def groups_with_signal(t, ro, rewards, logs, draw):
     enough (dynamic_sampling with trainer.py's Trainer t's settings).
     rewards: [n, K]; logs: the round's RewardLogs, whose columns (log_extra)
     then hold the kept completions' values. -> (Rollout, rewards, metrics)."""
-    ro, rewards, logs.columns, stats = dynamic_sampling(
+    kept = dynamic_sampling(
         ro,
         rewards,
         logs.columns,
         draw,
-        t.reward_weights,
-        t.cfg.max_num_gen_batches,
-        t.tok.pad_token_id,
-        t.info,
+        weights=t.reward_weights,
+        max_batches=t.cfg.max_num_gen_batches,
+        pad_id=t.tok.pad_token_id,
+        info=t.info,
     )
-    return ro, rewards, stats
+    logs.columns = kept.columns
+    return kept.ro, kept.rewards, kept.metrics
 
 
-def dynamic_sampling(ro, rewards, columns, draw, weights, max_batches, pad_id, info):
+class Kept(NamedTuple):
+    """What dynamic_sampling keeps of a round: its Rollout, rewards [n, K], columns (what
+    reward functions logged per row) and metrics."""
+
+    ro: Rollout
+    rewards: torch.Tensor
+    columns: dict
+    metrics: dict
+
+
+def dynamic_sampling(ro, rewards, columns, draw, *, weights, max_batches, pad_id, info) -> Kept:
     """Keep the groups of `ro` (rewards [n, K]; columns {name: [n] values},
     what reward functions logged per row) whose rewards differ, and call
     draw() -> (Rollout, rewards, columns) for more until each rank has as
@@ -110,7 +123,7 @@ def dynamic_sampling(ro, rewards, columns, draw, weights, max_batches, pad_id, i
         "dynamic_sampling/groups_kept": kept,
         "dynamic_sampling/gen_batches": batch + 1,
     }
-    return ro, rewards, columns, metrics
+    return Kept(ro, rewards, columns, metrics)
 
 
 def _groups(ro, rewards, columns, groups):

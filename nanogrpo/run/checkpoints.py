@@ -45,6 +45,7 @@ def save_checkpoint(
     step: int,
     model,
     optimizer,
+    *,
     tokenizer,
     trainer_state: dict,
     train_config: dict,

@@ -38,7 +38,14 @@ def save(run: Run, t):
     if run.pending:  # a cycle's records whose evaluation a stop dropped: the resumed run does it
         state["pending"] = run.pending
     checkpoints.save_checkpoint(
-        cfg.output_dir, t.step, t.model, t.optimizer, t.tok, state, config_record(cfg), run.info
+        cfg.output_dir,
+        t.step,
+        t.model,
+        t.optimizer,
+        tokenizer=t.tok,
+        trainer_state=state,
+        train_config=config_record(cfg),
+        info=run.info,
     )
     run.written.append(name)
     if run.info.is_main:
