@@ -123,8 +123,8 @@ def frozen(model, ro: Rollout, t: Trainer):
         model,
         ro,
         t.cfg.per_device_train_batch_size,
-        t.kernels.token_logprobs,
-        t.autocast,
+        score=t.kernels.token_logprobs,
+        autocast=t.autocast,
         temperature=t.cfg.temperature,
         vocab_size=t.tok.vocab_size,
     )
@@ -272,7 +272,7 @@ def sample_round(t: Trainer, rnd: int) -> tuple[Rollout, dict]:
     if cfg.dynamic_sampling:  # DAPO: only groups whose rewards differ
         start = time.time()
         draw = partial(draw_more, t, generator, logs)
-        ro, local, stats = groups_with_signal(t, ro, local, logs, draw)
+        ro, local, stats = groups_with_signal(t, ro, local, logs, draw=draw)
         extra = time.time() - start
     rewards = dist.all_gather_rows(dist.to_device(local, info.device), info).float()
     ro.advantages = advantages_of(t, rewards, cfg.num_generations)

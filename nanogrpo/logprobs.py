@@ -115,7 +115,7 @@ def policy_logprobs(
 
 
 @torch.no_grad()
-def frozen_logprobs(model, ro, batch_size, score=token_logprobs, autocast=None, **kwargs):
+def frozen_logprobs(model, ro, batch_size, *, score=token_logprobs, autocast=None, **kwargs):
     """The tokens of a rollout (rollout.Rollout) under a model that is not trained on them (the
     old policy, the reference model), batch_size rows at a time, in eval mode. score:
     token_logprobs or fast/logprobs.py's equal kernel, called with kwargs (temperature,

@@ -165,7 +165,14 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None) -> Trainer:
         )
     sched = cfg.schedule(info.world_size)
     rows, eval_rows = load_data(
-        cfg, tok, model, reward_funcs, tools, envs, sched.prompts_per_round, resume_from
+        cfg,
+        tok,
+        model,
+        reward_funcs,
+        tools=tools,
+        envs=envs,
+        num_placeholder_rows=sched.prompts_per_round,
+        ckpt=resume_from,
     )
     # max_steps=-1: num_train_epochs passes over the prompts, as TRL counts; the trainer holds
     # a copy with the count, the validated config is left as it was
@@ -223,7 +230,15 @@ def build_reward_funcs(cfg: TrainConfig, info) -> list:
 
 
 def load_data(
-    cfg: TrainConfig, tok, model, reward_funcs, tools, envs=None, num_placeholder_rows=1, ckpt=None
+    cfg: TrainConfig,
+    tok,
+    model,
+    reward_funcs,
+    *,
+    tools,
+    envs=None,
+    num_placeholder_rows=1,
+    ckpt=None,
 ):
     """Training and eval rows, checked before step 1: each prompt fits
     the context (with the tools' schemas: with environments, those of its

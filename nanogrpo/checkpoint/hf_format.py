@@ -259,7 +259,7 @@ def _first(names: list, n: int = 10) -> str:
     return f"{names[:n]}{' ...' if len(names) > n else ''}"
 
 
-def check_tensors(ours: dict, expected: dict, implied: set, what: str, source: str):
+def check_tensors(ours: dict, expected: dict, implied: set, *, what: str, source: str):
     """ValueError unless `ours` has every tensor of `expected` (but the `implied` ones), no
     other, each of its shape: the error lists missing and unexpected tensors, or names the first
     shape mismatch. what: "checkpoint", "adapter"; source: what implies the expected shapes."""
@@ -291,7 +291,7 @@ def from_hf_names(state: dict, model: Transformer) -> dict:
         ours.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
     expected = model.state_dict()
     implied = {"lm_head.weight"} if tied else set()
-    check_tensors(ours, expected, implied, "checkpoint", "config.json")
+    check_tensors(ours, expected, implied, what="checkpoint", source="config.json")
     if tied and "lm_head.weight" in expected:  # (a classifier has no LM head)
         ours["lm_head.weight"] = ours["embed_tokens.weight"]
     return ours

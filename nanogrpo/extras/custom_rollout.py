@@ -170,10 +170,10 @@ def custom_rollout(t, rows: list[dict], copies: int, generator) -> Rollout:
         rows,
         copies,
         prompts,
-        t.tok,
-        t.cfg,
-        t.model.config.max_position_embeddings,
-        t.info.device,
+        tok=t.tok,
+        cfg=t.cfg,
+        context=t.model.config.max_position_embeddings,
+        device=t.info.device,
     )
 
 
@@ -281,7 +281,7 @@ def checked_output(output, n: int, vocab_size: int, context: int) -> tuple:
     return prompt_ids, completion_ids, logprobs, env_mask, extra
 
 
-def rollout_of(output, rows, copies, prompts, tok, cfg, context, device) -> Rollout:
+def rollout_of(output, rows, copies, prompts, *, tok, cfg, context, device) -> Rollout:
     """A rollout_func's output -> the Rollout of its n = rows x copies completions, one prompt per
     completion (prompt_ids holds n entries)."""
     n = len(prompts)

@@ -50,7 +50,7 @@ def groups_with_spread(rewards, weights, G):
     return std > 1e-8
 
 
-def groups_with_signal(t, ro, rewards, logs, draw):
+def groups_with_signal(t, ro, rewards, logs, *, draw):
     """The round's groups whose rewards differ, more drawn until there are
     enough (dynamic_sampling with trainer.py's Trainer t's settings).
     rewards: [n, K]; logs: the round's RewardLogs, whose columns (log_extra)

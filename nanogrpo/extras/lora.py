@@ -382,7 +382,7 @@ def from_peft_state(tensors: dict, model) -> dict:
     from nanogrpo.checkpoint.hf_format import check_tensors
 
     source = "its adapter_config.json and the base model (r)"
-    check_tensors(ours, expected, set(), "adapter", source)
+    check_tensors(ours, expected, set(), what="adapter", source=source)
     return ours
 
 

@@ -71,7 +71,7 @@ class ToolTurns:
             truncated=out.truncated.tolist(),
         )
         more = dict(prompt_of=prompt_of, generator=generator, settings=settings)
-        continue_with_tools(model, tok, cfg, rows, self.tools, **more)
+        continue_with_tools(model, tok, cfg, rows, tools=self.tools, **more)
         whole, counts = pad_tool_rows(rows, tok.pad_token_id, out.completion_ids.device)
         return whole, rows.messages, counts
 
@@ -93,7 +93,7 @@ class ToolRows:
     failures: list[int] | None = None  # of which failed
 
 
-def continue_with_tools(model, tok, cfg, rows: ToolRows, tools, *, prompt_of, generator, settings):
+def continue_with_tools(model, tok, cfg, rows: ToolRows, *, tools, prompt_of, generator, settings):
     """The tool rounds (TRL's `_tool_call_loop`) on `rows`, extended in place (ids, logps,
     truncated) and filled in (masks, messages, calls, failures). prompt_of[r]: row r's prompt
     ids; tools: {name: function} of every row, or one per row; settings: generate's keyword
