@@ -698,7 +698,7 @@ def test_env_mask_keeps_environment_tokens_out_of_the_loss():
         "env_mask": [[1, 0, 0, 1], [1, 0]],
         "score": [0.5, 1.5],
     }
-    ro = rollout_of(output, rows, 2, ["ab=", "ab="], tok, cfg, 64, "cpu")
+    ro = rollout_of(output, rows, 2, ["ab=", "ab="], tok=tok, cfg=cfg, context=64, device="cpu")
     assert ro.completion_mask.tolist() == [[1, 0, 0, 1], [0, 0, 0, 0]]  # row 1 ends without eos
     assert ro.truncated.tolist() == [False, True]
     assert ro.completion_lengths.tolist() == [2, 1]
