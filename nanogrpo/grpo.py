@@ -464,6 +464,8 @@ def grpo_step(
         metrics["policy_loss"] = total.detach() * unscaled
         coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
         total = total - coef * terms.entropy_bonus(entropies, bonus_mask, scale.grad_accum)
+    if sampling is not None:  # the mismatch itself, whether or not a correction is on
+        metrics.update(raw_sampler_ratios(behavior, sampling, m))
     if is_weights is not None:
         metrics.update(terms.importance_sampling_metrics(behavior, sampling, is_weights, m))
     metrics.update(_loss_metrics(cfg, m, A, ratio_1, kl, entropies, phi))
@@ -520,6 +522,27 @@ def _check_inputs(inputs, cfg, scale, terms):
 
 
 @torch.no_grad()
+@torch.no_grad()
+def raw_sampler_ratios(trainer_logps, sampling_logps, m) -> dict:
+    """How far the sampler's probabilities are from the trainer's, before any correction clips or
+    masks them: min, mean and max of pi_trainer / pi_sampler per token (over m's tokens) and per
+    sequence (exp of its summed log difference, over rows with tokens), as 0-dim float64 tensors
+    (1 where there is nothing to measure). Inputs [N,C], 0 on masked slots. No host sync."""
+    diff = (trainer_logps - sampling_logps).double()  # [N,C]
+    out = {}
+    for level, log_r, keep in (("token", diff, m), ("sequence", diff.sum(-1), m.any(-1))):
+        r, n = log_r.exp(), keep.sum()
+        values = {
+            "min": torch.where(keep, r, math.inf).min(),
+            "mean": torch.where(keep, r, 0).sum() / n.clamp(min=1),
+            "max": torch.where(keep, r, -math.inf).max(),
+        }
+        for stat, v in values.items():
+            key = f"sampling/raw_importance_sampling_ratio/{level}/{stat}"
+            out[key] = torch.where(n > 0, v, torch.ones_like(v))
+    return out
+
+
 def _loss_metrics(cfg, m, A, ratio_1, kl, entropies, phi):
     """TRL's metrics of the loss, as 0-dim tensors: the KL, the entropy, and how often the loss
     type's clip or weight acted (ratio_1: the ratio the clip looked at)."""

@@ -87,7 +87,9 @@ def test_matches_trl(case):
     expected = dict(case["metrics"])
     # the trainer logs entropy_coef (the coefficient it holds), not grpo_step
     assert expected.pop("entropy_coef", cfg.entropy_coef) == cfg.entropy_coef
-    assert set(metrics) == set(expected)
+    # beyond TRL 1.16's: the raw sampler/trainer ratios (trl#5231), tested below
+    ours = {k for k in metrics if k.startswith("sampling/raw_importance_sampling_ratio/")}
+    assert set(metrics) - ours == set(expected)
     for k, v in expected.items():  # TRL takes some metrics in float32
         assert (math.isnan(v) and math.isnan(metrics[k])) or abs(metrics[k] - v) < 1e-6, k
 
@@ -369,3 +371,54 @@ def test_adaptive_coefficient_stays_in_bounds(coef, entropy, steps):
         c = new
     assert applied_entropy_coef(cfg, c, entropy) == (c if entropy <= 1.0 else 0.0)
     assert applied_entropy_coef(cfg, c, math.inf) == 0.0
+
+
+# --- the raw sampler/trainer ratio (trl#5231): before any clip or mask, correction on or off ------
+
+
+@PROPS
+@given(
+    seed=st.integers(0, 2**16),
+    correcting=st.booleans(),
+    mode=st.sampled_from(["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]),
+)
+def test_raw_sampler_ratios_are_the_unclipped_ratios(seed, correcting, mode):
+    """sampling/raw_importance_sampling_ratio/{token,sequence}/{min,mean,max} are exp(log pi_trainer
+    - log pi_sampler) over the completion's tokens and exp(its sum) over rows with tokens, whether
+    or not the correction is on and whatever it clips or masks; the corrected weights
+    (importance_sampling_ratio) stay within the clip where the raw ones do not."""
+    g = torch.Generator().manual_seed(seed)
+    N, C = 5, 7
+    logps = -torch.rand(N, C, generator=g, dtype=F64) * 3
+    sampling = logps + torch.randn(N, C, generator=g, dtype=F64) * 0.8  # a large mismatch
+    mask = torch.rand(N, C, generator=g) < 0.7
+    mask[0] = False  # a row without tokens: not a sequence
+    mask[1, 0] = True
+    cfg = LossConfig(
+        vllm_importance_sampling_correction=correcting,
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=0.5,
+        vllm_importance_sampling_clip_max=2.0,
+    )
+    adv = torch.randn(N, generator=g, dtype=F64)
+    _, metrics = step(logps, adv, mask.double(), cfg, sampling_logps=sampling)
+    token = (logps - sampling)[mask].exp()
+    sequence = torch.where(mask, logps - sampling, 0).sum(-1)[mask.any(-1)].exp()
+    for level, want in (("token", token), ("sequence", sequence)):
+        key = f"sampling/raw_importance_sampling_ratio/{level}"
+        assert metrics[f"{key}/min"] == pytest.approx(want.min().item(), rel=1e-12)
+        assert metrics[f"{key}/mean"] == pytest.approx(want.mean().item(), rel=1e-12)
+        assert metrics[f"{key}/max"] == pytest.approx(want.max().item(), rel=1e-12)
+    assert ("sampling/importance_sampling_ratio/max" in metrics) == correcting
+    if correcting:  # the weights the loss uses are clipped or masked; the raw ones are not
+        assert metrics["sampling/importance_sampling_ratio/max"] <= 2.0
+        raw = token if mode.startswith("token") else sequence
+        assert raw.max().item() > 2.0 or raw.min().item() < 0.5  # the case tests a clip
+
+
+def test_raw_sampler_ratios_with_nothing_to_measure_are_one():
+    cfg = LossConfig(vllm_importance_sampling_correction=False)
+    zeros = torch.zeros(2, 3, dtype=F64)
+    _, metrics = step(zeros, torch.ones(2, dtype=F64), zeros, cfg, sampling_logps=zeros - 1)
+    raw = {k: v for k, v in metrics.items() if "raw_importance" in k}
+    assert len(raw) == 6 and set(raw.values()) == {1.0}

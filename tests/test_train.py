@@ -1103,6 +1103,9 @@ def test_num_generations_eval_and_max_prompt_length(tmp_path, capsys):
     assert seen == [18] and 0 <= metrics["eval/reward"] <= 1
 
 
+STATS = ("min", "mean", "max")
+
+
 def test_each_algorithm_option_runs_and_logs_trls_metrics(tmp_path):
     """The entropy bonus (static, adaptive), OPSM and each importance-sampling mode: a run
     finishes and logs what TRL logs for it."""
@@ -1128,7 +1131,11 @@ def test_each_algorithm_option_runs_and_logs_trls_metrics(tmp_path):
     history = train.train(
         tiny(tmp_path / "off", "--vllm_importance_sampling_correction=false", "--max_steps=1")
     )
-    assert not [k for k in history[0] if k.startswith("sampling/")]
+    # no correction, TRL's sampling/ metrics off; the raw sampler/trainer ratios stay (trl#5231)
+    logged = sorted(k for k in history[0] if k.startswith("sampling/"))
+    raw = "sampling/raw_importance_sampling_ratio/"
+    assert logged == sorted(f"{raw}{lv}/{s}" for lv in ("sequence", "token") for s in STATS)
+    assert 1 - 1e-3 < history[0][f"{raw}token/min"] <= 1 <= history[0][f"{raw}token/max"] < 1.001
 
 
 def test_dynamic_sampling_trains_only_groups_with_spread(tmp_path, monkeypatch):

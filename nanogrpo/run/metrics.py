@@ -28,6 +28,8 @@ def micro_batch_weights(mask: torch.Tensor, loss_cfg) -> dict:
     return {
         "sampling/sampling_logp_difference/mean": tokens,
         "sampling/importance_sampling_ratio/mean": len(mask) if per_row else tokens,
+        "sampling/raw_importance_sampling_ratio/token/mean": tokens,
+        "sampling/raw_importance_sampling_ratio/sequence/mean": mask.bool().any(-1).sum(),
     }
 
 
