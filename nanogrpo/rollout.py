@@ -15,7 +15,7 @@ environments (nanogrpo/extras/environments.py: an `Episodes` record gives each c
 prompt and turns, taken as `episodes`), a config's rollout_func in place of all of this
 (nanogrpo/extras/custom_rollout.py), picking groups and joining rounds for DAPO's dynamic sampling
 (nanogrpo/extras/dynamic_sampling.py), and the fast draw and compiled decode step
-(nanogrpo/fast/sampling.py, passed in as `kernels`).
+(nanogrpo/fast/sampling.py, in `settings`).
 
 Choices:
 - Rows are grouped: prompt i's G completions are rows i*G .. i*G+G-1, as in the sampler and TRL.

@@ -2,9 +2,10 @@
 
 Owns: `generate`, the logit filters (repetition penalty, temperature, top-k, top-p, min-p: pure
 functions [B,V] -> [B,V], -inf = removed; `suppress` sets banned tokens to -inf), the draw of one
-token (`sample_next_token`) and its per-row random numbers (`row_keys`, `uniforms`). Read
-`sample_next_token` first: temperature, then the filters in transformers' order, then an
-inverse-CDF draw.
+token (`sample_next_token`), its per-row random numbers (`row_keys`, `uniforms`), and the
+checks of generate's arguments (`check_sampling`, which TrainConfig applies too;
+`check_prompts`). Read `sample_next_token` first: temperature, then the filters in transformers'
+order, then an inverse-CDF draw.
 
 Left out, and where it lives: the same draw without sorting the vocabulary and a compiled
 static-shape decode step (nanogrpo/fast/sampling.py; generate takes them as `sample_token` and
