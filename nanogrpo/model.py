@@ -340,9 +340,8 @@ def attention_mask_for(key_valid, T, cache_start):
     """Boolean mask [B,1,T,S]: query t (at slot cache_start+t) sees key slot s if s <= its slot and
     the key is valid; a query always sees its own slot (keeps fully padded rows finite)."""
     S = key_valid.shape[1]
-    q_slot = (cache_start + torch.arange(T, device=key_valid.device))[
-        :, None
-    ]  # [T,1]; cache_start: int or tensor
+    # [T,1]; cache_start: int or tensor
+    q_slot = (cache_start + torch.arange(T, device=key_valid.device))[:, None]
     k_slot = torch.arange(S, device=key_valid.device)[None, :]  # [1,S]
     causal = k_slot <= q_slot  # [T,S]
     mask = (key_valid.bool()[:, None, :] & causal) | (k_slot == q_slot)  # [B,T,S]

@@ -285,13 +285,9 @@ class Decoder:
 
     def step(self, tok, positions, key_valid, cache, slot):
         """tok, positions [n,1]; key_valid [n,S] -> logits [n,V]."""
-        h = self.model.hidden_states(
-            tok,
-            attention_mask=key_valid[:, : slot + 1],
-            positions=positions,
-            cache=cache,
-            cache_start=slot,
-        )  # [n,1,D]
+        mask = key_valid[:, : slot + 1]
+        kwargs = dict(attention_mask=mask, positions=positions, cache=cache, cache_start=slot)
+        h = self.model.hidden_states(tok, **kwargs)  # [n,1,D]
         return lm_logits(self.model, h[:, 0], self.vocab_size, self.chunk)
 
 
@@ -470,9 +466,8 @@ def prefill(model, decoder, prompt_ids, G, C, pad_id):
     src = torch.arange(P, device=dev).repeat_interleave(G)  # [N] prompts
     logits = lm_logits(model, h[:, -1], decoder.vocab_size, decoder.chunk)
     cache, S = decoder.decode_cache(cache, src, L, C)
-    key_valid = torch.cat(
-        [valid[src], valid.new_ones(N, C), valid.new_zeros(N, S - L - C)], dim=1
-    )  # [N,S]
+    # [N,S]: the prompt's keys, the completion's slots, the cache's slack
+    key_valid = torch.cat([valid[src], valid.new_ones(N, C), valid.new_zeros(N, S - L - C)], 1)
     prompt_tokens = torch.where(valid, ids, -1)[src]  # [N,L]
     return logits[src], cache, key_valid, lens[src], prompt_tokens, L
 

@@ -57,9 +57,8 @@ def _tempered_logits(h, weight, temperature, fp32=False):
     fp32: the matmul too (cast_lm_head_to_fp32)."""
     logits = lm_head_linear(h, weight, fp32)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return (
-        logits if temperature == 1.0 else logits.div_(temperature)
-    )  # logits is a new tensor: divided in place
+    # logits is a new tensor: divided in place
+    return logits if temperature == 1.0 else logits.div_(temperature)
 
 
 class ChunkLogProbs(torch.autograd.Function):
@@ -77,11 +76,12 @@ class ChunkLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, temperature, keep, entropy_grad=False, fp32=False):
         device = h.device.type
+        # for backward
         ctx.autocast = dict(
             device_type=device,
             enabled=torch.is_autocast_enabled(device),
             dtype=torch.get_autocast_dtype(device),
-        )  # for backward
+        )
         # [n,V], a fresh tensor: changed in place below
         shifted = _tempered_logits(h, weight, temperature, fp32)
         top = shifted.amax(dim=-1, keepdim=True)  # [n,1]
