@@ -1,4 +1,21 @@
-"""Final reward of the embedded default over many seeds: nanogrpo, nanogrpo with a plain sampler, TRL.
+"""Demos over seeds: held-out success per seed of any config, or the tiny default's final reward
+(nanogrpo, nanogrpo with a plain sampler, TRL).
+
+    python bench/bench_seeds.py --config vault.py --seeds 0,1,2,3 --before    # README's demo tables
+    python bench/bench_seeds.py --config tools.py --seeds 0,1,2 --max_steps=8  # overrides go to both
+
+With --config, each seed is one `train.py --config NAME --seed=S` into WORK/NAME-sS, then
+`bench/eval_heldout.py --config NAME --model=WORK/NAME-sS/checkpoint`: the held-out split, its
+sampling seed and settings are the config's own (the config's seed, not the run's), so every seed's
+checkpoint is scored on the same rows alike. --before scores the config's model first (the row
+"before"; the --model=... given, if any). Other --key=value arguments are passed to train.py and to the eval (so a sampling override
+is evaluated as trained; --model and --init_model only to train.py and to "before"). Prints one JSON line per run and
+a table: held-out success ± standard error, eval reward, the last step's training reward, the wall
+time of the training run and of its eval, then mean ± std over the seeds and how many reach
+--threshold. The config's dataset must exist (vault.py: python examples/vault_game.py; tools.py:
+python examples/tool_calculator.py).
+
+Without --config: the embedded default's final reward over many seeds.
 
     python bench/bench_seeds.py --no_trl --arms ours --seeds 11,12,...,26     # the README's 16-seed table
     python bench/bench_seeds.py --seeds 11,12,13,14,15,16,17,18               # all three arms
@@ -13,7 +30,7 @@ always measures the current default):
   trl    TRL's GRPOTrainer through bench/trl_runner.py (skipped with --no_trl).
 Final reward = mean training reward over the last 15 optimizer steps. Prints one JSON line per run
 (with the run's wall time and the 1-minute load average) and, per arm, mean ± std, range and how
-many seeds reached 0.9; --out appends the JSON lines to a file.
+many seeds reached 0.9; --out appends the JSON lines to a file (in both modes).
 """
 
 import argparse
@@ -29,6 +46,7 @@ sys.path.insert(0, ROOT)
 from nanogrpo.run.configurator import read_config_file  # noqa: E402
 
 INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"  # tiny.py's random model, built at --model
+DEFAULT_WORK = os.path.join(ROOT, "out", "bench_seeds")
 SHARED = (
     "num_generations",
     "per_device_train_batch_size",
@@ -129,18 +147,139 @@ def run_trl(seed, work):
         return [json.loads(line)["reward"] for line in f]
 
 
+def config_stem(name: str) -> str:
+    """ "vault.py" or "configs/vault.py" -> "vault"."""
+    return os.path.splitext(os.path.basename(name))[0]
+
+
+def child(cmd: list[str]) -> tuple[float, str]:
+    """Run one command from the repository root; its wall time in seconds. Its output is shown only
+    when it fails. -> (seconds, stdout)"""
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if p.returncode != 0:
+        tail = p.stdout[-3000:] + p.stderr[-3000:]
+        raise SystemExit(f"failed ({p.returncode}): {' '.join(cmd)}\n{tail}")
+    return time.time() - t0, p.stdout
+
+
+def evaluate(config: str, model: str | None, extra: list[str]) -> dict:
+    """bench/eval_heldout.py's metrics of `model` (None = the config's) under the config's eval."""
+    flags = [a for a in extra if not a.startswith(("--model=", "--init_model="))]
+    if model is not None:
+        flags.append(f"--model={model}")
+    seconds, out = child(
+        [sys.executable, os.path.join(ROOT, "bench", "eval_heldout.py"), "--config", config, *flags]
+    )
+    m = json.loads(out.strip().splitlines()[-1])
+    return {
+        "heldout": m["eval/pass@1"],
+        "heldout_se": m["eval/pass@1_se"],
+        "eval_reward": m["eval/reward"],
+        "eval_seconds": round(seconds, 1),
+    }
+
+
+def run_config_seed(config: str, seed: int, work: str, extra: list[str]) -> dict:
+    """train.py on one seed into its own output dir, then the held-out eval of its checkpoint."""
+    out = os.path.join(work, f"{config_stem(config)}-s{seed}")
+    load = os.getloadavg()[0]
+    seconds, _ = child(
+        [
+            sys.executable,
+            os.path.join(ROOT, "train.py"),
+            "--config",
+            config,
+            *extra,
+            f"--seed={seed}",
+            f"--output_dir={out}",
+            "--overwrite_output_dir=true",
+        ]
+    )
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        steps = [m for m in map(json.loads, f) if "reward" in m]
+    row = {
+        "config": config_stem(config),
+        "seed": seed,
+        "steps": len(steps),
+        "last_reward": steps[-1]["reward"],
+        "seconds": round(seconds, 1),
+        "load_avg_1min": round(load, 2),
+    }
+    row.update(evaluate(config, os.path.join(out, "checkpoint"), extra))
+    return row
+
+
+def table(rows: list[dict], threshold: float) -> str:
+    """The per-seed table (markdown) and the summary line over the seeds (not the "before" row)."""
+    lines = [
+        "| run | held-out success | eval reward | last-step train reward | train wall | eval wall |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        name = "before" if r["seed"] is None else f"seed {r['seed']}"
+        train = "-" if r["seed"] is None else f"{r['last_reward']:.3f}"
+        wall = "-" if r["seed"] is None else f"{r['seconds']:.0f} s"
+        lines.append(
+            f"| {name} | {r['heldout']:.3f} ± {r['heldout_se']:.3f} | {r['eval_reward']:.3f} "
+            f"| {train} | {wall} | {r['eval_seconds']:.0f} s |"
+        )
+    v = [r["heldout"] for r in rows if r["seed"] is not None]
+    if v:
+        sd = statistics.stdev(v) if len(v) > 1 else 0.0
+        lines.append(
+            f"held-out success over {len(v)} seeds: {statistics.mean(v):.3f} ± {sd:.3f} "
+            f"(range {min(v):.3f}-{max(v):.3f}; >= {threshold} on "
+            f"{sum(x >= threshold for x in v)} of {len(v)})"
+        )
+    return "\n".join(lines)
+
+
+def main_config(args, extra: list[str]):
+    """--config mode: every seed of one demo, then the table."""
+    rows = []
+
+    def keep(row):
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        rows.append(row)
+
+    if args.before:  # the config's model, or the --model=... that train.py starts from
+        start = [a.split("=", 1)[1] for a in extra if a.startswith("--model=")]
+        before = evaluate(args.config, start[-1] if start else None, extra)
+        keep({"config": config_stem(args.config), "seed": None, **before})
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        keep(run_config_seed(args.config, seed, args.work, extra))
+    print(table(rows, args.threshold))
+
+
 def main():
     """Run every arm on every seed (each nanogrpo run in a fresh child of this script) and summarize."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seeds", default=",".join(str(s) for s in range(11, 27)))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--config", default=None, help="a demo's config: held-out success per seed")
+    p.add_argument("--before", action="store_true", help="with --config: also the config's model")
+    p.add_argument("--threshold", type=float, default=0.8, help="with --config: the bar to count")
+    p.add_argument("--seeds", default=None, help="comma-separated (tiny: 11..26; --config: 0,1,2)")
     p.add_argument(
         "--arms", default="ours,plain,trl", help="comma-separated subset of ours,plain,trl"
     )
-    p.add_argument("--work", default=os.path.join(ROOT, "out", "bench_seeds"))
+    p.add_argument(
+        "--work", default=DEFAULT_WORK, help="tiny: out/bench_seeds; --config: out/seeds"
+    )
     p.add_argument("--out", default=None, help="also append the per-run JSON lines to this file")
     p.add_argument("--no_trl", action="store_true")
     p.add_argument("--child", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args, extra = p.parse_known_args()
+    if args.config:
+        args.seeds = args.seeds or "0,1,2"
+        if args.work == DEFAULT_WORK:
+            args.work = os.path.join(ROOT, "out", "seeds")
+        return main_config(args, extra)
+    if extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)} (--key=value overrides need --config)")
+    args.seeds = args.seeds or ",".join(str(s) for s in range(11, 27))
     if args.child:  # a single nanogrpo run, isolated in its own process
         rewards = run_nanogrpo(args.child[0], int(args.child[1]), args.work)
         print(

@@ -7,8 +7,18 @@
 # The environment class, the rooms and the prompt live in examples/vault_game.py. Each completion
 # plays its own room (one VaultRoom instance a completion, reset with the row's `code`); the room's
 # methods are the tools and its get_reward is the reward (logged as rewards/VaultRoom/mean). The
-# tools' results are context, never trained on. README gives held-out success before and after
-# (the demo is fragile: docs/results.md has the seeds that learn the room and those that do not).
+# tools' results are context, never trained on. README gives held-out success before and after,
+# over seeds: python bench/bench_seeds.py --config vault.py --seeds 0,1,2,3 --before
+#
+# The reward (examples/vault_game.py's get_reward): 1 for an opened vault, 0.4 for reading the note
+# and then trying a code, 0 for reading it and stopping. When reading alone earned 0.2, the first
+# rounds, where some completions read the note and almost none opens the vault, rewarded the whole
+# read-and-stop completion, the end of the turn after the note included; on seeds 0 and 1 every
+# completion soon read and stopped, every group tied at 0.2 and no advantage was left to leave it
+# (docs/results.md). Now a group moves only on completions that go on to try a code: the first
+# steps may have none (reward 0, nothing learned), but nothing else is reinforced meanwhile, and the
+# first try or success gets its group's whole advantage. Seed 0 then learns the room (held-out
+# 0.000 -> 0.812). The rest is as before: 2 rooms x 8 completions a step, temperature 1, lr 3e-5.
 
 model = ".cache/real/smollm2-135m-instruct"  # tests/fetch_real.py builds it
 device = "auto"
@@ -32,7 +42,7 @@ loss_type = "dapo"
 beta = 0.0
 learning_rate = 3e-5  # as configs/tools.py
 max_grad_norm = 1.0
-max_steps = 12  # groups end solved (reward 1) or stuck reading the note (0.2): no advantage left
+max_steps = 12  # seed 0: every completion opens the vault at step 9 (no advantage left)
 save_steps = 0
 logging_steps = 1
 lr_scheduler_type = "constant"

@@ -7,7 +7,8 @@ Each episode is one room: a vault locked with a 4-digit code, and a note that te
 policy plays it in turns through the environment's two tools, written as TRL's docs write an
 environment: `read_note()` returns the note, `open_vault(code)` tries a code. The environment keeps
 the room's state (the code, the tries) and owns the reward (`get_reward`): 1 when the vault opened
-with at most two tries (success), partial credit for reading the note and then trying a code.
+with at most two tries (success), partial credit for reading the note and then trying a code,
+nothing for reading it and stopping.
 The code is drawn per room and shown nowhere but in the note, so a
 completion that guesses, or that stops after reading the note, does not succeed: the policy has to
 call one tool, read the result, and call the other with what it read.
@@ -67,14 +68,16 @@ class VaultRoom:
         return "Wrong code. The vault stays locked."
 
     def get_reward(self) -> float:
-        """1 for an opened vault (success). Partial credit for the right moves, so that the first
-        rounds, where hardly any completion opens the vault, still rank their completions: 0.2 for
-        reading the note once (0.1 for reading it again and again), 0.2 more for then trying a
-        code."""
+        """1 for an opened vault (success). Partial credit only for the whole move toward it: 0.4
+        for reading the note once and then trying a code (0.3 if it read the note again and again).
+        Reading the note and stopping earns 0, as nothing does: were reading alone paid, a group
+        whose completions all read and stop would tie (no advantage left), and the tokens that end
+        the turn after the note would be the ones reinforced on the way there."""
         if self.opened:
             return 1.0
-        read = 0.2 if self.reads == 1 else 0.1 if self.reads else 0.0
-        return read + 0.2 * (self.reads > 0 and self.tries > 0)
+        if self.reads and self.tries:
+            return 0.4 if self.reads == 1 else 0.3
+        return 0.0
 
 
 def call(name: str, **arguments) -> str:

@@ -761,7 +761,9 @@ def test_a_wrong_rollout_func_output_names_the_field(change, message):
 
 def test_the_vault_demo_room_and_its_config():
     """examples/vault_game.py's VaultRoom scores what configs/vault.py trains on: success only for
-    the code read from the note within two tries, partial credit for the moves toward it."""
+    the code read from the note within two tries, partial credit only for reading the note and then
+    trying a code; reading it and stopping earns what doing nothing earns (0), so that the policy is
+    never rewarded for ending its turn after the note (where training settled on 2 seeds of 3)."""
     import importlib.util
 
     from conftest import ROOT
@@ -775,13 +777,15 @@ def test_the_vault_demo_room_and_its_config():
     assert room.reset(code="0427") == " The vault is locked." and room.get_reward() == 0.0
     assert room.open_vault("1111").startswith("Wrong") and room.get_reward() == 0.0  # a guess
     room.reset(code="0427")
-    assert room.read_note() == "The vault code is 0427." and room.get_reward() == pytest.approx(0.2)
+    assert room.read_note() == "The vault code is 0427." and room.get_reward() == 0.0  # and stop
     assert room.open_vault("1111").startswith("Wrong") and room.get_reward() == pytest.approx(0.4)
     assert room.open_vault(" 0427") == "The vault opens." and room.get_reward() == 1.0
     room.reset(code="0427")
     room.read_note(), room.read_note()
-    assert room.get_reward() == pytest.approx(0.1)  # reading again and again
-    room.open_vault("1"), room.open_vault("2")
+    assert room.get_reward() == 0.0
+    room.open_vault("1")
+    assert room.get_reward() == pytest.approx(0.3)  # reading again and again, then a try
+    room.open_vault("2")
     assert room.open_vault("0427").startswith("Wrong")  # a third try is too late
     from nanogrpo.run.configurator import load_config
 
