@@ -286,7 +286,7 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
     from nanogrpo.rollout import Rollout
     from nanogrpo.run.config import TrainConfig
 
-    def fake_rollout(model, tok, rows, cfg, num_generations, *args):
+    def fake_rollout(model, tok, rows, cfg, num_generations, **kwargs):
         n = len(rows) * num_generations
         return Rollout(
             rows=rows,
@@ -304,12 +304,13 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
 
     monkeypatch.setattr(train, "rollout", fake_rollout)
     # no model here to score with: eval/loss is not what this test is about
-    monkeypatch.setattr(train, "frozen_logprobs", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(train, "frozen", lambda *args, **kwargs: (None, None))
     monkeypatch.setattr(train, "eval_loss", lambda *args, **kwargs: 0.0)
 
     def half_scored(completions, **kw):
         return [1.0, None]
 
+    import contextlib
     from types import SimpleNamespace
 
     t = SimpleNamespace(
@@ -320,11 +321,12 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
         reward_funcs=[("half", half_scored)],
         reward_weights=None,
         info=dist.DistInfo(),
-        autocast=None,
-        tools=None,
+        autocast=contextlib.nullcontext(),
+        turns=None,
+        sampling={},
         environments=None,
         rollout_func=None,
-        kernels=None,
+        kernels=train.Kernels(),
         ref=None,
         prompts=SimpleNamespace(rows=[{"prompt": "a"}]),  # for trainer_state
         step=0,

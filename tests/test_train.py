@@ -578,11 +578,11 @@ def test_ctrl_c_during_a_save_never_claims_a_checkpoint_that_is_not_there(
     real = train.run.checkpoints.save_checkpoint
     calls = []
 
-    def interrupted(out_dir, step, *args):
+    def interrupted(out_dir, step, *args, **kwargs):
         calls.append(step)
         if len(calls) == 1:  # Ctrl-C inside the first save, before anything is on disk
             raise KeyboardInterrupt
-        return real(out_dir, step, *args)
+        return real(out_dir, step, *args, **kwargs)
 
     monkeypatch.setattr(train.run.checkpoints, "save_checkpoint", interrupted)
     with pytest.raises(KeyboardInterrupt):
