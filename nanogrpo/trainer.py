@@ -137,6 +137,7 @@ def make_optimizer(model, cfg: TrainConfig, info):
 
 def setup(cfg: TrainConfig, info, resume_from=None, kernels=None) -> Trainer:
     """Model (+ reference), tokenizer, optimizer, rewards, data (checked before step 1), kernels."""
+    kernels = kernels or Kernels()  # the course's, unless train.py picks
     torch.manual_seed(cfg.seed + info.rank)
     tok = Tokenizer.from_pretrained(cfg.model)
     model = load_policy(resume_from or cfg.model, cfg, info, cfg.lora_settings())
@@ -193,7 +194,7 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None) -> Trainer:
         reward_funcs=reward_funcs,
         reward_weights=torch.tensor(weights, device=info.device),
         turns=ToolTurns(tools) if tools else None,
-        sampling=sampling_kwargs(cfg, tok, kernels or Kernels()),
+        sampling=sampling_kwargs(cfg, tok, kernels),
         prompts=PromptSampler(
             rows, sched.prompts_per_round, seed=cfg.seed, shuffle=cfg.shuffle_dataset
         ),
@@ -202,7 +203,7 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None) -> Trainer:
         entropy_coef=cfg.entropy_coef,
         environments=envs,
         rollout_func=resolve_rollout_func(cfg.rollout_func),
-        kernels=kernels or Kernels(),
+        kernels=kernels,
     )
 
 

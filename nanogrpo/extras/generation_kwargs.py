@@ -289,6 +289,7 @@ def sampling_kwargs(cfg, tok=None, kernels=None) -> dict:
                 "generation_kwargs' stop strings need the tokenizer: sampling_kwargs(cfg, tok)"
             )
         limits["decode"] = tok.decode
-    if processors(**limits) is not None:
-        settings["processors"] = processors(**limits)
+    made = processors(**limits)
+    if made is not None:
+        settings["processors"] = made
     return settings
