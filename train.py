@@ -47,9 +47,9 @@ from nanogrpo.trainer import Kernels, Trainer, setup
 def kernels(cfg: TrainConfig) -> Kernels:
     """The one place speed is chosen (nanogrpo/fast/, each kernel equal to the course function it
     stands for): plain=true trains with the course's alone."""
-    if cfg.plain:
+    if cfg.plain and not cfg.batch_invariant:
         return Kernels()
-    return Kernels(**fast.kernels(torch_compile=cfg.torch_compile))
+    return Kernels(**fast.kernels(cfg.torch_compile, cfg.batch_invariant))
 
 
 def round_seed(cfg: TrainConfig, rnd: int, rank: int, salt=0) -> int:

@@ -59,6 +59,9 @@ class Kernels:
     token_logprobs: Callable = token_logprobs
     # the update's log-probs: logprobs.policy_logprobs' signature
     policy_logprobs: Callable = policy_logprobs
+    # within(the run's autocast) -> the context every forward of a round runs in (sampling,
+    # scoring, the update): the autocast, or fast/batch_invariant.py's BatchInvariant around it
+    within: Callable = lambda autocast: autocast
 
 
 @dataclass
@@ -199,7 +202,7 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None) -> Trainer:
             rows, sched.prompts_per_round, seed=cfg.seed, shuffle=cfg.shuffle_dataset
         ),
         eval_rows=eval_rows,
-        autocast=dist.autocast(info, cfg.use_bf16(info.device)),
+        autocast=kernels.within(dist.autocast(info, cfg.use_bf16(info.device))),
         entropy_coef=cfg.entropy_coef,
         environments=envs,
         rollout_func=resolve_rollout_func(cfg.rollout_func),
@@ -208,6 +211,10 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None) -> Trainer:
 
 
 def check_context(cfg: TrainConfig, model):
+    if cfg.batch_invariant and any(model.linear):  # a recurrence decodes, a chunked scan scores
+        raise ConfigError(
+            "batch_invariant=true: not with gated DeltaNet layers (Qwen3.5); set false"
+        )
     context = model.config.max_position_embeddings
     if cfg.max_completion_length >= context:
         raise ConfigError(

@@ -5,7 +5,8 @@ as a dict): the draw without sorting the vocabulary and the compiled static-shap
 (fast/sampling.py), the decode step that reads each prompt's keys once per group
 (fast/shared_prefix.py), the LM head in chunks, each prompt's forward shared by its rows and no
 backward for rows without advantage (fast/logprobs.py). train.py chooses between them and the
-course's in one place (its `kernels`); `plain=True` trains with the course's.
+course's in one place (its `kernels`); `plain=True` trains with the course's. Beside them,
+fast/batch_invariant.py: not faster but exact, the sampler's log-probs the trainer's bit for bit.
 
 Does not know about: rewards, losses, optimizers, files, or what a run does around the
 algorithm, or the trainer (train.py builds its `Kernels` record from what `kernels` returns).
@@ -15,14 +16,18 @@ tests/test_logprobs.py), and the two paths' training trajectories by tests/test_
 """
 
 from nanogrpo.fast import logprobs
+from nanogrpo.fast.batch_invariant import kernels as invariant_kernels
 from nanogrpo.fast.sampling import StaticDecoder, sample_next_token_fast
 from nanogrpo.fast.shared_prefix import SharedPrefixDecoder
 
 
-def kernels(torch_compile: bool = False) -> dict:
+def kernels(torch_compile: bool = False, batch_invariant: bool = False) -> dict:
     """The fast functions, by trainer.Kernels' field names; with torch_compile the decode step
     is compiled (with static shapes: the prompts' keys copied to their rows) instead of reading
-    each prompt's keys once per group."""
+    each prompt's keys once per group. batch_invariant: fast/batch_invariant.py's instead
+    (exact, not fast)."""
+    if batch_invariant:
+        return invariant_kernels()
     return dict(
         sample_token=sample_next_token_fast,
         decoder=StaticDecoder if torch_compile else SharedPrefixDecoder,

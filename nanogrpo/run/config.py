@@ -172,6 +172,12 @@ class TrainConfig(Rules):
         "train with the course functions only (nanogrpo/fast/ off): the plain draw "
         "and log-probs, no compiled decode step, no rows skipped; the same numbers, slower",
     )
+    batch_invariant: bool = setting(
+        False,
+        "sample and score with batch-invariant matmuls and attention (nanogrpo/fast/"
+        "batch_invariant.py): each drawn token's log-prob equals the trainer's bit for bit "
+        "(sampling/sampling_logp_difference 0, importance ratio 1); eager, slower",
+    )
 
     tools: list = setting(
         help="functions the policy may call mid-completion (see extras/tools.py): "

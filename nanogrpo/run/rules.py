@@ -140,6 +140,17 @@ class Rules:
             "compiles nanogrpo/fast/'s decode step, which plain=true leaves out: set one of them",
         )
         need(
+            not (self.batch_invariant and self.torch_compile),
+            "torch_compile",
+            "batch_invariant=true decodes eagerly with its own kernels: set one of them",
+        )
+        need(
+            not (self.batch_invariant and (self.tools or self.environment_factory is not None)),
+            "batch_invariant",
+            "tool rounds re-lay each turn's context at other slots than the trainer's; "
+            "unset tools/environment_factory or batch_invariant",
+        )
+        need(
             all(r in REPORTERS for r in self.reporters()),
             "report_to",
             f"takes names from {list(REPORTERS)}",

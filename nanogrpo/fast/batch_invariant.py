@@ -1,0 +1,157 @@
+"""Batch-invariant forms of the operations whose rounding depends on the batch: with them the
+sampler's log-prob of every drawn token equals, bit for bit, the trainer's recomputation of it
+(TrainConfig.batch_invariant; docs/batch_invariance.md).
+
+Why the two differ without them: the sampler computes a token from a decode step of a few rows
+against a KV cache, the trainer from one forward of whole padded sequences. A matmul kernel picks
+its path by the number of rows (on CPU, fewer than 8 to 12 rows take another kernel whose rows
+round differently), and attention reduces over the t+1 cached keys in the decode step but over
+every padded key in the trainer's forward, in another order; under autocast the KV cache rounds
+a key to bf16 where the trainer's SDPA casts it. All of it is only rounding, but it makes
+the "same" policy give two log-probs: sampling is off-policy by accident.
+
+Owns:
+- `linear`: F.linear with the rows padded to a multiple of ROWS, so every row lies in a full block
+  of the kernel whatever the batch (a row's bits then never depend on its batch mates).
+- `attention`: SDPA in float32, the keys in fixed chunks of CHUNK slots counted from slot 0; each
+  chunk is one product of the same shape, and the chunks' partial sums are added left to right.
+  Masked keys add exact zeros, so a decode step's t+1 keys and the trainer's padded sequence give
+  a query the same sums, in the same order.
+- `BatchInvariant`: a torch function mode that routes every F.linear and SDPA call made inside it
+  (the model's, LoRA's) to these, entered wherever the run's model computes (its autocast).
+- `sample_next_token`: the course's draw, reporting the log-prob as the trainer computes it
+  (log_softmax of the tempered logits), and `InvariantDecoder`: the eager decode step with the LM
+  head as one product (no vocabulary slices).
+
+Each is held equal to the plain operation within rounding, and the sampler equal to the trainer
+bit for bit, by tests/test_batch_invariant.py. The layout is shared: the trainer scores each row
+with the prompt left-padded as the sampler padded it (rollout.join_prompt_completion), so a token
+sits at the same slot in both.
+
+Does not know about: losses, rewards, optimizers, files, or processes (under FSDP2 the gathered
+weights reach F.linear as any weight does).
+
+Left out: Qwen3.5's linear-attention layers (their decode step is a recurrence, the trainer's
+forward a chunked scan: another order by construction), the fast/ kernels (shared prompt
+forwards, the compiled decode step), and GPUs, whose kernels split the reduction itself
+(split-K) by batch size: there this mode is unmeasured.
+"""
+
+import math
+from contextlib import ExitStack
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from nanogrpo import sampler
+
+ROWS = 16  # a multiple of every CPU kernel's row block seen (4 on AMD EPYC, 8 on Intel)
+CHUNK = 64  # keys per attention chunk
+
+
+def pad_to(x, dim, multiple, value=0):
+    """x padded at the end of `dim` to a multiple of `multiple` (x itself when it is one)."""
+    extra = -x.shape[dim] % multiple
+    if extra == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    return F.pad(x, pad, value=value)
+
+
+def linear(x, weight, bias=None):
+    """F.linear(x [...,K], weight [N,K], bias) -> [...,N], its rows padded to a multiple of ROWS."""
+    rows = x.reshape(-1, x.shape[-1])  # [M,K]
+    y = F.linear(pad_to(rows, 0, ROWS), weight, bias)  # [M',N]
+    return y[: rows.shape[0]].reshape(*x.shape[:-1], y.shape[-1])
+
+
+def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+    """SDPA (q [B,H,T,D], k, v [B,H,S,D], mask [B|1,H|1,T,S] bool or additive 0/-inf) -> [B,H,T,D]
+    in q's dtype, computed in float32 with the keys in fixed chunks (see the module's docstring)."""
+    if dropout_p or kwargs.get("enable_gqa"):
+        raise ValueError("batch-invariant attention: no dropout, no enable_gqa")
+    if torch.is_autocast_enabled(q.device.type):  # SDPA's inputs under autocast, as it casts them
+        low = torch.get_autocast_dtype(q.device.type)  # (a cached key is already in it)
+        q, k, v = q.to(low), k.to(low), v.to(low)
+    B, H, T, D = q.shape
+    S, dtype = k.shape[2], q.dtype
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    if is_causal:
+        attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+    if attn_mask is None:
+        keep = torch.ones(B, H, T, S, dtype=torch.bool, device=q.device)
+    elif attn_mask.dtype == torch.bool:
+        keep = attn_mask.expand(B, H, T, S)
+    else:  # additive: 0 seen, -inf not
+        keep = (attn_mask > -math.inf).expand(B, H, T, S)
+    with torch.autocast(q.device.type, enabled=False):
+        q = pad_to(q.float(), 2, ROWS)  # [B,H,T',D]
+        k, v = pad_to(k.float(), 2, CHUNK), pad_to(v.float(), 2, CHUNK)  # [B,H,S',D]
+        # padded keys are never seen; padded queries see every key (finite, then dropped)
+        keep = pad_to(pad_to(keep, 3, CHUNK, value=False), 2, ROWS, value=True)  # [B,H,T',S']
+        n = k.shape[2] // CHUNK
+        scores = (q @ k.transpose(2, 3)) * scale  # [B,H,T',S']
+        scores = scores.masked_fill(~keep, -math.inf)
+        p = torch.exp(scores - scores.amax(-1, keepdim=True))  # masked keys: exactly 0
+        p = p.view(B, H, -1, n, CHUNK)  # [B,H,T',n,CHUNK]
+        sums = p.sum(-1)  # [B,H,T',n]: each chunk's share of the denominator
+        parts = p.transpose(2, 3) @ v.view(B, H, n, CHUNK, D)  # [B,H,n,T',D]
+        den, out = sums[..., 0], parts[:, :, 0]
+        for j in range(1, n):  # left to right: trailing masked chunks add exact zeros
+            den, out = den + sums[..., j], out + parts[:, :, j]
+        out = out / den[..., None]
+    return out[:, :, :T].to(dtype)
+
+
+class BatchInvariant(TorchFunctionMode):
+    """Inside it, F.linear is `linear` and SDPA is `attention`. `within` (the run's autocast) is
+    entered with it; the mode can be entered again and again, as an autocast can."""
+
+    def __init__(self, within=None):
+        super().__init__()
+        self.within = within
+        self.stacks = []
+
+    def __enter__(self):
+        stack = ExitStack()
+        if self.within is not None:
+            stack.enter_context(self.within)
+        self.stacks.append(stack)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        return self.stacks.pop().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return linear(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def sample_next_token(logits, u, temperature, top_k, top_p, min_p):
+    """sampler.sample_next_token's draw, and the drawn token's log-prob as the trainer computes it:
+    log_softmax of the logits divided by the temperature (then filtered, when a filter is on)."""
+    ids, logp = sampler.sample_next_token(logits, u, temperature, top_k, top_p, min_p)
+    if temperature == 0:  # greedy: the unfiltered distribution at temperature 1, as the sampler
+        return ids, logp
+    tempered = logits / temperature  # [B,V]
+    tempered = sampler.apply_top_k(tempered, top_k)
+    tempered = sampler.apply_min_p(sampler.apply_top_p(tempered, top_p), min_p)
+    return ids, tempered.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
+
+
+class InvariantDecoder(sampler.Decoder):
+    """The eager decode step, with the LM head as one `linear` (the trainer's), not in slices."""
+
+    def __init__(self, model, vocab_size, chunk):
+        super().__init__(model, vocab_size, vocab_size)
+
+
+def kernels() -> dict:
+    """trainer.Kernels' fields for the mode: the course's scoring, this draw and decode step."""
+    return dict(sample_token=sample_next_token, decoder=InvariantDecoder, within=BatchInvariant)
