@@ -1466,3 +1466,16 @@ def test_eval_on_start_evaluates_before_the_first_step(tmp_path):
     assert history[1]["step"] == 1 and "eval/reward" not in history[1]
     lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [m["step"] for m in lines] == [0, 1]
+
+
+def test_the_reward_plot_skips_records_without_a_training_reward(tmp_path):
+    """With matplotlib installed, a run's reward.png is drawn from metrics.jsonl, whose
+    eval_on_start record (step 0) has eval metrics and no training reward."""
+    pytest.importorskip("matplotlib")
+    cfg = tiny(tmp_path)
+    os.makedirs(cfg.output_dir)
+    with open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w") as f:
+        for row in ({"step": 0, "eval/reward": 0.1}, {"step": 1, "reward": 0.2}):
+            f.write(json.dumps(row) + "\n")
+    assert report.plot_rewards(cfg) == os.path.join(cfg.output_dir, "reward.png")
+    assert os.path.getsize(os.path.join(cfg.output_dir, "reward.png")) > 0

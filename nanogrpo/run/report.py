@@ -501,6 +501,7 @@ def plot_rewards(cfg: TrainConfig) -> str:
 
     with open(metrics) as f:
         rows = [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in rows if "reward" in r]  # not eval_on_start's record: no training reward
     steps = [r["step"] for r in rows]
     rewards = [math.nan if r["reward"] is None else r["reward"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
