@@ -211,10 +211,6 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None) -> Trainer:
 
 
 def check_context(cfg: TrainConfig, model):
-    if cfg.batch_invariant and any(model.linear):  # a recurrence decodes, a chunked scan scores
-        raise ConfigError(
-            "batch_invariant=true: not with gated DeltaNet layers (Qwen3.5); set false"
-        )
     context = model.config.max_position_embeddings
     if cfg.max_completion_length >= context:
         raise ConfigError(

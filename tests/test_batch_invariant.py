@@ -85,7 +85,7 @@ def sampled_and_scored(model, bf16, temperature=0.9, rows=None, **settings):
     return out.logprobs[rows], logps
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3_5"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("adapters", [False, True], ids=["", "lora"])
 def test_the_sampler_is_the_trainer_bit_for_bit(family, bf16, adapters):
@@ -98,6 +98,51 @@ def test_the_sampler_is_the_trainer_bit_for_bit(family, bf16, adapters):
     sampled, scored = sampled_and_scored(model, bf16, rows=slice(2, 9))
     assert torch.equal(sampled, scored)
     assert sampled.abs().sum() > 0
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_qwen3_5_with_odd_head_counts_bit_for_bit(bf16):
+    """Qwen3.5's linear attention at shapes where its gates' pointwise loops end in a scalar tail
+    (6 value heads): without `pointwise`, fp32 rows differed by ~5e-7 on an AMD EPYC."""
+    import dataclasses
+
+    config = load_model(fixture_path("qwen3_5")).config
+    config = dataclasses.replace(
+        config, hidden_size=48, linear_num_key_heads=3, linear_num_value_heads=6,
+        linear_key_head_dim=12, linear_value_head_dim=10,
+    )  # fmt: skip
+    model = Transformer(config).eval()
+    for rows in (slice(None), slice(0, 1)):
+        sampled, scored = sampled_and_scored(model, bf16, rows=rows)
+        assert torch.equal(sampled, scored)
+
+
+FUNCS = [torch.sigmoid, torch.exp, F.softplus, F.silu]
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 300), cut=st.integers(1, 40), f=st.sampled_from(FUNCS),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))  # fmt: skip
+def test_pointwise_bits_do_not_depend_on_the_tensor_length(n, cut, f, dtype):
+    x = (torch.randn(n) * 4).to(dtype)
+    whole = bi.pointwise(f, x)
+    assert torch.equal(torch.cat([bi.pointwise(f, part) for part in x.split(cut)]), whole)
+    torch.testing.assert_close(whole, f(x), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(B=st.integers(1, 6), T=st.integers(1, 20), D=st.sampled_from([8, 12, 128]),
+       dim=st.sampled_from([-1, -2]), keepdim=st.booleans())  # fmt: skip
+def test_a_sum_does_not_depend_on_the_layout(B, T, D, dim, keepdim):
+    """reduce_sum of a strided view (a slice of a transposed tensor, as Qwen3.5's keys are) equals
+    that of the same values laid out contiguously, bit for bit, and torch.sum within rounding."""
+    x = torch.randn(B, D, T)
+    strided, contiguous = x.transpose(1, 2), x.transpose(1, 2).contiguous()  # [B,T,D]
+    out = bi.reduce_sum(strided, dim, keepdim=keepdim)
+    assert torch.equal(out, bi.reduce_sum(contiguous, dim, keepdim=keepdim))
+    torch.testing.assert_close(out, contiguous.sum(dim, keepdim=keepdim))
+    one = bi.reduce_sum(strided[:1], dim, keepdim=keepdim)  # a row alone: the same bits
+    assert torch.equal(one, out[:1])
 
 
 def test_a_filtered_draw_reports_the_filtered_log_prob():
@@ -139,12 +184,6 @@ def test_the_mode_names_what_it_cannot_do():
         TrainConfig(batch_invariant=True, tools=["math:sqrt"]).validate(1)
     with pytest.raises(ConfigError, match="decodes eagerly"):
         TrainConfig(batch_invariant=True, torch_compile=True).validate(1)
-    from nanogrpo.trainer import check_context
-
-    cfg = TrainConfig(batch_invariant=True)
-    model = load_model(fixture_path("qwen3_5"))
-    with pytest.raises(ConfigError, match="gated DeltaNet layers .Qwen3.5.; set false"):
-        check_context(cfg, model)
 
 
 def test_two_processes_fsdp2_bf16_have_no_sampler_mismatch(tmp_path):

@@ -5,10 +5,11 @@ sampler's log-prob of every drawn token equals, bit for bit, the trainer's recom
 Why the two differ without them: the sampler computes a token from a decode step of a few rows
 against a KV cache, the trainer from one forward of whole padded sequences. A matmul kernel picks
 its path by the number of rows (on CPU, fewer than 8 to 12 rows take another kernel whose rows
-round differently), and attention reduces over the t+1 cached keys in the decode step but over
-every padded key in the trainer's forward, in another order; under autocast the KV cache rounds
-a key to bf16 where the trainer's SDPA casts it. All of it is only rounding, but it makes
-the "same" policy give two log-probs: sampling is off-policy by accident.
+round differently), a pointwise loop rounds the elements of its scalar tail differently, and
+attention reduces over the t+1 cached keys in the decode step but over every padded key in the
+trainer's forward, in another order; under autocast the KV cache rounds a key to bf16 where the
+trainer's SDPA casts it. All of it is only rounding, but it makes the "same" policy give two
+log-probs: sampling is off-policy by accident.
 
 Owns:
 - `linear`: F.linear with the rows padded to a multiple of ROWS, so every row lies in a full block
@@ -17,8 +18,15 @@ Owns:
   chunk is one product of the same shape, and the chunks' partial sums are added left to right.
   Masked keys add exact zeros, so a decode step's t+1 keys and the trainer's padded sequence give
   a query the same sums, in the same order.
-- `BatchInvariant`: a torch function mode that routes every F.linear and SDPA call made inside it
-  (the model's, LoRA's) to these, entered wherever the run's model computes (its autocast).
+- `pointwise`: sigmoid, softplus, silu and exp computed in float64 and rounded back, so an
+  element's bits do not depend on whether it falls in the vectorized loop or its scalar tail (on
+  AVX2 the two round fp32 sigmoid, softplus and silu differently); `reduce_sum`: a sum over one
+  dim taken over a contiguous copy with that dim last (a strided dim is summed in another order).
+- Qwen3.5's linear attention: its recurrence at every length (`gated_deltanet.always_recurrent`),
+  so prefill, decode and the trainer's forward carry each token's state alike; the chunked scan,
+  the default's prefill and training form, sums in another order by construction.
+- `BatchInvariant`: a torch function mode that routes these calls made inside it (the model's,
+  LoRA's) to these forms, entered wherever the run's model computes (its autocast).
 - `sample_next_token`: the course's draw, reporting the log-prob as the trainer computes it
   (log_softmax of the tempered logits), and `InvariantDecoder`: the eager decode step with the LM
   head as one product (no vocabulary slices).
@@ -31,10 +39,8 @@ sits at the same slot in both.
 Does not know about: losses, rewards, optimizers, files, or processes (under FSDP2 the gathered
 weights reach F.linear as any weight does).
 
-Left out: Qwen3.5's linear-attention layers (their decode step is a recurrence, the trainer's
-forward a chunked scan: another order by construction), the fast/ kernels (shared prompt
-forwards, the compiled decode step), and GPUs, whose kernels split the reduction itself
-(split-K) by batch size: there this mode is unmeasured.
+Left out: the fast/ kernels (shared prompt forwards, the compiled decode step), and GPUs, whose
+kernels split the reduction itself (split-K) by batch size: there this mode is unmeasured.
 """
 
 import math
@@ -45,6 +51,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from nanogrpo import sampler
+from nanogrpo.models import gated_deltanet
 
 ROWS = 16  # a multiple of every CPU kernel's row block seen (4 on AMD EPYC, 8 on Intel)
 CHUNK = 64  # keys per attention chunk
@@ -104,9 +111,40 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     return out[:, :, :T].to(dtype)
 
 
+# pointwise functions whose vectorized and scalar (loop tail) code round differently
+TRANSCENDENTAL = {
+    F.silu,
+    F.softplus,
+    torch.sigmoid,
+    torch.Tensor.sigmoid,
+    torch.exp,
+    torch.Tensor.exp,
+}
+
+
+def pointwise(func, x, *args, **kwargs):
+    """func(x) computed in float64 and rounded to x's dtype. An element's bits then do not depend
+    on where it falls in the kernel's loop: the vectorized and the scalar float64 code differ by an
+    ulp of float64, which the rounding to float32 or bf16 removes (but for a value within that ulp
+    of a rounding boundary: a chance of about 2^-28 each)."""
+    if not x.is_floating_point() or x.dtype == torch.float64 or "out" in kwargs:
+        return func(x, *args, **kwargs)
+    out = func(x.double(), *args, **kwargs).to(x.dtype)
+    return x.copy_(out) if kwargs.get("inplace") else out
+
+
+def reduce_sum(x, dim, keepdim=False, **kwargs):
+    """x.sum(dim) with `dim` moved last and made contiguous: each row of that one layout is summed
+    by the same code whatever the other dims (a strided dim is summed in another order)."""
+    out = x.movedim(dim, -1).contiguous().sum(-1, **kwargs)
+    return out.unsqueeze(dim % x.dim()) if keepdim else out
+
+
 class BatchInvariant(TorchFunctionMode):
-    """Inside it, F.linear is `linear` and SDPA is `attention`. `within` (the run's autocast) is
-    entered with it; the mode can be entered again and again, as an autocast can."""
+    """Inside it, F.linear is `linear`, SDPA is `attention`, the transcendental pointwise functions
+    are `pointwise`, a sum over one dim is `reduce_sum`, and Qwen3.5's linear attention runs its
+    recurrence at every length. `within` (the run's autocast) is entered with it; the mode can be
+    entered again and again, as an autocast can."""
 
     def __init__(self, within=None):
         super().__init__()
@@ -117,6 +155,9 @@ class BatchInvariant(TorchFunctionMode):
         stack = ExitStack()
         if self.within is not None:
             stack.enter_context(self.within)
+        recurrent = gated_deltanet.always_recurrent
+        stack.callback(setattr, gated_deltanet, "always_recurrent", recurrent)
+        gated_deltanet.always_recurrent = True
         self.stacks.append(stack)
         return super().__enter__()
 
@@ -130,23 +171,32 @@ class BatchInvariant(TorchFunctionMode):
             return linear(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return attention(*args, **kwargs)
+        if func in TRANSCENDENTAL:
+            return pointwise(func, *args, **kwargs)
+        if func in (torch.sum, torch.Tensor.sum) and self.one_dim(args, kwargs):
+            return reduce_sum(*args, **kwargs)
         return func(*args, **kwargs)
+
+    @staticmethod
+    def one_dim(args, kwargs) -> bool:
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        return isinstance(dim, int) and "dtype" not in kwargs and args[0].is_floating_point()
 
 
 def sample_next_token(logits, u, temperature, top_k, top_p, min_p):
     """sampler.sample_next_token's draw, and the drawn token's log-prob as the trainer computes it:
-    log_softmax of the logits divided by the temperature (then filtered, when a filter is on)."""
+    log_softmax of the logits divided by the temperature. Greedy, or with a filter on, the
+    sampler's own (the filtered distribution is not the trainer's: no bit equality to keep)."""
     ids, logp = sampler.sample_next_token(logits, u, temperature, top_k, top_p, min_p)
-    if temperature == 0:  # greedy: the unfiltered distribution at temperature 1, as the sampler
+    if temperature == 0 or top_k or top_p < 1 or min_p:
         return ids, logp
     tempered = logits / temperature  # [B,V]
-    tempered = sampler.apply_top_k(tempered, top_k)
-    tempered = sampler.apply_min_p(sampler.apply_top_p(tempered, top_p), min_p)
     return ids, tempered.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
 
 
 class InvariantDecoder(sampler.Decoder):
-    """The eager decode step, with the LM head as one `linear` (the trainer's), not in slices."""
+    """The eager decode step, with the LM head as one `linear` (the trainer's), not in slices
+    (`chunk`, Decoder's slice size, is taken and unused)."""
 
     def __init__(self, model, vocab_size, chunk):
         super().__init__(model, vocab_size, vocab_size)

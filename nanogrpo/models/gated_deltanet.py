@@ -30,6 +30,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 CHUNK = 64  # tokens per chunk of chunked_delta_rule (transformers' chunk_size)
+# True: every length runs the recurrence, as the decode step does (fast/batch_invariant.py's mode
+# sets it, so that prefill, decode and the trainer's forward sum each token's state alike)
+always_recurrent = False
 
 
 def cache_shapes(cfg, batch_size, kv_shape):
@@ -187,7 +190,7 @@ class GatedDeltaNet(nn.Module):
             k = k.repeat_interleave(self.n_v // self.n_k, dim=2)
         beta = self.in_proj_b(x).sigmoid().to(wide)  # [B,T,Hv]
         g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)
-        rule = recurrent_delta_rule if T == 1 else chunked_delta_rule
+        rule = recurrent_delta_rule if T == 1 or always_recurrent else chunked_delta_rule
         out, state = rule(q, k, v, g, beta, state.to(wide))
         if cache is not None:
             seen = window[:, :, window.shape[-1] - (K - 1) :]
