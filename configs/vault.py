@@ -11,16 +11,20 @@
 # over seeds: python bench/bench_seeds.py --config vault.py --seeds 0,1,2,3 --before
 #
 # The reward (examples/vault_game.py's get_reward): 1 for an opened vault, 0.4 for reading the note
-# and then trying a code, 0 for reading it and stopping. When reading alone earned 0.2, the first
-# rounds, where some completions read the note and almost none opens the vault, rewarded the whole
-# read-and-stop completion, the end of the turn after the note included; on seeds 0 and 1 every
-# completion soon read and stopped, every group tied at 0.2 and no advantage was left to leave it
-# (docs/results.md). Now a group moves only on completions that go on to try a code: the first
-# steps may have none (reward 0, nothing learned), but nothing else is reinforced meanwhile, and the
-# first try or success gets its group's whole advantage. Seeds 0, 1 and 3 then learn the room
-# (held-out 0.812, 0.953, 0.906); seed 2 does not: none of its completions reads and then tries a
-# code in 12 steps, so no group ever has an advantage (0.016, as before training). The rest is as
-# before: 2 rooms x 8 completions a step, temperature 1, lr 3e-5.
+# and then trying a code, 0 for reading it and stopping. When reading alone earned 0.2, groups
+# whose completions all read and stopped tied at 0.2, with no advantage left to leave it (seeds 0
+# and 1 settled there). With reading worth nothing, a group moves only on completions that go on
+# to try a code, so nothing else is reinforced meanwhile; but the first success has to come by
+# chance, and at 2 rooms x 8 completions, temperature 1, seed 2 saw none in 12 steps (held-out
+# 0.016, as before training). What gives every seed a first success in its first two steps:
+# - temperature 0.7: at 1.0 the 135M model writes malformed calls and rambles; at 0.7 it opens
+#   the vault in ~7% of its untrained tries instead of ~3% (held-out before training 0.094),
+# - 4 rooms x 4 completions a step, not 2 x 8: the untrained model opens some rooms and never
+#   others, so 4 rooms a step find a first success sooner than 2; same 16 completions a step,
+# - codes without a leading zero (the model writes a code as a JSON number; 0693 is not JSON).
+# The rest as before: lr 3e-5, 12 steps. Held-out 0.094 before; 0.969, 0.984, 0.984 on seeds 0-2.
+# Seed 3 (0.000) is left: its one early success was its only gradient, which AdamW's momentum kept
+# applying through 10 steps without another (docs/results.md#environment-demo-configsvaultpy).
 
 model = ".cache/real/smollm2-135m-instruct"  # tests/fetch_real.py builds it
 device = "auto"
@@ -34,17 +38,17 @@ environment_factory = "examples/vault_game.py:VaultRoom"
 reward_funcs = []  # the environment owns the reward
 max_tool_calling_iterations = 3
 
-num_generations = 8
+num_generations = 4  # 4 rooms a step (above)
 gradient_accumulation_steps = 1
 per_device_train_batch_size = 16
 max_completion_length = 96  # two calls (~20 tokens each), their results (~15 each), an answer
-temperature = 1.0
+temperature = 0.7  # eval samples at it too (train.py's evaluate)
 
 loss_type = "dapo"
 beta = 0.0
 learning_rate = 3e-5  # as configs/tools.py
 max_grad_norm = 1.0
-max_steps = 12  # seed 0: every completion opens the vault at step 9 (no advantage left)
+max_steps = 12
 save_steps = 0
 logging_steps = 1
 lr_scheduler_type = "constant"

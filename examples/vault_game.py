@@ -90,7 +90,8 @@ def rows(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        shown, code = (f"{rng.randint(0, 9999):04d}" for _ in range(2))
+        # no leading zero: written as a JSON number (the model's habit), 0693 is not JSON
+        shown, code = (str(rng.randint(1000, 9999)) for _ in range(2))
         messages = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": "Open the vault. The vault is locked."},

@@ -787,6 +787,9 @@ def test_the_vault_demo_room_and_its_config():
     assert room.get_reward() == pytest.approx(0.3)  # reading again and again, then a try
     room.open_vault("2")
     assert room.open_vault("0427").startswith("Wrong")  # a third try is too late
+    # the rooms' codes are 4 digits without a leading zero: a code is written as a JSON number
+    codes = [r["code"] for r in game.rows(500, 0)]
+    assert all(len(c) == 4 and c[0] != "0" for c in codes) and len(set(codes)) > 400
     from nanogrpo.run.configurator import load_config
 
     cfg = load_config(["--config", "vault.py"])
