@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FAMILIES, fixture_path, real_folder, tiny_config
+from conftest import FAMILIES, QWEN3_5, fixture_path, real_folder, tiny_config
 from hypothesis import given, settings, strategies as st
 
 from nanogrpo.checkpoint import load_model
@@ -104,13 +104,9 @@ def test_the_sampler_is_the_trainer_bit_for_bit(family, bf16, adapters):
 def test_qwen3_5_with_odd_head_counts_bit_for_bit(bf16):
     """Qwen3.5's linear attention at shapes where its gates' pointwise loops end in a scalar tail
     (6 value heads): without `pointwise`, fp32 rows differed by ~5e-7 on an AMD EPYC."""
-    import dataclasses
-
-    config = load_model(fixture_path("qwen3_5")).config
-    config = dataclasses.replace(
-        config, hidden_size=48, linear_num_key_heads=3, linear_num_value_heads=6,
-        linear_key_head_dim=12, linear_value_head_dim=10,
-    )  # fmt: skip
+    config = tiny_config(**{**QWEN3_5, "hidden_size": 48, "linear_num_key_heads": 3,
+                            "linear_num_value_heads": 6, "linear_key_head_dim": 12,
+                            "linear_value_head_dim": 10})  # fmt: skip
     model = Transformer(config).eval()
     for rows in (slice(None), slice(0, 1)):
         sampled, scored = sampled_and_scored(model, bf16, rows=rows)
