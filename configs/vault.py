@@ -8,7 +8,7 @@
 # plays its own room (one VaultRoom instance a completion, reset with the row's `code`); the room's
 # methods are the tools and its get_reward is the reward (logged as rewards/VaultRoom/mean). The
 # tools' results are context, never trained on. README gives held-out success before and after,
-# over seeds: python bench/bench_seeds.py --config vault.py --seeds 0,1,2,3 --before
+# over seeds: python bench/bench_seeds.py --config vault.py --seeds 0,1,2,3,4 --before
 #
 # The reward (examples/vault_game.py's get_reward): 1 for an opened vault, 0.4 for reading the note
 # and then trying a code, 0 for reading it and stopping. When reading alone earned 0.2, groups
@@ -16,15 +16,26 @@
 # and 1 settled there). With reading worth nothing, a group moves only on completions that go on
 # to try a code, so nothing else is reinforced meanwhile; but the first success has to come by
 # chance, and at 2 rooms x 8 completions, temperature 1, seed 2 saw none in 12 steps (held-out
-# 0.016, as before training). What gives every seed a first success in its first two steps:
+# 0.016, as before training). What gives every seed a first success early, and a signal after it:
 # - temperature 0.7: at 1.0 the 135M model writes malformed calls and rambles; at 0.7 it opens
 #   the vault in ~7% of its untrained tries instead of ~3% (held-out before training 0.094),
-# - 4 rooms x 4 completions a step, not 2 x 8: the untrained model opens some rooms and never
-#   others, so 4 rooms a step find a first success sooner than 2; same 16 completions a step,
+# - 4 rooms a step, not 2: the untrained model opens some rooms and never others, so 4 rooms a
+#   step find a first success sooner,
+# - AdamW without momentum (adam_beta1 = 0): when every group of a step ties (no success yet, or
+#   all succeed) the gradient is 0, but at the default 0.9 AdamW goes on applying its past
+#   updates. At 4 x 4, seed 3's one early success was the only gradient of its run and momentum
+#   applied it through 10 steps: malformed calls 50% -> 82%, held-out 0.000. At 4 x 8, seed 0
+#   solved its rooms by step 3 and the tied steps after kept moving it: train reward 1.0 at step
+#   7, 0.0 at step 8, held-out 0.000. With 0, a tied step leaves the weights as they are,
+# - 8 completions a room (32 a step), not 4: a step without a success is rarer (0.93^32 = 10%
+#   of steps at the untrained success rate, against 31% at 16), and without momentum an update
+#   is one step's gradient, so it averages twice the completions,
+# - 8 steps, not 12: a step costs ~1.6x as much, and seeds solve their training rooms (train
+#   reward ~1) by step 3-5, so the run's wall time stays ~12 min,
 # - codes without a leading zero (the model writes a code as a JSON number; 0693 is not JSON).
-# The rest as before: lr 3e-5, 12 steps. Held-out 0.094 before; 0.969, 0.984, 0.984 on seeds 0-2.
-# Seed 3 (0.000) is left: its one early success was its only gradient, which AdamW's momentum kept
-# applying through 10 steps without another (docs/results.md#environment-demo-configsvaultpy).
+# Paying 0.1 for any call the room ran (a well-formed call above a malformed one) was tried on
+# seed 3 (at 4 x 4): by step 4 every completion earned 0.1, and every group tied there.
+# Results, per seed: docs/results.md#environment-demo-configsvaultpy.
 
 model = ".cache/real/smollm2-135m-instruct"  # tests/fetch_real.py builds it
 device = "auto"
@@ -38,9 +49,9 @@ environment_factory = "examples/vault_game.py:VaultRoom"
 reward_funcs = []  # the environment owns the reward
 max_tool_calling_iterations = 3
 
-num_generations = 4  # 4 rooms a step (above)
+num_generations = 8  # 4 rooms x 8 completions a step (above)
 gradient_accumulation_steps = 1
-per_device_train_batch_size = 16
+per_device_train_batch_size = 32
 max_completion_length = 96  # two calls (~20 tokens each), their results (~15 each), an answer
 temperature = 0.7  # eval samples at it too (train.py's evaluate)
 
@@ -48,10 +59,11 @@ loss_type = "dapo"
 beta = 0.0
 learning_rate = 3e-5  # as configs/tools.py
 max_grad_norm = 1.0
-max_steps = 12
+max_steps = 8
 save_steps = 0
 logging_steps = 1
 lr_scheduler_type = "constant"
+adam_beta1 = 0.0  # no momentum: a step whose groups all tie changes nothing (above)
 adam_beta2 = 0.99
 gradient_checkpointing = False
 log_completions = True

@@ -483,6 +483,36 @@ def constant(completions, **kwargs):
     return [1.0] * len(completions)
 
 
+ROUNDS = []
+
+
+def differs_once(completions, **kwargs):
+    """Rewards that differ within every group in the first round only; every group ties after."""
+    ROUNDS.append(len(completions))
+    return [float(i % 2 and len(ROUNDS) == 1) for i in range(len(completions))]
+
+
+@pytest.mark.parametrize("adam_beta1,moves", [(0.9, True), (0.0, False)])
+def test_rounds_whose_groups_all_tie_move_the_weights_only_through_momentum(
+    tmp_path, adam_beta1, moves
+):
+    """When every group of a round ties, the gradient is 0 and AdamW still steps (as TRL's Trainer
+    does). At adam_beta1 0.9 its momentum goes on moving the weights in the direction of the last
+    round with an advantage; at 0 (configs/vault.py) they stay where that round left them."""
+    from safetensors.torch import load_file
+
+    ROUNDS.clear()
+    overrides = ("--gradient_accumulation_steps=1", "--save_steps=1", f"--adam_beta1={adam_beta1}")
+    train.train(tiny(tmp_path, f"--reward_funcs={__name__}:differs_once", *overrides))
+    first, *tied = (
+        load_file(tmp_path / "run" / f"checkpoint-{s}" / "model.safetensors") for s in (1, 2, 3)
+    )
+    init = load_file(tmp_path / "init" / "model.safetensors")
+    assert len(ROUNDS) == 3 and not all(torch.equal(init[k], first[k]) for k in first)
+    for after in tied:
+        assert moves == any(not torch.equal(first[k], after[k]) for k in first)
+
+
 @pytest.mark.parametrize(
     "func,steps,warning",
     [
