@@ -30,8 +30,8 @@
 # - 8 completions a room (32 a step), not 4: a step without a success is rarer (0.93^32 = 10%
 #   of steps at the untrained success rate, against 31% at 16), and without momentum an update
 #   is one step's gradient, so it averages twice the completions,
-# - 8 steps, not 12: a step costs ~1.6x as much, and seeds solve their training rooms (train
-#   reward ~1) by step 3-5, so the run's wall time stays ~12 min,
+# - 8 steps, not 12: a step costs ~1.6x as much, and seeds reach a training reward of 0.9 by
+#   step 4-7, so a run takes 13-15 min instead of ~12,
 # - codes without a leading zero (the model writes a code as a JSON number; 0693 is not JSON).
 # Paying 0.1 for any call the room ran (a well-formed call above a malformed one) was tried on
 # seed 3 (at 4 x 4): by step 4 every completion earned 0.1, and every group tied there.
