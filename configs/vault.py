@@ -35,6 +35,8 @@
 # - codes without a leading zero (the model writes a code as a JSON number; 0693 is not JSON).
 # Paying 0.1 for any call the room ran (a well-formed call above a malformed one) was tried on
 # seed 3 (at 4 x 4): by step 4 every completion earned 0.1, and every group tied there.
+# Held-out 0.094 before; 0.984, 1.000, 0.656, 0.984, 0.922 on seeds 0-4 (seed 2, 0.984 at 4 x 4
+# with momentum, found its first successes last and is left).
 # Results, per seed: docs/results.md#environment-demo-configsvaultpy.
 
 model = ".cache/real/smollm2-135m-instruct"  # tests/fetch_real.py builds it
