@@ -35,8 +35,10 @@
 # - codes without a leading zero (the model writes a code as a JSON number; 0693 is not JSON).
 # Paying 0.1 for any call the room ran (a well-formed call above a malformed one) was tried on
 # seed 3 (at 4 x 4): by step 4 every completion earned 0.1, and every group tied there.
-# Held-out 0.094 before; 0.984, 1.000, 0.656, 0.984, 0.922 on seeds 0-4 (seed 2, 0.984 at 4 x 4
-# with momentum, found its first successes last and is left).
+# Held-out 0.094 before; 0.984, 1.000, 0.656, 0.984, 0.922 on seeds 0-4. Seed 2's failed held-out
+# calls are broken JSON, {"code": 2033"}}}: the worked room writes its code as a string, the model
+# a number. Written as a number there, seeds 0 and 2 reached 1.000 but seed 1 fell at step 3 into
+# trying the worked room's code without reading (0.000), so the string stays for now.
 # Results, per seed: docs/results.md#environment-demo-configsvaultpy.
 
 model = ".cache/real/smollm2-135m-instruct"  # tests/fetch_real.py builds it
