@@ -2,13 +2,19 @@
 
     python bench/eval_heldout.py --config smollm.py --model=.cache/real/smollm2-135m-instruct
     python bench/eval_heldout.py --config smollm.py --model=out/smollm/checkpoint
+    python bench/eval_heldout.py --config vault.py --model=... --completions=out/eval.jsonl
 
 train.py evaluates every eval_steps steps and at the end, never before the first step; this script
 runs the very same `train.evaluate` (same eval rows, sampling settings and sampling seed) on the
 checkpoint given as --model, so before and after are measured alike. Prints one JSON line with
 eval/pass@1, its standard error sqrt(p (1 - p) / n), eval/reward and per-function means.
+--completions=FILE also writes every eval completion, one JSON line each: its eval row and that
+row's columns (not the prompt), its rewards (one per function, null = unscored), the completion as
+the reward functions received it, its text as sampled (tool results included, special tokens
+kept: a malformed tool call shows as written) and its tool calls and failures.
 """
 
+import argparse
 import json
 import math
 import os
@@ -39,7 +45,10 @@ def main(argv=None):
     from nanogrpo.run.configurator import load_config
     from nanogrpo.tokenizer import Tokenizer
 
-    cfg = load_config(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(add_help=False)  # the rest goes to the config
+    parser.add_argument("--completions", default=None)
+    ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(rest)
     if not cfg.eval_dataset:
         raise SystemExit("the config has no eval_dataset")
     info = dist.setup(cfg.device)
@@ -89,6 +98,15 @@ def main(argv=None):
         loss_cfg=LossConfig(**cfg.loss_config()),
         ref=None,
     )
+    if ours.completions:  # evaluate's rollout, written out as it is scored
+        score = train.reward_rollout
+
+        def reward_rollout(ro, funcs, t=None, logs=None):
+            rewards = score(ro, funcs, t, logs)
+            write_completions(ours.completions, ro, rewards, tok)
+            return rewards
+
+        train.reward_rollout = reward_rollout
     m = train.evaluate(t)  # reads these fields of nanogrpo.trainer.Trainer
     p, n = m["eval/pass@1"], len(rows)
     m.update(
@@ -102,6 +120,28 @@ def main(argv=None):
     )
     print(json.dumps(m))
     dist.teardown()
+
+
+def write_completions(path: str, ro, rewards, tok) -> None:
+    """One JSON line per completion of the rollout ro, rewards [n, K] (see the docstring above)."""
+    G = ro.num_generations
+    scores = [[None if r != r else r for r in row] for row in rewards.tolist()]  # NaN -> null
+    counts = {
+        k: getattr(ro, k) for k in ("tool_calls", "tool_failures") if getattr(ro, k) is not None
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        for i, completion in enumerate(ro.completions):
+            row = ro.rows[i // G]
+            line = {
+                "row": i // G,
+                "columns": {k: v for k, v in row.items() if k != "prompt"},
+                "rewards": scores[i],
+                "completion": completion,
+                "text": tok.decode(ro.completion_token_ids[i], skip_special_tokens=False),
+                **{k: int(v[i]) for k, v in counts.items()},
+            }
+            f.write(json.dumps(line, default=str) + "\n")
 
 
 if __name__ == "__main__":

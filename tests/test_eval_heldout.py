@@ -23,6 +23,7 @@ def test_eval_heldout_scores_a_checkpoint_with_the_configs_eval_settings(tmp_pat
             "--config",
             "tiny.py",
             f"--model={tmp_path}/init",
+            f"--completions={tmp_path}/eval.jsonl",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -32,3 +33,9 @@ def test_eval_heldout_scores_a_checkpoint_with_the_configs_eval_settings(tmp_pat
     assert run.returncode == 0, run.stderr[-3000:]
     m = json.loads(run.stdout.strip().splitlines()[-1])
     assert m["eval_size"] == 64 and 0 <= m["eval/pass@1"] <= 1 and "eval/loss" in m
+    # --completions: the 64 completions scored, one line each, whose rewards make the metrics
+    lines = [json.loads(line) for line in open(tmp_path / "eval.jsonl")]
+    assert [line["row"] for line in lines] == list(range(64))
+    assert all(isinstance(line["text"], str) and "prompt" not in line["columns"] for line in lines)
+    passed = sum(line["rewards"][0] >= 1 for line in lines)
+    assert passed / 64 == m["eval/pass@1"]
