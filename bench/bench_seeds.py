@@ -12,7 +12,8 @@ checkpoint is scored on the same rows alike. --before scores the config's model 
 is evaluated as trained; --model and --init_model only to train.py and to "before"). Prints one JSON line per run and
 a table: held-out success ± standard error, eval reward, the last step's training reward, the wall
 time of the training run and of its eval, then mean ± std over the seeds and how many reach
---threshold. The config's dataset must exist (vault.py: python examples/vault_game.py; tools.py:
+--threshold. Each eval's completions are kept (WORK/NAME-sS/heldout.jsonl, WORK/NAME-before.jsonl:
+eval_heldout.py --completions), and a tool config's JSON line gives the share that called a tool. The config's dataset must exist (vault.py: python examples/vault_game.py; tools.py:
 python examples/tool_calculator.py).
 
 Without --config: the embedded default's final reward over many seeds.
@@ -163,21 +164,30 @@ def child(cmd: list[str]) -> tuple[float, str]:
     return time.time() - t0, p.stdout
 
 
-def evaluate(config: str, model: str | None, extra: list[str]) -> dict:
-    """bench/eval_heldout.py's metrics of `model` (None = the config's) under the config's eval."""
+def evaluate(config: str, model: str | None, extra: list[str], completions: str) -> dict:
+    """bench/eval_heldout.py's metrics of `model` (None = the config's) under the config's eval;
+    its completions go to the file `completions` (eval_heldout.py --completions), and with tools
+    the share of them that made a tool call is `tool_call_rate`."""
     flags = [a for a in extra if not a.startswith(("--model=", "--init_model="))]
     if model is not None:
         flags.append(f"--model={model}")
+    flags.append(f"--completions={completions}")
     seconds, out = child(
         [sys.executable, os.path.join(ROOT, "bench", "eval_heldout.py"), "--config", config, *flags]
     )
     m = json.loads(out.strip().splitlines()[-1])
-    return {
+    row = {
         "heldout": m["eval/pass@1"],
         "heldout_se": m["eval/pass@1_se"],
         "eval_reward": m["eval/reward"],
         "eval_seconds": round(seconds, 1),
+        "completions": completions,
     }
+    with open(completions) as f:
+        calls = [json.loads(line).get("tool_calls") for line in f]
+    if calls and None not in calls:
+        row["tool_call_rate"] = sum(c > 0 for c in calls) / len(calls)
+    return row
 
 
 def run_config_seed(config: str, seed: int, work: str, extra: list[str]) -> dict:
@@ -206,7 +216,7 @@ def run_config_seed(config: str, seed: int, work: str, extra: list[str]) -> dict
         "seconds": round(seconds, 1),
         "load_avg_1min": round(load, 2),
     }
-    row.update(evaluate(config, os.path.join(out, "checkpoint"), extra))
+    row.update(evaluate(config, os.path.join(out, "checkpoint"), extra, f"{out}/heldout.jsonl"))
     return row
 
 
@@ -248,7 +258,8 @@ def main_config(args, extra: list[str]):
 
     if args.before:  # the config's model, or the --model=... that train.py starts from
         start = [a.split("=", 1)[1] for a in extra if a.startswith("--model=")]
-        before = evaluate(args.config, start[-1] if start else None, extra)
+        completions = os.path.join(args.work, f"{config_stem(args.config)}-before.jsonl")
+        before = evaluate(args.config, start[-1] if start else None, extra, completions)
         keep({"config": config_stem(args.config), "seed": None, **before})
     for seed in [int(s) for s in args.seeds.split(",")]:
         keep(run_config_seed(args.config, seed, args.work, extra))

@@ -70,5 +70,8 @@ def test_a_config_on_a_seed_trains_into_its_own_dir_and_scores_the_checkpoint(tm
     assert [(r["seed"], r["steps"]) for r in rows] == [(3, 1)]  # --max_steps reached train.py
     assert os.path.isdir(tmp_path / "tiny-s3" / "checkpoint")
     assert 0 <= rows[0]["heldout"] <= 1 and rows[0]["seconds"] > 0
+    # the eval's completions beside the checkpoint, as many as --eval_size; no tools: no call rate
+    assert rows[0]["completions"] == f"{tmp_path}/tiny-s3/heldout.jsonl"
+    assert len(open(rows[0]["completions"]).readlines()) == 8 and "tool_call_rate" not in rows[0]
     assert lines[-2].startswith("| seed 3 | ")
     assert lines[-1].startswith("held-out success over 1 seeds: ")
