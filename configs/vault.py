@@ -18,7 +18,7 @@
 # chance, and at 2 rooms x 8 completions, temperature 1, seed 2 saw none in 12 steps (held-out
 # 0.016, as before training). What gives every seed a first success early, and a signal after it:
 # - temperature 0.7: at 1.0 the 135M model writes malformed calls and rambles; at 0.7 it opens
-#   the vault in ~7% of its untrained tries instead of ~3% (held-out before training 0.094),
+#   the vault in ~7% of its untrained tries instead of ~3% (held-out before training 0.078),
 # - 4 rooms a step, not 2: the untrained model opens some rooms and never others, so 4 rooms a
 #   step find a first success sooner,
 # - AdamW without momentum (adam_beta1 = 0): when every group of a step ties (no success yet, or
@@ -30,15 +30,18 @@
 # - 8 completions a room (32 a step), not 4: a step without a success is rarer (0.93^32 = 10%
 #   of steps at the untrained success rate, against 31% at 16), and without momentum an update
 #   is one step's gradient, so it averages twice the completions,
-# - 8 steps, not 12: a step costs ~1.6x as much, and seeds reach a training reward of 0.9 by
-#   step 4-7, so a run takes 13-15 min instead of ~12,
-# - codes without a leading zero (the model writes a code as a JSON number; 0693 is not JSON).
+# - learning rate 2e-5 over 10 steps, not 3e-5 over 8: AdamW divides each weight's gradient by the
+#   root of its running mean square, so a weight moves about lr a step whether the step saw one
+#   success or twenty, and one step can rewrite the policy. At 3e-5 seed 1's step-3 update sent
+#   every completion to open_vault before reading (train reward 0.53, then 0 at every step, every
+#   group tied: held-out 0.000); at 2e-5 its step 4 fell to 0.03 too, but kept a success to learn
+#   from, and recovered by step 5. 10 steps give the slower seeds room,
+# - codes without a leading zero (the model writes a code as a JSON number; 0693 is not JSON), and
+#   the worked room writes its code as a number too (examples/vault_game.py): with a string there,
+#   trained seed 2 mixed the two forms, {"code": 2033"}}}, broken calls (held-out 0.656).
 # Paying 0.1 for any call the room ran (a well-formed call above a malformed one) was tried on
 # seed 3 (at 4 x 4): by step 4 every completion earned 0.1, and every group tied there.
-# Held-out 0.094 before; 0.984, 1.000, 0.656, 0.984, 0.922 on seeds 0-4. Seed 2's failed held-out
-# calls are broken JSON, {"code": 2033"}}}: the worked room writes its code as a string, the model
-# a number. Written as a number there, seeds 0 and 2 reached 1.000 but seed 1 fell at step 3 into
-# trying the worked room's code without reading (0.000), so the string stays for now.
+# Held-out 0.078 before; 0.984 (63 of 64 rooms) on each of seeds 0-4, 14.5-17 min a run.
 # Results, per seed: docs/results.md#environment-demo-configsvaultpy.
 
 model = ".cache/real/smollm2-135m-instruct"  # tests/fetch_real.py builds it
@@ -61,9 +64,9 @@ temperature = 0.7  # eval samples at it too (train.py's evaluate)
 
 loss_type = "dapo"
 beta = 0.0
-learning_rate = 3e-5  # as configs/tools.py
+learning_rate = 2e-5  # (above)
 max_grad_norm = 1.0
-max_steps = 8
+max_steps = 10  # (above)
 save_steps = 0
 logging_steps = 1
 lr_scheduler_type = "constant"

@@ -14,7 +14,9 @@ completion that guesses, or that stops after reading the note, does not succeed:
 call one tool, read the result, and call the other with what it read.
 
 The prompt spells out the tool-call format (SmolLM2's ChatML template ignores `tools=`) and one
-worked room with another code; the test split's codes are new.
+worked room with another code; the test split's codes are new. The worked room writes its code as a
+JSON number, as the model writes one: when it showed a string ("3201"), trained models mixed the
+two forms, and a third of one seed's held-out calls were broken JSON ({"code": 2033"}}}).
 """
 
 import json
@@ -52,7 +54,7 @@ class VaultRoom:
         self.reads += 1
         return f"The vault code is {self.code}."
 
-    def open_vault(self, code: str) -> str:
+    def open_vault(self, code: int) -> str:
         """Try a code on the vault.
 
         Args:
@@ -97,7 +99,7 @@ def rows(n: int, seed: int) -> list[dict]:
             {"role": "user", "content": "Open the vault. The vault is locked."},
             {"role": "assistant", "content": call("read_note")},
             {"role": "tool", "name": "read_note", "content": f"The vault code is {shown}."},
-            {"role": "assistant", "content": call("open_vault", code=shown)},
+            {"role": "assistant", "content": call("open_vault", code=int(shown))},
             {"role": "tool", "name": "open_vault", "content": "The vault opens."},
             {"role": "assistant", "content": "The vault is open."},
             {"role": "user", "content": "Open the vault."},

@@ -788,8 +788,16 @@ def test_the_vault_demo_room_and_its_config():
     room.open_vault("2")
     assert room.open_vault("0427").startswith("Wrong")  # a third try is too late
     # the rooms' codes are 4 digits without a leading zero: a code is written as a JSON number
-    codes = [r["code"] for r in game.rows(500, 0)]
+    rows = game.rows(500, 0)
+    codes = [r["code"] for r in rows]
     assert all(len(c) == 4 and c[0] != "0" for c in codes) and len(set(codes)) > 400
+    room.reset(code=codes[0])
+    room.read_note()
+    assert room.open_vault(int(codes[0])) == "The vault opens."  # as the model writes it
+    # and so does the worked room: a string there ("3201") taught trained models broken calls
+    example = rows[0]["prompt"][4]["content"]  # the worked room's open_vault call
+    call = json.loads(example.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+    assert call["name"] == "open_vault" and type(call["arguments"]["code"]) is int
     from nanogrpo.run.configurator import load_config
 
     cfg = load_config(["--config", "vault.py"])
