@@ -39,6 +39,20 @@ def test_linear_rows_do_not_depend_on_the_batch(M, K, N):
         assert torch.equal(bi.linear(x[:M], w, b), bi.linear(x, w, b)[:M])
 
 
+@pytest.mark.parametrize("N", [2, 4, 8])  # LoRA's A at ranks 2 to 8
+def test_few_output_rows_do_not_depend_on_the_batch_under_bf16(N):
+    """A bf16 product with 2 to 8 outputs took another kernel on an AMD EPYC with AVX512-BF16, one
+    whose rows round by the batch's size: 1 to 4 elements in 80,000 differed between a 1,024-row
+    call and its 16-row blocks (a LoRA run's sampled log-prob then missed the trainer's by 2e-6)."""
+    g = torch.Generator().manual_seed(N)
+    for _ in range(20):
+        x, w = torch.randn(1024, 32, generator=g), torch.randn(N, 32, generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            full = bi.linear(x, w)  # [1024,N]
+            blocks = torch.cat([bi.linear(x[i : i + 16], w) for i in range(0, 1024, 16)])
+        assert torch.equal(blocks, full)
+
+
 def masks(B, T, S, g):
     """A causal mask with left padding, as model.attention_mask_for builds: [B,1,T,S] bool."""
     pads = torch.randint(0, S - T + 1, (B,), generator=g)

@@ -13,7 +13,8 @@ log-probs: sampling is off-policy by accident.
 
 Owns:
 - `linear`: F.linear with the rows padded to a multiple of ROWS, so every row lies in a full block
-  of the kernel whatever the batch (a row's bits then never depend on its batch mates).
+  of the kernel whatever the batch (a row's bits then never depend on its batch mates), and at
+  least MIN_OUT outputs (a kernel for fewer rounds a row by the batch's size).
 - `attention`: SDPA in float32, the keys in fixed chunks of CHUNK slots counted from slot 0; each
   chunk is one product of the same shape, and the chunks' partial sums are added left to right.
   Masked keys add exact zeros, so a decode step's t+1 keys and the trainer's padded sequence give
@@ -54,6 +55,9 @@ from nanogrpo import sampler
 from nanogrpo.models import gated_deltanet
 
 ROWS = 16  # a multiple of every CPU kernel's row block seen (4 on AMD EPYC, 8 on Intel)
+# fewer outputs than this take another bf16 kernel on an AMD EPYC with AVX512-BF16, whose rows
+# round differently from about 128 rows on (N = 2, 4, 8 seen; 1, 12, 16 and more never)
+MIN_OUT = 16
 CHUNK = 64  # keys per attention chunk
 
 
@@ -67,10 +71,15 @@ def pad_to(x, dim, multiple, value=0):
 
 
 def linear(x, weight, bias=None):
-    """F.linear(x [...,K], weight [N,K], bias) -> [...,N], its rows padded to a multiple of ROWS."""
+    """F.linear(x [...,K], weight [N,K], bias) -> [...,N], its rows padded to a multiple of ROWS
+    and, below MIN_OUT outputs (LoRA's A at rank 2 to 8), its weight to MIN_OUT zero rows."""
     rows = x.reshape(-1, x.shape[-1])  # [M,K]
-    y = F.linear(pad_to(rows, 0, ROWS), weight, bias)  # [M',N]
-    return y[: rows.shape[0]].reshape(*x.shape[:-1], y.shape[-1])
+    N = weight.shape[0]
+    if N < MIN_OUT:
+        weight = pad_to(weight, 0, MIN_OUT)  # [MIN_OUT,K]
+        bias = None if bias is None else pad_to(bias, 0, MIN_OUT)
+    y = F.linear(pad_to(rows, 0, ROWS), weight, bias)  # [M',N']
+    return y[: rows.shape[0], :N].reshape(*x.shape[:-1], N)
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
