@@ -11,6 +11,7 @@ included). The trunk is tiny on purpose (the LM head dominates), so the numbers 
 
     python bench/bench_logprobs.py                       # 8 x 512 completion tokens, CPU or CUDA
     python bench/bench_logprobs.py --n 2 --device cpu
+    python bench/bench_logprobs.py --hidden 896 --layers 1 --n 4 --autocast   # the 0.5B's LM head
 """
 
 import argparse
@@ -77,7 +78,8 @@ def worker(args):
     )
 
     def step():
-        logp, ent = fn(model, ids, att, cmask, 0.9)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.autocast):
+            logp, ent = fn(model, ids, att, cmask, 0.9)
         loss = -(logp.sum() + 0.01 * ent.sum()) / cmask.sum()
         loss.backward()
         return loss.item()
@@ -119,6 +121,11 @@ def main():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--chunk", type=int, default=256, help="token_logprobs chunk_size")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--autocast",
+        action="store_true",
+        help="bf16 autocast over fp32 weights, as training on a GPU",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--worker", choices=["naive", "chunked", "recompute"], help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -127,7 +134,7 @@ def main():
 
     print(
         f"device={args.device} N={args.n} C={args.c} prompt={args.prompt} V={args.vocab} hidden={args.hidden} "
-        f"layers={args.layers} chunk={args.chunk}; fp32 logits of all completion tokens would be "
+        f"layers={args.layers} chunk={args.chunk} autocast={args.autocast}; fp32 logits of all completion tokens would be "
         f"{args.n * args.c * args.vocab * 4 / 2**20:.0f} MB"
     )
     rows = []

@@ -416,6 +416,51 @@ def test_chunked_gradient_under_cpu_bf16_autocast_is_autograds(keep_bytes, entro
     assert relative_error(grads(True), grads(False)) < 1e-4
 
 
+@pytest.mark.parametrize("keep_bytes", [0, 2**30])
+def test_the_lm_head_is_cast_once_a_call_however_many_chunks(keep_bytes):
+    """Under a bf16 autocast over fp32 weights the LM head's weight [V,D] is cast to bf16 once in
+    forward and once in backward, whatever the number of chunks, and its gradient reaches autograd
+    as one fp32 [V,D] tensor: no per-chunk cast of the weight or of its gradient (one Function per
+    chunk made 2 to 4 such casts per chunk). Chunks of 1 and one chunk give the same gradients up to
+    bf16's rounding of each chunk's share of the weight's gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nanogrpo.fast.logprobs import score_chunks
+
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(vocab_size=V))
+    ids, att, cmask = batch(1)
+    with torch.no_grad():
+        h0 = model.hidden_states(ids, attention_mask=att.bool())[:, P - 1 : -1]  # [N,C,D]
+    D = h0.shape[-1]
+
+    class WeightCasts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and tuple(out.shape) == (V, D):
+                self.n += 1
+            return out
+
+    def run(chunk_size):
+        h = h0.clone().requires_grad_()
+        with WeightCasts() as casts:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logp, _ = score_chunks(
+                    h, model.lm_head, ids[:, P:], cmask, 0.7, None, chunk_size, keep_bytes
+                )
+            grads = torch.autograd.grad(logp.sum(), [h, model.lm_head.weight])
+        return casts.n, grads
+
+    n_one, grads_one = run(chunk_size=int(cmask.sum()))
+    n_many, grads_many = run(chunk_size=1)
+    assert (n_one, n_many) == (2, 2)
+    assert relative_error(grads_many, grads_one) < 1e-2  # 2.5e-3 here
+
+
 def test_checkpointed_scoring_under_cpu_bf16_autocast_has_autograds_gradient():
     """The whole model under a CPU bf16 autocast, gradient checkpointing on (so the chunk
     recomputes its probabilities in backward): every parameter's gradient of the chunked

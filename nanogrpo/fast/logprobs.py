@@ -8,7 +8,7 @@ four tricks:
   (`scored_width`): a micro-batch's rows are padded to the round's
   longest completion, and the padding after every row's end is neither
   run forward nor backward;
-- the LM head in chunks (`ChunkLogProbs`, `score_chunks`): never the full
+- the LM head in chunks (`ChunkedLogProbs`, `score_chunks`): never the full
   [N,C,V] fp32 logits, only the hidden states of the scored tokens
   through the LM head, chunk_size tokens at a time, each chunk's gradient
   formed directly (one-hot minus softmax). A chunk's probabilities are
@@ -39,6 +39,8 @@ head gathered while it runs), `new_cache`, `gradient_checkpointing` and
 `lm_head_linear`).
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -61,20 +63,39 @@ def _tempered_logits(h, weight, temperature, fp32=False):
     return logits if temperature == 1.0 else logits.div_(temperature)
 
 
-class ChunkLogProbs(torch.autograd.Function):
-    """(h [n,D], weight [V,D], targets [n], temperature, keep, entropy_grad, fp32) ->
-    (logp [n], entropy [n]) of the targets under p = softmax(z), z = h @ weight.T / temperature.
-    Backward forms the logits' gradient directly instead of replaying each op's backward:
-    d logp / dz = onehot - p, and, with entropy_grad, dH / dz = -p (log p + H). With keep, the
-    forward saves the [n,V] probabilities for it; without, it saves h and log Z only and
-    recomputes them (one more [n,D] x [D,V] matmul), so no vocabulary-sized tensor outlives the
-    chunk. Without entropy_grad the entropy gets no gradient (it is logged, or masks tokens).
-    Backward runs under the forward's autocast state on the tensors' device (torch.amp.custom_bwd's
-    rule, which that decorator applies to one fixed device type only): under a bf16 autocast, on
-    CPU too, its recompute and matmuls round as autograd's backward of the same ops does."""
+def _head_weight(weight, fp32):
+    """The LM head's weight [V,D] as its matmuls use it, cast once: float32 with fp32
+    (cast_lm_head_to_fp32), else autocast's dtype under an autocast (what F.linear would cast
+    it to at every call), else as it is."""
+    device = weight.device.type
+    if fp32:
+        return weight.float()
+    if torch.is_autocast_enabled(device) and weight.dtype in (torch.float32, torch.float16):
+        return weight.to(torch.get_autocast_dtype(device))
+    return weight
+
+
+class ChunkedLogProbs(torch.autograd.Function):
+    """(h [M,D], weight [V,D], targets [M], temperature, chunk_size, keep_rows, entropy_grad, fp32)
+    -> (logp [M], entropy [M]) of the targets under p = softmax(z), z = h @ weight.T / temperature,
+    chunk_size tokens at a time: no tensor larger than [chunk_size, V] but the kept probabilities.
+    Backward forms each chunk's logits' gradient directly instead of replaying each op's backward:
+    d logp / dz = onehot - p, and, with entropy_grad, dH / dz = -p (log p + H). The chunks that end
+    within the first keep_rows tokens save their [chunk,V] probabilities for it; the others save
+    log Z only and recompute them (one more [chunk,D] x [D,V] matmul), so no vocabulary-sized
+    tensor outlives its chunk. Without entropy_grad the entropy gets no gradient (it is logged, or
+    masks tokens).
+    One Function for all the chunks, so the weight is cast (under autocast) once a call in forward
+    and once in backward, and its gradient is summed in one [V,D] buffer in place; one Function
+    per chunk would cast it in each chunk's forward, recompute and backward and hand back a new
+    [V,D] gradient per chunk for autograd to cast and add (the H200's profile of the update:
+    `copy_` 26% of GPU time). Backward runs under the forward's autocast state on the tensors'
+    device (torch.amp.custom_bwd's rule, which that decorator applies to one fixed device type
+    only): under a bf16 autocast, on CPU too, its recompute and matmuls round as autograd's
+    backward of the same ops does."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, temperature, keep, entropy_grad=False, fp32=False):
+    def forward(ctx, h, weight, targets, temperature, chunk_size, keep_rows, entropy_grad, fp32):
         device = h.device.type
         # for backward
         ctx.autocast = dict(
@@ -82,21 +103,32 @@ class ChunkLogProbs(torch.autograd.Function):
             enabled=torch.is_autocast_enabled(device),
             dtype=torch.get_autocast_dtype(device),
         )
-        # [n,V], a fresh tensor: changed in place below
-        shifted = _tempered_logits(h, weight, temperature, fp32)
-        top = shifted.amax(dim=-1, keepdim=True)  # [n,1]
-        shifted = shifted.sub_(top)  # z - max z: every exp below is <= 1
-        probs = shifted.exp()  # [n,V], unnormalized until the division
-        lse = probs.sum(dim=-1, keepdim=True)  # [n,1]
-        probs.div_(lse)
-        lse = lse.log_()  # log Z - max z
-        logp = (shifted.gather(-1, targets[:, None]) - lse).squeeze(-1)
-        # H = log Z - E_p[z]
-        entropy = (lse - shifted.mul_(probs).sum(dim=-1, keepdim=True)).squeeze(-1)
-        saved = probs if keep else (top + lse).squeeze(-1)
-        ctx.save_for_backward(h, weight, targets, saved, entropy if entropy_grad else None)
+        w = _head_weight(weight, fp32)  # [V,D]
+        M = len(targets)
+        out_dtype = torch.promote_types(h.dtype, torch.float32)
+        logp = h.new_empty(M, dtype=out_dtype)
+        entropy = h.new_empty(M, dtype=out_dtype)
+        log_z = h.new_empty(M, dtype=out_dtype)
+        kept = []
+        for i in range(0, M, chunk_size):
+            end = min(i + chunk_size, M)
+            # [n,V], a fresh tensor: changed in place below
+            shifted = _tempered_logits(h[i:end], w, temperature, fp32)
+            top = shifted.amax(dim=-1, keepdim=True)  # [n,1]
+            shifted = shifted.sub_(top)  # z - max z: every exp below is <= 1
+            probs = shifted.exp()  # [n,V], unnormalized until the division
+            lse = probs.sum(dim=-1, keepdim=True)  # [n,1]
+            probs.div_(lse)
+            lse = lse.log_()  # log Z - max z
+            logp[i:end] = (shifted.gather(-1, targets[i:end, None]) - lse).squeeze(-1)
+            # H = log Z - E_p[z]
+            entropy[i:end] = (lse - shifted.mul_(probs).sum(dim=-1, keepdim=True)).squeeze(-1)
+            log_z[i:end] = (top + lse).squeeze(-1)
+            if end <= keep_rows:
+                kept.append(probs)
+        ctx.save_for_backward(h, weight, targets, log_z, entropy if entropy_grad else None, *kept)
         ctx.temperature = temperature
-        ctx.keep = keep
+        ctx.chunk_size = chunk_size
         ctx.fp32 = fp32
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -105,30 +137,45 @@ class ChunkLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         with torch.autocast(**ctx.autocast):  # as the forward ran
-            return ChunkLogProbs.backward_body(ctx, grad_logp, grad_entropy)
+            return ChunkedLogProbs.backward_body(ctx, grad_logp, grad_entropy)
 
     @staticmethod
     def backward_body(ctx, grad_logp, grad_entropy):
-        h, weight, targets, saved, entropy = ctx.saved_tensors
-        if ctx.keep:  # the saved probabilities [n,V]
-            probs = saved
-        else:  # recomputed from log Z [n]
-            probs = _tempered_logits(h, weight, ctx.temperature, ctx.fp32)
-            probs = probs.sub_(saved[:, None]).exp_()
-        # a new tensor, so a retained graph can run backward again
-        grad = probs.mul(-grad_logp[:, None])  # [n,V]
-        if entropy is not None and grad_entropy is not None:
-            # dH/dz = -(p log p + p H); xlogy gives 0 where p = 0
-            minus_dH = torch.xlogy(probs, probs).add_(probs * entropy[:, None])
-            grad = grad.sub_(minus_dH.mul_(grad_entropy[:, None]))
-        grad = grad.scatter_add_(1, targets[:, None], grad_logp[:, None])  # d/d logits [n,V]
-        grad = (grad if ctx.temperature == 1.0 else grad.div_(ctx.temperature)).to(h.dtype)
-        if ctx.fp32:  # the matmuls ran in float32: their gradients too
-            with torch.autocast(device_type=h.device.type, enabled=False):
-                grad_h = (grad.float() @ weight.float()).to(h.dtype)
-                grad_w = (grad.float().T @ h.float()).to(weight.dtype)
-            return grad_h, grad_w, None, None, None, None, None
-        return grad @ weight, grad.T @ h, None, None, None, None, None
+        h, weight, targets, log_z, entropy, *kept = ctx.saved_tensors
+        w = _head_weight(weight, ctx.fp32)  # [V,D]
+        # autograd casts a gradient to its input's dtype; these are written in it
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None  # [M,D]
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # [V,D]
+        no_autocast = torch.autocast(device_type=h.device.type, enabled=False)
+        for k, i in enumerate(range(0, len(targets), ctx.chunk_size)):
+            end = min(i + ctx.chunk_size, len(targets))
+            if k < len(kept):  # the saved probabilities [n,V]
+                probs = kept[k]
+            else:  # recomputed from log Z [n]
+                probs = _tempered_logits(h[i:end], w, ctx.temperature, ctx.fp32)
+                probs = probs.sub_(log_z[i:end, None]).exp_()
+            g_logp = grad_logp[i:end, None]  # [n,1]
+            # a new tensor, so a retained graph can run backward again
+            grad = probs.mul(-g_logp)  # [n,V]
+            if entropy is not None and grad_entropy is not None:
+                # dH/dz = -(p log p + p H); xlogy gives 0 where p = 0
+                minus_dH = torch.xlogy(probs, probs).add_(probs * entropy[i:end, None])
+                grad = grad.sub_(minus_dH.mul_(grad_entropy[i:end, None]))
+            grad = grad.scatter_add_(1, targets[i:end, None], g_logp)  # d/d logits [n,V]
+            grad = (grad if ctx.temperature == 1.0 else grad.div_(ctx.temperature)).to(h.dtype)
+            h_i = h[i:end]
+            if ctx.fp32:  # the matmuls ran in float32: their gradients too
+                grad, h_i = grad.float(), h_i.float()
+            with no_autocast if ctx.fp32 else contextlib.nullcontext():
+                if grad_h is not None:
+                    grad_h[i:end] = grad @ w
+                if grad_w is None:
+                    continue
+                if torch.is_autocast_enabled(h.device.type) or grad.dtype != grad_w.dtype:
+                    grad_w.add_(grad.T @ h_i)  # [V,D] in autocast's dtype, added in the weight's
+                else:  # summed in the matmul: no [V,D] temporary
+                    grad_w.addmm_(grad.T, h_i)
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def token_logprobs(
@@ -245,22 +292,17 @@ def score_chunks(
     weight = lm_head.weight[:vocab_size]  # [V,D]: the real vocabulary
     out_dtype = torch.promote_types(h.dtype, torch.float32)
     keep_rows = keep_bytes // (weight.shape[0] * out_dtype.itemsize)
-    logps = []
-    entropies = []
-    # nothing to score (every row masked, e.g. all truncated): one empty chunk
-    # still ties the zeros to the graph, so backward gives every parameter a
-    # zero gradient as the plain version does (AdamW still decays and counts
-    # the step) and under FSDP2 makes the same collectives as the other ranks
-    for i in range(0, max(len(targets), 1), chunk_size):
-        end = min(i + chunk_size, len(targets))
-        logp, entropy = ChunkLogProbs.apply(
-            h[i:end], weight, targets[i:end], temperature, end <= keep_rows, entropy_grad, fp32
-        )
-        logps.append(logp)
-        entropies.append(entropy)
+    # with nothing to score (every row masked, e.g. all truncated) the empty
+    # call still ties the zeros to the graph, so backward gives every
+    # parameter a zero gradient as the plain version does (AdamW still decays
+    # and counts the step) and under FSDP2 makes the same collectives as the
+    # other ranks
+    logp, entropy = ChunkedLogProbs.apply(
+        h, weight, targets, temperature, chunk_size, keep_rows, entropy_grad, fp32
+    )
     zeros = torch.zeros(N, C, dtype=out_dtype, device=h.device)
     # scatter back into [N,C]; masked slots stay 0
-    return (zeros.index_put(where, torch.cat(logps)), zeros.index_put(where, torch.cat(entropies)))
+    return zeros.index_put(where, logp), zeros.index_put(where, entropy)
 
 
 def shared_prompt_forward(model, input_ids, attention_mask, C, head):
