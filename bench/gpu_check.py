@@ -3,6 +3,7 @@ shapes for speed, every figure written as JSON as soon as its part ends.
 
     python bench/gpu_check.py out/gpu                          # one H100/H200: about 8 minutes
     python bench/gpu_check.py out/gpu --only decode,update     # some parts (the JSON keeps the rest)
+    python bench/gpu_check.py out/gpu --only chunks,skip,update,decode --profile   # the settings
     python bench/gpu_check.py out/gpu --device cpu --quick     # the rehearsal: every part, small shapes
 
 Writes out/gpu/gpu_check.json (rewritten after each part, so a run cut short keeps what it
@@ -30,6 +31,10 @@ Speed (random weights of real shapes, bf16):
              each against the HBM floor (weights + KV bytes read per step / measured bandwidth).
   update     forward + backward + AdamW of the 0.5B shape, 16 x (128 + 512) tokens, bf16 autocast over
              fp32 master weights, with and without gradient checkpointing: tokens/s, MFU, peak memory.
+  chunks     the LM head's chunk size: forward + backward of 16 x 512 tokens' log-probs through the
+             0.5B shape's head at chunk sizes 128-4096, probabilities kept and recomputed.
+  skip       the zero-advantage skip's threshold: 16 rows of the 0.5B shape with 1, 4 or 8 rows of
+             advantage 0 at 96-576 tokens, skipped against scored with gradient.
   step       one GRPO step of configs/small.py's per-GPU shape (64 completions of 512 tokens, micro-
              batch 16, the 0.5B shape, a 151,936-id char-level tokenizer): time per phase, peak memory;
              eager and with torch_compile.
@@ -710,6 +715,8 @@ def part_decode(c: Check) -> dict:
                     row[key] = f"{type(e).__name__}: {e}"[:2000]
                     c.log(traceback.format_exc())
                     continue
+                if c.args.profile and key == "compiled" and name == "qwen0.5b":
+                    row["compiled_profile"] = profile_table(c, fn)
                 row[f"{key}_tok_s"] = round(batch * new / t)
                 row[f"{key}_of_floor"] = round(batch * new / t / floor, 3)
                 if "compiled" in key:
@@ -786,6 +793,118 @@ def part_update(c: Check) -> dict:
         out[key] = row
         c.log(f"  {key}: {row}")
     out["shape"] = f"{rows} x ({prompt} + {comp}) tokens"
+    out["ok"] = None
+    return out
+
+
+def part_chunks(c: Check) -> dict:
+    """The LM head's chunk size (token_logprobs' chunk_size): forward + backward of the scored
+    tokens' log-probs through the 0.5B shape's LM head, 16 x 512 tokens, bf16 autocast over fp32
+    weights, at each size, the probabilities kept for backward (keep_bytes' default) and
+    recomputed (keep_bytes=0, gradient checkpointing's way): time, FLOP/s, peak memory."""
+    import inspect
+
+    from nanogrpo.fast.logprobs import KEEP_BYTES, score_chunks, token_logprobs
+
+    default = inspect.signature(token_logprobs).parameters["chunk_size"].default
+    rows, comp = (2, 32) if c.quick else (16, 512)
+    sizes = sorted({8, 16, default} if c.quick else {128, 256, 512, 1024, 2048, 4096, default})
+    torch.manual_seed(0)
+    cfg = ModelConfig(**c.shape("qwen0.5b"))
+    D, V = cfg.hidden_size, cfg.vocab_size
+    head = torch.nn.Linear(D, V, bias=False, device=c.device)
+    h = torch.randn(rows, comp, D, device=c.device, requires_grad=True)
+    targets = torch.randint(0, V, (rows, comp), device=c.device)
+    cmask = torch.ones(rows, comp, dtype=torch.bool, device=c.device)
+    flops = 6 * rows * comp * D * V  # forward and backward's matmuls, no recompute
+    out = {"shape": f"{rows * comp} tokens x D {D} x V {V}", "default": default}
+    for keep in (KEEP_BYTES, 0):
+        mode = "keep" if keep else "recompute"
+        times = {}
+        for size in sizes:
+
+            def run():
+                with torch.autocast(c.device.type, dtype=torch.bfloat16):
+                    logp, _ = score_chunks(h, head, targets, cmask, 1.0, None, size, keep)
+                logp.sum().backward()
+                h.grad = head.weight.grad = None
+
+            c.peak_reset()
+            t, _ = c.timed(run, runs=1 if c.quick else 3)
+            times[size] = t
+            row = {"ms": round(t * 1e3, 2), "TFLOPs": round(flops / t / 1e12, 1)}
+            row["peak_GiB"] = c.peak_gib()
+            out[f"{mode}_{size}"] = row
+            c.log(f"  {mode}, chunk {size}: {row}")
+        best = min(times, key=times.get)
+        out[f"{mode}_fastest"] = best
+        out[f"{mode}_default_vs_fastest"] = round(times[default] / times[best], 3)
+    out["ok"] = None
+    return out
+
+
+def part_skip(c: Check) -> dict:
+    """The zero-advantage skip's threshold (fast/logprobs.py's SKIP_MIN_FLOPS, an estimate on
+    CUDA): policy_logprobs' forward + backward of 16 rows of the 0.5B shape with the rows whose
+    advantage is 0 scored without gradient (one more forward call, no backward for them) against
+    every row with gradient, for several counts of such rows and lengths; the backward FLOPs
+    the skip saves beside its speed-up, and the least saving above which it always paid."""
+    from nanogrpo.fast import logprobs as fast_logprobs
+    from nanogrpo.grpo import LossConfig, LossInputs, grpo_step
+
+    rows, prompt = (4, 8) if c.quick else (16, 64)
+    cases = (
+        [(1, 8), (2, 16)]
+        if c.quick
+        else [(free, comp) for comp in (32, 128, 512) for free in (1, 4, 8)]
+    )
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**c.shape("qwen0.5b"))).to(c.device)
+    V = model.config.vocab_size
+    table = fast_logprobs.SKIP_MIN_FLOPS
+    kind = c.device.type if c.device.type in table else "cuda"
+    current = table[kind]
+    out = {"current_threshold": current}
+    wins = []
+    for free, comp in cases:
+        ids = torch.randint(0, V, (rows, prompt + comp), device=c.device)
+        attn = torch.ones_like(ids)
+        cmask = torch.ones(rows, comp, device=c.device)
+        adv = torch.randn(rows, device=c.device)
+        adv[:free] = 0
+
+        def run(threshold):
+            def step():
+                table[kind] = threshold
+                try:
+                    with torch.autocast(c.device.type, dtype=torch.bfloat16):
+                        logps, _ = fast_logprobs.policy_logprobs(
+                            model, ids, attn, cmask, adv, beta=0.0, entropy_bonus=False
+                        )
+                finally:
+                    table[kind] = current
+                loss, _ = grpo_step(LossInputs(logps, adv, cmask), LossConfig(), read_metrics=False)
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+
+            return step
+
+        (skip, every), _ = bench_sampler.timed(
+            [run(0.0), run(math.inf)], c.device, 1 if c.quick else 3
+        )
+        saved = fast_logprobs.backward_flops(model, free, prompt + comp)
+        row = {
+            "saved_backward_flops": float(f"{saved:.3g}"),
+            "skip_ms": round(skip * 1e3, 2),
+            "every_row_ms": round(every * 1e3, 2),
+            "speedup": round(every / skip, 3),
+        }
+        wins.append((saved, every > skip))
+        out[f"free{free}_of{rows}_len{prompt + comp}"] = row
+        c.log(f"  {free} of {rows} rows free, {prompt + comp} tokens: {row}")
+    # the least saving from which on every case paid
+    paid = [saved for saved, win in wins if all(w for s, w in wins if s >= saved)]
+    out["threshold_measured"] = min(paid) if paid else None
     out["ok"] = None
     return out
 
@@ -900,6 +1019,8 @@ PARTS = {  # in the order they run: the correctness a fix needs first, the long 
     "sampling": part_sampling,
     "syncs": part_syncs,
     "update": part_update,
+    "chunks": part_chunks,
+    "skip": part_skip,
     "decode": part_decode,
     "step": part_step,
     "train": part_train,
@@ -914,7 +1035,11 @@ def main():
         "--quick", action="store_true", help="small shapes and few steps: the rehearsal"
     )
     ap.add_argument("--only", default="", help="comma-separated parts: " + ", ".join(PARTS))
-    ap.add_argument("--profile", action="store_true", help="update: torch.profiler's top kernels")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch.profiler's top kernels: the update's, the 0.5B shape's compiled decode",
+    )
     ap.add_argument("--work_dir", default="", help="checkpoints and runs (default OUT_DIR/work)")
     ap.add_argument(
         "--budget", type=float, default=450.0, help="seconds after which parts are skipped"

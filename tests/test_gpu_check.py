@@ -29,6 +29,8 @@ def test_gpu_check_rehearses_every_part_on_cpu(tmp_path):
         "sampling",
         "syncs",
         "update",
+        "chunks",
+        "skip",
         "decode",
         "step",
         "train",
@@ -36,3 +38,5 @@ def test_gpu_check_rehearses_every_part_on_cpu(tmp_path):
     assert parts["syncs"]["aten_sync_ops_per_step"] <= 12
     assert parts["fsdp"]["fp32"]["grad_rel"] == 0  # one process sums as the plain model does
     assert all(isinstance(v, dict) for k, v in parts["step"].items() if k in ("eager", "compiled"))
+    assert parts["chunks"]["keep_fastest"] in (8, 16, 256)  # the rehearsal's sizes
+    assert all(row["speedup"] > 0 for k, row in parts["skip"].items() if k.startswith("free"))
