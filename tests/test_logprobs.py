@@ -757,3 +757,16 @@ def test_a_rank_with_nothing_to_score_steps_with_the_others(tmp_path):
     one, two = results[1]["state"], results[2]["state"]
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-5, rtol=1e-5), k
+
+
+def test_a_gradient_of_another_dtype_is_added_slice_by_slice_exactly():
+    """_add_in_slices (the LM head's bf16 gradient into its fp32 sum, a slice of rows at a time on
+    CPU) equals one add, slices that do not divide the rows included."""
+    from nanogrpo.fast.logprobs import _add_in_slices
+
+    g = torch.Generator().manual_seed(0)
+    acc = torch.randn(10, 6, generator=g)
+    part = torch.randn(10, 6, generator=g).bfloat16()
+    want = acc + part
+    _add_in_slices(acc, part, rows=3)
+    assert torch.equal(acc, want)

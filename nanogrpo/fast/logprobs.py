@@ -75,6 +75,15 @@ def _head_weight(weight, fp32):
     return weight
 
 
+def _add_in_slices(acc, part, rows=8192):
+    """acc += part (another dtype) a slice of rows at a time: on CPU an add across dtypes first
+    casts its whole input ([V,D] fp32 here, 0.5 GB at Qwen2.5-0.5B's head); a GPU casts in the
+    kernel, so one slice holds it all there."""
+    step = len(part) if acc.device.type != "cpu" else rows
+    for i in range(0, len(part), step):
+        acc[i : i + step].add_(part[i : i + step])
+
+
 class ChunkedLogProbs(torch.autograd.Function):
     """(h [M,D], weight [V,D], targets [M], temperature, chunk_size, keep_rows, entropy_grad, fp32)
     -> (logp [M], entropy [M]) of the targets under p = softmax(z), z = h @ weight.T / temperature,
@@ -126,6 +135,8 @@ class ChunkedLogProbs(torch.autograd.Function):
             log_z[i:end] = (top + lse).squeeze(-1)
             if end <= keep_rows:
                 kept.append(probs)
+            # freed now, not when the next chunk's are already made
+            del shifted, probs
         ctx.save_for_backward(h, weight, targets, log_z, entropy if entropy_grad else None, *kept)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
@@ -170,11 +181,13 @@ class ChunkedLogProbs(torch.autograd.Function):
                 if grad_h is not None:
                     grad_h[i:end] = grad @ w
                 if grad_w is None:
-                    continue
-                if torch.is_autocast_enabled(h.device.type) or grad.dtype != grad_w.dtype:
-                    grad_w.add_(grad.T @ h_i)  # [V,D] in autocast's dtype, added in the weight's
+                    pass
+                elif torch.is_autocast_enabled(h.device.type) or grad.dtype != grad_w.dtype:
+                    _add_in_slices(grad_w, grad.T @ h_i)  # [V,D] in autocast's dtype
                 else:  # summed in the matmul: no [V,D] temporary
                     grad_w.addmm_(grad.T, h_i)
+            # freed now, not when the next chunk's are already made
+            del probs, grad
         return grad_h, grad_w, None, None, None, None, None, None
 
 
