@@ -180,11 +180,10 @@ class ChunkedLogProbs(torch.autograd.Function):
             with no_autocast if ctx.fp32 else contextlib.nullcontext():
                 if grad_h is not None:
                     grad_h[i:end] = grad @ w
-                if grad_w is None:
-                    pass
-                elif torch.is_autocast_enabled(h.device.type) or grad.dtype != grad_w.dtype:
+                mixed = torch.is_autocast_enabled(h.device.type) or grad.dtype != weight.dtype
+                if grad_w is not None and mixed:
                     _add_in_slices(grad_w, grad.T @ h_i)  # [V,D] in autocast's dtype
-                else:  # summed in the matmul: no [V,D] temporary
+                elif grad_w is not None:  # summed in the matmul: no [V,D] temporary
                     grad_w.addmm_(grad.T, h_i)
             # freed now, not when the next chunk's are already made
             del probs, grad
