@@ -861,10 +861,8 @@ def part_skip(c: Check) -> dict:
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**c.shape("qwen0.5b"))).to(c.device)
     V = model.config.vocab_size
-    table = fast_logprobs.SKIP_MIN_FLOPS
-    kind = c.device.type if c.device.type in table else "cuda"
-    current = table[kind]
-    out = {"current_threshold": current}
+    rule = fast_logprobs.skip_min_flops  # the threshold policy_logprobs reads, by device
+    out = {"current_threshold": rule(c.device)}
     wins = []
     for free, comp in cases:
         ids = torch.randint(0, V, (rows, prompt + comp), device=c.device)
@@ -875,14 +873,14 @@ def part_skip(c: Check) -> dict:
 
         def run(threshold):
             def step():
-                table[kind] = threshold
+                fast_logprobs.skip_min_flops = lambda device: threshold
                 try:
                     with torch.autocast(c.device.type, dtype=torch.bfloat16):
                         logps, _ = fast_logprobs.policy_logprobs(
                             model, ids, attn, cmask, adv, beta=0.0, entropy_bonus=False
                         )
                 finally:
-                    table[kind] = current
+                    fast_logprobs.skip_min_flops = rule
                 loss, _ = grpo_step(LossInputs(logps, adv, cmask), LossConfig(), read_metrics=False)
                 loss.backward()
                 model.zero_grad(set_to_none=True)

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 FAMILIES = ["qwen2", "llama3", "llama_linear", "qwen3", "mistral", "smollm3", "gemma3", "qwen3_5"]
@@ -34,6 +35,20 @@ QWEN3_5 = {
     "linear_value_head_dim": 8,
     "linear_conv_kernel_dim": 4,
 }
+
+
+class RecordOps(TorchDispatchMode):
+    """Inside it, every aten op that runs is recorded in `ops` as (overload, output shape; None
+    for an output that is not one tensor): `with RecordOps() as rec: ...`."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, tuple(out.shape) if isinstance(out, torch.Tensor) else None))
+        return out
 
 
 def mismatches(cases, ours, theirs):

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import GEMMA3, QWEN3_5, fixture_path, tiny_config
+from conftest import GEMMA3, QWEN3_5, RecordOps, fixture_path, tiny_config
 from hypothesis import given, settings, strategies as st
 
 from nanogrpo.checkpoint import load_model
@@ -423,8 +423,6 @@ def test_the_lm_head_is_cast_once_a_call_however_many_chunks(keep_bytes):
     as one fp32 [V,D] tensor: no per-chunk cast of the weight or of its gradient (one Function per
     chunk made 2 to 4 such casts per chunk). Chunks of 1 and one chunk give the same gradients up to
     bf16's rounding of each chunk's share of the weight's gradient."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from nanogrpo.fast.logprobs import score_chunks
 
     torch.manual_seed(0)
@@ -434,26 +432,16 @@ def test_the_lm_head_is_cast_once_a_call_however_many_chunks(keep_bytes):
         h0 = model.hidden_states(ids, attention_mask=att.bool())[:, P - 1 : -1]  # [N,C,D]
     D = h0.shape[-1]
 
-    class WeightCasts(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func is torch.ops.aten._to_copy.default and tuple(out.shape) == (V, D):
-                self.n += 1
-            return out
-
     def run(chunk_size):
         h = h0.clone().requires_grad_()
-        with WeightCasts() as casts:
+        with RecordOps() as rec:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logp, _ = score_chunks(
                     h, model.lm_head, ids[:, P:], cmask, 0.7, None, chunk_size, keep_bytes
                 )
             grads = torch.autograd.grad(logp.sum(), [h, model.lm_head.weight])
-        return casts.n, grads
+        casts = rec.ops.count((torch.ops.aten._to_copy.default, (V, D)))
+        return casts, grads
 
     n_one, grads_one = run(chunk_size=int(cmask.sum()))
     n_many, grads_many = run(chunk_size=1)

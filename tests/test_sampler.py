@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import FAMILIES, GEMMA3, QWEN3_5, fixture_path, tiny_config
+from conftest import FAMILIES, GEMMA3, QWEN3_5, RecordOps, fixture_path, tiny_config
 from hypothesis import assume, given, settings, strategies as st
 
 from nanogrpo.checkpoint import load_model
@@ -754,20 +754,12 @@ def test_lm_logits_is_one_product_for_many_slices():
     """A 32-wide model over a 262k vocabulary is 128 slices of 2048 rows: one batched product
     and one for the shorter last slice, not a product (a fork and join of the CPU threads) per
     slice each token."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    products = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm):
-                products.append(func)
-            return func(*args, **(kwargs or {}))
-
     model = head_model(262144, 32)
     h = torch.randn(4, 32)
-    with Count():
+    with RecordOps() as rec:
         logits = lm_logits(model, h, 262144 - 3, 2048)
+    aten = torch.ops.aten
+    products = [f for f, _ in rec.ops if f.overloadpacket in (aten.mm, aten.bmm, aten.addmm)]
     assert len(products) <= 2
     assert torch.equal(logits, logits_per_slice(model, h, 262144 - 3, 2048))
 
