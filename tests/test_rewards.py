@@ -1,6 +1,7 @@
 """Built-in rewards on tricky inputs, name resolution, and score_completions' batching and errors."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -193,6 +194,77 @@ def test_resolve_names_callables_and_modules(tmp_path, monkeypatch):
         resolve_reward_funcs(["my_rewards:nope"])
     with pytest.raises(ValueError, match="max_completion_length"):
         resolve_reward_funcs(["soft_overlong"])
+
+
+DATACLASS_FILE = """
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Score:
+    value: float = 0.0
+    seen: list[str] = field(default_factory=list)
+
+
+def length(completions, **kwargs) -> list[float]:
+    return [Score(float(len(c))).value for c in completions]
+
+
+def double(x: int) -> int:
+    \"\"\"Doubles a number.
+
+    Args:
+        x: the number
+    \"\"\"
+    return 2 * Score(x).value
+
+
+@dataclass
+class Counter:
+    count: int = 0
+
+    def reset(self, **kwargs) -> str | None:
+        self.count = 0
+        return None
+
+    def step(self, by: int) -> str:
+        \"\"\"Adds to the count.
+
+        Args:
+            by: how much
+        \"\"\"
+        self.count += by
+        return str(dataclasses.asdict(self))
+"""
+
+
+def test_a_file_of_dataclasses_imports_as_python_imports_it(tmp_path):
+    """A reward, tool or environment file written as TRL's often are (`from __future__ import
+    annotations` and a @dataclass) imports, as a module in sys.modules named for its kind and
+    file; two files with one name are two modules."""
+    from nanogrpo.extras.environments import resolve_factory
+    from nanogrpo.extras.tools import resolve_tools
+
+    path = tmp_path / "things.py"
+    path.write_text(DATACLASS_FILE)
+    [(name, length)] = resolve_reward_funcs([f"{path}:length"])
+    assert length(completions=["abc", ""]) == [3.0, 0.0]
+    assert length.__module__ == "reward_function_things"
+    tools = resolve_tools([f"{path}:double"])
+    assert tools["double"](x=2) == 4 and tools["double"].__module__ == "tool_things"
+    env = resolve_factory(f"{path}:Counter")()
+    env.reset()
+    assert env.step(by=3) == "{'count': 3}" and type(env).__module__ == "environment_factory_things"
+    other = tmp_path / "other" / "things.py"
+    other.parent.mkdir()
+    other.write_text(DATACLASS_FILE.replace("len(c)", "len(c) + 1"))
+    [(_, again)] = resolve_reward_funcs([f"{other}:length"])
+    assert again.__module__.startswith("reward_function_things_")
+    assert again(completions=[""]) == [1.0]
+    assert sys.modules["reward_function_things"].__file__ == str(path)
 
 
 def test_user_reward_file_importing_builtins(tmp_path):

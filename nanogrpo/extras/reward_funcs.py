@@ -11,6 +11,9 @@ Does not know about: how a batch is scored (rewards.py), the policy, or other pr
 import difflib
 import importlib.util
 import os
+import re
+import sys
+import zlib
 
 import torch
 
@@ -23,11 +26,7 @@ def import_function(spec: str, kind: str = "reward function"):
     module_name, _, attr = spec.rpartition(":")
     try:
         if module_name.endswith(".py"):
-            loader_spec = importlib.util.spec_from_file_location(
-                f"_reward_{abs(hash(module_name))}", module_name
-            )
-            module = importlib.util.module_from_spec(loader_spec)
-            loader_spec.loader.exec_module(module)
+            module = import_file(module_name, kind)
         else:
             module = importlib.import_module(module_name)
     except (ImportError, OSError) as e:
@@ -42,6 +41,29 @@ def import_function(spec: str, kind: str = "reward function"):
     if not callable(fn):
         raise ValueError(f"{kind} {spec!r}: {module_name!r} has no function {attr!r}")
     return fn
+
+
+def import_file(path: str, kind: str):
+    """Run a .py file as Python imports a module (importlib's recipe: the module is in sys.modules
+    while it runs, so dataclasses and `from __future__ import annotations` find it), named for its
+    kind and file: "reward_function_my_rewards". A file run again (another run in this process)
+    is run anew under its name; another file with that name gets the name with a suffix."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    name = re.sub(r"\W", "_", f"{kind}_{stem}")
+    held = sys.modules.get(name)
+    if held is not None and getattr(held, "__file__", None) != os.path.abspath(path):
+        name = f"{name}_{zlib.crc32(os.path.abspath(path).encode()):08x}"
+    spec = importlib.util.spec_from_file_location(name, os.path.abspath(path))
+    if spec is None:
+        raise ImportError(f"{path} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def resolve_reward_funcs(
