@@ -112,9 +112,13 @@ def check_prompts(
     return cut
 
 
+# columns TRL never passes to reward functions
+NOT_PASSED = ("prompt", "completion", "completion_ids")
+
+
 def columns_of(rows: list[dict]) -> dict[str, list]:
-    """Every column but `prompt`, as {name: [value per row]} (None where a row lacks the key)."""
-    names = list(dict.fromkeys(k for row in rows for k in row if k != "prompt"))
+    """Every column but NOT_PASSED's, as {name: [value per row]} (None where a row lacks it)."""
+    names = list(dict.fromkeys(k for row in rows for k in row if k not in NOT_PASSED))
     return {name: [row.get(name) for row in rows] for name in names}
 
 

@@ -29,7 +29,7 @@ import numbers
 
 import torch
 
-from nanogrpo.data import columns_of
+from nanogrpo.data import NOT_PASSED, columns_of
 
 
 class RewardError(RuntimeError):
@@ -72,11 +72,20 @@ TRAINER_ARGUMENTS = (
 )
 
 
-def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
-    """Every column a reward function requires (a parameter without default, besides the
-    TRAINER_ARGUMENTS the trainer passes) must be a key of every row (a None value is passed on,
-    as TRL passes it): found at load time, not as a crash at step 50.
-    """
+def check_reward_columns(reward_funcs, rows: list[dict], source, environments: bool) -> None:
+    """At load time, not as a crash at step 50: a column named as an argument the trainer passes
+    (TRAINER_ARGUMENTS; `environments` only with environment_factory) is refused, for it would
+    not reach the functions (TRL overwrites it, or the call fails); every column a reward
+    function requires (a parameter without default, besides those arguments) must be a key of
+    every row (a None value is passed on, as TRL passes it). reward_funcs=[]: the names only."""
+    passed = [a for a in TRAINER_ARGUMENTS if environments or a != "environments"]
+    for i, row in enumerate(rows):
+        taken = [c for c in passed if c in row and c not in NOT_PASSED]
+        if taken:
+            raise ValueError(
+                f"row {i} of dataset {source} has the column {taken[0]!r}, the name of an "
+                "argument the trainer passes reward functions itself: rename the column"
+            )
     for name, fn in reward_funcs:
         try:
             params = inspect.signature(fn).parameters.values()
@@ -87,7 +96,7 @@ def check_reward_columns(reward_funcs, rows: list[dict], source: str) -> None:
             for p in params
             if p.default is p.empty
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-            and p.name not in TRAINER_ARGUMENTS
+            and p.name not in passed
         ]
         for i, row in enumerate(rows):
             missing = [c for c in needed if c not in row]

@@ -284,6 +284,7 @@ def load_data(
                 f"{source} are longer than max_prompt_length="
                 f"{cfg.max_prompt_length} tokens: cut from the left"
             )
-        if cfg.rollout_func is None:
-            check_reward_columns(reward_funcs, checked, source)
+        # a rollout_func's fields may hold the columns the functions need
+        needing = reward_funcs if cfg.rollout_func is None else []
+        check_reward_columns(needing, checked, source, environments=envs is not None)
     return rows, eval_rows

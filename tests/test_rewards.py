@@ -420,7 +420,7 @@ def test_a_column_that_is_none_in_some_rows_reaches_the_reward_function():
 
     funcs = [("by_difficulty", by_difficulty)]
     rows = [{"prompt": "a", "difficulty": "hard"}, {"prompt": "b", "difficulty": None}]
-    check_reward_columns(funcs, rows, "data.jsonl")
+    check_reward_columns(funcs, rows, "data.jsonl", environments=False)
     columns = {"difficulty": [r["difficulty"] for r in rows]}
     scores = score_completions(funcs, ["a", "b"], ["x", "y"], [[1], [2]], columns)
     assert seen == ["hard", None] and scores[:, 0].tolist() == [1.0, 0.0]
@@ -429,4 +429,45 @@ def test_a_column_that_is_none_in_some_rows_reaches_the_reward_function():
         match=r"needs the column\(s\) \['difficulty'\], which row 1 of dataset data.jsonl "
         r"lacks \(its columns: \['prompt'\]\)",
     ):
-        check_reward_columns(funcs, [rows[0], {"prompt": "b"}], "data.jsonl")
+        check_reward_columns(funcs, [rows[0], {"prompt": "b"}], "data.jsonl", environments=False)
+
+
+def test_the_columns_trl_drops_are_dropped_and_a_taken_name_is_refused():
+    """As TRL: every column but prompt, completion and completion_ids reaches the reward
+    functions (a completion_ids column made every call fail with "multiple values"); a column
+    named as an argument the trainer passes is refused at load time in one line; `environments`
+    is the trainer's only with environment_factory."""
+    from nanogrpo.data import columns_of
+    from nanogrpo.rewards import check_reward_columns
+
+    seen = {}
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        seen.update(kwargs, completion_ids=completion_ids)
+        return [1.0] * len(completions)
+
+    rows = [
+        {"prompt": "a", "completion": "ref", "completion_ids": [7], "answer": "1"},
+        {"prompt": "b", "completion": "ref", "completion_ids": [8], "answer": "2"},
+    ]
+    funcs = [("reward", reward)]
+    check_reward_columns(funcs, rows, "data.jsonl", environments=False)
+    scores = score_completions(funcs, ["a", "b"], ["x", "y"], [[1], [2]], columns_of(rows))
+    assert scores[:, 0].tolist() == [1.0, 1.0]
+    assert seen == {"answer": ["1", "2"], "completion_ids": [[1], [2]]}
+    for taken in ("prompts", "completions", "trainer_state", "log_metric", "log_extra"):
+        with pytest.raises(
+            ValueError, match=f"row 1 of dataset data.jsonl has the column '{taken}'"
+        ):
+            check_reward_columns(funcs, [rows[0], {**rows[1], taken: 1}], "data.jsonl", False)
+
+    def by_env(completions, environments, **kwargs):
+        return [1.0] * len(completions)
+
+    with_envs = [{"prompt": "a", "environments": "mine"}]
+    check_reward_columns([("by_env", by_env)], with_envs, "d", environments=False)
+    with pytest.raises(ValueError, match="has the column 'environments'"):
+        check_reward_columns([("by_env", by_env)], with_envs, "d", environments=True)
+    check_reward_columns([("by_env", by_env)], [{"prompt": "a"}], "d", environments=True)
+    with pytest.raises(ValueError, match=r"needs the column\(s\) \['environments'\]"):
+        check_reward_columns([("by_env", by_env)], [{"prompt": "a"}], "d", environments=False)
