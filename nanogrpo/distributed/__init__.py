@@ -177,18 +177,18 @@ FAILED_KEY = "nanogrpo/failed"  # in torchrun's store: a rank's last words
 
 def collective_failure(e: BaseException, info: DistInfo, timeout: float) -> str | None:
     """What a failed collective says about the other ranks, in words
-    ("rank 1 stopped answering (ddp_timeout=10 s)"), or None when e is no
-    collective's failure. gloo raises a RuntimeError naming its own source
-    file; NCCL and the store raise torch.distributed's DistError."""
+    ("rank 1 stopped answering (ddp_timeout=10 s): Timed out ..."), or None
+    when e is no collective's failure. gloo raises a RuntimeError naming its
+    own source file; NCCL and the store raise torch.distributed's DistError.
+    A rank that is gone is said in peer_gone's words alone: which of gloo's
+    messages comes first is a race ("Connection closed by peer", "Read
+    error"), and so is whether torchrun's SIGTERM comes before it."""
     text = str(e)
     if not (isinstance(e, dist.DistError) or "/gloo/" in text):
         return None
-    other = "another rank"
-    if info.world_size == 2:
-        other = f"rank {1 - info.rank}"
     if re.search("timed out|timeout", text, re.IGNORECASE):
-        return f"{other} stopped answering (ddp_timeout={timeout:g} s)"
-    return f"{other} is gone (it failed or was killed)"
+        return f"{_other(info)} {STOPPED} (ddp_timeout={timeout:g} s): {first_sentence(text)}"
+    return peer_gone(info)
 
 
 def first_sentence(text: str) -> str:
@@ -198,6 +198,18 @@ def first_sentence(text: str) -> str:
     return re.split(r"(?<=\.) |\n", text)[0]
 
 
+STOPPED = "stopped answering"  # a collective waited ddp_timeout on another rank
+
+
+def _other(info: DistInfo) -> str:
+    return f"rank {1 - info.rank}" if info.world_size == 2 else "another rank"
+
+
+def peer_gone(info: DistInfo) -> str:
+    """Another rank ended (it failed or was killed), in words."""
+    return f"{_other(info)} is gone (it failed or was killed)"
+
+
 def _store():
     """The process group's key-value store (torchrun's agent holds it)."""
     return dist.distributed_c10d._get_default_store()
@@ -205,7 +217,7 @@ def _store():
 
 def tell_peers(line: str):
     """Leave this rank's failure in the store, where the other ranks look
-    when torchrun stops them (peer_failed). Best effort: the store may
+    when torchrun stops them (peer_failure). Best effort: the store may
     have gone with the run."""
     if not dist.is_initialized():
         return
@@ -215,14 +227,15 @@ def tell_peers(line: str):
         pass
 
 
-def peer_failed() -> bool:
-    """Whether another rank told of its failure (tell_peers)."""
+def peer_failure() -> str | None:
+    """The line another rank left of its failure (tell_peers), or None."""
     if not dist.is_initialized():
-        return False
+        return None
     try:
-        return _store().check([FAILED_KEY])
+        store = _store()
+        return store.get(FAILED_KEY).decode() if store.check([FAILED_KEY]) else None
     except Exception:  # an unreachable store tells nothing
-        return False
+        return None
 
 
 # -----------------------------------------------------------------------------

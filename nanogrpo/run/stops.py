@@ -11,6 +11,7 @@ import sys
 from contextlib import contextmanager
 
 from nanogrpo import distributed as dist
+from nanogrpo.run.checkpoints import SaveFailed
 from nanogrpo.run.outdir import Run
 from nanogrpo.run.saving import current_step, resume_command, save, save_on_stop, saved
 
@@ -42,6 +43,8 @@ def saving_on_stop(run: Run, t):
             if failure:
                 raise failure from e
             raise
+        if isinstance(e, SaveFailed):  # its line names what is kept; a retry would fail too
+            raise
         try:
             save_on_stop(run, t, "stopped by an error")
         except Exception as e:  # the error may be the disk itself
@@ -64,7 +67,7 @@ def rank_error(run: Run, t, e: Exception) -> Exception | None:
         e.add_note(f"{where}, at step {current_step(run, t)}")
         dist.tell_peers(f"{where}: {type(e).__name__}: {e}")
         return None
-    line = f"{where}: at step {current_step(run, t)}, {what}: {dist.first_sentence(str(e))}"
+    line = f"{where}: at step {current_step(run, t)}, {what}"
     dist.tell_peers(line)
     return RankFailure(line)
 
@@ -143,8 +146,10 @@ def on_stop_signal(run: Run, t, signum: int, frame):
     SIGTERM changes nothing (SLURM signals every process, and torchrun
     passes it on too). SIGTERM after another rank failed is torchrun
     stopping this one: it ends at once."""
-    if signum == signal.SIGTERM and run.info.sharded and dist.peer_failed():
-        end_now(run, t, frame)
+    told = dist.peer_failure() if signum == signal.SIGTERM and run.info.sharded else None
+    if told:
+        say(ending_line(run, t, told, frame))
+        os._exit(128 + signal.SIGTERM)  # not sys.exit: it could wait on threads
     if signalled["signum"]:
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
@@ -224,21 +229,21 @@ def say(line: str):
         print(line, flush=True)
 
 
-def end_now(run: Run, t, frame):
-    """torchrun stopping this rank after another failed: say where this
-    rank was (a hung reward function shows here) and exit at once: the
-    others are gone, so there is nothing to save or to wait for."""
-    where = ""
-    if frame is not None:
-        code = frame.f_code
-        where = (
-            f"; it was in {code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})"
-        )
-    say(
-        f"train.py: rank {run.info.rank}: ended at step {current_step(run, t)} "
-        f"after another rank failed{where}"
+def ending_line(run: Run, t, told: str, frame) -> str:
+    """What a rank says when torchrun stops it after another rank failed
+    (told: that rank's line, tell_peers), before it exits at once: the
+    others are gone, so there is nothing to save or to wait for. If the
+    other rank timed out waiting on this one, where this rank was (a hung
+    reward function shows here); else rank_error's line for a rank that is
+    gone, word for word: a rank sees either first, by a race."""
+    step = current_step(run, t)
+    if dist.STOPPED not in told or frame is None:
+        return f"train.py: error: rank {run.info.rank}: at step {step}, {dist.peer_gone(run.info)}"
+    code = frame.f_code
+    return (
+        f"train.py: rank {run.info.rank}: ended at step {step} after another rank failed; "
+        f"it was in {code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})"
     )
-    os._exit(128 + signal.SIGTERM)  # not sys.exit: it could wait on threads
 
 
 def stop_if_signalled(run: Run, t):
