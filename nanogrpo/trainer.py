@@ -34,7 +34,7 @@ from nanogrpo.extras.datasets import load_dataset
 from nanogrpo.extras.environments import Environments, placeholder_rows
 from nanogrpo.extras.generation_kwargs import sampling_kwargs
 from nanogrpo.extras.lr_schedules import lr_lambda, warmup_length
-from nanogrpo.extras.reward_funcs import resolve_reward_funcs
+from nanogrpo.extras.reward_funcs import check_names, resolve_reward_funcs
 from nanogrpo.extras.tool_rounds import ToolTurns
 from nanogrpo.extras.tools import resolve_tools, tool_schema
 from nanogrpo.grpo import LossConfig
@@ -161,6 +161,7 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None) -> Trainer:
         owned = envs.reward_funcs()  # TRL: weight 1 each, named after the class
         reward_funcs += owned
         weights = weights + [1.0] * len(owned)
+    check_names(reward_funcs)
     if not reward_funcs:  # TRL's message
         raise ConfigError(
             "No reward source provided. Pass `reward_funcs`, or an "

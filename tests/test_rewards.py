@@ -471,3 +471,37 @@ def test_the_columns_trl_drops_are_dropped_and_a_taken_name_is_refused():
     check_reward_columns([("by_env", by_env)], [{"prompt": "a"}], "d", environments=True)
     with pytest.raises(ValueError, match=r"needs the column\(s\) \['environments'\]"):
         check_reward_columns([("by_env", by_env)], [{"prompt": "a"}], "d", environments=False)
+
+
+def test_reward_names_are_trls_and_two_of_one_name_are_refused(tmp_path):
+    """A functools.partial is named after the function it wraps (as TRL's get_callable_name), a
+    callable object after its class; two reward functions of one name, whose rewards/<name>/*
+    metrics TRL merges into one, are refused before training, in one line naming both."""
+    import dataclasses
+    import functools
+
+    from test_train import tiny
+
+    import train
+    from nanogrpo.extras.reward_funcs import check_names
+
+    def length(completions, scale=1.0, **kwargs):
+        return [scale * len(c) for c in completions]
+
+    class Judge:
+        def __call__(self, completions, **kwargs):
+            return [0.0] * len(completions)
+
+    resolved = resolve_reward_funcs(
+        [functools.partial(functools.partial(length, scale=2)), Judge()]
+    )
+    assert [name for name, _ in resolved] == ["length", "Judge"]
+    check_names(resolved)
+    twice = resolve_reward_funcs([length, functools.partial(length, scale=2.0)])
+    with pytest.raises(ValueError, match=r"reward functions 0 and 1 .* named 'length'"):
+        check_names(twice)
+    cfg = dataclasses.replace(tiny(tmp_path), reward_funcs=["default_task", "default_task"])
+    with pytest.raises(
+        ValueError, match=r"0 and 1 \(counted from 0.*named 'default_task', .* would merge"
+    ):
+        train.train(cfg)

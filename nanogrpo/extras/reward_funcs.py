@@ -9,6 +9,7 @@ Does not know about: how a batch is scored (rewards.py), the policy, or other pr
 """
 
 import difflib
+import functools
 import importlib.util
 import os
 import re
@@ -66,6 +67,28 @@ def import_file(path: str, kind: str):
     return module
 
 
+def callable_name(fn) -> str:
+    """A reward function's name, as TRL names it: a functools.partial is named after the function
+    it wraps, a callable object after its class."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def check_names(reward_funcs: list[tuple[str, object]]):
+    """Two reward functions of one name would log as one `rewards/<name>/*` (TRL merges them):
+    refused in one line naming both."""
+    first = {}
+    for i, (name, _) in enumerate(reward_funcs):
+        if name in first:
+            raise ValueError(
+                f"reward functions {first[name]} and {i} (counted from 0, an environment's "
+                f"get_reward last) are both named {name!r}, so their rewards/{name}/* metrics "
+                "would merge: give one another name (a def of its own, or set its __name__)"
+            )
+        first[name] = i
+
+
 def resolve_reward_funcs(
     names_or_callables,
     *,
@@ -93,7 +116,7 @@ def resolve_reward_funcs(
     resolved = []
     for item, tokenizer in zip(names_or_callables, tokenizers):
         if callable(item):
-            resolved.append((getattr(item, "__name__", type(item).__name__), item))
+            resolved.append((callable_name(item), item))
         elif not isinstance(item, str):
             raise TypeError(f"a reward function is a name or a callable, got {item!r}")
         elif item == "soft_overlong":
