@@ -330,7 +330,7 @@ def draw_more(t: Trainer, generator, logs):
 
 @torch.no_grad()
 def evaluate(t: Trainer) -> dict:
-    """num_generations_eval samples (None = 1) per eval prompt, scored as in training:
+    """num_generations_eval samples (None = num_generations) per eval prompt, scored as in training:
     report.eval_metrics' rewards and pass@1, and TRL's eval_loss. Each eval row counts once, on any
     world size."""
     info = t.info
@@ -339,7 +339,7 @@ def evaluate(t: Trainer) -> dict:
     rows = [t.eval_rows[i] for i in indices]
     generator = torch.Generator(info.device)
     generator.manual_seed(round_seed(t.cfg, 0, info.rank, salt=17))
-    G = t.cfg.num_generations_eval or 1
+    G = t.cfg.num_generations_eval or t.cfg.num_generations
     logs = RewardLogs()  # what the reward functions log
     with dist.gathered(t.model), run.abandonable():  # as in sample_round
         ro = sample(t, rows, G, generator)

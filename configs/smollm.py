@@ -25,6 +25,7 @@ dataset = "addition"
 eval_dataset = "addition"
 eval_split = "test"
 eval_size = 128  # held-out problems, all distinct; standard error of pass@1 <= 0.045
+num_generations_eval = 1  # held-out pass@1: one sample a problem (None: num_generations)
 eval_strategy = "steps"
 eval_steps = 10
 reward_funcs = ["accuracy", "soft_overlong"]

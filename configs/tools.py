@@ -18,6 +18,7 @@ seed = 0
 dataset = "out/tools/products.jsonl"
 eval_dataset = "out/tools/products_test.jsonl"
 eval_size = 64
+num_generations_eval = 1  # held-out pass@1: one sample a problem (None: num_generations)
 # held-out: python bench/eval_heldout.py --config tools.py [--model=out/tools/checkpoint]
 reward_funcs = [
     "examples/tool_calculator.py:product_reward",

@@ -51,6 +51,7 @@ seed = 0
 dataset = "out/vault/rooms.jsonl"
 eval_dataset = "out/vault/rooms_test.jsonl"
 eval_size = 64
+num_generations_eval = 1  # held-out pass@1: one sample a problem (None: num_generations)
 # held-out: python bench/eval_heldout.py --config vault.py [--model=out/vault/checkpoint]
 environment_factory = "examples/vault_game.py:VaultRoom"
 reward_funcs = []  # the environment owns the reward

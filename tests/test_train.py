@@ -1,5 +1,6 @@
 """train.py end to end on the embedded default (tiny model, CPU): smoke, learning, resume, errors."""
 
+import dataclasses
 import json
 import math
 import os
@@ -1131,6 +1132,15 @@ def test_num_generations_eval_and_max_prompt_length(tmp_path, capsys):
     finally:
         train.reward_rollout = score
     assert seen == [18] and 0 <= metrics["eval/reward"] <= 1
+    t.cfg = dataclasses.replace(t.cfg, num_generations_eval=None)  # TRL's: num_generations
+    train.reward_rollout = lambda ro, funcs, *a: (
+        seen.append(len(ro.completions)) or score(ro, funcs)
+    )
+    try:
+        train.evaluate(t)
+    finally:
+        train.reward_rollout = score
+    assert seen == [18, 6 * 4]
 
 
 STATS = ("min", "mean", "max")
@@ -1435,6 +1445,7 @@ def test_evaluation_passes_trls_reward_arguments_and_logs_eval_loss(tmp_path):
     one completion a prompt there is no advantage, so with beta=0 it is 0 and with beta>0 it is
     the KL to the reference, which training has moved away from."""
     common = [
+        "--num_generations_eval=1",
         f"--reward_funcs={__name__}:state_reward",
         "--max_steps=2",
         "--eval_strategy=steps",
@@ -1449,6 +1460,8 @@ def test_evaluation_passes_trls_reward_arguments_and_logs_eval_loss(tmp_path):
     assert history[-1]["eval/loss"] > 0
     history = train.train(tiny(tmp_path / "c", *common, "--num_generations_eval=4"))
     assert math.isfinite(history[-1]["eval/loss"])
+    history = train.train(tiny(tmp_path / "d", *common[1:]))  # None: num_generations, as TRL
+    assert history[-1]["eval/loss"] != 0.0
 
 
 def test_an_epochs_short_last_step_trains_what_the_epoch_has_left(tmp_path, monkeypatch):

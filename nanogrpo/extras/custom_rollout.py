@@ -94,7 +94,7 @@ class RolloutTrainer:
         self.tokenizer = t.tok
         self.args = t.cfg
         self.num_generations = t.cfg.num_generations
-        self.num_generations_eval = t.cfg.num_generations_eval
+        self.num_generations_eval = t.cfg.num_generations_eval or t.cfg.num_generations
         self.max_completion_length = t.cfg.max_completion_length
         self.temperature = t.cfg.temperature
         self.generator = generator

@@ -6,8 +6,9 @@ Does not know about: sampling, reward functions or the model: train.py's `evalua
 the evaluation's rewards and log-probs.
 
 Choices:
-- Advantages within each prompt's eval group (num_generations_eval completions, None = 1): with
-  one completion a prompt there is no advantage, and only the KL term (beta > 0) is left. TRL
+- Advantages within each prompt's eval group (num_generations_eval completions, None =
+  num_generations): with one completion a prompt there is no advantage, and only the KL term
+  (beta > 0) is left. TRL
   computes the loss per eval batch and averages the batches; here the batch is the whole
   evaluation, so the figure does not depend on per_device_eval_batch_size.
 - On-policy (the ratio is exactly 1); the sampler's log-probs reach the loss as in training, so

@@ -144,7 +144,7 @@ class TrainConfig(Rules):
     )
     num_iterations: int = setting(1, "optimizer passes over each generated batch (mu)")
     num_generations_eval: int | None = setting(
-        None, "completions per prompt in evaluation; None = 1 (nanogrpo scores one)"
+        None, "completions per prompt in evaluation; None = num_generations (TRL's)"
     )
 
     max_completion_length: int = setting(
