@@ -83,12 +83,12 @@ def start(cfg: TrainConfig, info, command=None) -> tuple[Run, TrainConfig]:
 
 
 def open_logs(run: Run, t):
-    """metrics.jsonl (rewritten from history on resume) and trackers."""
+    """metrics.jsonl (rewritten on resume: the records of history's steps) and trackers."""
     if run.info.is_main:
         os.makedirs(run.cfg.output_dir, exist_ok=True)
         path = os.path.join(run.cfg.output_dir, "metrics.jsonl")
         with open(path, "w") as f:
-            for m in run.history:
+            for m in report.logged_records(run.history, run.cfg):
                 f.write(json.dumps(m) + "\n")
     run.reporters = report.open_reporters(run.cfg, run.info)
     run.started = (time.time(), t.step)

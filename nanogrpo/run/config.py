@@ -337,7 +337,12 @@ class TrainConfig(Rules):
     num_train_epochs: float = setting(
         3.0, "passes over the prompts, as TRL counts them (when max_steps is -1)"
     )
-    logging_steps: int = setting(10, "steps between console lines and tracker logs")
+    logging_steps: int = setting(
+        10,
+        "steps between logs (a console line, a metrics.jsonl and tracker record), each the mean "
+        "over its steps as TRL's (grad_norm, learning_rate, epoch: the logging step's); the last "
+        "step logs too",
+    )
     logging_first_step: bool = setting(False, "also log step 1")
     eval_strategy: str = setting("no", "no | steps")
     eval_steps: int | None = setting(None, 'with eval_strategy="steps"; None = logging_steps')

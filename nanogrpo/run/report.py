@@ -1,8 +1,9 @@
 """What a run reports: metrics, console lines, trackers, warnings.
 
 Owns: each round's metrics (computed by run/metrics.py, under TRL's names
-and definitions), metrics.jsonl, report_to's trackers, the console line of each
-step, the status line on a terminal (`Progress`: sampling, tokens/s,
+and definitions), the run's history (a record per step), metrics.jsonl and
+report_to's trackers (a record every logging_steps, its window's mean, as
+TRL logs), the console line of each logged step, the status line on a terminal (`Progress`: sampling, tokens/s,
 ETA), warnings about rewards that cannot teach, and the end-of-run
 summary with its reward curve.
 
@@ -45,27 +46,32 @@ from nanogrpo.run.metrics import (  # noqa: F401 (the names train.py and the tes
 
 
 def log(run):
-    """Move run.pending to history and metrics.jsonl (NaN as null), send
-    it to the trackers, print the step lines."""
-    records = [without_nan(m) for m in run.pending]
+    """Move run.pending to history (a value that is not finite as None:
+    JSON null), say once when a loss or grad norm is not finite, and log
+    each step as TRL does: at each logging step (logs_at) its window's
+    record (logged_record) goes to metrics.jsonl and the trackers and is
+    printed; an evaluation at a step that logs none gets its own record
+    and line; a step that logs nothing redraws the status line."""
+    for m in run.pending:
+        check_finite(run, m)
+    records = [finite_or_none(m) for m in run.pending]
     run.pending = []
+    first = len(run.history)
     run.history.extend(records)
     if not run.info.is_main:
         return
     path = os.path.join(run.cfg.output_dir, "metrics.jsonl")
-    with open(path, "a") as f:
-        for m in records:
-            f.write(json.dumps(m) + "\n")
-    for m in records:
-        for report in run.reporters:
-            report(m, m["step"])
-        last = m["step"] == run.cfg.max_steps
-        first = m["step"] == 1 and run.cfg.logging_first_step
-        if m["step"] % run.cfg.logging_steps == 0 or last or first:
-            print_step(m, run)
+    for i, m in enumerate(records, start=first):
+        logged = logged_record(run.history, i, run.cfg)
+        if logged is not None:
+            write_record(run, path, logged)
+        if logged is not None and "loss" in logged:
+            print_step(logged, run)
+        elif logged is not None:
+            print_eval(logged, f"eval at step {m['step']}", run)
         elif run.progress is not None:
             run.progress.draw_step(m, run)
-        if last:
+        if m["step"] == run.cfg.max_steps:
             close_progress(run)
 
 
@@ -73,20 +79,127 @@ def log_eval(run, m: dict):
     """An evaluation apart from a step (eval_on_start, before step
     t.step + 1), as transformers logs it: its own record in history,
     metrics.jsonl and the trackers, and one console line."""
-    m = without_nan(m)
+    m = finite_or_none(m)
     run.history.append(m)
     if not run.info.is_main:
         return
-    with open(os.path.join(run.cfg.output_dir, "metrics.jsonl"), "a") as f:
+    write_record(run, os.path.join(run.cfg.output_dir, "metrics.jsonl"), m)
+    print_eval(m, f"eval before step {m['step'] + 1}", run)
+
+
+def write_record(run, path: str, m: dict):
+    """One record to metrics.jsonl and to each tracker."""
+    with open(path, "a") as f:
         f.write(json.dumps(m) + "\n")
     for report in run.reporters:
         report(m, m["step"])
-    line = f"eval before step {m['step'] + 1}: reward {m['eval/reward']:.3f}"
-    print(f"{line}, pass@1 {m['eval/pass@1']:.3f}, loss {m['eval/loss']:+.4f}", flush=True)
 
 
-def without_nan(m: dict) -> dict:
-    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in m.items()}
+def finite_or_none(m: dict) -> dict:
+    """m with each NaN or infinite float as None: JSON null (json.dumps
+    would write NaN and Infinity, which JSON does not have)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()}
+
+
+# -----------------------------------------------------------------------------
+# logging_steps: a record per window of steps, as TRL's GRPOTrainer.log
+
+# values taken at the logging step, not averaged: transformers' grad_norm,
+# learning_rate and epoch, TRL's num_tokens (a running total)
+AT_THE_STEP = ("step", "grad_norm", "learning_rate", "epoch", "num_tokens")
+
+
+def logs_at(step: int, cfg) -> bool:
+    """Whether a step is logged: every logging_steps, step 1 with
+    logging_first_step (transformers' DefaultFlowCallback), and the run's
+    last step (TRL's final log holds what its window has gathered)."""
+    first = step == 1 and cfg.logging_first_step
+    return step % cfg.logging_steps == 0 or step == cfg.max_steps or first
+
+
+def logged_record(history: list, i: int, cfg) -> dict | None:
+    """What metrics.jsonl and the trackers get at history[i], a step:
+    at a logging step, the mean over its window (window_mean); at another
+    step that evaluated, its eval/* metrics alone (transformers logs an
+    evaluation as its own record); else None."""
+    m = history[i]
+    if logs_at(m["step"], cfg):
+        return window_mean(window(history, i, cfg))
+    evals = {k: v for k, v in m.items() if k.startswith("eval/")}
+    if evals:
+        return {"step": m["step"], **evals}
+    return None
+
+
+def window(history: list, i: int, cfg) -> list[dict]:
+    """The step records history[i]'s log averages: those after the last
+    step before it that was logged, up to it. The window is the steps'
+    own, not the process's: a resumed run logs what an uninterrupted one
+    does."""
+    out = [history[i]]
+    for j in range(i - 1, -1, -1):
+        m = history[j]
+        if "loss" not in m:  # eval_on_start's record, not a step
+            continue
+        if logs_at(m["step"], cfg):
+            break
+        out.append(m)
+    return out[::-1]
+
+
+def window_mean(records: list[dict]) -> dict:
+    """One record for a window of step records: each metric's mean over
+    the steps that have a value for it (None where none does: TRL leaves
+    NaN out of its means), the AT_THE_STEP values and eval/* metrics of
+    the last step. One step's record is itself."""
+    last = records[-1]
+    if len(records) == 1:
+        return dict(last)
+    out = {}
+    keys = dict.fromkeys(k for m in (last, *records) for k in m)
+    for key in keys:
+        if key in AT_THE_STEP or key.startswith("eval/"):
+            if key in last:
+                out[key] = last[key]
+            continue
+        values = [m[key] for m in records if m.get(key) is not None]
+        if all(isinstance(v, (int, float)) for v in values):
+            out[key] = sum(values) / len(values) if values else None
+        else:  # not a number: the last step's
+            out[key] = values[-1]
+    return out
+
+
+def logged_records(history: list, cfg) -> list[dict]:
+    """The records metrics.jsonl holds for a history (rewritten from it on
+    resume): eval_on_start's, and each step's logged_record."""
+    out = []
+    for i, m in enumerate(history):
+        logged = m if "loss" not in m else logged_record(history, i, cfg)
+        if logged is not None:
+            out.append(logged)
+    return out
+
+
+def check_finite(run, m: dict):
+    """Say once, at the first step whose loss or grad norm is NaN or
+    infinite, that training has diverged. The run goes on and saves as
+    configured; each such value is null in metrics.jsonl, n/a on the
+    console, and the summary counts the steps."""
+    bad = [
+        f"{name} is {m[key]}"
+        for key, name in (("loss", "loss"), ("grad_norm", "grad norm"))
+        if isinstance(m.get(key), float) and not math.isfinite(m[key])
+    ]
+    if bad:
+        warn_once(
+            run,
+            "not_finite",
+            f"step {m['step']}: the {' and the '.join(bad)}, not finite: "
+            "training has diverged (lower learning_rate, set "
+            "max_grad_norm, or look for rewards that are inf). Said once; "
+            "metrics.jsonl writes null for each value that is not finite",
+        )
 
 
 def eta_minutes(run, step: int) -> float:
@@ -95,35 +208,46 @@ def eta_minutes(run, step: int) -> float:
     return per_step * (run.cfg.max_steps - step) / 60
 
 
+def num(m: dict, key: str, spec: str) -> str:
+    """m[key] formatted by spec; n/a where it is None (not finite)."""
+    if m.get(key) is None:
+        return "n/a"
+    return format(m[key], spec)
+
+
 def print_step(m: dict, run):
-    """One console line per optimizer step (and a few completions)."""
-
-    def num(key, spec):
-        if m.get(key) is None:
-            return "n/a"
-        return format(m[key], spec)
-
+    """The console line of a logged step (and a few completions)."""
     if run.progress is not None:
         run.progress.clear()
     parts = [
         f"step {m['step']:4d}/{run.cfg.max_steps}",
-        f"reward {num('reward', '.3f')} ± {num('reward_std', '.3f')}",
+        f"reward {num(m, 'reward', '.3f')} ± {num(m, 'reward_std', '.3f')}",
     ]
     if "kl" in m:
-        parts.append(f"kl {num('kl', '.4f')}")
+        parts.append(f"kl {num(m, 'kl', '.4f')}")
+    timing = f"sample {num(m, 'time/sample', '.2f')}, update {num(m, 'time/update', '.2f')}"
     parts += [
-        f"loss {m['loss']:+.4f}",
-        f"len {m['completions/mean_length']:.1f}",
-        f"grad {m['grad_norm']:.3f}",
-        f"lr {m['learning_rate']:.2e}",
-        f"{m['step_time']:.2f}s (sample {m['time/sample']:.2f}, update {m['time/update']:.2f})",
+        f"loss {num(m, 'loss', '+.4f')}",
+        f"len {num(m, 'completions/mean_length', '.1f')}",
+        f"grad {num(m, 'grad_norm', '.3f')}",
+        f"lr {num(m, 'learning_rate', '.2e')}",
+        f"{num(m, 'step_time', '.2f')}s ({timing})",
         f"eta {eta_minutes(run, m['step']):.1f} min",
     ]
     if "eval/reward" in m:
-        parts.append(f"eval {num('eval/reward', '.3f')}")
+        parts.append(f"eval {num(m, 'eval/reward', '.3f')}")
     print(" | ".join(parts), flush=True)
     if run.cfg.log_completions:
         print_samples(run.samples)
+
+
+def print_eval(m: dict, where: str, run):
+    """The console line of an evaluation logged on its own."""
+    if run.progress is not None:
+        run.progress.clear()
+    reward = num(m, "eval/reward", ".3f")
+    line = f"{where}: reward {reward}, pass@1 {num(m, 'eval/pass@1', '.3f')}"
+    print(f"{line}, loss {num(m, 'eval/loss', '+.4f')}", flush=True)
 
 
 def print_samples(samples: list[dict]):
@@ -191,7 +315,7 @@ class Progress:
             self.draw(
                 f"step {m['step']}/{run.cfg.max_steps} | "
                 f"eta {eta_minutes(run, m['step']):.1f} min | "
-                f"{m['tokens_per_sec']:.0f} tok/s | {m['step_time']:.2f} s/step"
+                f"{num(m, 'tokens_per_sec', '.0f')} tok/s | {num(m, 'step_time', '.2f')} s/step"
             )
 
     def draw(self, text: str):
@@ -465,6 +589,13 @@ def summarize(run, t):
         change = f"mean reward {first:.3f} -> {last:.3f} (first/last {k})"
     else:
         change = "no step had a scored reward"
+    # check_finite said so at the first; how many followed
+    diverged = [m["step"] for m in history if m["loss"] is None or m.get("grad_norm") is None]
+    if diverged:
+        change += (
+            f"; {len(diverged)} steps with a loss or grad norm that was not finite "
+            f"(the first: step {diverged[0]})"
+        )
     print(f"done: {len(history)} steps, {change}. Last round:")
     print_samples(run.samples)
     ckpt = os.path.join(run.cfg.output_dir, "checkpoint")
