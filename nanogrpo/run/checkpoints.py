@@ -4,9 +4,10 @@ train_config.json and trainer/ (the optimizer and trainer_state.json);
 out_dir/checkpoint links to the newest.
 
 Owns: `save_checkpoint` (written under a temporary name, renamed when
-complete, then the link swapped), `prune_checkpoints` (save_total_limit),
-what a checkpoint needs to be resumed, whole (`unresumable`), the optimizer's files
-(`save_optimizer`, `load_optimizer`) and `load_trainer_state`.
+complete, then the link swapped; a write that fails is `SaveFailed`, one line),
+`prune_checkpoints` (save_total_limit), what a checkpoint needs to be resumed,
+whole (`unresumable`), the optimizer's files (`save_optimizer`, `load_optimizer`)
+and `load_trainer_state`.
 
 Does not know about: the model's file format (checkpoint/__init__.py writes
 it), what the trainer state holds (run/__init__.py's save decides), or the
@@ -40,6 +41,12 @@ import torch
 from nanogrpo import checkpoint, distributed as dist
 
 
+class SaveFailed(OSError):
+    """A checkpoint could not be written (a full disk, no permission): the
+    message, one line, names the checkpoint and the cause. What was written
+    of it is removed; the previous checkpoint and the link are untouched."""
+
+
 def save_checkpoint(
     out_dir,
     step: int,
@@ -53,16 +60,17 @@ def save_checkpoint(
 ) -> str:
     """Write out_dir/checkpoint-<step> (the policy or its LoRA adapter,
     tokenizer, train_config.json, trainer/: optimizer, `trainer_state`) under
-    a temporary name, rename it, then swap the `checkpoint` link to it."""
+    a temporary name, rename it, then swap the `checkpoint` link to it.
+    A write that fails raises SaveFailed, the partial copy removed."""
     step_dir = os.path.join(out_dir, f"checkpoint-{step}")
     tmp = step_dir + ".tmp"
     state, adapter = checkpoint.state_to_write(model)
-    if info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash
-        os.makedirs(os.path.join(tmp, "trainer"))
-    # every rank writes its optimizer shard there: rank 0 sends it once made
-    tmp = dist.broadcast_object(tmp)
     try:
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash
+            os.makedirs(os.path.join(tmp, "trainer"))
+        # every rank writes its optimizer shard there: rank 0 sends it once made
+        tmp = dist.broadcast_object(tmp)
         if info.is_main:
             checkpoint.write_model(
                 tmp,
@@ -77,16 +85,35 @@ def save_checkpoint(
             checkpoint.write_json(state_file, trainer_state)
         save_optimizer(os.path.join(tmp, "trainer"), model, optimizer, info)
         dist.barrier()
+        if info.is_main:
+            shutil.rmtree(step_dir, ignore_errors=True)
+            os.rename(tmp, step_dir)
+            _point_link(os.path.join(out_dir, "checkpoint"), step_dir)
     except BaseException as e:
         if info.is_main:
-            checkpoint._remove_partial(tmp, step_dir, e)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if is_write_error(e):
+            raise SaveFailed(f"could not save {step_dir} ({write_error(e)})") from e
         raise
-    if info.is_main:
-        shutil.rmtree(step_dir, ignore_errors=True)
-        os.rename(tmp, step_dir)
-        _point_link(os.path.join(out_dir, "checkpoint"), step_dir)
     dist.barrier()
     return step_dir
+
+
+def is_write_error(e: BaseException) -> bool:
+    """Whether e is the filesystem refusing a write: an OSError, or
+    safetensors' error for one (its I/O error, as text)."""
+    from safetensors import SafetensorError
+
+    return isinstance(e, OSError) or (isinstance(e, SafetensorError) and "I/O error" in str(e))
+
+
+def write_error(e: BaseException) -> str:
+    """The cause of a failed write, short: "No space left on device",
+    "Permission denied: 'out/checkpoint-2.tmp'", "File too large (os error 27)"."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename!r}" if e.filename else e.strerror
+    text = str(e)
+    return text[text.index("I/O error: ") + 11 :] if "I/O error: " in text else text
 
 
 def _point_link(link, target):

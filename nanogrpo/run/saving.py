@@ -1,5 +1,6 @@
 """Saving: a checkpoint on schedule, on a stop and after an error (what is exact to keep, and
-the command that continues), the hub upload, a LoRA run's merged checkpoint.
+the command that continues), a save that fails (one line: the cause, the previous checkpoint
+checked whole, the command that resumes it), the hub upload, a LoRA run's merged checkpoint.
 
 Does not know about: the GRPO math, sampling, or log-probs.
 """
@@ -37,16 +38,19 @@ def save(run: Run, t):
     }
     if run.pending:  # a cycle's records whose evaluation a stop dropped: the resumed run does it
         state["pending"] = run.pending
-    checkpoints.save_checkpoint(
-        cfg.output_dir,
-        t.step,
-        t.model,
-        t.optimizer,
-        tokenizer=t.tok,
-        trainer_state=state,
-        train_config=config_record(cfg),
-        info=run.info,
-    )
+    try:
+        checkpoints.save_checkpoint(
+            cfg.output_dir,
+            t.step,
+            t.model,
+            t.optimizer,
+            tokenizer=t.tok,
+            trainer_state=state,
+            train_config=config_record(cfg),
+            info=run.info,
+        )
+    except checkpoints.SaveFailed as e:
+        raise checkpoints.SaveFailed(f"{e}: {after_failed_save(run)}") from e.__cause__
     run.written.append(name)
     if run.info.is_main:
         run.written = checkpoints.prune_checkpoints(
@@ -122,6 +126,26 @@ def after_unsaved(run: Run) -> str:
     if not run.history:
         return "nothing was saved, so the same command starts over"
     return "nothing was saved: start over with --overwrite_output_dir=true"
+
+
+def after_failed_save(run: Run) -> str:
+    """What a save that failed leaves to continue from, in one line: the
+    newest checkpoint this run wrote or resumed from, checked whole, and
+    the command that resumes it once the cause is fixed."""
+    previous = run.resume_from
+    if run.written:
+        previous = os.path.join(run.cfg.output_dir, run.written[-1])
+    if previous is None:
+        if not run.history:
+            return "nothing was saved before it, so the same command starts over"
+        return "nothing was saved before it: start over with --overwrite_output_dir=true"
+    problem = checkpoints.unresumable(previous)
+    if problem:
+        return f"the previous checkpoint, {previous}, cannot be resumed either ({problem})"
+    return (
+        f"the previous checkpoint, {previous}, is intact; once that is fixed, continue with: "
+        f"{resume_command(run)}"
+    )
 
 
 def unsaveable(run: Run, t) -> str | None:
