@@ -1,5 +1,6 @@
 """Which checkpoint a run resumes from (the newest complete one, a link passed over when damaged)
 and what it restores: the saved config's fields that must not change, the trainer's state.
+What cannot be replayed is said in one line: a resume on another number of processes.
 
 Does not know about: the GRPO math, sampling, or log-probs.
 """
@@ -201,9 +202,11 @@ def restore(run: Run, t):
     if saved_by != run.info.world_size:
         dist.print0(
             f"note: {run.resume_from} was saved by {saved_by} "
-            f"process(es), this run has {run.info.world_size}: the "
-            "optimizer state is the same, each step's batch is not "
-            "(per_device_train_batch_size stays, as in TRL)"
+            f"process(es), this run has {run.info.world_size}: it continues the run "
+            "but does not replay it (sampling is seeded per process, and a step "
+            "takes per_device_train_batch_size completions from each, as in TRL), "
+            "so its draws are not those of an uninterrupted run; the optimizer "
+            "state is the same"
         )
     run.history = state["history"]
     run.pending = state.get("pending", [])
