@@ -14,8 +14,7 @@ Setup (model, tokenizer, optimizer, rewards, prompts) is nanogrpo/trainer.py's; 
 bookkeeping (output folder, resume, signals, metrics, trackers) nanogrpo/run/'s. Options enter
 at named places: `kernels` (fast/), `sample` (environment_factory, rollout_func),
 `groups_with_signal` (dynamic sampling), the entropy control in `optimizer_step`, LoRA's
-reference in `ref_logprobs` (extras/). Known gap: sync_ref_model's synced reference weights are
-not checkpointed; a resumed run restarts from the initial reference model.
+reference in `ref_logprobs` (extras/).
 """
 
 import sys
@@ -239,6 +238,7 @@ def update(t: Trainer, micro) -> dict:
     t.scheduler.step()
     t.step += 1
     if t.ref is not None and cfg.sync_ref_model and t.step % cfg.ref_model_sync_steps == 0:
+        dist.reshard(t.ref)  # mixed shard by shard with the policy's (FSDP2)
         sync_ref_model(t.ref, t.model, cfg.ref_model_mixup_alpha)
     m["step"] = t.step
     m["learning_rate"] = lr_used  # the rate this step used (the scheduler has moved on)

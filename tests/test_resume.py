@@ -15,12 +15,15 @@ from conftest import ROOT, assert_no_pickle, forbid_unpickling
 from test_dist import torchrun
 
 import train
+from nanogrpo.checkpoint import load_model
 from nanogrpo.run import checkpoints as trainer_state
 from nanogrpo.run.config import ConfigError
 from nanogrpo.run.configurator import load_config, read_config_file
 
 INIT = f"--init_model={read_config_file('tiny')['init_model']!r}"
 TIMING = ("step_time", "tokens_per_sec", "time/")
+# TRL's TR-DPO reference: mixed toward the policy after every step
+SYNC = ["--beta=0.04", "--sync_ref_model=true", "--ref_model_sync_steps=1"]
 
 
 def tiny_args(tmp_path, *overrides):
@@ -286,18 +289,45 @@ def optimizer_steps(ckpt) -> set:
     return {fields["step"].item() for fields in state["state"].values()}
 
 
+def saved_reference(ckpt) -> dict:
+    """sync_ref_model's reference as ckpt saved it, every tensor whole, whatever the processes."""
+    path = ckpt / "trainer"
+    layout = json.load(open(path / trainer_state.REF_MODEL))
+    layout["files"] = trainer_state.ref_files(path)
+    with trainer_state.ShardReader(path, layout) as reader:
+        return {name: reader.read(name) for name in layout["tensors"]}
+
+
+def assert_synced(run, step: int, alpha=0.6):
+    """checkpoint-<step>'s reference is the previous one mixed toward its policy once (TRL's
+    ref_model_mixup_alpha, ref_model_sync_steps=1), bit for bit."""
+    before = saved_reference(run / f"checkpoint-{step - 1}")
+    after = saved_reference(run / f"checkpoint-{step}")
+    policy = dict(load_model(run / f"checkpoint-{step}").named_parameters())
+    for name, ref in before.items():
+        mixed = ref.clone().mul_(1 - alpha).add_(policy[name].detach(), alpha=alpha)
+        assert torch.equal(after[name], mixed), name
+
+
 def test_a_checkpoint_of_two_processes_resumes_on_one_and_back_without_pickle(
     tmp_path, monkeypatch, capsys
 ):
     """Resuming a 2-process checkpoint on 1 process said "optimizer.pt ... corrupt" (it held
     torch.distributed.checkpoint's folder, whose .metadata is a pickle: loading it unpickled).
-    Another process count says, in one line, that it continues the run, not replays it (it said
-    only that the batch differs)."""
-    args = tiny_args(tmp_path, "--per_device_train_batch_size=4", "--save_steps=1")
+    With sync_ref_model the reference goes with it: each process saves its shard; 2 -> 2 resumes
+    exactly, 2 -> 1 and 1 -> 2 read the shards of the new layout; another process count says, in
+    one line, that it continues the run, not replays it (it said only that the batch differs)."""
+    args = tiny_args(tmp_path, "--per_device_train_batch_size=4", "--save_steps=1", *SYNC)
     two = torchrun(*args, "--max_steps=2")
     assert two.returncode == 0, two.stderr[-3000:]
     run = tmp_path / "run"
     before = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    shards = sorted(p.name for p in (run / "checkpoint-1" / "trainer").glob("ref_model-*"))
+    assert shards == [f"ref_model-rank0000{r}-of-00002.safetensors" for r in (0, 1)]
+    again = torchrun(*args, "--max_steps=2", f"--resume_from_checkpoint={run}/checkpoint-1")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "process(es), this run has" not in again.stdout
+    assert untimed(json.loads(line) for line in open(run / "metrics.jsonl")) == untimed(before)
     files = [os.path.join(d, f) for d, _, names in os.walk(run / "checkpoint-2") for f in names]
     assert not [f for f in files if f.endswith((".pt", ".bin", ".metadata", ".distcp", ".pkl"))]
     assert_no_pickle(files)
@@ -314,12 +344,15 @@ def test_a_checkpoint_of_two_processes_resumes_on_one_and_back_without_pickle(
         "per_device_train_batch_size completions from each, as in TRL), so its draws are not "
         "those of an uninterrupted run; the optimizer state is the same"
     ]
+    assert "holds no synced reference" not in out
     assert untimed(history[:2]) == untimed(before) and [m["step"] for m in history] == [1, 2, 3]
     assert optimizer_steps(run / "checkpoint-3") == {3.0}  # AdamW's state went on: not a fresh one
+    assert_synced(run, 3)  # from the reference of 2 processes
     back = torchrun(*args, "--max_steps=4", "--resume_from_checkpoint=true")
     assert back.returncode == 0, back.stderr[-3000:]
     assert "checkpoint-3 was saved by 1 process(es), this run has 2: it continues" in back.stdout
     assert optimizer_steps(run / "checkpoint-4") == {4.0}
+    assert_synced(run, 4)  # from the reference of 1 process
 
 
 # -----------------------------------------------------------------------------
@@ -370,3 +403,38 @@ def test_a_one_process_checkpoint_of_the_older_format_still_resumes(tmp_path):
         f.unlink()
     resumed = train.train(tiny(tmp_path / "b", "--resume_from_checkpoint=true", "--max_steps=4"))
     assert strip_timing(resumed) == strip_timing(full)
+
+
+# -----------------------------------------------------------------------------
+# sync_ref_model's reference is part of the run's state
+
+
+def test_a_synced_reference_resumes_exactly(tmp_path, capsys):
+    """A run with sync_ref_model resumed with the initial reference: its KL after the resume was
+    not the uninterrupted run's (the synced weights were not saved). A checkpoint without them
+    says so and continues from the initial reference."""
+    full = train.train(tiny(tmp_path / "a", "--max_steps=4", *SYNC))
+    train.train(tiny(tmp_path / "b", "--max_steps=2", *SYNC))
+    resume = ["--resume_from_checkpoint=true", *SYNC]
+    resumed = train.train(tiny(tmp_path / "b", "--max_steps=4", *resume))
+    assert untimed(resumed) == untimed(full)
+    ckpt = tmp_path / "b" / "run" / "checkpoint-2"
+    shard = ckpt / "trainer" / "ref_model-rank00000-of-00001.safetensors"
+    data = shard.read_bytes()
+    shard.unlink()
+    named = "no trainer/ref_model-rank00000-of-00001.safetensors (trainer/ref_model.json names it)"
+    assert trainer_state.unresumable(ckpt) == named
+    shard.write_bytes(data[:-1])
+    assert trainer_state.unresumable(ckpt).startswith("trainer/ref_model-rank00000-of-00001")
+    shard.unlink()
+    (ckpt / "trainer" / "ref_model.json").unlink()  # as a checkpoint saved before them
+    capsys.readouterr()
+    older = train.train(
+        tiny(tmp_path / "b", "--max_steps=3", *SYNC, f"--resume_from_checkpoint={ckpt}")
+    )
+    out = capsys.readouterr().out
+    note = [line for line in out.splitlines() if "holds no synced reference model" in line]
+    assert len(note) == 1, out
+    assert f"the reference restarts from {tmp_path}/b/init, the initial weights" in note[0]
+    assert untimed(older[:2]) == untimed(full[:2])
+    assert older[2]["kl"] != full[2]["kl"]  # what the note warns of

@@ -345,6 +345,15 @@ def gathered(model):
             m.reshard()
 
 
+def reshard(model):
+    """Shard again what a forward left gathered: FSDP2 keeps the root's
+    parameters (embeddings, final norm, LM head) gathered after a forward,
+    for the backward that a frozen model (the reference) never runs. A no-op
+    for an unsharded model."""
+    for m in fsdp_modules(model):
+        m.reshard()
+
+
 def gradient_sync(model, enabled: bool):
     """Turn FSDP's gradient reduce-scatter on (last micro-step) or off
     (earlier micro-steps)."""

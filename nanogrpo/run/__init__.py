@@ -13,7 +13,7 @@ is run/plan.py's.
 
 Does not know about: the GRPO math, sampling, or log-probs.
 
-Of trainer.py's `Trainer` it reads named fields (cfg, info, sched, model, optimizer, scheduler,
+Of trainer.py's `Trainer` it reads named fields (cfg, info, sched, model, ref, optimizer, scheduler,
 tok, prompts, step, round, entropy_coef, last_entropy, reward_weights) to report, save and restore
 them, and begin takes its cfg (max_steps counted) as the run's.
 """

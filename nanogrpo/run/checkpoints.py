@@ -1,13 +1,13 @@
 """A run's checkpoint: out_dir/checkpoint-<step>/ holds the policy as a
 Hugging Face checkpoint (or its PEFT adapter), the tokenizer,
-train_config.json and trainer/ (the optimizer and trainer_state.json);
-out_dir/checkpoint links to the newest.
+train_config.json and trainer/ (the optimizer, trainer_state.json and, with
+sync_ref_model, the synced reference model); out_dir/checkpoint links to the newest.
 
 Owns: `save_checkpoint` (written under a temporary name, renamed when
 complete, then the link swapped; a write that fails is `SaveFailed`, one line),
 `prune_checkpoints` (save_total_limit), what a checkpoint needs to be resumed,
-whole (`unresumable`), the optimizer's files (`save_optimizer`, `load_optimizer`)
-and `load_trainer_state`.
+whole (`unresumable`), the optimizer's files (`save_optimizer`, `load_optimizer`),
+the reference model's (`save_ref_model`, `load_ref_model`) and `load_trainer_state`.
 
 Does not know about: the model's file format (checkpoint/__init__.py writes
 it), what the trainer state holds (run/__init__.py's save decides), or the
@@ -29,6 +29,10 @@ Choices:
   rank reading only the rows of its new shards. The single
   trainer/optimizer.safetensors of older checkpoints (and the older
   trainer/optimizer.pt, on one process) still load.
+- sync_ref_model's reference is saved the same way (trainer/ref_model-rank<r>-of-<N>.safetensors,
+  trainer/ref_model.json): it is no function of the policy's weights (a mix of the policy at each
+  sync), so without it a resume could not be exact. Without sync_ref_model the reference is the
+  initial model and is not saved.
 """
 
 import json
@@ -57,10 +61,12 @@ def save_checkpoint(
     trainer_state: dict,
     train_config: dict,
     info: dist.DistInfo,
+    ref=None,
 ) -> str:
     """Write out_dir/checkpoint-<step> (the policy or its LoRA adapter,
-    tokenizer, train_config.json, trainer/: optimizer, `trainer_state`) under
-    a temporary name, rename it, then swap the `checkpoint` link to it.
+    tokenizer, train_config.json, trainer/: optimizer, `trainer_state`, and
+    `ref`, a reference model whose weights are saved: sync_ref_model's)
+    under a temporary name, rename it, then swap the `checkpoint` link to it.
     A write that fails raises SaveFailed, the partial copy removed."""
     step_dir = os.path.join(out_dir, f"checkpoint-{step}")
     tmp = step_dir + ".tmp"
@@ -84,6 +90,8 @@ def save_checkpoint(
             state_file = os.path.join(tmp, "trainer", "trainer_state.json")
             checkpoint.write_json(state_file, trainer_state)
         save_optimizer(os.path.join(tmp, "trainer"), model, optimizer, info)
+        if ref is not None:
+            save_ref_model(os.path.join(tmp, "trainer"), ref, info)
         dist.barrier()
         if info.is_main:
             shutil.rmtree(step_dir, ignore_errors=True)
@@ -151,6 +159,8 @@ RUN_STATE_FILES = [
     "trainer/trainer_state.json",
     "trainer/optimizer.json",
 ]
+# sync_ref_model's reference, in a checkpoint's trainer/ (with its per-rank files)
+REF_MODEL = "ref_model.json"
 # the one-process optimizer file of older checkpoints: tensors and plain
 # numbers, read with torch.load(weights_only=True), which runs no code
 LEGACY_OPTIMIZER = "trainer/optimizer.pt"
@@ -195,6 +205,12 @@ def unresumable(ckpt_dir) -> str | None:
     if not has(LEGACY_OPTIMIZER):
         for name in optimizer_files(os.path.join(ckpt_dir, "trainer")):
             named.append((f"trainer/{name}", "trainer/optimizer.json"))
+    if has(f"trainer/{REF_MODEL}"):
+        problem = damaged(ckpt_dir, f"trainer/{REF_MODEL}")
+        if problem:
+            return problem
+        for name in ref_files(os.path.join(ckpt_dir, "trainer")):
+            named.append((f"trainer/{name}", f"trainer/{REF_MODEL}"))
     for name, by in named:
         if not has(name):
             return f"no {name} ({by} names it)"
@@ -264,6 +280,19 @@ def rank_file(rank: int, world_size: int) -> str:
     return f"optimizer-rank{rank:05d}-of-{world_size:05d}.safetensors"
 
 
+def ref_file(rank: int, world_size: int) -> str:
+    """The name of the file of reference-model weights rank `rank` of
+    `world_size` processes writes."""
+    return f"ref_model-rank{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def ref_files(path) -> list[str]:
+    """The reference model's safetensors files in `path` (a checkpoint's
+    trainer/), as its ref_model.json names them, in saving rank order."""
+    world = checkpoint.read_json(os.path.join(path, REF_MODEL))["world_size"]
+    return [ref_file(r, world) for r in range(world)]
+
+
 def shard_rows(num_rows: int, rank: int, world_size: int) -> list[int]:
     """[begin, end) of the dim-0 rows `rank` holds of a tensor FSDP2 shards
     over `world_size` ranks (torch.chunk's rule: blocks of
@@ -284,7 +313,6 @@ def save_optimizer(path, model, optimizer, info: dist.DistInfo):
     step, every tensor of one process)."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-    from torch.distributed.tensor import DTensor, Shard
 
     # under FSDP2 its tensors are this rank's DTensor shards, not copies
     state = get_optimizer_state_dict(model, optimizer)
@@ -296,19 +324,10 @@ def save_optimizer(path, model, optimizer, info: dist.DistInfo):
             if not torch.is_tensor(value):
                 others.setdefault(name, {})[key] = value
                 continue
-            rows = None
-            shape = list(value.shape)
-            dtype = str(value.dtype).removeprefix("torch.")
-            if isinstance(value, DTensor):
-                assert value.placements == (Shard(0),), value.placements
-                n = shape[0]
-                rows = [shard_rows(n, r, info.world_size) for r in range(info.world_size)]
-                value = value.to_local()  # [rows of this rank, ...]
-                begin, end = rows[info.rank]
-                assert value.shape[0] == end - begin, (name, value.shape, rows)
-            tensors[f"{name}.{key}"] = {"shape": shape, "dtype": dtype, "rows": rows}
-            if rows is not None or info.is_main:
-                mine[f"{name}.{key}"] = value.detach().cpu().contiguous()
+            entry, local = saved_part(value, info)
+            tensors[f"{name}.{key}"] = entry
+            if local is not None:
+                mine[f"{name}.{key}"] = local
     save_file(mine, os.path.join(path, rank_file(info.rank, info.world_size)))
     if info.is_main:
         layout = {
@@ -318,6 +337,74 @@ def save_optimizer(path, model, optimizer, info: dist.DistInfo):
             "tensors": tensors,
         }
         checkpoint.write_json(os.path.join(path, "optimizer.json"), layout)
+
+
+def saved_part(value: torch.Tensor, info: dist.DistInfo) -> tuple[dict, torch.Tensor | None]:
+    """What this rank's file holds of a tensor, and its entry in the layout
+    (global shape, dtype, rows). -> ({"shape", "dtype", "rows"}, the tensor
+    for this rank's file, or None): of an FSDP2 DTensor this rank's dim-0
+    rows, the rows [begin, end) of every rank listed; a whole tensor only in
+    rank 0's file (rows null)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    rows = None
+    shape = list(value.shape)
+    dtype = str(value.dtype).removeprefix("torch.")
+    if isinstance(value, DTensor):
+        assert value.placements == (Shard(0),), value.placements
+        rows = [shard_rows(shape[0], r, info.world_size) for r in range(info.world_size)]
+        value = value.to_local()  # [rows of this rank, ...]
+        begin, end = rows[info.rank]
+        assert value.shape[0] == end - begin, (value.shape, rows)
+    entry = {"shape": shape, "dtype": dtype, "rows": rows}
+    if rows is None and not info.is_main:
+        return entry, None
+    return entry, value.detach().cpu().contiguous()
+
+
+def save_ref_model(path, ref, info: dist.DistInfo):
+    """Write the reference model's parameters into `path` as save_optimizer
+    writes the optimizer's tensors: each rank its own shard
+    (ref_file(rank, world_size), keyed by parameter name), rank 0's
+    ref_model.json the layout (world_size, each tensor's shape, dtype, rows).
+    Every rank calls it; nothing is gathered."""
+    from safetensors.torch import save_file
+
+    mine = {}
+    tensors = {}
+    for name, param in ref.named_parameters():
+        entry, local = saved_part(param.detach(), info)
+        tensors[name] = entry
+        if local is not None:
+            mine[name] = local
+    save_file(mine, os.path.join(path, ref_file(info.rank, info.world_size)))
+    if info.is_main:
+        layout = {"world_size": info.world_size, "tensors": tensors}
+        checkpoint.write_json(os.path.join(path, REF_MODEL), layout)
+
+
+@torch.no_grad()
+def load_ref_model(path, ref) -> bool:
+    """Fill `ref`'s parameters from save_ref_model's files in `path` (saved
+    by any number of processes; each rank reads only the rows of its own
+    shards). -> False when `path` holds none (a checkpoint of a run
+    without sync_ref_model, or one older than these files)."""
+    if not os.path.exists(os.path.join(path, REF_MODEL)):
+        return False
+    layout = checkpoint.read_json(os.path.join(path, REF_MODEL))
+    layout["files"] = ref_files(path)
+    params = dict(ref.named_parameters())
+    missing = sorted(set(params) - set(layout["tensors"]))
+    extra = sorted(set(layout["tensors"]) - set(params))
+    if missing or extra:
+        raise ValueError(
+            f"{path}/{REF_MODEL} does not fit this reference model (missing: "
+            f"{missing[:3]}, not in the model: {extra[:3]}): resume with the checkpoint's model"
+        )
+    with ShardReader(path, layout) as reader:
+        for name, param in params.items():
+            param.copy_(local_value(reader, name, param))
+    return True
 
 
 def read_layout(path) -> dict:

@@ -1,6 +1,7 @@
 """Which checkpoint a run resumes from (the newest complete one, a link passed over when damaged)
-and what it restores: the saved config's fields that must not change, the trainer's state.
-What cannot be replayed is said in one line: a resume on another number of processes.
+and what it restores: the saved config's fields that must not change, the trainer's state,
+sync_ref_model's reference. What cannot be replayed is said in one line: another number of
+processes, or an older checkpoint without the synced reference.
 
 Does not know about: the GRPO math, sampling, or log-probs.
 """
@@ -11,7 +12,7 @@ import os
 import re
 from dataclasses import asdict, replace
 
-from nanogrpo import distributed as dist
+from nanogrpo import checkpoint, distributed as dist
 from nanogrpo.run import checkpoints
 from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.run.outdir import Run
@@ -198,6 +199,7 @@ def restore(run: Run, t):
         t.entropy_coef = entropy["entropy_coef"]
         last = entropy["last_entropy"]
         t.last_entropy = math.inf if last is None else last
+    restore_reference(run, t)
     saved_by = state.get("world_size", run.info.world_size)
     if saved_by != run.info.world_size:
         dist.print0(
@@ -216,3 +218,23 @@ def restore(run: Run, t):
     # the `checkpoint` link moves on: keep what it pointed at
     run.resume_source = os.path.realpath(run.resume_from)
     dist.print0(f"resumed from {run.resume_from} at step {t.step}")
+
+
+def restore_reference(run: Run, t):
+    """sync_ref_model's reference as the checkpoint saved it. A checkpoint
+    without it (one saved before the reference was, or by a run that never
+    synced) leaves the initial reference setup loaded, which is exact until
+    the checkpoint's run first synced: past that, said."""
+    if t.ref is None:
+        return
+    if checkpoints.load_ref_model(os.path.join(run.resume_from, "trainer"), t.ref):
+        return
+    saved = checkpoint.read_json(os.path.join(run.resume_from, "train_config.json"))
+    synced = saved.get("sync_ref_model") and t.step >= saved.get("ref_model_sync_steps", 1)
+    if synced:
+        dist.print0(
+            f"note: {run.resume_from} holds no synced reference model (saved before "
+            f"sync_ref_model's reference was checkpointed): the reference restarts from "
+            f"{run.cfg.model}, the initial weights, as TRL's resume does, so this run continues "
+            "the run but does not replay it"
+        )

@@ -48,6 +48,8 @@ def save(run: Run, t):
             trainer_state=state,
             train_config=config_record(cfg),
             info=run.info,
+            # sync_ref_model's reference has moved with the policy: the initial one would not do
+            ref=t.ref if cfg.sync_ref_model else None,
         )
     except checkpoints.SaveFailed as e:
         raise checkpoints.SaveFailed(f"{e}: {after_failed_save(run)}") from e.__cause__
