@@ -1522,3 +1522,27 @@ def test_the_reward_plot_skips_records_without_a_training_reward(tmp_path):
             f.write(json.dumps(row) + "\n")
     assert report.plot_rewards(cfg) == os.path.join(cfg.output_dir, "reward.png")
     assert os.path.getsize(os.path.join(cfg.output_dir, "reward.png")) > 0
+
+
+def test_a_small_model_trains_on_one_thread_and_the_count_is_said(tmp_path, capsys, monkeypatch):
+    """The embedded default's ops take microseconds: it trains on one CPU thread (two runs at once
+    on 2 cores stalled each other 6x), said on the run's first line; torch_num_threads and
+    OMP_NUM_THREADS choose otherwise; torch's count is the caller's again after the run."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    seen = []
+    step = train.optimizer_step
+    monkeypatch.setattr(
+        train,
+        "optimizer_step",
+        lambda t, micro: seen.append(torch.get_num_threads()) or step(t, micro),
+    )
+    train.train(tiny(tmp_path / "a", "--max_steps=1"))
+    assert seen == [1] and torch.get_num_threads() == before
+    assert "1 process(es) on cpu, 1 thread each (torch_num_threads)" in capsys.readouterr().out
+    train.train(tiny(tmp_path / "b", "--max_steps=1", "--torch_num_threads=3"))
+    assert seen == [1, 3] and torch.get_num_threads() == before
+    assert "on cpu, 3 threads each" in capsys.readouterr().out
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    train.train(tiny(tmp_path / "c", "--max_steps=1"))
+    assert seen == [1, 3, before] and torch.get_num_threads() == before

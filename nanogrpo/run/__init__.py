@@ -25,6 +25,8 @@ import sys
 import time
 from contextlib import contextmanager
 
+import torch
+
 from nanogrpo import checkpoint, distributed as dist
 from nanogrpo.rewards import RewardError
 from nanogrpo.run import plan, report
@@ -105,6 +107,9 @@ def announce(t):
         trained = sum(p.numel() for p in params) / 1e6
         line += f" ({trained:.3f}M trainable: LoRA)"
     line += f" | {t.info.world_size} process(es) on {t.info.device}"
+    if t.info.device.type == "cpu":
+        threads = torch.get_num_threads()
+        line += f", {threads} thread{'s' * (threads > 1)} each (torch_num_threads)"
     dist.print0(line)
     dist.print0(t.sched.table())
     per_cycle = t.sched.steps_per_cycle
@@ -160,8 +165,28 @@ def begin(run: Run, t) -> bool:
         report.nothing_to_do(t)
         dist.teardown()
         return False
+    run.threads_before = torch.get_num_threads()  # saving_on_stop restores it
+    torch.set_num_threads(cpu_threads(run.cfg, t))
     open_logs(run, t)
     return True
+
+
+# A model this small runs each op in microseconds, where a thread pool's barrier waits on any of
+# its threads another process has descheduled: two runs of the embedded default at once on 2
+# cores took 6x as long as one (bench/bench_threads.py measures where more threads pay).
+ONE_THREAD_BELOW = 20_000_000  # parameters
+
+
+def cpu_threads(cfg: TrainConfig, t) -> int:
+    """torch's CPU threads for the run: torch_num_threads; else, when OMP_NUM_THREADS is set (as
+    torchrun sets it), torch's count from it; else 1 for a model on CPU under ONE_THREAD_BELOW
+    parameters; else torch's default (the cores)."""
+    if cfg.torch_num_threads:
+        return cfg.torch_num_threads
+    if os.environ.get("OMP_NUM_THREADS") or t.info.device.type != "cpu":
+        return torch.get_num_threads()
+    params = sum(p.numel() for p in t.model.parameters())
+    return 1 if params < ONE_THREAD_BELOW else torch.get_num_threads()
 
 
 def finish(run: Run, t) -> list[dict]:

@@ -69,6 +69,12 @@ class TrainConfig(Rules):
         "None: on CUDA yes, on CPU no (TRL's None means yes; bf16 is slow on CPU)",
     )
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    torch_num_threads: int | None = setting(
+        None,
+        "CPU threads for torch's ops; None = OMP_NUM_THREADS's if set, else 1 for a model under "
+        "20M parameters on CPU (its ops are too small to share: two runs at once stall each "
+        "other), else torch's default (the cores)",
+    )
     seed: int = setting(42, "seeds init, prompt order and sampling")
     gradient_checkpointing: bool = setting(True, "recompute activations in backward to save memory")
     disable_dropout: bool = setting(False, "set every dropout probability (LoRA's) to 0")

@@ -63,6 +63,7 @@ class Run:
     # its start, where a stop inside it goes back to; None between cycles
     cycle_begin: dict | None = None
     cycle_start_step: int = 0
+    threads_before: int = 0  # torch's CPU threads before the run (begin sets the run's)
 
 
 def check_out_dir(out_dir: str):

@@ -40,7 +40,7 @@ AT_LEAST_1 = """per_device_train_batch_size gradient_accumulation_steps num_iter
     max_completion_length logging_steps ref_model_sync_steps eval_size lora_r
     steps_per_generation generation_batch_size max_tool_calling_iterations
     save_total_limit soft_punish_cache eval_steps max_prompt_length
-    num_generations_eval num_completions_to_print max_num_gen_batches""".split()
+    num_generations_eval num_completions_to_print max_num_gen_batches torch_num_threads""".split()
 
 
 RANGES = [

@@ -10,6 +10,8 @@ import signal
 import sys
 from contextlib import contextmanager
 
+import torch
+
 from nanogrpo import distributed as dist
 from nanogrpo.run.checkpoints import SaveFailed
 from nanogrpo.run.outdir import Run
@@ -52,6 +54,7 @@ def saving_on_stop(run: Run, t):
         raise
     finally:
         restore_signals(previous)
+        torch.set_num_threads(run.threads_before or torch.get_num_threads())
         stopping.update(run=None, t=None, window=False)
         signalled["signum"] = 0
 
