@@ -2,13 +2,12 @@
 outputs into one [N, K] reward matrix.
 
 Owns: `score_rollout` and `score_completions` (TRL's calling convention, async functions
-awaited together, outputs checked), `check_reward_columns` (the dataset has the columns the
-functions read) and `RewardError`.
+awaited together, outputs checked) and `RewardError`.
 
 Left out, and where it lives: turning config entries into functions (a built-in's name,
-"module:function", "file.py:function", a reward model: extras/reward_funcs.py, called by
-trainer.py's setup); the built-in functions (extras/builtin_rewards.py); the `trainer_state`
-they receive (extras/trainer_info.py).
+"module:function", "file.py:function", a reward model) and checking the dataset's columns
+against them at load time: extras/reward_funcs.py, called by trainer.py's setup; the built-in
+functions (extras/builtin_rewards.py); the `trainer_state` they receive (extras/trainer_info.py).
 
 Does not know about: the policy, advantages (grpo.py), where dataset columns come from (data.py,
 extras/datasets.py), or other processes.
@@ -29,7 +28,7 @@ import numbers
 
 import torch
 
-from nanogrpo.data import NOT_PASSED, columns_of
+from nanogrpo.data import columns_of
 
 
 class RewardError(RuntimeError):
@@ -57,54 +56,6 @@ def _check_scores(name: str, scores, n: int) -> list[float]:
                 "expected a finite float or None"
             )
     return [float(s) for s in out]
-
-
-# what the trainer passes besides the dataset's columns (TRL 1.16's names; `environments` with
-# environment_factory)
-TRAINER_ARGUMENTS = (
-    "prompts",
-    "completions",
-    "completion_ids",
-    "trainer_state",
-    "log_metric",
-    "log_extra",
-    "environments",
-)
-
-
-def check_reward_columns(reward_funcs, rows: list[dict], source, environments: bool) -> None:
-    """At load time, not as a crash at step 50: a column named as an argument the trainer passes
-    (TRAINER_ARGUMENTS; `environments` only with environment_factory) is refused, for it would
-    not reach the functions (TRL overwrites it, or the call fails); every column a reward
-    function requires (a parameter without default, besides those arguments) must be a key of
-    every row (a None value is passed on, as TRL passes it). reward_funcs=[]: the names only."""
-    passed = [a for a in TRAINER_ARGUMENTS if environments or a != "environments"]
-    for i, row in enumerate(rows):
-        taken = [c for c in passed if c in row and c not in NOT_PASSED]
-        if taken:
-            raise ValueError(
-                f"row {i} of dataset {source} has the column {taken[0]!r}, the name of an "
-                "argument the trainer passes reward functions itself: rename the column"
-            )
-    for name, fn in reward_funcs:
-        try:
-            params = inspect.signature(fn).parameters.values()
-        except (TypeError, ValueError):  # a builtin or C callable: nothing to check
-            continue
-        needed = [
-            p.name
-            for p in params
-            if p.default is p.empty
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-            and p.name not in passed
-        ]
-        for i, row in enumerate(rows):
-            missing = [c for c in needed if c not in row]
-            if missing:
-                raise ValueError(
-                    f"reward function {name!r} needs the column(s) {missing}, which row {i} of "
-                    f"dataset {source} lacks (its columns: {sorted(row)})"
-                )
 
 
 def score_rollout(ro, reward_funcs, extras: dict | None = None) -> torch.Tensor:

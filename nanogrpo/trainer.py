@@ -34,12 +34,11 @@ from nanogrpo.extras.datasets import load_dataset
 from nanogrpo.extras.environments import Environments, placeholder_rows
 from nanogrpo.extras.generation_kwargs import sampling_kwargs
 from nanogrpo.extras.lr_schedules import lr_lambda, warmup_length
-from nanogrpo.extras.reward_funcs import check_names, resolve_reward_funcs
+from nanogrpo.extras.reward_funcs import check_names, check_reward_columns, resolve_reward_funcs
 from nanogrpo.extras.tool_rounds import ToolTurns
 from nanogrpo.extras.tools import resolve_tools, tool_schema
 from nanogrpo.grpo import LossConfig
 from nanogrpo.logprobs import policy_logprobs, token_logprobs
-from nanogrpo.rewards import check_reward_columns
 from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.sampler import sample_next_token
 from nanogrpo.schedules import Schedule

@@ -389,7 +389,7 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
         model=torch.nn.Linear(1, 1),
         tok=None,
         eval_rows=[{"prompt": "a"}, {"prompt": "b"}],
-        cfg=TrainConfig(),
+        cfg=TrainConfig(num_generations_eval=1),
         reward_funcs=[("half", half_scored)],
         reward_weights=None,
         info=dist.DistInfo(),
@@ -410,7 +410,7 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
 def test_a_column_that_is_none_in_some_rows_reaches_the_reward_function():
     """TRL passes a column's None through to the reward function: only a row without the key
     is refused, and the message lists that row's columns, the missing one not among them."""
-    from nanogrpo.rewards import check_reward_columns
+    from nanogrpo.extras.reward_funcs import check_reward_columns
 
     seen = []
 
@@ -438,7 +438,7 @@ def test_the_columns_trl_drops_are_dropped_and_a_taken_name_is_refused():
     named as an argument the trainer passes is refused at load time in one line; `environments`
     is the trainer's only with environment_factory."""
     from nanogrpo.data import columns_of
-    from nanogrpo.rewards import check_reward_columns
+    from nanogrpo.extras.reward_funcs import check_reward_columns
 
     seen = {}
 

@@ -10,8 +10,8 @@ Does not know about: advantages or the loss (train.py scores and trains on
 the Rollout as on any other), environments (environment_factory is the other
 way to train with them: a run uses one or the other), or files.
 
-Of rewards.py it uses `TRAINER_ARGUMENTS` (names a returned field may not
-take); of extras/reward_funcs.py `import_function`.
+Of extras/reward_funcs.py it uses `import_function` and `TRAINER_ARGUMENTS` (names a
+returned field may not take).
 
 Choices (TRL 1.16's contract, as its code has it):
 - `prompts` holds this process's prompts, one entry per completion it
@@ -48,9 +48,8 @@ import numbers
 import torch
 
 from nanogrpo import distributed as dist
-from nanogrpo.extras.reward_funcs import import_function
+from nanogrpo.extras.reward_funcs import TRAINER_ARGUMENTS, import_function
 from nanogrpo.extras.trainer_info import trainer_state_of
-from nanogrpo.rewards import TRAINER_ARGUMENTS
 from nanogrpo.rollout import Rollout, join_prompt_completion, trained_mask
 from nanogrpo.sampler import generate
 

@@ -2,8 +2,10 @@
 
 Owns: `resolve_reward_funcs` (a built-in's name, looked up in extras/builtin_rewards.py's
 `BUILTINS`; "module:function"; "file.py:function"; a reward model's directory or hub id, loaded by
-extras/reward_model.py) and `import_function`, which the tools, environments and rollout_func
-settings use too.
+extras/reward_model.py), `import_function`, which the tools, environments and rollout_func
+settings use too, and the checks at load time: `check_names` (one name a function, as TRL names
+them) and `check_reward_columns` (the dataset has the columns the functions read, and none named
+as the `TRAINER_ARGUMENTS`).
 
 Does not know about: how a batch is scored (rewards.py), the policy, or other processes.
 """
@@ -11,6 +13,7 @@ Does not know about: how a batch is scored (rewards.py), the policy, or other pr
 import difflib
 import functools
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -18,6 +21,7 @@ import zlib
 
 import torch
 
+from nanogrpo.data import NOT_PASSED
 from nanogrpo.extras.builtin_rewards import BUILTINS, soft_overlong_punishment
 
 
@@ -87,6 +91,54 @@ def check_names(reward_funcs: list[tuple[str, object]]):
                 "would merge: give one another name (a def of its own, or set its __name__)"
             )
         first[name] = i
+
+
+# what the trainer passes besides the dataset's columns (TRL 1.16's names; `environments` with
+# environment_factory)
+TRAINER_ARGUMENTS = (
+    "prompts",
+    "completions",
+    "completion_ids",
+    "trainer_state",
+    "log_metric",
+    "log_extra",
+    "environments",
+)
+
+
+def check_reward_columns(reward_funcs, rows: list[dict], source, environments: bool) -> None:
+    """At load time, not as a crash at step 50: a column named as an argument the trainer passes
+    (TRAINER_ARGUMENTS; `environments` only with environment_factory) is refused, for it would
+    not reach the functions (TRL overwrites it, or the call fails); every column a reward
+    function requires (a parameter without default, besides those arguments) must be a key of
+    every row (a None value is passed on, as TRL passes it). reward_funcs=[]: the names only."""
+    passed = [a for a in TRAINER_ARGUMENTS if environments or a != "environments"]
+    for i, row in enumerate(rows):
+        taken = [c for c in passed if c in row and c not in NOT_PASSED]
+        if taken:
+            raise ValueError(
+                f"row {i} of dataset {source} has the column {taken[0]!r}, the name of an "
+                "argument the trainer passes reward functions itself: rename the column"
+            )
+    for name, fn in reward_funcs:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+            continue
+        needed = [
+            p.name
+            for p in params
+            if p.default is p.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.name not in passed
+        ]
+        for i, row in enumerate(rows):
+            missing = [c for c in needed if c not in row]
+            if missing:
+                raise ValueError(
+                    f"reward function {name!r} needs the column(s) {missing}, which row {i} of "
+                    f"dataset {source} lacks (its columns: {sorted(row)})"
+                )
 
 
 def resolve_reward_funcs(
