@@ -87,11 +87,8 @@ def sample(t: Trainer, rows: list[dict], copies: int, generator) -> Rollout:
 
 def reward_rollout(ro: Rollout, reward_funcs, t=None, logs=None) -> torch.Tensor:
     """rewards.score_rollout, with t: TRL's trainer_state, log_metric and log_extra (logging into
-    `logs`). -> [n, K] fp32, NaN = unscored."""
-    extras = None
-    if t is not None:
-        logs.columns = {}  # log_extra's columns: of this call's completions
-        extras = reward_kwargs(trainer_state_of(t), logs)
+    `logs`, or nowhere). -> [n, K] fp32, NaN = unscored."""
+    extras = None if t is None else reward_kwargs(trainer_state_of(t), logs or RewardLogs())
     return score_rollout(ro, reward_funcs, extras)
 
 

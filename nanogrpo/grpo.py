@@ -522,7 +522,6 @@ def _check_inputs(inputs, cfg, scale, terms):
 
 
 @torch.no_grad()
-@torch.no_grad()
 def raw_sampler_ratios(trainer_logps, sampling_logps, m) -> dict:
     """How far the sampler's probabilities are from the trainer's, before any correction clips or
     masks them: min, mean and max of pi_trainer / pi_sampler per token (over m's tokens) and per

@@ -123,12 +123,14 @@ def frozen_logprobs(model, ro, batch_size, *, score=token_logprobs, autocast=Non
     was_training = model.training
     model.eval()
     parts = []  # [(log-probs, entropies)] of each batch
-    for i in range(0, len(ro.input_ids), batch_size):
-        rows = slice(i, i + batch_size)
+    try:
         with autocast or contextlib.nullcontext():
-            ids, mask = ro.input_ids[rows], ro.attention_mask[rows]
-            parts.append(score(model, ids, mask, ro.completion_mask[rows], **kwargs))
-    model.train(was_training)
+            for i in range(0, len(ro.input_ids), batch_size):
+                rows = slice(i, i + batch_size)
+                ids, mask = ro.input_ids[rows], ro.attention_mask[rows]
+                parts.append(score(model, ids, mask, ro.completion_mask[rows], **kwargs))
+    finally:  # after an error too
+        model.train(was_training)
     logps, entropies = zip(*parts)
     return torch.cat(logps), torch.cat(entropies)
 

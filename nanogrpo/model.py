@@ -29,6 +29,7 @@ Choices:
 """
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -508,3 +509,14 @@ class Transformer(nn.Module):
         w = self.embed_tokens.weight
         dtype = getattr(self, "compute_dtype", w.dtype)  # dist.shard_model sets FSDP2's
         return KVCache(self.config, batch_size, max_len, dtype, w.device)
+
+
+@contextmanager
+def eval_mode(model: nn.Module):
+    """Inside: model.eval() (no dropout). After, an error included: the training flag it had."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from nanogrpo import distributed as dist
+from nanogrpo.model import eval_mode
 from nanogrpo.sampler import generate
 
 
@@ -186,9 +187,7 @@ def rollout(
         )
     schemas = [None] * len(prompts) if turns is None else turns.schemas_of(len(prompts))
     prompt_ids, step = encode_prompts(tok, prompts, schemas, G, cfg)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad(), dist.gathered(model):
+    with torch.no_grad(), dist.gathered(model), eval_mode(model):
         out = generate(
             model,
             prompt_ids,
@@ -208,7 +207,6 @@ def rollout(
             out, completions, counts = turns.play(model, tok, cfg, first, **more)
         elif not isinstance(prompts[0], str):
             completions = [[{"role": "assistant", "content": t}] for t in texts]
-    model.train(was_training)
     mask = trained_mask(out.completion_mask, out.truncated, cfg)
     input_ids, attention_mask = join_prompt_completion(
         prompt_ids, out.completion_ids, tok.pad_token_id, step

@@ -525,3 +525,62 @@ def test_a_rollout_without_tools_joins_with_no_calls_and_one_turn_a_row(monkeypa
     assert both.tool_failures.tolist() == tools.tool_failures.tolist() + [0] * 4
     assert both.turns.tolist() == tools.turns.tolist() + [1] * 4
     assert concat_rollouts([plain], tok.pad_token_id).tool_calls is None
+
+
+def test_an_error_while_sampling_or_scoring_gives_the_model_its_training_mode_back(monkeypatch):
+    """rollout, frozen_logprobs and a rollout_func run the model in eval mode; an error inside
+    (a tool, a reward model, the user's rollout_func) leaves it training, as it was. And train.py's
+    reward_rollout scores with TRL's reward arguments without a RewardLogs to log into."""
+    from types import SimpleNamespace
+
+    import train
+    from nanogrpo.extras.custom_rollout import custom_rollout
+    from nanogrpo.logprobs import frozen_logprobs
+    from nanogrpo.rewards import score_rollout
+
+    tok = chat_tokenizer()
+    model = Transformer(tiny_config(vocab_size=tok.vocab_size)).train()
+
+    def broken(*args, **kwargs):
+        assert not model.training
+        raise RuntimeError("broken")
+
+    monkeypatch.setattr(rollout_module, "generate", broken)
+    with pytest.raises(RuntimeError, match="broken"):
+        rollout(model, tok, [{"prompt": "mul"}], TrainConfig(), **how(TrainConfig(), tok, 2, 0))
+    assert model.training
+    ones = torch.ones(2, 3, dtype=torch.long)
+    ro = SimpleNamespace(input_ids=ones, attention_mask=ones, completion_mask=ones)
+    with pytest.raises(RuntimeError, match="broken"):
+        frozen_logprobs(model, ro, 1, score=broken)
+    assert model.training
+    t = SimpleNamespace(
+        model=model,
+        tok=tok,
+        cfg=TrainConfig(),
+        rollout_func=broken,
+        autocast=torch.autocast("cpu", enabled=False),
+    )
+    with pytest.raises(RuntimeError, match="broken"):
+        custom_rollout(t, [{"prompt": "mul"}], 2, None)
+    assert model.training
+    seen = []
+
+    def logs_extra(completions, trainer_state, log_extra, log_metric, **kwargs):
+        log_extra("length", [len(c) for c in completions])
+        log_metric("calls", 1)
+        seen.append(trainer_state.global_step)
+        return [1.0] * len(completions)
+
+    monkeypatch.setattr(train, "trainer_state_of", lambda t: SimpleNamespace(global_step=7))
+    monkeypatch.setattr(train, "score_rollout", score_rollout)
+    ro = SimpleNamespace(
+        num_generations=1,
+        rows=[{"prompt": "a"}],
+        extra_fields=None,
+        prompts=["a"],
+        completions=["xy"],
+        completion_token_ids=[[1, 2]],
+    )
+    assert train.reward_rollout(ro, [("logs_extra", logs_extra)], t).tolist() == [[1.0]]
+    assert seen == [7]

@@ -50,6 +50,7 @@ import torch
 from nanogrpo import distributed as dist
 from nanogrpo.extras.reward_funcs import TRAINER_ARGUMENTS, import_function
 from nanogrpo.extras.trainer_info import trainer_state_of
+from nanogrpo.model import eval_mode
 from nanogrpo.rollout import Rollout, join_prompt_completion, trained_mask
 from nanogrpo.sampler import generate
 
@@ -158,12 +159,8 @@ def custom_rollout(t, rows: list[dict], copies: int, generator) -> Rollout:
     rollout_func, model, tok, cfg, autocast and info are read) -> a Rollout."""
     prompts = [row["prompt"] for row in rows for _ in range(copies)]
     trainer = RolloutTrainer(t, generator)
-    was_training = t.model.training
-    t.model.eval()
-    autocast = t.autocast or torch.autocast("cpu", enabled=False)
-    with torch.no_grad(), dist.gathered(t.model), autocast:
+    with torch.no_grad(), dist.gathered(t.model), eval_mode(t.model), t.autocast:
         output = t.rollout_func(copy.deepcopy(prompts), trainer)
-    t.model.train(was_training)
     return rollout_of(
         output,
         rows,

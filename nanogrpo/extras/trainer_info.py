@@ -103,7 +103,8 @@ def reward_kwargs(state: TrainerState, logs: RewardLogs) -> dict:
     """The keyword arguments TRL 1.16 adds for reward functions. With dynamic sampling
     log_metric's values include every draw's call, the dropped groups' too (TRL logs what reward
     functions report each time they are called); log_extra's columns are of this call's
-    completions (train.py then keeps the kept ones')."""
+    completions (train.py then keeps the kept ones'): this call empties `logs.columns`."""
+    logs.columns = {}
 
     def log_metric(name, value):
         logs.metrics.setdefault(name, []).append(float(value))
