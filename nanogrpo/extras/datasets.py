@@ -116,9 +116,10 @@ def check_text_only(rows: list[dict], source: str) -> list[dict]:
     return rows
 
 
-def download_hub_file(spec: str) -> str:
+def download_hub_file(spec: str, offline: bool = False) -> str:
     """'hf://datasets/<owner>/<name>[@revision]/<path-in-repo>' -> local path of the cached
-    download."""
+    download; offline: from the cache only (huggingface_hub's LocalEntryNotFoundError if it is
+    not there)."""
     parts = spec[len("hf://datasets/") :].split("/", 2)
     if not spec.startswith("hf://datasets/") or len(parts) < 3 or not parts[2]:
         raise ValueError(
@@ -128,7 +129,11 @@ def download_hub_file(spec: str) -> str:
     from huggingface_hub import hf_hub_download
 
     return hf_hub_download(
-        f"{parts[0]}/{name}", parts[2], repo_type="dataset", revision=revision or None
+        f"{parts[0]}/{name}",
+        parts[2],
+        repo_type="dataset",
+        revision=revision or None,
+        local_files_only=offline,
     )
 
 
@@ -139,6 +144,7 @@ def load_dataset(
     num_rows: int | None = None,
     seed: int = 0,
     needs_prompt: bool = True,
+    offline: bool = False,
 ) -> list[dict]:
     """Rows of a dataset, checked (see `check_rows`, which needs_prompt goes to, and
     `check_text_only`).
@@ -148,7 +154,8 @@ def load_dataset(
     split: for procedural tasks and gsm8k ("train" when None); ignored for single files.
     num_rows: rows to generate for procedural tasks (default: PROCEDURAL's, 10000 for train and
     256, or 128 for addition, otherwise), or the first num_rows of any other dataset. seed:
-    procedural tasks only."""
+    procedural tasks only. offline: a hub file from huggingface_hub's cache only (the dry run
+    downloads nothing)."""
     split = split or "train"
     if spec in PROCEDURAL:
         make, n_train, n_eval = PROCEDURAL[spec]
@@ -158,10 +165,12 @@ def load_dataset(
         if split not in GSM8K_FILES:
             raise ValueError(f"gsm8k has splits {sorted(GSM8K_FILES)}, got {split!r}")
         rows = gsm8k_rows(
-            read_rows(download_hub_file(f"hf://datasets/openai/gsm8k/{GSM8K_FILES[split]}"))
+            read_rows(
+                download_hub_file(f"hf://datasets/openai/gsm8k/{GSM8K_FILES[split]}", offline)
+            )
         )
     elif spec.startswith("hf://"):
-        rows = read_rows(download_hub_file(spec))
+        rows = read_rows(download_hub_file(spec, offline))
     elif os.path.isfile(spec):
         rows = read_rows(spec)
     else:
