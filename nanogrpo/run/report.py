@@ -3,9 +3,9 @@
 Owns: each round's metrics (computed by run/metrics.py, under TRL's names
 and definitions), the run's history (a record per step), metrics.jsonl and
 report_to's trackers (a record every logging_steps, its window's mean, as
-TRL logs), the console line of each logged step, the status line on a terminal (`Progress`: sampling, tokens/s,
-ETA), warnings about rewards that cannot teach, and the end-of-run
-summary with its reward curve.
+TRL logs), the console line of each logged step, the status line on a
+terminal (`Progress`: sampling, tokens/s, ETA), warnings about rewards that
+cannot teach, and the end-of-run summary with its reward curve.
 
 Does not know about: the model, the optimizer, checkpoints, or how a run
 starts and resumes (run/__init__.py).
