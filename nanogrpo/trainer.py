@@ -18,7 +18,6 @@ given, and load_data reads its prompt order's row count, to refuse another datas
 rendering its rows).
 """
 
-import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -178,11 +177,9 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None) -> Trainer:
         num_placeholder_rows=sched.prompts_per_round,
         ckpt=resume_from,
     )
-    # max_steps=-1: num_train_epochs passes over the prompts, as TRL counts; the trainer holds
-    # a copy with the count, the validated config is left as it was
-    total = cfg.total_steps(len(rows), info.world_size)
-    if total != cfg.max_steps:
-        cfg = dataclasses.replace(cfg, max_steps=total)
+    # max_steps=-1: num_train_epochs passes over the prompts, as TRL counts, and steps below 1
+    # (logging_steps, ...) a fraction of them; the trainer holds a copy with the counts
+    cfg = cfg.with_total_steps(cfg.total_steps(len(rows), info.world_size))
     optimizer, scheduler = make_optimizer(model, cfg, info)
     return Trainer(
         cfg=cfg,

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from nanogrpo.extras import loss_terms
-from nanogrpo.run import configurator, rules
+from nanogrpo.run import configurator, rules, trl_names
 from nanogrpo.run.config import LOSS_FIELDS, ConfigError, TrainConfig
 from nanogrpo.run.configurator import convert, load_config
 
@@ -779,3 +779,47 @@ def test_helpers_of_a_config_file_stay_allowed(tmp_path):
     )
     cfg = load_config(["--config", str(path)])
     assert cfg.reward_funcs[0](["a"]) == [2.0]
+
+
+def test_a_dump_of_trls_config_is_read_and_its_defaults_accepted_with_a_note(capsys):
+    """Regression: a dump of TRL's GRPOConfig().to_dict() was refused on 13 keys at TRL's own
+    defaults (ds3_gather_for_generation=True was refused while False was accepted). A name
+    nanogrpo lacks is read at TRL's default, with a note, and still refused at any other value;
+    TRL_DEFAULTS is the dump's value of each such name that is not off."""
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "trl", "grpo_config_defaults.json")
+    fixture = json.load(open(path))
+    for dump in (fixture["defaults"], fixture["to_dict"]):
+        assert [k for k, v in dump.items() if not configurator.is_read(k, v, False)] == []
+    dumped = fixture["to_dict"]
+    read_anyway = {*configurator.ALIASES, *configurator.NO_EFFECT, *configurator.TRANSLATED}
+    refusable = {k for k in dumped if configurator.refusal(k) and k not in read_anyway}
+    not_off = {k for k in refusable if not configurator.is_off(dumped[k], False)}
+    assert trl_names.TRL_DEFAULTS == {k: dumped[k] for k in not_off}
+    load_config(["--ds3_gather_for_generation=true", "--eval_delay=0", "--project", "huggingface"])
+    err = capsys.readouterr().err
+    assert "note: ds3_gather_for_generation at TRL's default changes nothing here" in err
+    assert "note: project at TRL's default changes nothing here" in err
+    for arg in ("--project=mine", "--eval_delay=2", "--label_smoothing_factor=0.1"):
+        with pytest.raises(ConfigError, match="a TRL/transformers setting nanogrpo does not have"):
+            load_config([arg])
+
+
+def test_activation_checkpointing_is_transformers_5s_name_for_gradient_checkpointing():
+    assert load_config(["--activation_checkpointing=false"]).gradient_checkpointing is False
+    assert load_config(["--activation_checkpointing"]).gradient_checkpointing is True
+    with pytest.raises(ConfigError, match="gradient_checkpointing is set twice in one place"):
+        load_config(["--gradient_checkpointing=true", "--activation_checkpointing=false"])
+
+
+def test_steps_below_1_are_a_fraction_of_the_runs_steps_as_in_transformers():
+    """Regression: logging_steps=0.1, transformers' ratio form, was refused as not an int. Below 1,
+    logging_steps, eval_steps and save_steps are a fraction of the run's steps, rounded up
+    (transformers' TrainerState.compute_steps); from 1 up, whole numbers."""
+    cfg = load_config(["--logging_steps=0.1", "--eval_steps=0.5", "--save_steps", "0.34"])
+    assert (cfg.logging_steps, cfg.eval_steps, cfg.save_steps) == (0.1, 0.5, 0.34)
+    run = cfg.with_total_steps(25)
+    assert (run.max_steps, run.logging_steps, run.eval_steps, run.save_steps) == (25, 3, 13, 9)
+    assert TrainConfig(save_steps=0, logging_steps=10.0).with_total_steps(-1).save_steps == 0
+    assert type(TrainConfig(logging_steps=10.0).logging_steps) is int
+    with pytest.raises(ConfigError, match=r"^logging_steps=2\.5: must be a whole number of steps"):
+        TrainConfig(logging_steps=2.5).validate()

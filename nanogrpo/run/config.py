@@ -12,11 +12,13 @@ model, the disk or the environment.
 """
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 
 from nanogrpo.grpo import LossConfig
 from nanogrpo.run.rules import (  # noqa: F401 (ConfigError: its home for callers)
+    RATIO_STEPS,
     ConfigError,
     Rules,
 )
@@ -343,20 +345,26 @@ class TrainConfig(Rules):
     num_train_epochs: float = setting(
         3.0, "passes over the prompts, as TRL counts them (when max_steps is -1)"
     )
-    logging_steps: int = setting(
+    logging_steps: int | float = setting(
         10,
         "steps between logs (a console line, a metrics.jsonl and tracker record), each the mean "
         "over its steps as TRL's (grad_norm, learning_rate, epoch: the logging step's); the last "
-        "step logs too",
+        "step logs too. Below 1, a fraction of the run's steps, rounded up (transformers')",
     )
     logging_first_step: bool = setting(False, "also log step 1")
     eval_strategy: str = setting("no", "no | steps")
-    eval_steps: int | None = setting(None, 'with eval_strategy="steps"; None = logging_steps')
+    eval_steps: int | float | None = setting(
+        None, 'with eval_strategy="steps"; None = logging_steps; below 1, a fraction of the steps'
+    )
     eval_on_start: bool = setting(
         False,
         "also evaluate before the first step (transformers' sanity check); needs eval_dataset",
     )
-    save_steps: int = setting(500, "steps between checkpoints, 0 = only at the end; also on Ctrl-C")
+    save_steps: int | float = setting(
+        500,
+        "steps between checkpoints, 0 = only at the end; also on Ctrl-C; below 1, a fraction of "
+        "the run's steps, rounded up (transformers')",
+    )
     save_total_limit: int | None = setting(
         None, "keep the newest this-many checkpoints this run wrote; None = all"
     )
@@ -413,6 +421,11 @@ class TrainConfig(Rules):
         # TRL takes report_to as a list too: one comma-separated string here
         if isinstance(self.report_to, (list, tuple)):
             self.report_to = ",".join(self.report_to) or "none"
+        # transformers' steps are floats: 10.0 is 10 steps (validate refuses 2.5)
+        for key in RATIO_STEPS:
+            value = getattr(self, key)
+            if isinstance(value, float) and value >= 1 and value.is_integer():
+                setattr(self, key, int(value))
 
     # --- batch arithmetic (TRL's; schedules.py) ----------------------------
 
@@ -423,6 +436,18 @@ class TrainConfig(Rules):
     def total_steps(self, num_prompts: int, world_size: int = 1) -> int:
         """max_steps, or num_train_epochs passes counted as TRL counts."""
         return total_steps(self, num_prompts, world_size)
+
+    def with_total_steps(self, total: int) -> "TrainConfig":
+        """This config for a run of `total` optimizer steps (max_steps, or num_train_epochs
+        counted): logging_steps, eval_steps and save_steps below 1 become the steps they mean,
+        math.ceil(total * ratio), as transformers' TrainerState.compute_steps counts them. -> a
+        copy, or self when nothing changes."""
+        changes = {} if total == self.max_steps else {"max_steps": total}
+        for key in RATIO_STEPS:
+            value = getattr(self, key)
+            if value is not None and 0 < value < 1:
+                changes[key] = math.ceil(total * value)
+        return dataclasses.replace(self, **changes) if changes else self
 
     def eval_every(self) -> int:
         """Steps between evaluations; 0 = never."""

@@ -30,7 +30,8 @@ Choices:
   (`model_name_or_path`, `dataset_name`, `dtype`, ...) are translated, a
   TrainingArguments setting that changes nothing here is accepted with a
   note, and one nanogrpo cannot honour is refused with the reason, unless
-  its value is off (False, None, empty: it asks for nothing).
+  its value is off (False, None, empty: it asks for nothing) or TRL's
+  default (it asks for what nanogrpo does).
 """
 
 import difflib
@@ -47,6 +48,7 @@ from nanogrpo.run.trl_names import (  # noqa: F401 (TRL_ONLY: tests)
     NO_EFFECT,
     TRANSLATED,
     TRL_ONLY,
+    at_trl_default,
     refusal,
 )
 from nanogrpo.run.values import FIELD_TYPES, convert, note
@@ -67,12 +69,13 @@ def _unknown_key(key: str, where: str) -> str:
 def is_read(key: str, value, from_text: bool) -> bool:
     """Whether load_config reads `key` = `value`: a TrainConfig field, a TRL
     name it translates or accepts, or a refused TRL setting whose value is
-    off (it asks for nothing)."""
+    off (it asks for nothing) or TRL's default."""
     if key in FIELD_TYPES or key in ALIASES or key in TRANSLATED:
         return True
     if key in NO_EFFECT or key.startswith("vllm_"):
         return True
-    return refusal(key) is not None and is_off(value, from_text)
+    at_default = at_trl_default(key, value, from_text)
+    return refusal(key) is not None and (is_off(value, from_text) or at_default)
 
 
 def is_off(value, from_text: bool) -> bool:
@@ -231,10 +234,11 @@ def parse_args(argv: list[str]) -> list[tuple[str, str]]:
 def is_flag(key: str) -> bool:
     """Whether a bare `--key` means true: a bool field (`--bf16` too), or a
     TRL name (`--use_cpu`); not --config, nor an alias of a text field."""
-    if key in FIELD_TYPES:
-        tp = FIELD_TYPES[key]
+    name = ALIASES.get(key, key)  # --activation_checkpointing: a bool field's alias
+    if name in FIELD_TYPES:
+        tp = FIELD_TYPES[name]
         return tp is bool or set(typing.get_args(tp)) == {bool, type(None)}
-    return key != "config" and key not in ALIASES
+    return key != "config"
 
 
 def load_config(argv: list[str] | None = None) -> TrainConfig:
@@ -313,10 +317,13 @@ def settings_of(read: dict, from_text: bool) -> dict:
     TrainConfig fields, each converted to its type: TRL's aliases to their
     field (both names with two values is an error), TRANSLATED names to
     what they mean (winning over the field they set: save_strategy="no"
-    over save_steps), a name that changes nothing to a note."""
+    over save_steps), a name that changes nothing to a note. An alias set to
+    None is unset (transformers' activation_checkpointing=None)."""
     settings = {}
     translated = {}
     for key, value in read.items():
+        if key in ALIASES and value is None:
+            continue
         if key in FIELD_TYPES or key in ALIASES:
             name = ALIASES.get(key, key)
             converted = convert(name, value, from_text=from_text)
@@ -336,6 +343,8 @@ def settings_of(read: dict, from_text: bool) -> dict:
                 f"{key} changes nothing here: there is no vLLM (use_vllm is "
                 "off; nanogrpo's own sampler generates)"
             )
+        elif at_trl_default(key, value, from_text) and not is_off(value, from_text):
+            note(f"{key} at TRL's default changes nothing here")
     return settings | translated
 
 
@@ -421,5 +430,5 @@ def trl_names_text() -> str:
         f"{aliases}; {', '.join(TRANSLATED)}: read by their value. Settings "
         "that change nothing here (remove_unused_columns, dataloader_*, ddp_*, "
         "log_level, ...) are accepted with a note; one nanogrpo cannot honour "
-        "is refused with why, unless its value is off (False, None, empty)."
+        "is refused with why, unless its value is off (False, None, empty) or TRL's default."
     )

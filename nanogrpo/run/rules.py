@@ -37,9 +37,9 @@ CHOICES = {
 
 # (rule, message, fields): each range rule of TrainConfig once; the loss's own live in LossConfig
 AT_LEAST_1 = """per_device_train_batch_size gradient_accumulation_steps num_iterations
-    max_completion_length logging_steps ref_model_sync_steps eval_size lora_r
+    max_completion_length ref_model_sync_steps eval_size lora_r
     steps_per_generation generation_batch_size max_tool_calling_iterations
-    save_total_limit soft_punish_cache eval_steps max_prompt_length
+    save_total_limit soft_punish_cache max_prompt_length
     num_generations_eval num_completions_to_print max_num_gen_batches torch_num_threads""".split()
 
 
@@ -53,7 +53,15 @@ RANGES = [
     (
         lambda v: v > 0,
         "must be > 0",
-        ["lora_alpha", "max_grad_norm", "tool_timeout", "num_train_epochs", "ddp_timeout"],
+        [
+            "lora_alpha",
+            "max_grad_norm",
+            "tool_timeout",
+            "num_train_epochs",
+            "ddp_timeout",
+            "logging_steps",
+            "eval_steps",
+        ],
     ),
     (
         lambda v: 0 <= v < 1,
@@ -62,6 +70,11 @@ RANGES = [
     ),
     (lambda v: 0 <= v <= 1, "must be in [0, 1]", ["ref_model_mixup_alpha"]),
 ]
+
+
+# transformers' step counts that below 1 are a fraction of the run's steps
+# (TrainConfig.with_total_steps); from 1 up, whole numbers
+RATIO_STEPS = ("logging_steps", "eval_steps", "save_steps")
 
 
 REPORTERS = ("none", "tensorboard", "wandb", "trackio")
@@ -99,6 +112,14 @@ class Rules:
             for key in keys:
                 value = getattr(self, key)
                 need(value is None or ok(value), key, why)
+        for key in RATIO_STEPS:
+            value = getattr(self, key)
+            need(
+                value is None or value < 1 or value == int(value),
+                key,
+                "must be a whole number of steps, or below 1 a fraction of the run's "
+                "steps (transformers')",
+            )
         d = self.device
         cuda_n = d.startswith("cuda:") and d[5:].isdigit()
         need(d in ("auto", "cpu", "cuda") or cuda_n, "device", "must be auto, cpu, cuda or cuda:N")

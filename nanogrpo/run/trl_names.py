@@ -1,7 +1,8 @@
 """TRL's other names: its scripts' ScriptArguments and ModelConfig, and the TrainingArguments
 TrainConfig lacks. Each is translated (`ALIASES`, `TRANSLATED`), accepted with a note because it
-changes nothing here (`NO_EFFECT`), or refused with why (`REFUSED`, `refusal`), never given a
-"did you mean" (a close spelling may mean something else). run/configurator.py reads them.
+changes nothing here (`NO_EFFECT`), or refused with why (`REFUSED`, `refusal`) unless its value
+is off or TRL's default (`TRL_DEFAULTS`), never given a "did you mean" (a close spelling may mean
+something else). run/configurator.py reads them.
 
 Does not know about: what a setting does, the model, tokenization, or files.
 """
@@ -15,6 +16,8 @@ ALIASES = {
     "dataset_name": "dataset",  # ScriptArguments
     "dataset_train_split": "dataset_split",
     "dataset_test_split": "eval_split",
+    # transformers 5's name; gradient_checkpointing is its deprecated alias, and None the unset
+    "activation_checkpointing": "gradient_checkpointing",
 }
 
 
@@ -137,6 +140,7 @@ NO_EFFECT = {
     "torch_empty_cache_steps": "it frees cached memory only",
     "gradient_checkpointing_kwargs": "checkpointing is non-reentrant, TRL's default",
     "gradient_checkpointing_use_reentrant": "checkpointing is non-reentrant, TRL's default",
+    "activation_checkpointing_kwargs": "checkpointing is non-reentrant, TRL's default",
     "use_liger_kernel": "the LM head's log-probs are already chunked (fast/logprobs.py)",
     "attn_implementation": "nanogrpo's model attends with torch's scaled_dot_product_attention",
     "trust_remote_code": "nanogrpo's own model code loads the weights; no remote code runs",
@@ -218,6 +222,47 @@ REFUSED = {
     "processing_class": "the tokenizer is the model directory's",
     "train_dataset": "set dataset: a file, hf://datasets/..., or a built-in name",
 }
+
+
+# TRL 1.16's defaults of the names above that are not off (False, None, empty), as
+# GRPOConfig().to_dict() writes them: at its default each asks for what nanogrpo does, so it is
+# accepted with a note (tests/test_config.py holds the table to the fixture's dump)
+TRL_DEFAULTS = {
+    "accelerator_config": {
+        "split_batches": False,
+        "dispatch_batches": None,
+        "even_batches": True,
+        "use_seedable_sampler": True,
+        "non_blocking": False,
+        "gradient_accumulation_kwargs": None,
+    },
+    "average_tokens_across_devices": True,
+    "dataloader_in_order": True,
+    "ds3_gather_for_generation": True,
+    "eval_delay": 0,
+    "eval_do_concat_batches": True,
+    "hub_strategy": "every_save",
+    "hub_token": "<HUB_TOKEN>",  # to_dict()'s mask for any token (the hub login is read here)
+    "include_num_input_tokens_seen": "no",
+    "label_smoothing_factor": 0.0,
+    "length_column_name": "length",
+    "log_multimodal": True,
+    "logging_nan_inf_filter": True,
+    "project": "huggingface",
+    "train_sampling_strategy": "random",
+}
+
+
+def at_trl_default(key: str, value, from_text: bool) -> bool:
+    """Whether `value` (text read as the default's type) is TRL's default of a TRL_DEFAULTS name."""
+    if key not in TRL_DEFAULTS:
+        return False
+    default = TRL_DEFAULTS[key]
+    numeric = isinstance(default, (int, float)) and not isinstance(default, bool)
+    try:
+        return convert(key, value, float if numeric else type(default), from_text) == default
+    except ConfigError:
+        return False
 
 
 def refusal(key: str) -> str | None:
