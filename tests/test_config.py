@@ -797,14 +797,21 @@ def test_a_dump_of_trls_config_is_read_and_its_defaults_accepted_with_a_note(cap
     assert trl_names.TRL_DEFAULTS == {k: dumped[k] for k in not_off}
     load_config(["--ds3_gather_for_generation=true", "--eval_delay=0", "--project", "huggingface"])
     err = capsys.readouterr().err
-    assert "note: ds3_gather_for_generation at TRL's default changes nothing here" in err
-    assert "note: project at TRL's default changes nothing here" in err
+    said = "note: ds3_gather_for_generation, project at TRL's default change nothing"
+    assert said in err
+    load_config(["--project=huggingface", "--vllm_mode=server", "--vllm_server_port=1"])
+    err = capsys.readouterr().err
+    assert "note: project at TRL's default changes nothing here\n" in err
+    assert "note: vllm_mode, vllm_server_port change nothing here: there is no vLLM" in err
     for arg in ("--project=mine", "--eval_delay=2", "--label_smoothing_factor=0.1"):
         with pytest.raises(ConfigError, match="a TRL/transformers setting nanogrpo does not have"):
             load_config([arg])
 
 
 def test_activation_checkpointing_is_transformers_5s_name_for_gradient_checkpointing():
+    """And TRL's deprecated vllm_importance_sampling_cap is the clip_max it sets (it was taken
+    for a vLLM setting that changes nothing)."""
+    assert load_config(["--vllm_importance_sampling_cap=2"]).vllm_importance_sampling_clip_max == 2
     assert load_config(["--activation_checkpointing=false"]).gradient_checkpointing is False
     assert load_config(["--activation_checkpointing"]).gradient_checkpointing is True
     with pytest.raises(ConfigError, match="gradient_checkpointing is set twice in one place"):

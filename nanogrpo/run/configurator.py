@@ -317,10 +317,13 @@ def settings_of(read: dict, from_text: bool) -> dict:
     TrainConfig fields, each converted to its type: TRL's aliases to their
     field (both names with two values is an error), TRANSLATED names to
     what they mean (winning over the field they set: save_strategy="no"
-    over save_steps), a name that changes nothing to a note. An alias set to
-    None is unset (transformers' activation_checkpointing=None)."""
+    over save_steps), a name that changes nothing to a note (the vllm_* ones,
+    and those at TRL's default, one note each kind). An alias set to None is
+    unset (transformers' activation_checkpointing=None)."""
     settings = {}
     translated = {}
+    no_vllm = []
+    at_default = []
     for key, value in read.items():
         if key in ALIASES and value is None:
             continue
@@ -339,13 +342,21 @@ def settings_of(read: dict, from_text: bool) -> dict:
         elif key in NO_EFFECT:
             note(f"{key} changes nothing here: {NO_EFFECT[key]}")
         elif key.startswith("vllm_"):
-            note(
-                f"{key} changes nothing here: there is no vLLM (use_vllm is "
-                "off; nanogrpo's own sampler generates)"
-            )
+            no_vllm.append(key)
         elif at_trl_default(key, value, from_text) and not is_off(value, from_text):
-            note(f"{key} at TRL's default changes nothing here")
+            at_default.append(key)
+    if no_vllm:
+        note(
+            f"{', '.join(no_vllm)} {changes(no_vllm)} nothing here: there is no vLLM "
+            "(use_vllm is off; nanogrpo's own sampler generates)"
+        )
+    if at_default:
+        note(f"{', '.join(at_default)} at TRL's default {changes(at_default)} nothing here")
     return settings | translated
+
+
+def changes(keys: list) -> str:
+    return "changes" if len(keys) == 1 else "change"
 
 
 def _drop_followers(settings: dict, from_file: dict, command_line: dict):

@@ -18,6 +18,8 @@ ALIASES = {
     "dataset_test_split": "eval_split",
     # transformers 5's name; gradient_checkpointing is its deprecated alias, and None the unset
     "activation_checkpointing": "gradient_checkpointing",
+    # TRL's deprecated name (its __post_init__ copies it to clip_max); None: unset
+    "vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max",
 }
 
 
