@@ -37,7 +37,7 @@ from nanogrpo.rollout import Rollout, rollout
 from nanogrpo.run import report
 from nanogrpo.run.config import TrainConfig
 from nanogrpo.schedules import micro_batches_in_step
-from nanogrpo.trainer import Kernels, Trainer, setup
+from nanogrpo.trainer import Given, Kernels, Trainer, setup
 
 # -----------------------------------------------------------------------------
 # The kernels a run computes with, the seed of each round (setup is nanogrpo/trainer.py's)
@@ -357,15 +357,16 @@ def evaluate(t: Trainer) -> dict:
 # The run
 
 
-def train(cfg: TrainConfig, command=None) -> list[dict]:
+def train(cfg: TrainConfig, command=None, given=Given()) -> list[dict]:
     """Run GRPO as configured: cycles until max_steps, evaluation and saves where they are due, a
-    save on Ctrl-C, SIGTERM or an error. -> per-step metrics (also metrics.jsonl)."""
+    save on Ctrl-C, SIGTERM or an error. -> per-step metrics (also metrics.jsonl). given: what a
+    Python caller (nanogrpo/api/) passes in place of the config's names, a trainer.Given."""
     if cfg.dry_run:  # nothing loaded, nothing started: the plan of the run
         return run.dry_run(cfg)
     info = dist.setup(cfg.device, cfg.ddp_timeout)
     cfg.validate(info.world_size)
     r, cfg = run.start(cfg, info, command)  # on resume, the checkpoint's optimizer settings
-    t = setup(cfg, info, r.resume_from, kernels=kernels(cfg))
+    t = setup(cfg, info, r.resume_from, kernels=kernels(cfg), given=given)
     cfg = t.cfg  # max_steps counted (num_train_epochs)
     if not run.begin(r, t):  # restored; False: max_steps already reached
         return r.history

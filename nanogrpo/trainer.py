@@ -4,7 +4,8 @@ functions, tools and the prompts, each checked before step 1; and `Kernels`, the
 round calls where nanogrpo/fast/ has faster equal ones.
 
 Owns: `Trainer`, `Kernels`, `setup`, and the loaders it calls (`load_policy`, `make_optimizer`,
-`build_reward_funcs`, `load_data`). With environment_factory, setup makes the run's
+`build_reward_funcs`, `load_data`); `Given`, what a Python caller (nanogrpo/api/) hands setup in
+place of the config's names. With environment_factory, setup makes the run's
 `Environments` (extras/environments.py): their get_reward functions join the reward functions,
 their tools the prompts' checks.
 
@@ -114,6 +115,17 @@ def load_policy(path, cfg: TrainConfig, info, lora_settings=None):
     return model
 
 
+@dataclass(frozen=True)
+class Given:
+    """What a Python caller hands setup in place of the config's names: the rows of dataset and
+    eval_dataset (which then only name them), a tokenizer, the policy's loader."""
+
+    rows: list | None = None
+    eval_rows: list | None = None
+    tokenizer: Tokenizer | None = None
+    load_policy: Callable = load_policy
+
+
 def make_optimizer(model, cfg: TrainConfig, info):
     """AdamW (transformers' optim names) and its learning-rate schedule,
     step for step transformers' get_scheduler (extras/lr_schedules.py)."""
@@ -136,12 +148,13 @@ def make_optimizer(model, cfg: TrainConfig, info):
     return optimizer, scheduler
 
 
-def setup(cfg: TrainConfig, info, resume_from=None, kernels=None) -> Trainer:
-    """Model (+ reference), tokenizer, optimizer, rewards, data (checked before step 1), kernels."""
+def setup(cfg: TrainConfig, info, resume_from=None, kernels=None, given=Given()) -> Trainer:
+    """Model (+ reference), tokenizer, optimizer, rewards, data (checked before step 1), kernels;
+    each from `given` where it holds one."""
     kernels = kernels or Kernels()  # the course's, unless train.py picks
     torch.manual_seed(cfg.seed + info.rank)
-    tok = Tokenizer.from_pretrained(cfg.model)
-    model = load_policy(resume_from or cfg.model, cfg, info, cfg.lora_settings())
+    tok = given.tokenizer or Tokenizer.from_pretrained(cfg.model)
+    model = given.load_policy(resume_from or cfg.model, cfg, info, cfg.lora_settings())
     model.gradient_checkpointing = cfg.gradient_checkpointing
     check_context(cfg, model)
     peft = hasattr(model, "lora_config")  # use_peft, or an adapter dir
@@ -176,6 +189,7 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None) -> Trainer:
         envs=envs,
         num_placeholder_rows=sched.prompts_per_round,
         ckpt=resume_from,
+        given=given,
     )
     # max_steps=-1: num_train_epochs passes over the prompts, as TRL counts, and steps below 1
     # (logging_steps, ...) a fraction of them; the trainer holds a copy with the counts
@@ -240,6 +254,7 @@ def load_data(
     envs=None,
     num_placeholder_rows=1,
     ckpt=None,
+    given=Given(),
 ):
     """Training and eval rows, checked before step 1: each prompt fits
     the context (with the tools' schemas: with environments, those of its
@@ -247,12 +262,13 @@ def load_data(
     (a rollout_func's fields may bring them: not checked then). Without a
     dataset, TRL's num_placeholder_rows empty prompts, which the
     environment's reset() fills. Resuming checkpoint `ckpt`, another
-    dataset than its run's is refused first."""
+    dataset than its run's is refused first. given.rows and given.eval_rows, where set, are the
+    datasets' rows (checked by their caller)."""
     needs_prompt = envs is None  # an environment's reset() may write it
     if cfg.dataset is None:
         rows = placeholder_rows(num_placeholder_rows)
     else:
-        rows = load_dataset(
+        rows = given.rows or load_dataset(
             cfg.dataset, split=cfg.dataset_split, seed=cfg.seed, needs_prompt=needs_prompt
         )
     if ckpt:  # its prompt order is over its dataset's rows: checked before they are rendered
@@ -260,9 +276,10 @@ def load_data(
         check_same_dataset(rows, state["prompts"], cfg.dataset)
     eval_rows = None
     if cfg.evaluates():
-        eval_rows = load_dataset(
+        eval_rows = given.eval_rows or load_dataset(
             cfg.eval_dataset, split=cfg.eval_split, seed=cfg.seed, needs_prompt=needs_prompt
-        )[: cfg.eval_size]
+        )
+        eval_rows = eval_rows[: cfg.eval_size]
     for warning in cfg.warnings():
         dist.print0(f"warning: {warning}")
     room = model.config.max_position_embeddings - cfg.max_completion_length

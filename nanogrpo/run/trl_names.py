@@ -2,7 +2,7 @@
 TrainConfig lacks. Each is translated (`ALIASES`, `TRANSLATED`), accepted with a note because it
 changes nothing here (`NO_EFFECT`), or refused with why (`REFUSED`, `refusal`) unless its value
 is off or TRL's default (`TRL_DEFAULTS`), never given a "did you mean" (a close spelling may mean
-something else). run/configurator.py reads them.
+something else). run/configurator.py and api/config.py read them.
 
 Does not know about: what a setting does, the model, tokenization, or files.
 """
