@@ -98,8 +98,11 @@ def test_cached_decode_matches_full_forward(family):
                     cache_start=L + t,
                 )[:, 0]
             )
-    # full_ids are left-padded to L+4, so prompt end and decode steps line up with columns L-1 .. L+3
-    assert torch.allclose(torch.stack(cached, 1), full[:, L - 1 :], atol=1e-5, rtol=1e-4)
+    # full_ids are left-padded to L+4, so prompt end and decode steps line up with columns L-1 .. L+3;
+    # Qwen3.5's linear-attention layers run a whole sequence chunk by chunk and a decode step by the
+    # recurrence, two float32 sums in different orders (2.4e-5 apart at logits of 6 on an Intel Xeon)
+    atol = 5e-5 if family == "qwen3_5" else 1e-5
+    assert torch.allclose(torch.stack(cached, 1), full[:, L - 1 :], atol=atol, rtol=1e-4)
 
 
 # -----------------------------------------------------------------------------
