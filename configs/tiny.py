@@ -32,6 +32,7 @@ dataset = "default"
 eval_dataset = "default"
 eval_split = "test"
 eval_size = 64
+num_generations_eval = 1  # held-out pass@1: one sample a problem (None: num_generations)
 eval_strategy = "steps"
 eval_steps = 100
 reward_funcs = ["default_task"]

@@ -1460,7 +1460,8 @@ def test_evaluation_passes_trls_reward_arguments_and_logs_eval_loss(tmp_path):
     assert history[-1]["eval/loss"] > 0
     history = train.train(tiny(tmp_path / "c", *common, "--num_generations_eval=4"))
     assert math.isfinite(history[-1]["eval/loss"])
-    history = train.train(tiny(tmp_path / "d", *common[1:]))  # None: num_generations, as TRL
+    none = "--num_generations_eval=None"  # num_generations, as TRL (tiny.py sets 1)
+    history = train.train(tiny(tmp_path / "d", *common[1:], none))
     assert history[-1]["eval/loss"] != 0.0
 
 
