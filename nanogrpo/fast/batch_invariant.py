@@ -61,6 +61,21 @@ MIN_OUT = 16
 CHUNK = 64  # keys per attention chunk
 
 
+def has_amx() -> bool:
+    """Whether this CPU has AMX's bf16 tiles (Intel Xeon since Sapphire Rapids): there oneDNN's
+    bf16 products round a row by the number of rows whatever the padding (real SmolLM2 under
+    bf16 autocast: log-probs 0.25 apart), and under bf16 autocast torch's own kernels are used
+    instead (not oneDNN; in float32, which its AMX tiles do not compute, oneDNN stays on)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+AMX = has_amx()
+
+
 def pad_to(x, dim, multiple, value=0):
     """x padded at the end of `dim` to a multiple of `multiple` (x itself when it is one)."""
     extra = -x.shape[dim] % multiple
@@ -167,6 +182,8 @@ class BatchInvariant(TorchFunctionMode):
         recurrent = gated_deltanet.always_recurrent
         stack.callback(setattr, gated_deltanet, "always_recurrent", recurrent)
         gated_deltanet.always_recurrent = True
+        if AMX and torch.is_autocast_enabled("cpu"):  # oneDNN's AMX bf16 kernels round a row by
+            stack.enter_context(torch.backends.mkldnn.flags(enabled=False))  # the batch's size
         self.stacks.append(stack)
         return super().__enter__()
 
