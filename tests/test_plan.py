@@ -95,6 +95,10 @@ def test_an_offline_hub_id_is_one_clear_error(tmp_path, monkeypatch):
 # What the dry run reads, evaluation's sampling, and what the totals are
 
 
+# num_generations completions an eval prompt, TRL's default (tiny.py's held-out evaluation samples 1)
+TRLS_EVAL = "--num_generations_eval=None"
+
+
 def tiny_argv(tmp_path, *more):
     init = read_config_file("tiny")["init_model"]
     argv = ["--config", "tiny.py", f"--model={tmp_path}/init", f"--init_model={init!r}"]
@@ -169,7 +173,7 @@ def test_the_plan_grows_with_evaluations_sampling(tmp_path):
     samples an eighth; eval_strategy=no plans none."""
 
     def plan_of(*more, world_size=1):
-        return plan.plan(load_config(tiny_argv(tmp_path, *more)), world_size)
+        return plan.plan(load_config(tiny_argv(tmp_path, TRLS_EVAL, *more)), world_size)
 
     two, many, most = (plan_of(f"--eval_size={n}") for n in (2, 32, 256))
     assert (two["eval_completions_per_rank"], many["eval_completions_per_rank"]) == (16, 256)
@@ -181,7 +185,7 @@ def test_the_plan_grows_with_evaluations_sampling(tmp_path):
 
 def test_the_plan_of_an_evaluation_that_peaks_is_within_25_percent(tmp_path):
     """The default with 256 eval prompts of 8 completions: evaluation's sampling is the peak."""
-    argv = tiny_argv(tmp_path, "--max_steps=1", "--eval_size=256", "--save_steps=0")
+    argv = tiny_argv(tmp_path, TRLS_EVAL, "--max_steps=1", "--eval_size=256", "--save_steps=0")
     cfg = load_config(argv)
     planned = plan.plan(cfg, 1)
     assert planned["sampling_peak"] > planned["update_peak"]
@@ -191,7 +195,7 @@ def test_the_plan_of_an_evaluation_that_peaks_is_within_25_percent(tmp_path):
 
 
 def test_the_plan_says_its_bytes_are_tensors(tmp_path):
-    text = plan.report(plan.plan(load_config(tiny_argv(tmp_path)), 1))
+    text = plan.report(plan.plan(load_config(tiny_argv(tmp_path, TRLS_EVAL)), 1))
     lines = text.splitlines()
     assert lines[0].endswith(", tensor bytes per process of 1")
     assert lines[2] == "  evaluation: 512 completions sampled at once, prompts 5 tokens " + (
