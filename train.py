@@ -24,13 +24,18 @@ from functools import partial
 import torch
 
 from nanogrpo import distributed as dist, fast, run
-from nanogrpo.extras import lora, loss_terms
+from nanogrpo.extras import lora
 from nanogrpo.extras.custom_rollout import custom_rollout
 from nanogrpo.extras.dynamic_sampling import groups_with_signal
 from nanogrpo.extras.eval_loss import eval_loss
-from nanogrpo.extras.loss_terms import applied_entropy_coef, entropy_window, update_entropy_coef
+from nanogrpo.extras.loss_terms import (
+    applied_entropy_coef,
+    entropy_window,
+    grpo_step_with_terms,
+    update_entropy_coef,
+)
 from nanogrpo.extras.trainer_info import RewardLogs, reward_kwargs, trainer_state_of
-from nanogrpo.grpo import LossInputs, LossScale, group_advantages, grpo_step
+from nanogrpo.grpo import LossInputs, LossScale, group_advantages, grpo_step, sampler_correction
 from nanogrpo.logprobs import frozen_logprobs, sync_ref_model
 from nanogrpo.rewards import score_rollout
 from nanogrpo.rollout import Rollout, rollout
@@ -158,9 +163,10 @@ def optimizer_step(t: Trainer, micro) -> dict:
     """One optimizer step over `micro`, GA (Rollout, row indices) pairs (from one round or several).
     -> loss metrics over the step's micro-batches (report.across_micro_batches)."""
     GA = len(micro)
-    bonus = t.loss_cfg.entropy_bonus_on()
+    terms = t.loss_terms  # the options around the loss (extras/loss_terms.py), or None
+    bonus = terms is not None and terms.bonus_on()
     # every micro-batch of the step applies the coefficient of the last one
-    coef = applied_entropy_coef(t.loss_cfg, t.entropy_coef, t.last_entropy)
+    coef = applied_entropy_coef(terms, t.entropy_coef, t.last_entropy) if bonus else None
     window = torch.zeros(2, dtype=torch.float64, device=t.info.device)
     values = {}  # metric -> [(value, weight)] of each micro-batch
     losses = []  # each micro-batch's loss, detached
@@ -186,9 +192,10 @@ def optimizer_step(t: Trainer, micro) -> dict:
             old_logps=rows(ro.old_logps, idx),
             ref_logps=rows(ro.ref_logps, idx),
             entropies=entropies.float(),
-            sampling_logps=rows(ro.sampling_logps, idx),
-            trainer_logps=rows(ro.trainer_logps, idx),
         )
+        sampling_logps = rows(ro.sampling_logps, idx)
+        correction = (inputs, sampling_logps, t.loss_cfg, rows(ro.trainer_logps, idx))
+        inputs.weights, sampling_metrics = sampler_correction(*correction)
         scale = LossScale(
             num_items=ro.num_items,
             grad_accum=GA,
@@ -196,14 +203,17 @@ def optimizer_step(t: Trainer, micro) -> dict:
             steps_per_generation=t.sched.steps_per_generation,
         )
         # metrics as 0-dim tensors: the step reads them all at once
-        terms = dict(terms=loss_terms, entropy_coef=coef, read_metrics=False)
-        loss, metrics = grpo_step(inputs, t.loss_cfg, scale, **terms)
+        if terms is None:
+            loss, metrics = grpo_step(inputs, t.loss_cfg, scale, read_metrics=False)
+        else:
+            how = dict(sampling_logps=sampling_logps, entropy_coef=coef, read_metrics=False)
+            loss, metrics = grpo_step_with_terms(inputs, t.loss_cfg, terms, scale, **how)
         loss.backward()
         losses.append(loss.detach())
         if bonus:  # the adaptive control's [entropy sum, token count]
-            window += entropy_window(inputs.entropies, inputs.completion_mask, t.loss_cfg)
+            window += entropy_window(inputs.entropies, inputs.completion_mask, terms)
         weights = report.micro_batch_weights(ro.completion_mask[idx], t.loss_cfg)
-        for key, value in metrics.items():
+        for key, value in (sampling_metrics | metrics).items():
             values.setdefault(key, []).append((value, weights.get(key, 1.0)))
     grad_norm = dist.clip_grad_norm(t.model, t.cfg.max_grad_norm or 0.0)
     t.optimizer.step()
@@ -213,7 +223,7 @@ def optimizer_step(t: Trainer, micro) -> dict:
     out = report.across_micro_batches(values, t.info)
     out["loss"] = sum(losses, 0.0)  # added in order, as a running total
     out["grad_norm"] = grad_norm
-    if t.loss_cfg.use_adaptive_entropy:
+    if bonus and terms.use_adaptive_entropy:
         update_entropy_coef(t, window)
     if bonus:
         out["entropy_coef"] = t.entropy_coef

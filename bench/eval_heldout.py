@@ -38,10 +38,10 @@ def main(argv=None):
     from nanogrpo.extras.datasets import load_dataset
     from nanogrpo.extras.environments import Environments
     from nanogrpo.extras.generation_kwargs import sampling_kwargs
+    from nanogrpo.extras.loss_terms import loss_settings
     from nanogrpo.extras.reward_funcs import resolve_reward_funcs
     from nanogrpo.extras.tool_rounds import ToolTurns
     from nanogrpo.extras.tools import resolve_tools
-    from nanogrpo.grpo import LossConfig
     from nanogrpo.run.configurator import load_config
     from nanogrpo.tokenizer import Tokenizer
 
@@ -95,7 +95,8 @@ def main(argv=None):
         # prompts' count, the loss settings; no reference model (as before the first step)
         step=0,
         prompts=SimpleNamespace(rows=train_rows),
-        loss_cfg=LossConfig(**cfg.loss_config()),
+        loss_cfg=loss_settings(**cfg.loss_config())[0],
+        loss_terms=None,
         ref=None,
     )
     if ours.completions:  # evaluate's rollout, written out as it is scored

@@ -334,23 +334,23 @@ def loss_inputs(g, N, C, dtype, device):
         old_logps=-2 * r(N, C),
         ref_logps=-2 * r(N, C),
         entropies=3 * r(N, C),
-        sampling_logps=-2 * r(N, C),
     )
+    sampling = -2 * r(N, C)
     t = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in t.items()}
     t["logps"].requires_grad_(True)
-    return LossInputs(**t)
+    return LossInputs(**t), sampling.to(device, dtype)
 
 
 def part_grpo_step(c: Check) -> dict:
     """Every loss type on the device in fp32 = the float64 CPU reference."""
-    from nanogrpo.extras import loss_terms
-    from nanogrpo.grpo import LOSS_TYPES, LossConfig, LossScale, grpo_step
+    from nanogrpo.extras.loss_terms import grpo_step_with_terms, loss_settings
+    from nanogrpo.grpo import LOSS_TYPES, LossScale, sampler_correction
 
     out, ok = {}, True
     for loss_type in LOSS_TYPES:
         level = "sequence" if loss_type == "luspo" else "token"
         mode = "token_truncate" if loss_type == "vespo" else "sequence_mask"
-        cfg = LossConfig(
+        cfg, terms = loss_settings(
             loss_type=loss_type,
             beta=0.04,
             importance_sampling_level=level,
@@ -361,8 +361,11 @@ def part_grpo_step(c: Check) -> dict:
         scale = LossScale(num_items=300, grad_accum=2)
         res = []
         for device, dtype in ((torch.device("cpu"), torch.float64), (c.device, torch.float32)):
-            inputs = loss_inputs(torch.Generator().manual_seed(0), 16, 24, dtype, device)
-            loss, metrics = grpo_step(inputs, cfg, scale, terms=loss_terms)
+            inputs, sampling = loss_inputs(torch.Generator().manual_seed(0), 16, 24, dtype, device)
+            inputs.weights, metrics = sampler_correction(inputs, sampling, cfg)
+            how = dict(sampling_logps=sampling, read_metrics=False)
+            loss, more = grpo_step_with_terms(inputs, cfg, terms, scale, **how)
+            metrics = {k: float(v) for k, v in (metrics | more).items()}
             loss.backward()
             res.append((loss.detach().double().cpu(), inputs.logps.grad.double().cpu(), metrics))
         (l64, g64, m64), (l32, g32, m32) = res

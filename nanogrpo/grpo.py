@@ -3,27 +3,28 @@ TRL GRPOTrainer's loss variants, in plain tensor code (reference: TRL 1.16,
 trl/trainer/grpo_trainer.py, `_compute_loss` and `_generate_and_score_completions`; the papers
 are cited where each variant is).
 
-Owns: `LossConfig` (TRL's GRPOConfig names and defaults, and the rules between them),
-`total_reward` and `group_advantages` (rewards -> advantages), and `grpo_step` (one
-micro-batch's `LossInputs` -> its scalar loss + metrics; `LossScale` says how micro-batch
-losses add up to the optimizer step's): one function for every loss_type.
+Owns: `LossConfig` (TRL's GRPOConfig names and defaults of the loss, and the rules between
+them), `total_reward` and `group_advantages` (rewards -> advantages), `grpo_step` (one
+micro-batch's `LossInputs` -> its scalar loss + metrics; `LossScale` says how micro-batch losses
+add up to the optimizer step's): one function for every loss_type, and `sampler_correction`
+(the importance-sampling correction between the sampler and the trainer, on by default, whose
+weights the caller hands to grpo_step).
 
 Leaves out: the options TRL puts around its loss, each off by default: the off-policy sequence
-mask, the importance-sampling correction between the sampler and the trainer,
-top_entropy_quantile's token mask, the entropy bonus and its adaptive coefficient. Their
-settings' rules are LossConfig's; their code is extras/loss_terms.py's, which grpo_step calls
-where an option is on, as its caller passes it (`terms`). Computing log-probs is
+mask, top_entropy_quantile's token mask, the entropy bonus and its adaptive coefficient. Their
+settings, rules and code are extras/loss_terms.py's; what they change reaches grpo_step as plain
+tensors (LossInputs.keep), and the bonus is added to its result. Computing log-probs is
 logprobs.py's (of it, grpo_step uses `kl_divergence`). Out of scope: MoE auxiliary losses.
 
 Does not know about: models, sampling, optimizers, or other processes (the caller gathers rewards
-before `group_advantages`, sums `num_items` over ranks, averages gradients, and sums the adaptive
-entropy window, loss_terms.entropy_window, over micro-batches and ranks).
+before `group_advantages`, sums `num_items` over ranks and averages gradients).
 
 Reading order: LossConfig; group_advantages; the per-token losses, one small function per idea:
     importance_ratio (token or GSPO sequence level);
-    clipped_surrogate (grpo, dr_grpo, dapo, bnpo, luspo); cispo_loss, sapo_loss, vespo_weight;
+    clipped_surrogate (grpo, dr_grpo, dapo, bnpo, luspo); cispo_loss, sapo_loss, vespo_weight,
+    and policy_loss, which picks the loss type's;
     aggregate: the normalizer, which is what really tells the loss types apart;
-then LossInputs, LossScale and grpo_step, which puts them together.
+then LossInputs, LossScale and grpo_step, which puts them together; sampler_correction last.
 Masked positions may hold anything (NaN, inf): inputs are cleaned with torch.where up front, so
 neither the loss nor the gradient can see them (x * mask would turn 0 * NaN into NaN).
 """
@@ -37,9 +38,6 @@ from nanogrpo.logprobs import kl_divergence
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 PPO_CLIP_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "luspo")
-# the loss types whose micro-batch losses `aggregate` divides by grad_accum (the others divide
-# the step's sum by its token count)
-PER_MICRO_BATCH = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
 IS_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -65,17 +63,6 @@ class LossConfig:
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     use_bias_correction_kl: bool = True  # multiply the KL term by the (differentiable) ratio
-    top_entropy_quantile: float = 1.0  # 1.0 = off; rho < 1 keeps the top-rho entropy tokens
-    # entropy bonus: loss - coef * (masked mean entropy); 0 = off
-    entropy_coef: float = 0.0
-    # Skywork-OR1's control: coef moves by delta each step toward entropy_target
-    use_adaptive_entropy: bool = False
-    entropy_coef_min: float = 0.0
-    entropy_coef_max: float = 1.0
-    entropy_coef_delta: float = 0.005
-    entropy_target: float = 0.2  # nats; the bonus applies only at or below it
-    # DeepSeek-V3.2's off-policy sequence mask: None = off
-    off_policy_mask_threshold: float | None = None
     # weight each token by pi_trainer / pi_sampler (TRL's name: "vllm" = the sampler)
     vllm_importance_sampling_correction: bool = True
     vllm_importance_sampling_mode: str = "sequence_mask"  # one of IS_MODES
@@ -83,69 +70,55 @@ class LossConfig:
     vllm_importance_sampling_clip_max: float | None = 3.0
 
     def __post_init__(self):
-        def check(ok, name, allowed):
-            if not ok:
-                raise ValueError(
-                    f"LossConfig.{name}={getattr(self, name)!r} is invalid; allowed: {allowed}"
-                )
-
-        check(self.loss_type in LOSS_TYPES, "loss_type", ", ".join(LOSS_TYPES))
-        check(
-            self.importance_sampling_level in IS_LEVELS,
-            "importance_sampling_level",
-            "'token', 'sequence'",
-        )
-        check(self.epsilon > 0, "epsilon", "a float > 0")
-        check(
-            self.epsilon_high is None or self.epsilon_high > 0,
-            "epsilon_high",
-            "None or a float > 0",
-        )
-        check(self.delta is None or self.delta > 1, "delta", "None or a float > 1")
-        check(self.beta >= 0, "beta", "a float >= 0")
-        check(self.max_completion_length >= 1, "max_completion_length", "an int >= 1")
-        check(self.sapo_temperature_pos > 0, "sapo_temperature_pos", "a float > 0")
-        check(self.sapo_temperature_neg > 0, "sapo_temperature_neg", "a float > 0")
-        check(0.0 <= self.top_entropy_quantile <= 1.0, "top_entropy_quantile", "a float in [0, 1]")
-        check(
-            self.loss_type != "luspo" or self.importance_sampling_level == "sequence",
-            "importance_sampling_level",
-            "'sequence' with loss_type='luspo' (LUSPO is a sequence-level loss)",
-        )
-        check(
-            self.loss_type != "vespo" or self.importance_sampling_level == "token",
-            "importance_sampling_level",
-            "'token' with loss_type='vespo' (VESPO builds its own sequence weight "
-            "from token ratios)",
-        )
-        # the options' settings (extras/loss_terms.py): the entropy bonus, OPSM, the correction
-        check(
-            self.entropy_coef_min <= self.entropy_coef_max,
-            "entropy_coef_min",
-            f"a float <= entropy_coef_max={self.entropy_coef_max}",
-        )
-        check(self.entropy_coef_delta >= 0, "entropy_coef_delta", "a float >= 0")
-        threshold = self.off_policy_mask_threshold
-        check(
-            threshold is None or threshold >= 0,
-            "off_policy_mask_threshold",
-            "None or a float >= 0 (e.g. 0.5)",
-        )
         mode = self.vllm_importance_sampling_mode
-        check(mode in IS_MODES, "vllm_importance_sampling_mode", ", ".join(IS_MODES))
-        low = self.vllm_importance_sampling_clip_min
-        high = self.vllm_importance_sampling_clip_max
-        check(
-            low is None or high is None or low < high,
-            "vllm_importance_sampling_clip_min",
-            f"None or a float < vllm_importance_sampling_clip_max={high}",
-        )
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         truncating = self.vllm_importance_sampling_correction and mode.endswith("truncate")
-        check(
-            not truncating or low is not None or high is not None,
-            "vllm_importance_sampling_clip_max",
-            "a float (or set vllm_importance_sampling_clip_min) with a *_truncate mode",
-        )
+        rules = [  # (holds, the field it names, what the field allows)
+            (self.loss_type in LOSS_TYPES, "loss_type", ", ".join(LOSS_TYPES)),
+            (
+                self.importance_sampling_level in IS_LEVELS,
+                "importance_sampling_level",
+                "'token', 'sequence'",
+            ),
+            (self.epsilon > 0, "epsilon", "a float > 0"),
+            (
+                self.epsilon_high is None or self.epsilon_high > 0,
+                "epsilon_high",
+                "None or a float > 0",
+            ),
+            (self.delta is None or self.delta > 1, "delta", "None or a float > 1"),
+            (self.beta >= 0, "beta", "a float >= 0"),
+            (self.max_completion_length >= 1, "max_completion_length", "an int >= 1"),
+            (self.sapo_temperature_pos > 0, "sapo_temperature_pos", "a float > 0"),
+            (self.sapo_temperature_neg > 0, "sapo_temperature_neg", "a float > 0"),
+            (
+                self.loss_type != "luspo" or self.importance_sampling_level == "sequence",
+                "importance_sampling_level",
+                "'sequence' with loss_type='luspo' (LUSPO is a sequence-level loss)",
+            ),
+            (
+                self.loss_type != "vespo" or self.importance_sampling_level == "token",
+                "importance_sampling_level",
+                "'token' with loss_type='vespo' (VESPO builds its own sequence weight from "
+                "token ratios)",
+            ),
+            # the sampler correction's (sampler_correction)
+            (mode in IS_MODES, "vllm_importance_sampling_mode", ", ".join(IS_MODES)),
+            (
+                low is None or high is None or low < high,
+                "vllm_importance_sampling_clip_min",
+                f"None or a float < vllm_importance_sampling_clip_max={high}",
+            ),
+            (
+                not truncating or low is not None or high is not None,
+                "vllm_importance_sampling_clip_max",
+                "a float (or set vllm_importance_sampling_clip_min) with a *_truncate mode",
+            ),
+        ]
+        for holds, name, allowed in rules:
+            if not holds:
+                value = getattr(self, name)
+                raise ValueError(f"LossConfig.{name}={value!r} is invalid; allowed: {allowed}")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
 
@@ -155,11 +128,6 @@ class LossConfig:
         token_level = self.vllm_importance_sampling_mode.startswith("token")
         correcting = self.vllm_importance_sampling_correction
         return self.loss_type != "vespo" or not correcting or token_level
-
-    def entropy_bonus_on(self) -> bool:
-        """Whether the loss carries the entropy bonus (TRL: fixed for the run; the adaptive
-        control keeps it on even while its coefficient sits at entropy_coef_min)."""
-        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
 
 
 # -----------------------------------------------------------------------------
@@ -325,9 +293,26 @@ def vespo_weight(log_ratio, mask, A, k_pos, lam_pos, k_neg, lam_neg, is_weights=
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def aggregate(per_token_loss, mask, cfg, num_items, grad_accum, world_size, steps_per_generation):
+def policy_loss(cfg, ratio, log_ratio, A, logps, mask, weights=None):
+    """The loss type's per-token loss -> (L [N,C], the ratio its clip metrics look at, VESPO's
+    phi or None). weights: the sampler correction, which VESPO folds into phi."""
+    ratio_1, phi = ratio, None
+    if cfg.loss_type in PPO_CLIP_TYPES:
+        loss, ratio_1 = clipped_surrogate(ratio, A, cfg.epsilon, cfg.epsilon_high, cfg.delta)
+    elif cfg.loss_type == "cispo":
+        loss = cispo_loss(ratio, A, logps, cfg.epsilon_high)
+    elif cfg.loss_type == "sapo":
+        loss = sapo_loss(ratio, A, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+    else:  # vespo
+        k_lam = (cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg)
+        phi = vespo_weight(log_ratio, mask, A, *k_lam, weights)
+        loss = -phi * A * logps
+    return loss.expand_as(logps), ratio_1, phi  # sequence-level losses are [N,1]
+
+
+def aggregate(per_token_loss, mask, cfg, scale):
     """One micro-batch's loss from L [N,C] (TRL: the loss_type branches of _compute_loss),
-    scaled so that summing over the grad_accum micro-batches and averaging over the
+    scaled (LossScale) so that summing over the grad_accum micro-batches and averaging over the
     world_size ranks gives the loss type's definition:
       grpo, sapo   mean over sequences of (sum_t L / |o|)  (GRPO; per-sequence token mean)
       bnpo         sum L / local active tokens               (TRL's batch-normalized variant)
@@ -339,6 +324,7 @@ def aggregate(per_token_loss, mask, cfg, num_items, grad_accum, world_size, step
     """
     L = torch.where(mask, per_token_loss, 0)  # [N,C]
     tokens = mask.sum(-1).clamp(min=1)  # [N]
+    grad_accum = scale.grad_accum
     if cfg.loss_type in ("grpo", "sapo"):
         return (L.sum(-1) / tokens).mean() / grad_accum
     if cfg.loss_type == "bnpo":
@@ -347,8 +333,10 @@ def aggregate(per_token_loss, mask, cfg, num_items, grad_accum, world_size, step
         return L.sum() / (L.shape[0] * cfg.max_completion_length) / grad_accum
     if cfg.loss_type == "luspo":
         return L.sum(-1).mean() / grad_accum
-    n = torch.as_tensor(num_items, dtype=L.dtype, device=L.device).clamp(min=1)
-    return L.sum() / (n / world_size * grad_accum / steps_per_generation)
+    spg = grad_accum if scale.steps_per_generation is None else scale.steps_per_generation
+    n = mask.sum() if scale.num_items is None else scale.num_items
+    n = torch.as_tensor(n, dtype=L.dtype, device=L.device).clamp(min=1)
+    return L.sum() / (n / scale.world_size * grad_accum / spg)
 
 
 # -----------------------------------------------------------------------------
@@ -364,15 +352,11 @@ class LossInputs:
     completion_mask: torch.Tensor  # 1 = a completion token that counts
     old_logps: torch.Tensor | None = None  # None: on-policy (ratio exactly 1)
     ref_logps: torch.Tensor | None = None  # None with beta == 0
-    # needed by top_entropy_quantile < 1 and the entropy bonus (then with their gradient:
-    # fast/logprobs.py gives one only with entropy_grad), else only logged
-    entropies: torch.Tensor | None = None
-    # the sampler's log-prob of each token it drew, for the sampler correction and OPSM;
-    # None: the sampler is the old policy
-    sampling_logps: torch.Tensor | None = None
-    # the trainer's side of that correction, its log-probs with the weights that sampled,
-    # where neither old_logps nor logps (with dropout) can stand for them; None = old
-    trainer_logps: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None  # logged when given
+    # the sampler correction's weights (sampler_correction), [N,C] or [N,1]; None = off
+    weights: torch.Tensor | None = None
+    # bool [N,C] or [N,1]: the tokens the options let train (extras/loss_terms.py); None = all
+    keep: torch.Tensor | None = None
 
 
 @dataclass
@@ -393,109 +377,44 @@ def grpo_step(
     cfg: LossConfig,
     scale: LossScale | None = None,
     *,
-    terms=None,
-    entropy_coef: float | None = None,
     read_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict]:
-    """One micro-batch's GRPO loss (a scalar to .backward()) and its metrics (plain floats).
-    scale None: LossScale(), this micro-batch is the whole step. terms: the options' code
-    (the module nanogrpo.extras.loss_terms), needed when cfg turns one on. entropy_coef: the
-    coefficient this step applies (applied_entropy_coef); None = cfg.entropy_coef. The adaptive
-    control's window is the caller's to sum (entropy_window). read_metrics=False: 0-dim tensor
-    metrics."""
+    """One micro-batch's GRPO loss (a scalar to .backward()) and its metrics (plain floats;
+    read_metrics=False: 0-dim tensors). scale None: LossScale(), this micro-batch is the step.
+    The options hand in what they change as tensors: `weights` and `keep` (extras/loss_terms.py
+    adds its entropy bonus to the result)."""
     scale = LossScale() if scale is None else scale
-    _check_inputs(inputs, cfg, scale, terms)
+    _check_inputs(inputs, cfg, scale)
     m = inputs.completion_mask.bool()
     logps = torch.where(m, inputs.logps, 0)  # the gradient into masked slots is now exactly 0
     old = logps.detach() if inputs.old_logps is None else torch.where(m, inputs.old_logps, 0)
     A = inputs.advantages[:, None]  # [N,1]
-
     log_ratio = logps - old  # [N,C]
     ratio = importance_ratio(log_ratio, m, cfg.importance_sampling_level)  # [N,C] or [N,1]
-    sampling = behavior = is_weights = None  # is_weights: the sampler correction, [N,C] or [N,1]
-    if inputs.sampling_logps is not None:
-        sampling = torch.where(m, inputs.sampling_logps, 0)
-        # the trainer's log-probs with the weights that sampled
-        trainer = inputs.trainer_logps
-        behavior = old if trainer is None else torch.where(m, trainer, 0)
-        if cfg.vllm_importance_sampling_correction:
-            is_weights = terms.sampler_importance_weights(behavior, sampling, m, cfg)
-    ratio_1, phi = ratio, None  # ratio_1: the ratio the clip metrics look at
-    if cfg.loss_type in PPO_CLIP_TYPES:
-        loss, ratio_1 = clipped_surrogate(ratio, A, cfg.epsilon, cfg.epsilon_high, cfg.delta)
-    elif cfg.loss_type == "cispo":
-        loss = cispo_loss(ratio, A, logps, cfg.epsilon_high)
-    elif cfg.loss_type == "sapo":
-        loss = sapo_loss(ratio, A, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
-    else:  # vespo
-        k_lam = (cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg)
-        weights = None if is_weights is None else terms.vespo_sampler_weights(is_weights, cfg)
-        phi = vespo_weight(log_ratio, m, A, *k_lam, weights)
-        loss = -phi * A * logps
-    loss = loss.expand_as(logps)  # [N,C] (sequence-level losses are [N,1])
-
-    if cfg.off_policy_mask_threshold is not None:
-        sampled_by = old if sampling is None else sampling
-        keep = terms.off_policy_mask(A, logps, sampled_by, m, cfg.off_policy_mask_threshold)
-        loss = torch.where(keep, loss, 0)
-    bonus_mask = m  # the tokens the entropy bonus acts on
-    entropies = None if inputs.entropies is None else torch.where(m, inputs.entropies, 0)
-    if cfg.top_entropy_quantile < 1:
-        bonus_mask = terms.high_entropy_mask(entropies.detach(), m, cfg.top_entropy_quantile)
-        loss = torch.where(bonus_mask, loss, 0)
-    if is_weights is not None and cfg.loss_type != "vespo":
-        loss = loss * is_weights
+    loss, ratio_1, phi = policy_loss(cfg, ratio, log_ratio, A, logps, m, inputs.weights)
+    if inputs.keep is not None:
+        loss = torch.where(inputs.keep, loss, 0)
+    if inputs.weights is not None and cfg.loss_type != "vespo":
+        loss = loss * inputs.weights
     kl = None
     if cfg.beta != 0:
         kl = kl_divergence(logps, torch.where(m, inputs.ref_logps, 0), kind="k3")  # [N,C], >= 0
-        if cfg.use_bias_correction_kl:
-            # k3's gradient is biased off-policy; the ratio corrects it (DeepSeek-V3.2)
+        if cfg.use_bias_correction_kl:  # k3's gradient is biased off-policy (DeepSeek-V3.2)
             kl = kl * ratio
         loss = loss + cfg.beta * kl
-
-    num_items = m.sum() if scale.num_items is None else scale.num_items
-    spg = scale.grad_accum if scale.steps_per_generation is None else scale.steps_per_generation
-    total = aggregate(loss, m, cfg, num_items, scale.grad_accum, scale.world_size, spg)
-
-    metrics = {}
-    if cfg.entropy_bonus_on():
-        # TRL's policy_loss: the loss before the bonus and the grad_accum division
-        unscaled = scale.grad_accum if cfg.loss_type in PER_MICRO_BATCH else 1
-        metrics["policy_loss"] = total.detach() * unscaled
-        coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
-        total = total - coef * terms.entropy_bonus(entropies, bonus_mask, scale.grad_accum)
-    if sampling is not None:  # the mismatch itself, whether or not a correction is on
-        metrics.update(raw_sampler_ratios(behavior, sampling, m))
-    if is_weights is not None:
-        metrics.update(terms.importance_sampling_metrics(behavior, sampling, is_weights, m))
-    metrics.update(_loss_metrics(cfg, m, A, ratio_1, kl, entropies, phi))
-    if read_metrics:
-        metrics = {k: float(v) for k, v in metrics.items()}
-    return total, metrics
+    total = aggregate(loss, m, cfg, scale)
+    entropies = None if inputs.entropies is None else torch.where(m, inputs.entropies, 0)
+    metrics = _loss_metrics(cfg, m, A, ratio_1, kl, entropies, phi)
+    return total, {k: float(v) for k, v in metrics.items()} if read_metrics else metrics
 
 
-def _check_inputs(inputs, cfg, scale, terms):
-    """Shapes, the inputs cfg needs, scale's counts, and the options' code if one is on."""
-    correcting = inputs.sampling_logps is not None and cfg.vllm_importance_sampling_correction
-    options = cfg.off_policy_mask_threshold is not None or cfg.top_entropy_quantile < 1
-    if terms is None and (correcting or options or cfg.entropy_bonus_on()):
-        raise ValueError(
-            "an option around the loss is on (the sampler correction with sampling_logps, "
-            "off_policy_mask_threshold, top_entropy_quantile < 1 or the entropy bonus): pass its "
-            "code, grpo_step(..., terms=nanogrpo.extras.loss_terms)"
-        )
+def _check_inputs(inputs, cfg, scale):
+    """Shapes, the inputs cfg needs, scale's counts."""
     logps = inputs.logps
     if logps.dim() != 2:
         raise ValueError(f"logps must be [N,C]; got shape {tuple(logps.shape)}")
     N = logps.shape[0]
-    for name in (
-        "completion_mask",
-        "old_logps",
-        "ref_logps",
-        "entropies",
-        "sampling_logps",
-        "trainer_logps",
-    ):
+    for name in ("completion_mask", "old_logps", "ref_logps", "entropies"):
         x = getattr(inputs, name)
         if x is not None and x.shape != logps.shape:
             raise ValueError(
@@ -511,14 +430,83 @@ def _check_inputs(inputs, cfg, scale, terms):
         raise ValueError(
             f"ref_logps is None but cfg.beta={cfg.beta}; pass reference log-probs or set beta=0"
         )
-    if cfg.top_entropy_quantile < 1 and inputs.entropies is None:
-        raise ValueError(f"cfg.top_entropy_quantile={cfg.top_entropy_quantile} needs entropies")
-    if cfg.entropy_bonus_on() and inputs.entropies is None:
-        raise ValueError("the entropy bonus (entropy_coef, use_adaptive_entropy) needs entropies")
     for name in ("grad_accum", "world_size", "steps_per_generation"):
         v = getattr(scale, name)
         if v is not None and v < 1:  # (steps_per_generation None = grad_accum)
             raise ValueError(f"{name}={v} must be >= 1")
+
+
+# -----------------------------------------------------------------------------
+# The sampler correction (TRL's vllm_importance_sampling_*: the "vllm" engine is nanogrpo's own
+# sampler), on by default: the caller hands its weights to grpo_step as LossInputs.weights
+
+
+def sampler_correction(inputs, sampling_logps, cfg, trainer_logps=None):
+    """-> (the correction's weights [N,C] or [N,1], or None when it is off; its metrics as 0-dim
+    tensors). sampling_logps [N,C]: the sampler's log-prob of each token it drew (None: the
+    sampler is the old policy, nothing to correct); trainer_logps: the trainer's with the weights
+    that sampled, where neither old_logps nor logps (with dropout) can stand for them."""
+    if sampling_logps is None:
+        return None, {}
+    m = inputs.completion_mask.bool()
+    sampling = torch.where(m, sampling_logps, 0)
+    trainer = inputs.old_logps if trainer_logps is None else trainer_logps
+    behavior = torch.where(m, inputs.logps.detach() if trainer is None else trainer, 0)
+    metrics = raw_sampler_ratios(behavior, sampling, m)  # the mismatch, corrected or not
+    if not cfg.vllm_importance_sampling_correction:
+        return None, metrics
+    if not cfg.correction_fits_the_loss():
+        raise ValueError(
+            f"vllm_importance_sampling_mode={cfg.vllm_importance_sampling_mode!r}: "
+            "loss_type='vespo' folds token-level weights into its own: use token_truncate or "
+            "token_mask, or vllm_importance_sampling_correction=False (as TRL)"
+        )
+    weights = importance_weights(behavior, sampling, m, cfg)
+    metrics.update(importance_sampling_metrics(behavior, sampling, weights, m))
+    return weights, metrics
+
+
+def importance_weights(trainer_logps, sampling_logps, mask, cfg):
+    """TRL's vllm_importance_sampling_ratio: how much more likely the trainer finds each sampled
+    token than the sampler did, w = pi_trainer / pi_sampler. Ratios of 1 mean the two agree;
+    bf16, another kernel or a compiled decode step move them. Modes:
+      token_*     one w per token, [N,C];
+      sequence_*  one w per sequence, exp(sum over its tokens of the log difference), [N,1];
+      *_truncate  w clamped to [clip_min, clip_max] (TIS);
+      *_mask      w set to 0 outside [clip_min, clip_max] (MIS); None = no bound.
+    Detached: a constant weight on each token's loss. Masked positions weigh 1."""
+    diff = torch.where(mask, trainer_logps.detach() - sampling_logps, 0)  # [N,C]
+    mode = cfg.vllm_importance_sampling_mode
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)  # [N,1]
+    w = torch.exp(diff)
+    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    if mode.endswith("truncate"):
+        return w.clamp(min=low, max=high)
+    outside = torch.zeros_like(w, dtype=torch.bool)
+    if low is not None:
+        outside = outside | (w < low)
+    if high is not None:
+        outside = outside | (w > high)
+    return w.masked_fill(outside, 0.0)
+
+
+@torch.no_grad()
+def importance_sampling_metrics(trainer_logps, sampling_logps, weights, mask):
+    """TRL's sampling/* metrics of one batch: |log pi_trainer - log pi_sampler| over its tokens
+    (mean, max) and the correction weights (min, mean, max; per sequence or per token), as
+    0-dim float64 tensors on the inputs' device."""
+    delta = (trainer_logps - sampling_logps).abs()[mask].double()
+    w = (weights.flatten() if weights.shape[1] == 1 else weights[mask]).double()
+    delta = delta if delta.numel() else delta.new_zeros(1)
+    w = w if w.numel() else w.new_zeros(1)
+    return {
+        "sampling/sampling_logp_difference/mean": delta.mean(),
+        "sampling/sampling_logp_difference/max": delta.max(),
+        "sampling/importance_sampling_ratio/min": w.min(),
+        "sampling/importance_sampling_ratio/mean": w.mean(),
+        "sampling/importance_sampling_ratio/max": w.max(),
+    }
 
 
 @torch.no_grad()
@@ -542,6 +530,7 @@ def raw_sampler_ratios(trainer_logps, sampling_logps, m) -> dict:
     return out
 
 
+@torch.no_grad()
 def _loss_metrics(cfg, m, A, ratio_1, kl, entropies, phi):
     """TRL's metrics of the loss, as 0-dim tensors: the KL, the entropy, and how often the loss
     type's clip or weight acted (ratio_1: the ratio the clip looked at)."""

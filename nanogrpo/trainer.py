@@ -33,6 +33,7 @@ from nanogrpo.extras.custom_rollout import resolve_rollout_func
 from nanogrpo.extras.datasets import load_dataset
 from nanogrpo.extras.environments import Environments, placeholder_rows
 from nanogrpo.extras.generation_kwargs import sampling_kwargs
+from nanogrpo.extras.loss_terms import LossTerms, loss_settings
 from nanogrpo.extras.lr_schedules import lr_lambda, warmup_length
 from nanogrpo.extras.reward_funcs import check_names, check_reward_columns, resolve_reward_funcs
 from nanogrpo.extras.tool_rounds import ToolTurns
@@ -76,6 +77,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     loss_cfg: LossConfig
+    loss_terms: LossTerms | None  # the options around the loss when one is on (extras/), or None
     reward_funcs: list  # [(name, fn)]
     reward_weights: torch.Tensor  # [K]
     # the config's tools as rollout's tool rounds (extras/tool_rounds.py), or None
@@ -195,6 +197,7 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None, given=Given())
     # (logging_steps, ...) a fraction of them; the trainer holds a copy with the counts
     cfg = cfg.with_total_steps(cfg.total_steps(len(rows), info.world_size))
     optimizer, scheduler = make_optimizer(model, cfg, info)
+    loss_cfg, terms = loss_settings(**cfg.loss_config())
     return Trainer(
         cfg=cfg,
         info=info,
@@ -204,7 +207,8 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None, given=Given())
         ref=ref,
         optimizer=optimizer,
         scheduler=scheduler,
-        loss_cfg=LossConfig(**cfg.loss_config()),
+        loss_cfg=loss_cfg,
+        loss_terms=terms if terms.on() else None,
         reward_funcs=reward_funcs,
         reward_weights=torch.tensor(weights, device=info.device),
         turns=ToolTurns(tools) if tools else None,

@@ -1,6 +1,6 @@
-"""What TRL 1.16 computes around its loss, in extras/loss_terms.py (grpo_step calls it): the
-entropy bonus and its adaptive control, the off-policy sequence mask (OPSM) and the
-importance-sampling correction between the sampler and the trainer. Parity in float64 against
+"""What TRL 1.16 computes around its loss: the entropy bonus and its adaptive control, the
+off-policy sequence mask (OPSM) (extras/loss_terms.py), and the importance-sampling correction
+between the sampler and the trainer (grpo.py's sampler_correction). Parity in float64 against
 vectors that tests/fixtures/make_algo_vectors.py writes from TRL's own code, then properties."""
 
 import json
@@ -11,15 +11,15 @@ import torch
 from conftest import fixture_path
 from hypothesis import given, settings, strategies as st
 
-from nanogrpo.extras import loss_terms
 from nanogrpo.extras.loss_terms import (
     applied_entropy_coef,
     entropy_window,
+    grpo_step_with_terms,
+    loss_settings,
     next_entropy_coef,
     off_policy_mask,
-    sampler_importance_weights,
 )
-from nanogrpo.grpo import LossConfig, LossInputs, LossScale, grpo_step
+from nanogrpo.grpo import LossInputs, LossScale, grpo_step, importance_weights, sampler_correction
 
 F64 = torch.float64
 PROPS = settings(max_examples=25, deadline=None)
@@ -34,17 +34,25 @@ def t64(rows):
     return None if rows is None else torch.tensor(rows, dtype=F64)
 
 
+def micro_batch_loss(inputs, settings, scale, sampling_logps, trainer_logps=None, coef=None):
+    """What train.py's optimizer_step computes of one micro-batch: the sampler correction's
+    weights, then grpo_step, or grpo_step_with_terms when an option is on. settings: the pair
+    loss_settings returns."""
+    cfg, terms = settings
+    inputs.weights, sampling = sampler_correction(inputs, sampling_logps, cfg, trainer_logps)
+    if terms.on():
+        how = dict(sampling_logps=sampling_logps, entropy_coef=coef)
+        loss, metrics = grpo_step_with_terms(inputs, cfg, terms, scale, **how)
+    else:
+        loss, metrics = grpo_step(inputs, cfg, scale)
+    return loss, {**{k: float(v) for k, v in sampling.items()}, **metrics}
+
+
 def step(logps, adv, mask, cfg, sampling_logps=None, entropies=None, trainer_logps=None, **scale):
-    """grpo_step on-policy without a reference; **scale: LossScale's fields."""
-    inputs = LossInputs(
-        logps=logps,
-        advantages=adv,
-        completion_mask=mask,
-        entropies=entropies,
-        sampling_logps=sampling_logps,
-        trainer_logps=trainer_logps,
-    )
-    return grpo_step(inputs, cfg, LossScale(**scale), terms=loss_terms)
+    """One micro-batch on-policy without a reference; cfg: loss_settings' pair; **scale:
+    LossScale's fields."""
+    inputs = LossInputs(logps=logps, advantages=adv, completion_mask=mask, entropies=entropies)
+    return micro_batch_loss(inputs, cfg, LossScale(**scale), sampling_logps, trainer_logps)
 
 
 def run_case(cfg, inputs, call, entropy_coef=None):
@@ -60,10 +68,9 @@ def run_case(cfg, inputs, call, entropy_coef=None):
         old_logps=x["old"],
         ref_logps=x["ref"],
         entropies=ent,
-        sampling_logps=x.get("sampling"),
     )
     scale = LossScale(steps_per_generation=call.pop("spg", None), **call)
-    loss, metrics = grpo_step(inputs, cfg, scale, terms=loss_terms, entropy_coef=entropy_coef)
+    loss, metrics = micro_batch_loss(inputs, cfg, scale, x.get("sampling"), coef=entropy_coef)
     grad, grad_ent = torch.autograd.grad(loss, (logp, ent), allow_unused=True)
     if grad_ent is None:
         grad_ent = torch.zeros_like(ent)
@@ -81,12 +88,12 @@ def errors(case, loss, grad, grad_ent):
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_matches_trl(case):
     """Loss, gradients (log-probs and entropies) and every metric TRL logs."""
-    cfg = LossConfig(**case["cfg"])
+    cfg = loss_settings(**case["cfg"])
     loss, grad, grad_ent, metrics = run_case(cfg, case["inputs"], case["call"])
     assert max(errors(case, loss, grad, grad_ent)) < 1e-9
     expected = dict(case["metrics"])
     # the trainer logs entropy_coef (the coefficient it holds), not grpo_step
-    assert expected.pop("entropy_coef", cfg.entropy_coef) == cfg.entropy_coef
+    assert expected.pop("entropy_coef", cfg[1].entropy_coef) == cfg[1].entropy_coef
     # beyond TRL 1.16's: the raw sampler/trainer ratios (trl#5231), tested below
     ours = {k for k in metrics if k.startswith("sampling/raw_importance_sampling_ratio/")}
     assert set(metrics) - ours == set(expected)
@@ -98,19 +105,19 @@ def test_matches_trl(case):
 def test_adaptive_entropy_matches_trl(run):
     """Steps of micro-batches: the coefficient each applies, the window entropy summed over
     micro-batches, and the coefficient after each step are TRL's."""
-    cfg = LossConfig(**run["cfg"])
+    cfg = loss_settings(**run["cfg"])
     GA = run["grad_accum"]
-    coef = cfg.entropy_coef
+    coef = cfg[1].entropy_coef
     last = math.inf
     window = torch.zeros(2, dtype=F64)
     for k, micro in enumerate(run["micro_batches"]):
-        applied = applied_entropy_coef(cfg, coef, last)
+        applied = applied_entropy_coef(cfg[1], coef, last)
         loss, grad, grad_ent, _ = run_case(cfg, micro["inputs"], {"grad_accum": GA}, applied)
         assert max(errors(micro, loss, grad, grad_ent)) < 1e-9
-        window += entropy_window(t64(micro["inputs"]["ent"]), t64(micro["inputs"]["mask"]), cfg)
+        window += entropy_window(t64(micro["inputs"]["ent"]), t64(micro["inputs"]["mask"]), cfg[1])
         if k % GA == GA - 1:
             last = (window[0] / window[1].clamp(min=1)).item()
-            coef = next_entropy_coef(cfg, coef, last)
+            coef = next_entropy_coef(cfg[1], coef, last)
             window = torch.zeros(2, dtype=F64)
             assert coef == pytest.approx(micro["entropy_coef"], abs=1e-15)
             assert last == pytest.approx(micro["last_world_entropy"], rel=1e-12)
@@ -120,7 +127,7 @@ def test_parity_worst_errors(capsys):
     """One line per group of vectors: the worst error against TRL (printed with -s)."""
     worst = {}
     for case in CASES:
-        cfg = LossConfig(**case["cfg"])
+        cfg = loss_settings(**case["cfg"])
         loss, grad, grad_ent, _ = run_case(cfg, case["inputs"], case["call"])
         group = case["name"].split("/")[0]
         seen = worst.get(group, (0, 0.0, 0.0, 0.0))
@@ -158,13 +165,13 @@ def test_parity_worst_errors(capsys):
         (dict(entropy_coef_delta=-0.01), "entropy_coef_delta"),
     ],
 )
-def test_loss_config_rejects(kw, field):
-    with pytest.raises(ValueError, match=f"LossConfig.{field}=.*allowed"):
-        LossConfig(**kw)
+def test_loss_settings_reject(kw, field):
+    with pytest.raises(ValueError, match=f"Loss(Config|Terms).{field}=.*allowed"):
+        loss_settings(**kw)
 
 
 def test_truncate_without_bounds_is_fine_when_the_correction_is_off():
-    LossConfig(
+    loss_settings(
         vllm_importance_sampling_mode="token_truncate",
         vllm_importance_sampling_clip_max=None,
         vllm_importance_sampling_correction=False,
@@ -172,15 +179,15 @@ def test_truncate_without_bounds_is_fine_when_the_correction_is_off():
 
 
 def test_vespo_refuses_a_sequence_level_correction():
-    cfg = LossConfig(loss_type="vespo")  # default mode: sequence_mask
+    cfg = loss_settings(loss_type="vespo")  # default mode: sequence_mask
     x = torch.zeros(2, 3, dtype=F64)
     with pytest.raises(ValueError, match="token_truncate or token_mask"):
         step(x, torch.ones(2, dtype=F64), torch.ones(2, 3), cfg, sampling_logps=x)
 
 
 def test_entropy_bonus_needs_entropies():
-    with pytest.raises(ValueError, match="needs entropies"):
-        step(torch.zeros(2, 3), torch.ones(2), torch.ones(2, 3), LossConfig(entropy_coef=0.1))
+    with pytest.raises(ValueError, match="need entropies"):
+        step(torch.zeros(2, 3), torch.ones(2), torch.ones(2, 3), loss_settings(entropy_coef=0.1))
 
 
 # -----------------------------------------------------------------------------
@@ -209,8 +216,8 @@ def test_agreeing_engines_change_nothing(seed, n, c, mode):
     """Sampler log-probs equal to the trainer's: every weight is 1, so loss and gradient are
     those without the correction, in every mode."""
     logp, _, mask, adv, _ = random_batch(seed, n, c)
-    plain = LossConfig(vllm_importance_sampling_correction=False)
-    corrected = LossConfig(vllm_importance_sampling_mode=mode)
+    plain = loss_settings(vllm_importance_sampling_correction=False)
+    corrected = loss_settings(vllm_importance_sampling_mode=mode)
     results = []
     for cfg, sampling in ((plain, None), (corrected, logp.clone())):
         x = logp.clone().requires_grad_(True)
@@ -231,8 +238,8 @@ def test_trainer_logps_stand_for_the_trainer_in_the_correction(seed, n, c, mode)
     """With trainer_logps equal to the sampler's, the weights are 1 whatever the update's own
     log-probs (noisy with dropout): loss and gradient are those without the correction."""
     logp, sampling, mask, adv, _ = random_batch(seed, n, c)
-    plain = LossConfig(vllm_importance_sampling_correction=False)
-    corrected = LossConfig(vllm_importance_sampling_mode=mode)
+    plain = loss_settings(vllm_importance_sampling_correction=False)
+    corrected = loss_settings(vllm_importance_sampling_mode=mode)
     results = []
     for cfg, trainer in ((plain, None), (corrected, sampling)):
         x = logp.clone().requires_grad_(True)
@@ -260,12 +267,12 @@ def test_importance_weights_respect_their_bounds(seed, n, c, low, high):
         for how in ("truncate", "mask"):
             if how == "truncate" and low is None and high is None:
                 continue
-            cfg = LossConfig(
+            cfg = loss_settings(
                 vllm_importance_sampling_mode=f"{level}_{how}",
                 vllm_importance_sampling_clip_min=low,
                 vllm_importance_sampling_clip_max=high,
             )
-            w = sampler_importance_weights(logp, sampling, mask, cfg)
+            w = importance_weights(logp, sampling, mask, cfg[0])
             diff = torch.where(mask, logp - sampling, 0)
             if level == "sequence":
                 diff = diff.sum(-1, keepdim=True)
@@ -297,7 +304,9 @@ def test_opsm_keeps_every_non_negative_advantage(seed, n, c, threshold):
     assert keep[adv >= 0].all()
     kl = torch.where(mask, sampling - logp, 0).sum(-1) / mask.sum(-1).clamp(min=1)
     assert torch.equal(keep[adv < 0], (kl <= threshold)[adv < 0])
-    cfg = LossConfig(off_policy_mask_threshold=threshold, vllm_importance_sampling_correction=False)
+    cfg = loss_settings(
+        off_policy_mask_threshold=threshold, vllm_importance_sampling_correction=False
+    )
     x = logp.clone().requires_grad_(True)
     loss, _ = step(x, adv, mask, cfg, sampling_logps=sampling)
     (grad,) = torch.autograd.grad(loss, x)
@@ -317,7 +326,7 @@ def test_entropy_gradient_is_minus_coef_over_tokens(seed, n, c, coef, accum):
     elsewhere, whatever the loss type; the policy gradient is unchanged by the bonus."""
     logp, _, mask, adv, ent = random_batch(seed, n, c)
     grads = []
-    for cfg in (LossConfig(), LossConfig(entropy_coef=coef)):
+    for cfg in (loss_settings(), loss_settings(entropy_coef=coef)):
         x = logp.clone().requires_grad_(True)
         e = ent.clone().requires_grad_(True)
         loss, _ = step(x, adv, mask, cfg, entropies=e, grad_accum=accum)
@@ -340,12 +349,12 @@ def test_entropy_window_covers_the_tokens_the_bonus_acts_on(seed, n, c, quantile
     (all active ones, or the top-quantile ones); masked positions may hold NaN."""
     logp, _, mask, adv, ent = random_batch(seed, n, c)
     ent = torch.where(mask, ent, math.nan)
-    cfg = LossConfig(entropy_coef=0.1, top_entropy_quantile=quantile)
+    cfg = loss_settings(entropy_coef=0.1, top_entropy_quantile=quantile)
     e = ent.clone().requires_grad_(True)
     loss, _ = step(logp.clone().requires_grad_(True), adv, mask, cfg, entropies=e)
     (grad_ent,) = torch.autograd.grad(loss, e)
     bonus = grad_ent != 0
-    window = entropy_window(ent, mask, cfg)
+    window = entropy_window(ent, mask, cfg[1])
     assert window.dtype == F64 and window.shape == (2,)
     assert window[1].item() == bonus.sum().item()
     assert window[0].item() == pytest.approx(ent[bonus].sum().item(), rel=1e-12, abs=1e-12)
@@ -355,7 +364,7 @@ def test_entropy_window_covers_the_tokens_the_bonus_acts_on(seed, n, c, quantile
 @given(coef=st.floats(0.0, 1.0), entropy=st.floats(0.0, 5.0), steps=st.integers(1, 30))
 def test_adaptive_coefficient_stays_in_bounds(coef, entropy, steps):
     """The coefficient moves one delta a step, toward the target's side, within its bounds."""
-    cfg = LossConfig(
+    cfg = loss_settings(
         use_adaptive_entropy=True,
         entropy_coef_min=0.1,
         entropy_coef_max=0.4,
@@ -364,13 +373,13 @@ def test_adaptive_coefficient_stays_in_bounds(coef, entropy, steps):
     )
     c = min(max(coef, 0.1), 0.4)
     for _ in range(steps):
-        new = next_entropy_coef(cfg, c, entropy)
+        new = next_entropy_coef(cfg[1], c, entropy)
         assert 0.1 <= new <= 0.4
         assert abs(new - c) <= 0.05 + 1e-12
         assert (new >= c) == (entropy <= 1.0) or new == c
         c = new
-    assert applied_entropy_coef(cfg, c, entropy) == (c if entropy <= 1.0 else 0.0)
-    assert applied_entropy_coef(cfg, c, math.inf) == 0.0
+    assert applied_entropy_coef(cfg[1], c, entropy) == (c if entropy <= 1.0 else 0.0)
+    assert applied_entropy_coef(cfg[1], c, math.inf) == 0.0
 
 
 # --- the raw sampler/trainer ratio (trl#5231): before any clip or mask, correction on or off ------
@@ -394,7 +403,7 @@ def test_raw_sampler_ratios_are_the_unclipped_ratios(seed, correcting, mode):
     mask = torch.rand(N, C, generator=g) < 0.7
     mask[0] = False  # a row without tokens: not a sequence
     mask[1, 0] = True
-    cfg = LossConfig(
+    cfg = loss_settings(
         vllm_importance_sampling_correction=correcting,
         vllm_importance_sampling_mode=mode,
         vllm_importance_sampling_clip_min=0.5,
@@ -417,7 +426,7 @@ def test_raw_sampler_ratios_are_the_unclipped_ratios(seed, correcting, mode):
 
 
 def test_raw_sampler_ratios_with_nothing_to_measure_are_one():
-    cfg = LossConfig(vllm_importance_sampling_correction=False)
+    cfg = loss_settings(vllm_importance_sampling_correction=False)
     zeros = torch.zeros(2, 3, dtype=F64)
     _, metrics = step(zeros, torch.ones(2, dtype=F64), zeros, cfg, sampling_logps=zeros - 1)
     raw = {k: v for k, v in metrics.items() if "raw_importance" in k}

@@ -194,9 +194,10 @@ def test_defaults_follow_trl_and_loss_config():
 
     from nanogrpo.grpo import LossConfig
 
-    for f in dataclasses.fields(LossConfig):  # one default for each loss setting
+    fields = dataclasses.fields(LossConfig) + dataclasses.fields(loss_terms.LossTerms)
+    for f in fields:  # one default for each loss setting
         assert getattr(TrainConfig(), f.name) == f.default, f.name
-    assert LossConfig(**kwargs).loss_type == "dapo"
+    assert loss_terms.loss_settings(**kwargs)[0].loss_type == "dapo"
 
 
 def test_every_shared_default_is_trl_1_16s():
@@ -343,21 +344,21 @@ def test_vespo_with_a_sequence_level_sampler_correction_trains_as_trl_without_vl
     without vLLM it applies no correction, so the loss gets none, and a warning says so."""
     import torch
 
-    from nanogrpo.grpo import LossConfig, LossInputs, grpo_step
+    from nanogrpo.grpo import LossInputs, sampler_correction
 
     cfg = TrainConfig(loss_type="vespo").validate()
     (warning,) = cfg.warnings()
     assert "vllm_importance_sampling_mode='sequence_mask' it trains with none" in warning
-    loss = LossConfig(**cfg.loss_config())
+    loss, _ = loss_terms.loss_settings(**cfg.loss_config())
     assert loss.vllm_importance_sampling_correction is False
     logps = torch.zeros(2, 3, dtype=torch.float64)  # a step with the sampler's log-probs runs
     inputs = LossInputs(
         logps=logps,
         advantages=torch.ones(2, dtype=torch.float64),
         completion_mask=torch.ones(2, 3),
-        sampling_logps=logps - 0.5,
     )
-    _, metrics = grpo_step(inputs, loss, terms=loss_terms)
+    weights, metrics = sampler_correction(inputs, logps - 0.5, loss)
+    assert weights is None
     assert "sampling/importance_sampling_ratio/mean" not in metrics  # no correction, as TRL
     assert cfg.vllm_importance_sampling_correction is True  # the setting stays as given
     for quiet in (

@@ -50,7 +50,6 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
 
     # split off zero-advantage rows even for the fixture's small model
     from nanogrpo.fast import logprobs
-    from nanogrpo.grpo import LossConfig
     from nanogrpo.rollout import Rollout
     from nanogrpo.run.config import TrainConfig
 
@@ -97,7 +96,9 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
     )  # active tokens of the step on all ranks
     micro = [torch.arange(i, i + 2) for i in range(0, n, 2)]  # micro-batches of 2 rows
     cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, per_device_train_batch_size=2)
-    loss_cfg = LossConfig(
+    from nanogrpo.extras.loss_terms import loss_settings
+
+    loss_cfg, terms = loss_settings(
         loss_type="dapo",
         epsilon_high=0.28,
         use_adaptive_entropy=entropy,
@@ -112,12 +113,13 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
         optimizer=optimizer,
         cfg=cfg,
         loss_cfg=loss_cfg,
+        loss_terms=terms,
         info=info,
         autocast=nullcontext(),
         tok=SimpleNamespace(vocab_size=None),
         sched=SimpleNamespace(steps_per_generation=len(micro)),
         kernels=Kernels(**fast.kernels()),
-        entropy_coef=loss_cfg.entropy_coef,
+        entropy_coef=terms.entropy_coef,
         last_entropy=0.0,
     )  # at or below the target: the bonus applies
     metrics = train.optimizer_step(t, [(local, idx) for idx in micro])
@@ -288,6 +290,7 @@ def spanning_step(rank, world_size, port, out_path):
         optimizer=optimizer,
         cfg=cfg,
         loss_cfg=LossConfig(loss_type="dapo"),
+        loss_terms=None,
         info=info,
         autocast=nullcontext(),
         tok=SimpleNamespace(vocab_size=None),

@@ -10,7 +10,7 @@ import torch
 from conftest import fixture_path
 from hypothesis import given, settings, strategies as st
 
-from nanogrpo.extras import loss_terms
+from nanogrpo.extras.loss_terms import LossTerms, grpo_step_with_terms, loss_settings
 from nanogrpo.grpo import LOSS_TYPES, LossConfig, LossInputs, LossScale, group_advantages, grpo_step
 from nanogrpo.logprobs import kl_divergence
 
@@ -21,19 +21,25 @@ PROPS = settings(max_examples=25, deadline=None)
 def make_cfg(**kw):
     """LossConfig from kwargs. TRL only warns about luspo at token level (the spec's V1/V2 use it); we
     reject it at construction, so to replay those vectors we flip the level after construction."""
+    return make_settings(**kw)[0]
+
+
+def make_settings(**kw):
+    """(LossConfig, LossTerms) from TRL-named kwargs, as make_cfg."""
     if kw.get("loss_type") == "luspo" and kw.get("importance_sampling_level", "token") == "token":
-        cfg = LossConfig(**dict(kw, importance_sampling_level="sequence"))
+        cfg, terms = loss_settings(**dict(kw, importance_sampling_level="sequence"))
         cfg.importance_sampling_level = "token"
-        return cfg
-    return LossConfig(**kw)
+        return cfg, terms
+    return loss_settings(**kw)
 
 
 def t64(rows):
     return torch.tensor(rows, dtype=F64)
 
 
-def step(logps, old, ref, adv, mask, cfg, entropies=None, entropy_coef=None, **scale):
-    """grpo_step on tensors in the order these tests write them; **scale: LossScale's fields."""
+def step(logps, old, ref, adv, mask, cfg, entropies=None, terms=None, **scale):
+    """grpo_step on tensors in the order these tests write them, with the options `terms` (a
+    LossTerms) when given; **scale: LossScale's fields."""
     inputs = LossInputs(
         logps=logps,
         advantages=adv,
@@ -42,7 +48,9 @@ def step(logps, old, ref, adv, mask, cfg, entropies=None, entropy_coef=None, **s
         ref_logps=ref,
         entropies=entropies,
     )
-    return grpo_step(inputs, cfg, LossScale(**scale), terms=loss_terms, entropy_coef=entropy_coef)
+    if terms is None:
+        return grpo_step(inputs, cfg, LossScale(**scale))
+    return grpo_step_with_terms(inputs, cfg, terms, LossScale(**scale))
 
 
 # -----------------------------------------------------------------------------
@@ -113,14 +121,16 @@ def test_matches_trl_compute_loss(case):
     x = {k: None if v is None else t64(v) for k, v in case["inputs"].items()}
     call = dict(case["call"])
     logp = x["logp"].clone().requires_grad_(True)
+    cfg, terms = make_settings(**case["cfg"])
     loss, metrics = step(
         logp,
         x["old"],
         x["ref"],
         x["adv"],
         x["mask"],
-        make_cfg(**case["cfg"]),
+        cfg,
         entropies=x["ent"],
+        terms=terms if terms.on() else None,
         steps_per_generation=call.pop("spg", None),
         **call,
     )
@@ -151,13 +161,17 @@ def test_matches_trl_compute_loss(case):
             dict(loss_type="vespo", importance_sampling_level="sequence"),
             "importance_sampling_level",
         ),
-        (dict(top_entropy_quantile=1.5), "top_entropy_quantile"),
         (dict(sapo_temperature_neg=0.0), "sapo_temperature_neg"),
     ],
 )
 def test_loss_config_rejects(kw, field):
     with pytest.raises(ValueError, match=f"LossConfig.{field}=.*allowed"):
         LossConfig(**kw)
+
+
+def test_loss_terms_reject():
+    with pytest.raises(ValueError, match="LossTerms.top_entropy_quantile=1.5 is invalid"):
+        LossTerms(top_entropy_quantile=1.5)
 
 
 def test_loss_config_defaults():
@@ -177,7 +191,7 @@ def test_grpo_step_rejects_bad_inputs():
     with pytest.raises(ValueError, match="ref_logps"):
         step(LOGP, None, None, A1, MASK, LossConfig(beta=0.1))
     with pytest.raises(ValueError, match="entropies"):
-        step(LOGP, None, None, A1, MASK, LossConfig(top_entropy_quantile=0.5))
+        step(LOGP, None, None, A1, MASK, cfg, terms=LossTerms(top_entropy_quantile=0.5))
     with pytest.raises(ValueError, match="grad_accum"):
         step(LOGP, None, None, A1, MASK, cfg, grad_accum=0)
     with pytest.raises(ValueError, match="steps_per_generation"):
@@ -297,15 +311,15 @@ def test_padding_with_nan_inf_changes_nothing(loss_type, seed, n, c, pad, quanti
     logp, old, ref, adv, mask, ent = random_batch(seed, n, c)
     mask[0, 0] = True  # at least one active token
     cfg = random_cfg(loss_type, seed)
-    cfg.top_entropy_quantile = quantile
-    loss, grad, metrics = loss_and_grad(logp, old, ref, adv, mask, cfg, entropies=ent)
+    terms = LossTerms(top_entropy_quantile=quantile)
+    loss, grad, metrics = loss_and_grad(logp, old, ref, adv, mask, cfg, entropies=ent, terms=terms)
     junk = torch.tensor([math.nan, math.inf, -math.inf], dtype=F64)[torch.arange(n * pad) % 3].view(
         n, pad
     )
     cat = lambda x: torch.cat([torch.where(mask, x, junk[:, :1]), junk], dim=1)  # noqa: E731
     padded_mask = torch.cat([mask, torch.zeros(n, pad, dtype=torch.bool)], dim=1)
     loss2, grad2, metrics2 = loss_and_grad(
-        cat(logp), cat(old), cat(ref), adv, padded_mask, cfg, entropies=cat(ent)
+        cat(logp), cat(old), cat(ref), adv, padded_mask, cfg, entropies=cat(ent), terms=terms
     )
     assert torch.allclose(loss, loss2, atol=1e-15, rtol=1e-13)
     assert torch.allclose(

@@ -87,8 +87,8 @@ def test_the_default_syncs_the_host_at_most_12_times_a_step(tmp_path):
 def test_tensor_metrics_read_at_once_are_grpo_steps_floats():
     """read_metrics=False keeps grpo_step's metrics as tensors; report.read_floats
     reads them all at once into the very floats grpo_step gives by default."""
-    from nanogrpo.extras import loss_terms
-    from nanogrpo.grpo import LossConfig, LossInputs, grpo_step
+    from nanogrpo.extras.loss_terms import LossTerms, grpo_step_with_terms
+    from nanogrpo.grpo import LossConfig, LossInputs
     from nanogrpo.run.report import read_floats
 
     g = torch.Generator().manual_seed(0)
@@ -101,11 +101,12 @@ def test_tensor_metrics_read_at_once_are_grpo_steps_floats():
         completion_mask=mask,
         old_logps=-torch.rand(N, C, generator=g),
         entropies=torch.rand(N, C, generator=g),
-        sampling_logps=-torch.rand(N, C, generator=g),
     )
-    cfg = LossConfig(entropy_coef=0.01)
-    _, floats = grpo_step(inputs, cfg, terms=loss_terms)
-    _, tensors = grpo_step(inputs, cfg, terms=loss_terms, read_metrics=False)
+    sampling = -torch.rand(N, C, generator=g)
+    cfg, terms = LossConfig(), LossTerms(entropy_coef=0.01, off_policy_mask_threshold=0.1)
+    how = dict(sampling_logps=sampling)
+    _, floats = grpo_step_with_terms(inputs, cfg, terms, **how)
+    _, tensors = grpo_step_with_terms(inputs, cfg, terms, **how, read_metrics=False)
     assert all(isinstance(v, torch.Tensor) for v in tensors.values())
     read = read_floats(tensors)
     assert read.keys() == floats.keys()

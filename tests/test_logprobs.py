@@ -707,6 +707,7 @@ def masked_rank_step(rank, world_size, port, out_path):
         optimizer=optimizer,
         cfg=TrainConfig(per_device_train_batch_size=2),
         loss_cfg=LossConfig(loss_type="dapo"),
+        loss_terms=None,
         info=info,
         autocast=torch.autocast("cpu", enabled=False),
         tok=SimpleNamespace(vocab_size=None),

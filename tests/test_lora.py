@@ -191,6 +191,7 @@ def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
         optimizer=optimizer,
         cfg=cfg,
         loss_cfg=LossConfig(),
+        loss_terms=None,
         info=dist.DistInfo(),
         autocast=nullcontext(),
         tok=SimpleNamespace(vocab_size=None),

@@ -12,7 +12,7 @@ import torch
 import train
 from nanogrpo import fast, run
 from nanogrpo.checkpoint import load_model
-from nanogrpo.extras import loss_terms
+from nanogrpo.extras.loss_terms import grpo_step_with_terms, loss_settings
 from nanogrpo.fast.logprobs import token_logprobs
 from nanogrpo.rewards import RewardError
 from nanogrpo.run import report
@@ -778,7 +778,9 @@ def _rollout_batch(advantages, P=5, C=6, seed=0):
     )
 
 
-def trainer_for(model, optimizer, cfg, loss_cfg):
+def trainer_for(model, optimizer, cfg, settings):
+    """The fields of train.py's Trainer an optimizer step reads; settings: loss_settings' pair."""
+    loss_cfg, terms = settings
     """The fields of train.Trainer that an optimizer step reads."""
     from types import SimpleNamespace
 
@@ -789,12 +791,13 @@ def trainer_for(model, optimizer, cfg, loss_cfg):
         optimizer=optimizer,
         cfg=cfg,
         loss_cfg=loss_cfg,
+        loss_terms=terms if terms.on() else None,
         info=DistInfo(),
         autocast=torch.autocast("cpu", enabled=False),
         tok=SimpleNamespace(vocab_size=None),
         sched=SimpleNamespace(steps_per_generation=2),
         kernels=train.Kernels(**fast.kernels()),
-        entropy_coef=loss_cfg.entropy_coef,
+        entropy_coef=terms.entropy_coef,
         last_entropy=math.inf,
     )
 
@@ -825,7 +828,7 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
     )
     from conftest import fixture_path
 
-    from nanogrpo.grpo import LossConfig, LossInputs, LossScale, grpo_step
+    from nanogrpo.grpo import LossInputs, LossScale
     from nanogrpo.run.config import TrainConfig
 
     rounds = [
@@ -833,7 +836,7 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
         _rollout_batch([0.0] * 8, seed=1),
     ]
     cfg = TrainConfig(temperature=0.9, max_grad_norm=0.5, per_device_train_batch_size=4)
-    loss_cfg = LossConfig(loss_type=loss_type, beta=beta, top_entropy_quantile=0.5)
+    loss_cfg, terms = loss_settings(loss_type=loss_type, beta=beta, top_entropy_quantile=0.5)
     micro = [torch.arange(0, 4), torch.arange(4, 8)]
     results = []
     for skip in (True, False):
@@ -851,7 +854,7 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
                         temperature=0.9,
                     )[0]
             if skip:
-                t = trainer_for(model, optimizer, cfg, loss_cfg)
+                t = trainer_for(model, optimizer, cfg, (loss_cfg, terms))
                 history.append(train.optimizer_step(t, [(ro, idx) for idx in micro]))
             else:
                 sums = {}
@@ -872,7 +875,7 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
                         entropies=entropies,
                     )
                     scale = LossScale(num_items=ro.num_items, grad_accum=2, steps_per_generation=2)
-                    loss, metrics = grpo_step(inputs, loss_cfg, scale, terms=loss_terms)
+                    loss, metrics = grpo_step_with_terms(inputs, loss_cfg, terms, scale)
                     loss.backward()
                     for k, v in {**metrics, "loss": loss.item()}.items():
                         sums[k] = sums.get(k, 0.0) + v / (1 if k == "loss" else 2)
@@ -1225,14 +1228,13 @@ def test_an_entropy_bonus_alone_moves_the_entropy_its_way(coef):
     small SGD step raises the batch's entropy for coef > 0 and lowers it for coef < 0."""
     from conftest import fixture_path
 
-    from nanogrpo.grpo import LossConfig
     from nanogrpo.run.config import TrainConfig
 
     ro = _rollout_batch([0.0] * 8)
     ro.old_logps = None
     model = load_model(fixture_path("qwen2"))
     cfg = TrainConfig(temperature=0.9, max_grad_norm=0.0, per_device_train_batch_size=4)
-    loss_cfg = LossConfig(loss_type="dapo", entropy_coef=coef)
+    loss_cfg = loss_settings(loss_type="dapo", entropy_coef=coef)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     micro = [torch.arange(0, 4), torch.arange(4, 8)]
 
@@ -1304,7 +1306,6 @@ def test_sampling_metrics_are_over_the_whole_step_as_trl(mode):
     gave 1/2); the correction's mean weight is over the step's sequences or tokens likewise."""
     from conftest import fixture_path
 
-    from nanogrpo.grpo import LossConfig
     from nanogrpo.run.config import TrainConfig
 
     ro = _rollout_batch([1.0, -1.0])
@@ -1316,7 +1317,9 @@ def test_sampling_metrics_are_over_the_whole_step_as_trl(mode):
     ro.sampling_logps[0, 0] -= 1.0  # the trainer finds that token e times likelier
     model = load_model(fixture_path("qwen2"))
     cfg = TrainConfig(temperature=0.9, per_device_train_batch_size=1)
-    loss_cfg = LossConfig(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=3.0)
+    loss_cfg = loss_settings(
+        vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=3.0
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     t = trainer_for(model, optimizer, cfg, loss_cfg)
     m = train.optimizer_step(t, [(ro, torch.tensor([0])), (ro, torch.tensor([1]))])

@@ -16,8 +16,8 @@ Choices:
 """
 
 from nanogrpo import distributed as dist
-from nanogrpo.extras import loss_terms
-from nanogrpo.grpo import LossInputs, LossScale, group_advantages, grpo_step
+from nanogrpo.extras.loss_terms import grpo_step_with_terms
+from nanogrpo.grpo import LossInputs, LossScale, group_advantages, grpo_step, sampler_correction
 
 
 def eval_loss(t, ro, rewards, counted, *, logps, entropies, ref_logps) -> float:
@@ -39,13 +39,18 @@ def eval_loss(t, ro, rewards, counted, *, logps, entropies, ref_logps) -> float:
         completion_mask=mask,
         entropies=entropies.float(),
         ref_logps=ref_logps,
-        sampling_logps=ro.sampling_logps,
     )
+    inputs.weights, _ = sampler_correction(inputs, ro.sampling_logps, t.loss_cfg)
     scale = LossScale(
         num_items=dist.all_reduce_sum(mask.sum(), info),
         world_size=info.world_size,
     )
-    loss, _ = grpo_step(inputs, t.loss_cfg, scale, terms=loss_terms)
-    # the ranks' losses average to the batch's, as their gradients do
+    if t.loss_terms is None:
+        loss, _ = grpo_step(inputs, t.loss_cfg, scale)
+    else:
+        terms = dict(sampling_logps=ro.sampling_logps)
+        loss, _ = grpo_step_with_terms(
+            inputs, t.loss_cfg, t.loss_terms, scale, **terms
+        )  # the ranks' losses average to the batch's, as their gradients do
     total = dist.all_reduce_sum(loss.detach().double(), info)
     return total.item() / info.world_size

@@ -1,45 +1,137 @@
 """The algorithm options TRL GRPOTrainer puts around its loss (reference: TRL 1.16,
-trl/trainer/grpo_trainer.py, `_compute_loss` and `_generate_and_score_completions`), each off by
-default. grpo.py's `grpo_step` calls them where an option is on, from the module its caller
-passes as `terms` (train.py passes this one); train.py runs the entropy control between optimizer
-steps (`applied_entropy_coef`, `entropy_window`, `update_entropy_coef`). The rules of their
-settings are LossConfig's.
+trl/trainer/grpo_trainer.py, `_compute_loss`), each off by default, and their settings
+(`LossTerms`, TRL GRPOConfig's names, and their rules). train.py's optimizer_step calls
+`grpo_step_with_terms` in place of grpo.py's grpo_step when one is on: OPSM's and
+top_entropy_quantile's masks reach grpo_step as its `keep` tensor, and the entropy bonus is
+subtracted from its loss. Between optimizer steps train.py runs the entropy control
+(`applied_entropy_coef`, `entropy_window`, `update_entropy_coef`).
 
-Owns: `off_policy_mask` (DeepSeek-V3.2's OPSM, off_policy_mask_threshold),
-`sampler_importance_weights` and `importance_sampling_metrics` (the correction between the
-sampler and the trainer, TRL's vllm_importance_sampling_*: here the "vllm" engine is nanogrpo's
-own sampler), `vespo_sampler_weights` and `VESPO_NEEDS_TOKENS` (which of those corrections
-VESPO can take), `high_entropy_mask` (top_entropy_quantile), and the entropy bonus:
-`entropy_bonus`, `entropy_window`, `applied_entropy_coef`, `next_entropy_coef` and
-`update_entropy_coef`, which moves a Trainer's coefficient after a step (entropy_coef,
-use_adaptive_entropy).
+Owns: `LossTerms` and `loss_settings` (a dict of both records' fields -> LossConfig, LossTerms),
+`grpo_step_with_terms`, `off_policy_mask` (DeepSeek-V3.2's OPSM, off_policy_mask_threshold),
+`high_entropy_mask` (top_entropy_quantile), and the entropy bonus: `entropy_bonus`,
+`entropy_window`, `applied_entropy_coef`, `next_entropy_coef` and `update_entropy_coef`, which
+moves a Trainer's coefficient after a step (entropy_coef, use_adaptive_entropy).
 
-Does not know about: the loss variants and how micro-batch losses add up (grpo.py), TrainConfig
-(`cfg` is any object with LossConfig's fields) or log-probs (logprobs.py). Its one collective is
-update_entropy_coef's sum of a step's entropy_window over ranks.
+Does not know about: how each loss type is computed (grpo.py), TrainConfig or log-probs
+(logprobs.py). Its one collective is update_entropy_coef's sum of a step's entropy_window over
+ranks.
 
 Choices:
-- Inputs are [N,C] with masked positions already cleaned (grpo_step does it), except
-  entropy_window's, which the caller passes as they are: it looks only at the mask's tokens.
-- The sampler correction and OPSM are detached: they weigh or drop a token's loss, they carry
-  no gradient of their own.
+- Inputs are [N,C]; masked positions may hold anything (each is cleaned as grpo_step cleans
+  them), entropy_window's too: it looks only at the mask's tokens.
+- OPSM is detached: it drops a sequence's loss, it carries no gradient of its own.
 - The entropy bonus is one mean over the micro-batch's bonus tokens divided by grad_accum,
   whatever the loss type, as TRL does; its adaptive coefficient (Skywork-OR1) moves once per
   optimizer step from the step's mean entropy, which entropy_window's [sum, count] give.
 """
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
 from nanogrpo import distributed as dist
+from nanogrpo.grpo import LossConfig, LossScale, grpo_step
 
-VESPO_NEEDS_TOKENS = (
-    "loss_type='vespo' folds token-level weights into its own: use token_truncate or "
-    "token_mask, or vllm_importance_sampling_correction=False (as TRL)"
-)
+# the loss types whose loss is a token mean over the whole step (aggregate divides the others
+# by grad_accum)
+STEP_TOKEN_MEAN = ("dapo", "cispo", "vespo")
+
+
+@dataclass
+class LossTerms:
+    """The options' settings, named and defaulted as TRL's GRPOConfig; every one off."""
+
+    top_entropy_quantile: float = 1.0  # 1.0 = off; rho < 1 keeps the top-rho entropy tokens
+    # entropy bonus: loss - coef * (masked mean entropy); 0 = off
+    entropy_coef: float = 0.0
+    # Skywork-OR1's control: coef moves by delta each step toward entropy_target
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2  # nats; the bonus applies only at or below it
+    # DeepSeek-V3.2's off-policy sequence mask: None = off
+    off_policy_mask_threshold: float | None = None
+
+    def __post_init__(self):
+        threshold, q = self.off_policy_mask_threshold, self.top_entropy_quantile
+        rules = [  # (holds, the field it names, what the field allows)
+            (0.0 <= q <= 1.0, "top_entropy_quantile", "a float in [0, 1]"),
+            (
+                self.entropy_coef_min <= self.entropy_coef_max,
+                "entropy_coef_min",
+                f"a float <= entropy_coef_max={self.entropy_coef_max}",
+            ),
+            (self.entropy_coef_delta >= 0, "entropy_coef_delta", "a float >= 0"),
+            (
+                threshold is None or threshold >= 0,
+                "off_policy_mask_threshold",
+                "None or a float >= 0 (e.g. 0.5)",
+            ),
+        ]
+        for holds, name, allowed in rules:
+            if not holds:
+                value = getattr(self, name)
+                raise ValueError(f"LossTerms.{name}={value!r} is invalid; allowed: {allowed}")
+
+    def bonus_on(self) -> bool:
+        """Whether the loss carries the entropy bonus (TRL: fixed for the run; the adaptive
+        control keeps it on even while its coefficient sits at entropy_coef_min)."""
+        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+
+    def on(self) -> bool:
+        """Whether any option is on (else grpo_step alone computes the loss)."""
+        masks = self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1
+        return masks or self.bonus_on()
+
+
+TERM_FIELDS = tuple(f.name for f in dataclasses.fields(LossTerms))
+
+
+def loss_settings(**settings) -> tuple[LossConfig, LossTerms]:
+    """Split TRL-named settings into the loss's (LossConfig) and the options' (LossTerms)."""
+    terms = {k: settings.pop(k) for k in TERM_FIELDS if k in settings}
+    return LossConfig(**settings), LossTerms(**terms)
+
+
+def grpo_step_with_terms(
+    inputs, cfg, terms, scale=None, *, sampling_logps=None, entropy_coef=None, read_metrics=True
+):
+    """grpo_step (same arguments and result) with the options `terms` turns on: OPSM and
+    top_entropy_quantile keep some tokens' loss (LossInputs.keep), the entropy bonus is
+    subtracted after (coefficient entropy_coef, the step's applied_entropy_coef; None =
+    terms.entropy_coef) and policy_loss logged, as TRL's. sampling_logps [N,C]: the sampler's,
+    the policy OPSM measures from (None: the old policy)."""
+    scale = LossScale() if scale is None else scale
+    needs = terms.top_entropy_quantile < 1 or terms.bonus_on()
+    if needs and inputs.entropies is None:
+        raise ValueError("top_entropy_quantile < 1 and the entropy bonus need entropies")
+    m = inputs.completion_mask.bool()
+    keep = bonus_mask = m  # the tokens that train, the tokens the entropy bonus acts on
+    entropies = None if inputs.entropies is None else torch.where(m, inputs.entropies, 0)
+    if terms.off_policy_mask_threshold is not None:
+        logps = torch.where(m, inputs.logps, 0)
+        sampled_by = inputs.old_logps if sampling_logps is None else sampling_logps
+        sampled_by = logps.detach() if sampled_by is None else torch.where(m, sampled_by, 0)
+        A = inputs.advantages[:, None]  # [N,1]
+        keep = off_policy_mask(A, logps, sampled_by, m, terms.off_policy_mask_threshold)
+    if terms.top_entropy_quantile < 1:
+        bonus_mask = high_entropy_mask(entropies.detach(), m, terms.top_entropy_quantile)
+        keep = keep & bonus_mask
+    inputs = dataclasses.replace(inputs, keep=None if keep is m else keep)
+    total, metrics = grpo_step(inputs, cfg, scale, read_metrics=False)
+    if terms.bonus_on():
+        # TRL's policy_loss: the loss before the bonus and the grad_accum division
+        unscaled = 1 if cfg.loss_type in STEP_TOKEN_MEAN else scale.grad_accum
+        metrics = {"policy_loss": total.detach() * unscaled, **metrics}
+        coef = terms.entropy_coef if entropy_coef is None else entropy_coef
+        total = total - coef * entropy_bonus(entropies, bonus_mask, scale.grad_accum)
+    return total, {k: float(v) for k, v in metrics.items()} if read_metrics else metrics
 
 
 # -----------------------------------------------------------------------------
-# Which sequences count, how the sampler's tokens are reweighted
+# Which sequences count: DeepSeek-V3.2's off-policy sequence mask
 
 
 def off_policy_mask(A, logps, sampling_logps, mask, threshold):
@@ -50,65 +142,6 @@ def off_policy_mask(A, logps, sampling_logps, mask, threshold):
     kl = torch.where(mask, sampling_logps - logps.detach(), 0)  # [N,C]
     mean_kl = kl.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     return (A >= 0) | (mean_kl <= threshold)
-
-
-def sampler_importance_weights(old_logps, sampling_logps, mask, cfg):
-    """TRL's vllm_importance_sampling_ratio: how much more likely the trainer finds each sampled
-    token than the sampler did, w = pi_old / pi_sampler (pi_old: the trainer's log-probs with
-    the weights that sampled). Ratios of 1 mean the two engines agree; bf16, another kernel or
-    a compiled decode step move them. Modes (vllm_importance_sampling_mode):
-      token_*     one w per token, [N,C];
-      sequence_*  one w per sequence, exp(sum over its tokens of the log difference), [N,1];
-      *_truncate  w clamped to [clip_min, clip_max] (TIS);
-      *_mask      w set to 0 outside [clip_min, clip_max] (MIS); None = no bound.
-    Detached: a constant weight on each token's loss. Masked positions weigh 1."""
-    diff = torch.where(mask, old_logps.detach() - sampling_logps, 0)  # [N,C]
-    mode = cfg.vllm_importance_sampling_mode
-    if mode.startswith("sequence"):
-        diff = diff.sum(-1, keepdim=True)  # [N,1]
-    w = torch.exp(diff)
-    low = cfg.vllm_importance_sampling_clip_min
-    high = cfg.vllm_importance_sampling_clip_max
-    if mode.endswith("truncate"):
-        return w.clamp(min=low, max=high)
-    outside = torch.zeros_like(w, dtype=torch.bool)
-    if low is not None:
-        outside = outside | (w < low)
-    if high is not None:
-        outside = outside | (w > high)
-    return w.masked_fill(outside, 0.0)
-
-
-def vespo_sampler_weights(is_weights, cfg):
-    """The sampler correction VESPO folds into its weight: token-level ones only
-    (cfg.correction_fits_the_loss); a sequence-level one is refused, as TRL does."""
-    if is_weights is not None and not cfg.correction_fits_the_loss():
-        raise ValueError(
-            f"vllm_importance_sampling_mode={cfg.vllm_importance_sampling_mode!r}: "
-            + VESPO_NEEDS_TOKENS
-        )
-    return is_weights
-
-
-@torch.no_grad()
-def importance_sampling_metrics(old_logps, sampling_logps, is_weights, mask):
-    """TRL's sampling/* metrics of one batch: |log pi_old - log pi_sampler| over its tokens
-    (mean, max) and the correction weights (min, mean, max; per sequence or per token), as
-    0-dim float64 tensors on the inputs' device."""
-    delta = (old_logps - sampling_logps).abs()[mask].double()
-    w = is_weights.flatten() if is_weights.shape[1] == 1 else is_weights[mask]
-    w = w.double()
-    if delta.numel() == 0:
-        delta = torch.zeros(1, dtype=torch.float64, device=delta.device)
-    if w.numel() == 0:
-        w = torch.zeros(1, dtype=torch.float64, device=w.device)
-    return {
-        "sampling/sampling_logp_difference/mean": delta.mean(),
-        "sampling/sampling_logp_difference/max": delta.max(),
-        "sampling/importance_sampling_ratio/min": w.min(),
-        "sampling/importance_sampling_ratio/mean": w.mean(),
-        "sampling/importance_sampling_ratio/max": w.max(),
-    }
 
 
 # -----------------------------------------------------------------------------
@@ -137,36 +170,36 @@ def entropy_bonus(entropies, mask, grad_accum):
 
 
 @torch.no_grad()
-def entropy_window(entropies, completion_mask, cfg):
+def entropy_window(entropies, completion_mask, terms):
     """[2] float64 = [sum of the entropies, number of tokens] over the tokens the bonus acts on
-    (completion_mask's, or high_entropy_mask's with cfg.top_entropy_quantile < 1), detached:
+    (completion_mask's, or high_entropy_mask's with terms.top_entropy_quantile < 1), detached:
     one micro-batch's share of the adaptive control's window. The sum is taken in the
     entropies' dtype. entropies, completion_mask [N,C]; masked positions may hold anything."""
     mask = completion_mask.bool()
     entropies = torch.where(mask, entropies, 0)
-    if cfg.top_entropy_quantile < 1:
-        mask = high_entropy_mask(entropies, mask, cfg.top_entropy_quantile)
+    if terms.top_entropy_quantile < 1:
+        mask = high_entropy_mask(entropies, mask, terms.top_entropy_quantile)
     total = torch.where(mask, entropies, 0).sum()
     return torch.stack([total.double(), mask.sum().double()])
 
 
-def applied_entropy_coef(cfg, coef, last_entropy):
+def applied_entropy_coef(terms, coef, last_entropy):
     """The coefficient this step's micro-batches apply: `coef` as it stood after the last step;
     adaptive control applies it only while the last step's entropy was at or below
     entropy_target (last_entropy = inf before the first step: no bonus yet)."""
-    if cfg.use_adaptive_entropy and last_entropy > cfg.entropy_target:
+    if terms.use_adaptive_entropy and last_entropy > terms.entropy_target:
         return 0.0
     return coef
 
 
-def next_entropy_coef(cfg, coef, entropy):
+def next_entropy_coef(terms, coef, entropy):
     """The adaptive coefficient after a step whose mean entropy (all ranks, all micro-batches,
     the bonus's tokens: entropy_window) was `entropy`: one delta up when at or below
     entropy_target (to push it back up), one down otherwise, kept in [entropy_coef_min,
     entropy_coef_max]."""
-    if entropy <= cfg.entropy_target:
-        return min(coef + cfg.entropy_coef_delta, cfg.entropy_coef_max)
-    return max(coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
+    if entropy <= terms.entropy_target:
+        return min(coef + terms.entropy_coef_delta, terms.entropy_coef_max)
+    return max(coef - terms.entropy_coef_delta, terms.entropy_coef_min)
 
 
 def update_entropy_coef(t, window: torch.Tensor):
@@ -175,4 +208,4 @@ def update_entropy_coef(t, window: torch.Tensor):
     (entropy_window), summed over ranks here."""
     window = dist.all_reduce_sum(window, t.info)
     t.last_entropy = (window[0] / window[1].clamp(min=1)).item()
-    t.entropy_coef = next_entropy_coef(t.loss_cfg, t.entropy_coef, t.last_entropy)
+    t.entropy_coef = next_entropy_coef(t.loss_terms, t.entropy_coef, t.last_entropy)

@@ -16,6 +16,7 @@ import math
 import typing
 from dataclasses import dataclass, field
 
+from nanogrpo.extras.loss_terms import TERM_FIELDS
 from nanogrpo.grpo import LossConfig
 from nanogrpo.run.rules import (  # noqa: F401 (ConfigError: its home for callers)
     RATIO_STEPS,
@@ -25,7 +26,7 @@ from nanogrpo.run.rules import (  # noqa: F401 (ConfigError: its home for caller
 from nanogrpo.schedules import Schedule, batch_schedule, total_steps
 
 # TrainConfig has each loss field, with the same name and default
-LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig))
+LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig)) + TERM_FIELDS
 TRUE_WORDS = ("true", "1", "yes")  # how a bool is spelled in text
 FALSE_WORDS = ("false", "0", "no")
 DEFAULT_OUTPUT_DIR = "trainer_output"  # transformers' output_dir=None
@@ -502,9 +503,9 @@ class TrainConfig(Rules):
         }
 
     def loss_config(self) -> dict:
-        """Keyword arguments for nanogrpo.grpo.LossConfig (TRL's names):
-        `LossConfig(**cfg.loss_config())`; the sampler correction off where
-        vespo_drops_sampler_correction."""
+        """The loss's and its options' settings (TRL's names), for
+        `loss_settings(**cfg.loss_config())` (extras/loss_terms.py): LossConfig,
+        LossTerms; the sampler correction off where vespo_drops_sampler_correction."""
         kwargs = {key: getattr(self, key) for key in LOSS_FIELDS}
         if self.vespo_drops_sampler_correction():
             kwargs["vllm_importance_sampling_correction"] = False

@@ -11,9 +11,10 @@ grpo.LossConfig, extras/generation_kwargs.py's generation_settings).
 """
 
 from nanogrpo.extras.generation_kwargs import generation_settings
+from nanogrpo.extras.loss_terms import loss_settings
 from nanogrpo.extras.lr_schedules import SCHEDULES
 from nanogrpo.extras.tools import TOOL_CALL_PARSERS
-from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS, LossConfig
+from nanogrpo.grpo import AGGREGATIONS, SCALE_REWARDS
 from nanogrpo.sampler import check_sampling
 from nanogrpo.schedules import batch_schedule
 
@@ -230,9 +231,9 @@ class Rules:
                 repetition_penalty=self.repetition_penalty,
             )
             generation_settings(self.generation_kwargs)  # its keys, over those
-            LossConfig(**self.loss_config())
+            loss_settings(**self.loss_config())
         except ValueError as e:
-            message = str(e).removeprefix("LossConfig.")
+            message = str(e).removeprefix("LossConfig.").removeprefix("LossTerms.")
             raise ConfigError(message) from None
         self._need(
             self.temperature > 0,
