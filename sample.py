@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+import nanogrpo.extras.lora  # noqa: F401 (registers LoRA with the loader: an adapter dir loads)
 from nanogrpo.checkpoint import load_model
 from nanogrpo.extras.reward_funcs import resolve_reward_funcs
 from nanogrpo.fast.sampling import sample_next_token_fast

@@ -31,6 +31,7 @@ def main(argv=None):
 
     import torch
 
+    import nanogrpo.extras.lora  # noqa: F401 (registers LoRA with the loader: --model may be an adapter)
     import train
     from nanogrpo import distributed as dist
     from nanogrpo.checkpoint import load_model

@@ -429,3 +429,29 @@ def test_docstrings_hold_no_timings():
         "measured figures belong in docs/results.md; say what a trick saves instead:\n"
         + "\n".join(found)
     )
+
+
+# -----------------------------------------------------------------------------
+# The infrastructure knows no option: options register with it (extras/lora.py's adapter format
+# with the loader), the infrastructure never imports them
+
+# The course module the infrastructure may import: the loader builds model.py's Transformer (as
+# nanochat's checkpoint_manager builds gpt.py's GPT)
+THE_NETWORK = "nanogrpo.model"
+
+
+def test_the_infrastructure_imports_no_option_and_no_course_module():
+    above = ("nanogrpo.extras", "nanogrpo.fast", "nanogrpo.run")
+    course = {module_name(p) for p in course_files()} - {"nanogrpo", THE_NETWORK}
+    files = [p for p in package_files() if module_name(p).startswith(INFRASTRUCTURE)]
+    offenders = []
+    for path in files:
+        imported = nanogrpo_imports(path) | ({"train"} & imported_modules(path))
+        for dep in sorted(imported):
+            if dep.startswith(above) or dep in course:
+                offenders.append(f"{path.relative_to(ROOT)} imports {dep}")
+    assert len(files) >= 4, files  # checkpoint/ (two files), tokenizer/, distributed/
+    assert not offenders, (
+        f"{len(offenders)} import(s) from the infrastructure up to an option or the course; let "
+        "the option register with the infrastructure instead:\n" + "\n".join(offenders)
+    )

@@ -4,12 +4,13 @@ only adapters train, round trips with peft (fixtures from tests/fixtures/make_lo
 import json
 import os
 import shutil
+import subprocess
 import sys
 from contextlib import nullcontext
 
 import pytest
 import torch
-from conftest import FIXTURES, QWEN3_5, fixture_path, tiny_config
+from conftest import FIXTURES, QWEN3_5, ROOT, fixture_path, tiny_config
 from hypothesis import given, settings, strategies as st
 from safetensors.torch import load_file
 
@@ -286,6 +287,32 @@ def test_our_adapter_loaded_by_peft_gives_our_logits(tmp_path, family):
         expected["logits"],
         atol=PEFT_TOL.get(family, 1e-5),
     )
+
+
+def test_without_lora_imported_an_adapter_is_an_error_naming_the_import(tmp_path):
+    """checkpoint/ imports no option: in a process that never imported extras/lora.py, an adapter
+    directory (or lora_settings) fails with one line saying what to import, never the base alone."""
+    path, _ = copied_adapter(tmp_path, "peft-qwen2", "qwen2")
+    code = (
+        "import sys\n"
+        "from nanogrpo.checkpoint import load_model\n"
+        "assert 'nanogrpo.extras.lora' not in sys.modules\n"
+        "for path, kw in [(sys.argv[1], {}), (sys.argv[2], {'lora_settings': {'r': 2}})]:\n"
+        "    try:\n"
+        "        load_model(path, **kw)\n"
+        "    except RuntimeError as e:\n"
+        "        print(e)\n"
+    )
+    cmd = [sys.executable, "-c", code, str(path), fixture_path("qwen2")]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    fix = "which is not registered: import nanogrpo.extras.lora first"
+    assert done.stdout.splitlines() == [
+        f"{path} (a PEFT adapter) needs the LoRA adapter format, {fix} "
+        "(importing it registers the format with the loader)",
+        f"load_model(lora_settings=...) needs the LoRA adapter format, {fix} "
+        "(importing it registers the format with the loader)",
+    ]
 
 
 def test_merged_model_saves_as_a_plain_checkpoint(tmp_path):

@@ -1,12 +1,13 @@
 """Hugging Face model checkpoints on disk: read and write them.
 
 Owns: hub-id/path resolution, safetensors (one file or shards + index), `load_model` /
-`save_model` (one process or FSDP2; a LoRA model as PEFT's adapter files, names from
-extras/lora.py) and atomic directories. What config.json and the tensor names mean is
-checkpoint/hf_format.py's; a run's checkpoint-<step>/ around these files is run/checkpoints.py's.
+`save_model` (one process or FSDP2; a model with adapters as PEFT's adapter files, through the
+`AdapterFormat` registered here) and atomic directories. What config.json and the tensor names
+mean is checkpoint/hf_format.py's; a run's checkpoint-<step>/ around these files is
+run/checkpoints.py's.
 
 Does not know about: the forward pass (model.py), tokenization (a tokenizer it is given saves
-itself), GRPO, or the run.
+itself), GRPO, the run, or LoRA (extras/lora.py registers its adapter format when imported).
 
 With several processes it decides which rank reads and writes (rank 0) and where all must wait;
 the collectives themselves are distributed/__init__.py's (barrier, broadcast, sharding, gathering a
@@ -17,6 +18,9 @@ Choices:
   the shards are filled by broadcast.
 - Directories are written under a temporary name and renamed when complete: a crash leaves the
   old one intact and no half-written one.
+- An option plugs in here, never the other way round: the adapter format is registered by the
+  module that defines the adapters, and an adapter directory loaded before it is an error naming
+  the import, not the base model alone.
 """
 
 import errno
@@ -24,7 +28,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -37,7 +43,6 @@ from nanogrpo.checkpoint.hf_format import (
     from_hf_names,
     to_hf_names,
 )
-from nanogrpo.extras import lora
 from nanogrpo.model import ModelConfig, Transformer
 
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
@@ -166,6 +171,47 @@ def write_safetensors(
 
 
 # -----------------------------------------------------------------------------
+# Adapters: the format the option that defines them registers
+
+
+@dataclass(frozen=True)
+class AdapterFormat:
+    """What load_model and save_model call to put adapters on a model and to take their tensors
+    off it, our tensor names throughout; the files (adapter_config.json,
+    adapter_model.safetensors) are this module's. extras/lora.py registers PEFT's LoRA."""
+
+    settings: Callable  # (adapter_config.json's dict, its directory) -> `apply`'s keywords
+    apply: Callable  # (model on the meta device, **keywords): the adapters on, the rest frozen
+    fresh: Callable  # (model, dtype, device) -> a newly initialised adapter's tensors
+    from_file: Callable  # (the adapter file's tensors, model) -> ours, checked against the model
+    finish: Callable  # (model, base state) once its tensors are in: what trains, frozen copies
+    config_of: Callable  # model -> adapter_config.json's dict, or None without adapters
+    is_key: Callable  # (state-dict key, modules_to_save) -> whether the adapter file holds it
+    to_file: Callable  # (state dict, adapter_config.json's dict) -> the adapter file's tensors
+
+
+_adapter_format = None  # the registered AdapterFormat; None until its module is imported
+
+
+def register_adapter(adapter_format: AdapterFormat):
+    """Let load_model and save_model read and write adapters of this format (one format: a
+    second registration replaces the first)."""
+    global _adapter_format
+    _adapter_format = adapter_format
+
+
+def registered_adapter(what: str) -> AdapterFormat:
+    """The registered AdapterFormat. None registered is an error, one line, naming `what` needs
+    it and the import that registers it."""
+    if _adapter_format is None:
+        raise RuntimeError(
+            f"{what} needs the LoRA adapter format, which is not registered: import "
+            "nanogrpo.extras.lora first (importing it registers the format with the loader)"
+        )
+    return _adapter_format
+
+
+# -----------------------------------------------------------------------------
 # Models, in directories written atomically
 
 
@@ -216,12 +262,14 @@ def load_model(
     lora_settings: dict | None = None,
 ) -> Transformer:
     """Load an HF checkpoint (local dir or hub id) straight into `dtype` on
-    `device`; `lora_settings` (lora.apply_lora's keywords) put a fresh LoRA
-    adapter on it. A directory with adapter_config.json is a PEFT adapter:
-    its base_model_name_or_path is loaded with the adapter on it (as PEFT's
-    AutoPeftModel). With `info` of more than one process, the model is
-    sharded with FSDP2 (dist.shard_model) and filled from rank 0's copy;
-    `mixed_precision` then makes its blocks compute in bf16."""
+    `device`; `lora_settings` (the registered AdapterFormat's keywords:
+    extras/lora.py's apply_lora) put a fresh adapter on it. A directory with
+    adapter_config.json is a PEFT adapter: its base_model_name_or_path is
+    loaded with the adapter on it (as PEFT's AutoPeftModel); without a
+    registered format that is an error. With `info` of more than one
+    process, the model is sharded with FSDP2 (dist.shard_model) and filled
+    from rank 0's copy; `mixed_precision` then makes its blocks compute in
+    bf16."""
     sharded = info is not None and info.sharded
     main = not sharded or info.is_main  # this rank reads the files
     path = dist.broadcast_object(resolve_path(path_or_hub_id) if main else None)
@@ -233,7 +281,7 @@ def load_model(
     if os.path.exists(os.path.join(path, "adapter_config.json")):
         adapter = path
         peft = read_json(os.path.join(path, "adapter_config.json"))
-        lora_settings = lora.settings_from_peft_config(peft, path)
+        lora_settings = registered_adapter(f"{path} (a PEFT adapter)").settings(peft, path)
         base_name = peft["base_model_name_or_path"]
         path = dist.broadcast_object(resolve_path(base_name) if main else None)
     with torch.device("meta"):
@@ -251,13 +299,15 @@ def load_model(
         base = from_hf_names(read_safetensors(path, dtype, where, skip=skip), model)
     full = base
     if lora_settings:
-        lora.apply_lora(model, **lora_settings)
-        if sharded and model.lora_config["modules_to_save"]:
+        adapter_format = registered_adapter("load_model(lora_settings=...)")
+        adapter_format.apply(model, **lora_settings)
+        if sharded and adapter_format.config_of(model)["modules_to_save"]:
             raise ValueError(
                 "lora_modules_to_save is not supported with FSDP2 (more than one process) yet"
             )
         if main:  # the adapter's tensors, or a fresh adapter (rank 0's, broadcast when sharded)
-            full = {**base, **_adapter_tensors(model, adapter, dtype, where)}
+            tensors = _adapter_tensors(adapter_format, model, adapter, dtype, where)
+            full = {**base, **tensors}
     if sharded:
         dist.shard_model(model, info, mixed_precision)
         model.to_empty(device=info.device)
@@ -267,7 +317,7 @@ def load_model(
         model.tie_weights()
     if lora_settings:
         # frozen base copies of modules_to_save, for disable_adapters
-        lora.mark_trainable(model, base)
+        adapter_format.finish(model, base)
         model.base_model_name_or_path = base_name
     gen_path = os.path.join(path, "generation_config.json")
     model.generation_config = None
@@ -277,13 +327,13 @@ def load_model(
     return model
 
 
-def _adapter_tensors(model, adapter, dtype, where) -> dict:
+def _adapter_tensors(adapter_format, model, adapter, dtype, where) -> dict:
     """The adapter's tensors (our names) read from the PEFT directory
     `adapter`, or a freshly initialised adapter when it is None."""
     if adapter is None:
-        return lora.fresh_adapter_state(model, dtype, where)
+        return adapter_format.fresh(model, dtype, where)
     file = "adapter_model.safetensors"
-    return lora.from_peft_state(read_safetensors(adapter, dtype, where, file), model)
+    return adapter_format.from_file(read_safetensors(adapter, dtype, where, file), model)
 
 
 def write_model(
@@ -301,7 +351,7 @@ def write_model(
     PEFT."""
     if adapter is not None:
         write_json(os.path.join(out_dir, "adapter_config.json"), adapter)
-        tensors = lora.adapter_state(state, adapter)
+        tensors = registered_adapter("writing an adapter").to_file(state, adapter)
         write_safetensors(out_dir, tensors, name="adapter_model.safetensors")
     else:
         hf_state = to_hf_names(state, cfg)
@@ -345,11 +395,14 @@ def save_model(
 
 
 def state_to_write(model) -> tuple[dict, dict | None]:
-    """What a save writes: (the full state dict, or with LoRA only the
+    """What a save writes: (the full state dict, or with adapters only the
     adapter's tensors; adapter_config's dict or None)."""
-    adapter = lora.peft_config_of(model)
+    adapter_format = _adapter_format
+    adapter = None  # (no format registered: no model has adapters)
+    if adapter_format is not None:
+        adapter = adapter_format.config_of(model)
     keep = None  # every tensor
     if adapter is not None:
         saved = adapter["modules_to_save"]
-        keep = partial(lora.is_adapter_key, modules_to_save=saved)
+        keep = partial(adapter_format.is_key, modules_to_save=saved)
     return dist.full_state_dict(model, keep), adapter

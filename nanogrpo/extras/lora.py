@@ -5,11 +5,12 @@ Owns: `LoRALinear` (an nn.Linear plus a trainable low-rank update),
 `disable_adapters` (the base model back for a moment: the reference model of
 GRPO, no second copy), `merge_lora` (fold the adapters into the weights: a
 plain Transformer again), and the translation to PEFT's tensor names and
-adapter_config.json fields.
+adapter_config.json fields. The files are checkpoint/__init__.py's: importing
+this module registers LoRA's adapter format there (`register_adapter`, at the
+end), and the loader and save_model read and write adapter_config.json and
+adapter_model.safetensors through it without importing this module.
 
-Does not know about: files (checkpoint/__init__.py reads and writes
-adapter_config.json and adapter_model.safetensors), training, or more than one
-process.
+Does not know about: training, or more than one process.
 
 Choices:
 - y = x W^T + b + scaling * B(A(dropout(x))), scaling = lora_alpha / r
@@ -39,6 +40,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from nanogrpo import checkpoint
+from nanogrpo.checkpoint.hf_format import check_tensors
 
 # PEFT's default for llama, mistral, qwen2, qwen3 and gemma3_text; PEFT (0.21) has none for these
 DEFAULT_TARGETS = ["q_proj", "v_proj"]
@@ -378,9 +382,6 @@ def from_peft_state(tensors: dict, model) -> dict:
     ours = {from_peft_name(k): v for k, v in tensors.items()}
     saved = model.lora_config["modules_to_save"]
     expected = {k: v for k, v in model.state_dict().items() if is_adapter_key(k, saved)}
-    # the one check of tensors against a model (checkpoint/ imports this module: here, not above)
-    from nanogrpo.checkpoint.hf_format import check_tensors
-
     source = "its adapter_config.json and the base model (r)"
     check_tensors(ours, expected, set(), what="adapter", source=source)
     return ours
@@ -452,3 +453,20 @@ def settings_from_peft_config(cfg: dict, where: str = ".") -> dict:
         "modules_to_save": cfg.get("modules_to_save"),
         "use_rslora": cfg.get("use_rslora", False),
     }
+
+
+# -----------------------------------------------------------------------------
+# The loader's adapter format: LoRA, read and written by checkpoint/__init__.py
+
+checkpoint.register_adapter(
+    checkpoint.AdapterFormat(
+        settings=settings_from_peft_config,
+        apply=apply_lora,
+        fresh=fresh_adapter_state,
+        from_file=from_peft_state,
+        finish=mark_trainable,
+        config_of=peft_config_of,
+        is_key=is_adapter_key,
+        to_file=adapter_state,
+    )
+)
