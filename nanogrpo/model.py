@@ -277,7 +277,7 @@ class Attention(nn.Module):
         self.scale = None  # SDPA's default 1/sqrt(head_dim) (Gemma 3 sets its own)
 
     def forward(self, x, cos, sin, mask, cache=None, layer=0, cache_start=0):
-        # x: [B,T,C]; cos/sin: [B,1,T,D]; mask: [B,1,T,S] bool or None (plain causal)
+        # x: [B,T,C]; cos/sin: [B,1,T,D]; mask: [B,1,T,S] bool or additive, None: plain causal
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B,H,T,D]
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B,Hkv,T,D]
