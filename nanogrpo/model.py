@@ -216,9 +216,9 @@ class KVCache:
     head_dim] (a Qwen3.5 linear-attention layer's are its state instead, whole rather than per
     slot: models/gated_deltanet.py's cache_shapes).
 
-    Each layer's keys are written in place by `attend`; never reallocated while decoding.
-    `select(rows)` builds a cache holding only (or repeating) some rows, which the sampler uses to
-    copy a prompt's prefill into its G samples and to drop finished rows.
+    `attend` writes a layer's keys in place at their slots (a linear-attention layer writes its
+    state itself); never reallocated while decoding. `select(rows)` builds a cache of only (or
+    repeated) rows: the sampler copies a prompt's prefill into G samples, drops finished rows.
     """
 
     static = False  # fast/sampling.py's StaticCache: a tensor start, attends over all max_len slots
@@ -426,13 +426,11 @@ class Transformer(nn.Module):
     def _trunk(self, input_ids, attention_mask, positions, cache, cache_start):
         # (forward and hidden_states both call this, so FSDP hooks on either never nest)
         B, T = input_ids.shape
-        if positions is None:
-            if attention_mask is not None and cache is None:
-                positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            else:
-                positions = torch.arange(
-                    cache_start, cache_start + T, device=input_ids.device
-                ).expand(B, T)
+        if positions is None and attention_mask is not None and cache is None:
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        elif positions is None:
+            slots = torch.arange(cache_start, cache_start + T, device=input_ids.device)  # [T]
+            positions = slots.expand(B, T)
         static = cache is not None and cache.static  # cache_start is then a tensor
         if cache is not None and not static and cache_start + T > cache.max_len:
             raise ValueError(
@@ -467,17 +465,13 @@ class Transformer(nn.Module):
         cos_sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         if self.local_inv_freq is not None:
             local = rope_cos_sin(self.local_inv_freq, positions, x.dtype)
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.layers):
             cos, sin = (
                 (local if self.sliding[i] else cos_sin) if self.rope_layers[i] else (None, None)
             )
             mask_i = valid if self.linear[i] else window if self.sliding[i] else mask
-            if (
-                self.gradient_checkpointing
-                and self.training
-                and torch.is_grad_enabled()
-                and cache is None
-            ):
+            if checkpointing and cache is None:
                 x = torch.utils.checkpoint.checkpoint(
                     block, x, cos, sin, mask_i, use_reentrant=False
                 )
