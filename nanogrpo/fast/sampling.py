@@ -188,7 +188,7 @@ class StaticCache(KVCache):
     host), attended over all max_len slots (the key mask hides the unwritten ones), so every
     step has the same shapes."""
 
-    static = True
+    static = True  # (model._trunk: a tensor cache_start; GatedDeltaNet: its state copied in place)
 
     def attend(self, q, k, v, mask, scale, layer, start):
         """KVCache.attend with start a tensor and mask [B,1,T,max_len]."""
