@@ -3,7 +3,7 @@
 Owns: `ModelConfig` (architecture hyper-parameters, named as in HF's config.json), the `Transformer`
 (Llama 3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM3, Gemma 3 and Qwen3.5: RMSNorm, RoPE (off in SmolLM3's
 NoPE layers, a local base in Gemma 3's sliding ones), grouped-query attention through SDPA, SwiGLU
-MLP) and a static `KVCache`. With `num_labels`, the same decoder is a *ForSequenceClassification
+MLP) and its `KVCache`. With `num_labels`, the same decoder is a *ForSequenceClassification
 model: a `score` head replaces the LM head.
 
 Leaves out: Hugging Face checkpoints (checkpoint/: config.json, safetensors, tensor names), the
@@ -18,8 +18,9 @@ wraps its blocks from outside; `hidden_states` only leaves them a place to gathe
 Choices:
 - Parameter names mirror HF's (`layers.0.self_attn.q_proj.weight`, ...) so a checkpoint's names are
   ours with a `model.` prefix, and what we save is what transformers and vLLM expect.
-- One attention function for everything: training (no cache), prefill and decode (its branches
-  are the cache's own `attend` hook, static shapes, a growing cache and the GQA fold). Positions
+- One attention path: without a cache (training) `sdpa` over the T tokens; with one, the cache's
+  `attend`, which writes the new keys its way and attends its way (`KVCache`: a slice write, then
+  `sdpa` over the filled slots; fast/ has a static-shape cache and a shared-prefix one). Positions
   (for RoPE) are explicit per row, and keys are masked with an explicit boolean mask
   `key_valid & causal`, so left-padded prompts of different lengths batch together and a query
   shorter than the keys (decode against a cache) is aligned correctly. SDPA's `is_causal` aligns the
@@ -192,16 +193,35 @@ def apply_rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
+def sdpa(q, k, v, mask, scale=None):
+    """Grouped-query attention: q [B,H,T,D] over keys k, v [B,Hkv,S,D] -> [B,T,H*D]. mask
+    [B,1,T,S] (bool or additive), or None: causal over T == S tokens."""
+    B, H, T, D = q.shape
+    n_kv = k.shape[1]
+    if T == 1 and mask is not None and n_kv != H:
+        # one-token decode step: fold each kv head's query heads into the query axis
+        # ([B,H,1,D] -> [B,Hkv,H/Hkv,D]) instead of copying the whole cache H/Hkv times
+        q = q.reshape(B, n_kv, -1, D)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return y.reshape(B, T, -1)
+    if n_kv != H:  # grouped-query: each kv head serves H/Hkv query heads
+        k = k.repeat_interleave(H // n_kv, dim=1)
+        v = v.repeat_interleave(H // n_kv, dim=1)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return y.transpose(1, 2).reshape(B, T, -1)
+
+
 class KVCache:
-    """Static key/value buffers for every layer: k[layer], v[layer] are [B, H_kv, max_len,
+    """Preallocated key/value buffers for every layer: k[layer], v[layer] are [B, H_kv, max_len,
     head_dim] (a Qwen3.5 linear-attention layer's are its state instead, whole rather than per
     slot: models/gated_deltanet.py's cache_shapes).
 
-    Written in place at slot indices by `Transformer.forward(..., cache=, cache_start=)`; never
-    reallocated while decoding. `select(rows)` builds a cache holding only (or repeating) some
-    rows, which the sampler uses to copy a prompt's prefill into its G samples and to drop
-    finished rows.
+    `attend` writes a layer's keys in place at their slots (a linear-attention layer writes its
+    state itself); never reallocated while decoding. `select(rows)` builds a cache of only (or
+    repeated) rows: the sampler copies a prompt's prefill into G samples, drops finished rows.
     """
+
+    static = False  # fast/sampling.py's StaticCache: a tensor start, attends over all max_len slots
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype, device):
         kv = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
@@ -223,11 +243,19 @@ class KVCache:
 
     def select(self, rows: torch.Tensor) -> "KVCache":
         """A new cache whose row i is this cache's row rows[i] (rows may repeat)."""
-        new = object.__new__(KVCache)
+        new = object.__new__(type(self))
         new.k = [k.index_select(0, rows) for k in self.k]
         new.v = [v.index_select(0, rows) for v in self.v]
         new.max_len, new.linear = self.max_len, self.linear
         return new
+
+    def attend(self, q, k, v, mask, scale, layer, start):
+        """Write layer's new keys k, v [B,Hkv,T,D] at slots start..start+T-1, then q [B,H,T,D]
+        attends over every filled slot under mask [B,1,T,start+T] -> [B,T,H*D]."""
+        end = start + k.shape[2]
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return sdpa(q, self.k[layer][:, :, :end], self.v[layer][:, :, :end], mask, scale)
 
 
 class Attention(nn.Module):
@@ -235,11 +263,9 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
@@ -251,7 +277,7 @@ class Attention(nn.Module):
         self.scale = None  # SDPA's default 1/sqrt(head_dim) (Gemma 3 sets its own)
 
     def forward(self, x, cos, sin, mask, cache=None, layer=0, cache_start=0):
-        # x: [B,T,C]; cos/sin: [B,1,T,D]; mask: [B,1,T,S] bool or None (plain causal)
+        # x: [B,T,C]; cos/sin: [B,1,T,D]; mask: [B,1,T,S] bool or additive, None: plain causal
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B,H,T,D]
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B,Hkv,T,D]
@@ -263,37 +289,11 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(q, k, v, mask, cache, layer, cache_start))
 
     def attend(self, q, k, v, mask, cache, layer, cache_start):
-        """q [B,H,T,D], k, v [B,Hkv,T,D] -> [B,T,H*D]: the new keys written into the cache at
-        their slots, then attention over every slot the mask lets each query see."""
-        B, _, T, _ = q.shape
-        if hasattr(cache, "attend"):  # a cache with its own attention (fast/shared_prefix.py)
-            return cache.attend(self, q, k, v, mask, layer, cache_start)
-        if cache is not None and torch.is_tensor(
-            cache_start
-        ):  # static shapes: attend over every slot (masked)
-            slots = cache_start + torch.arange(T, device=q.device)
-            cache.k[layer].index_copy_(2, slots, k.to(cache.k[layer].dtype))
-            cache.v[layer].index_copy_(2, slots, v.to(cache.v[layer].dtype))
-            k, v = cache.k[layer], cache.v[layer]  # [B,Hkv,max_len,D]
-        elif cache is not None:  # write the new keys at their slots, attend over every filled slot
-            end = cache_start + T
-            cache.k[layer][:, :, cache_start:end] = k
-            cache.v[layer][:, :, cache_start:end] = v
-            k, v = cache.k[layer][:, :, :end], cache.v[layer][:, :, :end]  # [B,Hkv,S,D]
-        if T == 1 and mask is not None and self.n_kv != self.n_heads:
-            # one-token decode step: fold each kv head's query heads into the query axis
-            # ([B,H,1,D] -> [B,Hkv,H/Hkv,D]) instead of copying the whole cache H/Hkv times
-            y = F.scaled_dot_product_attention(
-                q.reshape(B, self.n_kv, -1, self.head_dim), k, v, attn_mask=mask, scale=self.scale
-            )
-            return y.reshape(B, T, -1)
-        if self.n_kv != self.n_heads:  # grouped-query: each kv head serves n_heads/n_kv query heads
-            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale
-        )
-        return y.transpose(1, 2).reshape(B, T, -1)
+        """q [B,H,T,D], k, v [B,Hkv,T,D] -> [B,T,H*D]: attention over these T tokens, or the
+        cache's own (it writes the new keys at slots cache_start.. and attends over its slots)."""
+        if cache is None:
+            return sdpa(q, k, v, mask, self.scale)
+        return cache.attend(q, k, v, mask, self.scale, layer, cache_start)
 
 
 class MLP(nn.Module):
@@ -418,33 +418,28 @@ class Transformer(nn.Module):
         [B, cache_start+T] with one (0 = padding). positions [B,T] for RoPE; by default the
         count of real tokens before each one (left-padding aware) or cache_start + arange(T).
         cache/cache_start: write this chunk's keys at slots cache_start.. and attend to all
-        slots. A tensor cache_start (a compiled decode step: shapes never change) attends over
-        all cache.max_len slots, so attention_mask is then [B, cache.max_len].
+        slots. A static cache (a compiled decode step: shapes never change) takes a tensor
+        cache_start and attends over all its slots: attention_mask is [B, cache.max_len].
         """
         return self._trunk(input_ids, attention_mask, positions, cache, cache_start)
 
     def _trunk(self, input_ids, attention_mask, positions, cache, cache_start):
         # (forward and hidden_states both call this, so FSDP hooks on either never nest)
         B, T = input_ids.shape
-        if positions is None:
-            if attention_mask is not None and cache is None:
-                positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            else:
-                positions = torch.arange(
-                    cache_start, cache_start + T, device=input_ids.device
-                ).expand(B, T)
-        if (
-            cache is not None
-            and not torch.is_tensor(cache_start)
-            and cache_start + T > cache.max_len
-        ):
+        if positions is None and attention_mask is not None and cache is None:
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        elif positions is None:
+            slots = torch.arange(cache_start, cache_start + T, device=input_ids.device)  # [T]
+            positions = slots.expand(B, T)
+        static = cache is not None and cache.static  # cache_start is then a tensor
+        if cache is not None and not static and cache_start + T > cache.max_len:
             raise ValueError(
                 f"KV cache of {cache.max_len} slots is too small for {cache_start + T} tokens"
             )
         mask = window = None
         # [B,T]: which of these T tokens are real (None: all, or unknown in a compiled step)
         valid = None
-        if attention_mask is not None and not torch.is_tensor(cache_start) and T > 1:
+        if attention_mask is not None and not static and T > 1:
             valid = attention_mask[:, -T:].bool()
         if attention_mask is not None or cache is not None or any(self.sliding):
             if attention_mask is None:
@@ -470,17 +465,13 @@ class Transformer(nn.Module):
         cos_sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         if self.local_inv_freq is not None:
             local = rope_cos_sin(self.local_inv_freq, positions, x.dtype)
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.layers):
             cos, sin = (
                 (local if self.sliding[i] else cos_sin) if self.rope_layers[i] else (None, None)
             )
             mask_i = valid if self.linear[i] else window if self.sliding[i] else mask
-            if (
-                self.gradient_checkpointing
-                and self.training
-                and torch.is_grad_enabled()
-                and cache is None
-            ):
+            if checkpointing and cache is None:
                 x = torch.utils.checkpoint.checkpoint(
                     block, x, cos, sin, mask_i, use_reentrant=False
                 )

@@ -635,6 +635,36 @@ def test_compiled_decode_equals_eager_and_never_recompiles(monkeypatch, family):
     assert not want.truncated.all() and want.truncated.any()  # some rows stop, some run on masked
 
 
+@pytest.mark.parametrize(
+    "family", [{}, {"num_key_value_heads": 4}, {"num_key_value_heads": 1}, GEMMA3, QWEN3_5]
+)
+def test_static_cache_decodes_as_the_kv_cache(family):
+    """The compiled step's StaticCache, run eagerly (written at a tensor slot, attending over all
+    its slots under the key mask), gives the logits of the course's KVCache up to float64's
+    rounding (SDPA adds over more slots, in another order: 2e-16 apart on Gemma 3)."""
+    model = Transformer(tiny_config(**family)).double()
+    ids, valid = left_pad([[5, 17, 90, 31], [44, 8]])  # [2,L]
+    L, C, S = ids.shape[1], 3, 16  # S: the static cache's slots, the slack hidden by the key mask
+    steps = torch.tensor([[7, 9, 11], [30, 12, 13]])  # [2,C] one decode token a step
+    positions = (valid.cumsum(1) - 1).clamp(min=0)
+    slack = torch.zeros(2, S - L - C, dtype=torch.bool)
+    key_valid = torch.cat([valid, torch.ones(2, C, dtype=torch.bool), slack], 1)  # [2,S]
+    with torch.no_grad():
+        cache = model.new_cache(2, L + C)
+        model(ids, attention_mask=valid, positions=positions, cache=cache)
+        static = fast_sampling._decode_cache(model, cache, torch.arange(2), S)
+        assert type(static) is fast_sampling.StaticCache
+        for t in range(C):
+            tok, pos = steps[:, t : t + 1], positions[:, -1:] + 1 + t
+            mask = key_valid[:, : L + t + 1]
+            want = model(tok, attention_mask=mask, positions=pos, cache=cache, cache_start=L + t)
+            slot = torch.tensor(L + t)
+            got = model(
+                tok, attention_mask=key_valid, positions=pos, cache=static, cache_start=slot
+            )
+            assert torch.allclose(got, want, rtol=0, atol=1e-13)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(
     "family",

@@ -9,9 +9,9 @@
   (docs/results.md has the figures). Suppressed tokens (suppress_tokens, min_new_tokens) reach
   both draws as -inf logits: the decode loop sets them before either runs.
 - `StaticDecoder`: the decode step as one torch.compile'd graph of fixed shapes: L + C cache
-  slots rounded up to a multiple of 128 (kept on the model between rounds), finished rows masked
-  rather than compacted, stops checked every 8 steps. Rounds whose prompt lengths share a bucket
-  never recompile; on CUDA the step replays as a CUDA graph.
+  slots rounded up to a multiple of 128 (a `StaticCache`, kept on the model between rounds),
+  finished rows masked rather than compacted, stops checked every 8 steps. Rounds whose prompt
+  lengths share a bucket never recompile; on CUDA the step replays as a CUDA graph.
 
 Does not know about: tokenization, rewards, losses, or processes: only a decode step's tensors.
 """
@@ -22,6 +22,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from nanogrpo.model import KVCache, sdpa
 from nanogrpo.sampler import (
     Decoder,
     apply_temperature,
@@ -182,15 +183,30 @@ def _decode_step(model, tok, positions, key_valid, slot, cache, vocab_size, chun
     return lm_logits(model, h[:, 0], vocab_size, chunk)
 
 
+class StaticCache(KVCache):
+    """The compiled step's KVCache: written at a tensor slot (index_copy_, nothing read on the
+    host), attended over all max_len slots (the key mask hides the unwritten ones), so every
+    step has the same shapes."""
+
+    static = True  # (model._trunk: a tensor cache_start; GatedDeltaNet: its state copied in place)
+
+    def attend(self, q, k, v, mask, scale, layer, start):
+        """KVCache.attend with start a tensor and mask [B,1,T,max_len]."""
+        slots = start + torch.arange(k.shape[2], device=q.device)
+        self.k[layer].index_copy_(2, slots, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(2, slots, v.to(self.v[layer].dtype))
+        return sdpa(q, self.k[layer], self.v[layer], mask, scale)  # over [B,Hkv,max_len,D]
+
+
 _COMPILED = {}  # compile mode -> the compiled _decode_step
 # model -> its compiled step's KV cache, reused across rounds
 _DECODE_CACHES = weakref.WeakKeyDictionary()
 
 
 def _decode_cache(model, prefill, src, S):
-    """The [N, S]-slot cache of the compiled step, holding prompt src[i]'s prefill in row i. Kept
-    on the model between rounds of the same shape, so its buffers keep their addresses (what
-    CUDA graphs need).
+    """The [N, S]-slot StaticCache of the compiled step, holding prompt src[i]'s prefill in row
+    i. Kept on the model between rounds of the same shape, so its buffers keep their addresses
+    (what CUDA graphs need).
     """
     cache = _DECODE_CACHES.get(model)
     w = model.embed_tokens.weight
@@ -201,7 +217,8 @@ def _decode_cache(model, prefill, src, S):
         or cache.k[0].dtype != prefill.k[0].dtype  # the keys' dtype (autocast's, FSDP2's)
         or cache.k[0].device != w.device
     ):
-        cache = _DECODE_CACHES[model] = model.new_cache(len(src), S)
+        dtype = prefill.k[0].dtype  # model.new_cache's, as the prefill's
+        cache = _DECODE_CACHES[model] = StaticCache(model.config, len(src), S, dtype, w.device)
         if w.device.type == "cuda":
             for buf in cache.k + cache.v:
                 torch._dynamo.mark_static_address(buf)

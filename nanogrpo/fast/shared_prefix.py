@@ -2,8 +2,8 @@
 
 Owns: `SharedPrefixDecoder` (sampler.Decoder's methods: its decode cache keeps the P prompts'
 prefill as it is instead of copying it into the G rows of each prompt) and `SharedPrefixCache`
-(that cache, and the one-token attention over it: `attend`, which model.Attention calls when a
-cache has one).
+(that cache, and the one-token attention over it: its `attend`, which model.Attention calls as
+it calls every cache's).
 
 Does not know about: rewards, losses, files, or more than one process.
 
@@ -33,6 +33,8 @@ class SharedPrefixCache:
     prompt `src` [n] and its slot among its prompt's rows `pos` [n], and the rows' own
     keys/values [n,Hkv,C,D]. `select(rows)` keeps (or drops) rows, as KVCache's does."""
 
+    static = False  # written at an int slot (model.KVCache.static)
+
     def __init__(self, prefill, src, G, C, L):
         self.prompt_k = [k[:, :, :L] for k in prefill.k]  # (the prefill's first L slots)
         self.prompt_v = [v[:, :, :L] for v in prefill.v]
@@ -57,10 +59,10 @@ class SharedPrefixCache:
         new.v = [v.index_select(0, rows) for v in self.v]
         return new
 
-    def attend(self, attention, q, k, v, mask, layer, slot):
-        """One decode step's attention. q [n,H,1,D]; k, v [n,Hkv,1,D] (written at the row's own
-        slot - L); mask [n,1,1,slot+1] additive or bool (the prompt's padding, then the row's
-        tokens). -> [n,1,H*D]."""
+    def attend(self, q, k, v, mask, scale, layer, slot):
+        """One decode step's attention (model.KVCache.attend's). q [n,H,1,D]; k, v [n,Hkv,1,D]
+        (written at the row's own slot - L); mask [n,1,1,slot+1] additive or bool (the prompt's
+        padding, then the row's tokens); scale None: 1/sqrt(D). -> [n,1,H*D]."""
         n, H, _, D = q.shape
         t = slot - self.L  # this token's own slot
         self.k[layer][:, :, t] = k[:, :, 0]
@@ -71,7 +73,7 @@ class SharedPrefixCache:
         if mask.dtype == torch.bool:
             mask = torch.where(mask, 0.0, -torch.inf).to(q.dtype)
         mask = mask[:, 0]  # [n,1,S]
-        scale = attention.scale if attention.scale is not None else D**-0.5
+        scale = scale if scale is not None else D**-0.5
         # the prompt part: a group's rows as one matmul against their prompt's keys
         grouped = q.new_zeros(self.P, self.G, Hkv, H // Hkv, D)
         grouped[self.src, self.pos] = q

@@ -161,10 +161,10 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.d_v, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, C, bias=False)
 
-    def forward(self, x, valid=None, cache=None, layer=0, cache_start=0):
+    def forward(self, x, valid=None, cache=None, layer=0):
         # x [B,T,C]; valid [B,T] (False on padding) or None. With a cache, start from layer's
-        # state there and leave the new one (in place when cache_start is a tensor: a compiled
-        # step's buffers keep their addresses).
+        # state there and leave the new one (in place in a static cache: a compiled step's
+        # buffers keep their addresses).
         B, T, _ = x.shape
         if valid is not None:
             x = x * valid[..., None].to(x.dtype)
@@ -194,7 +194,7 @@ class GatedDeltaNet(nn.Module):
         out, state = rule(q, k, v, g, beta, state.to(wide))
         if cache is not None:
             seen = window[:, :, window.shape[-1] - (K - 1) :]
-            if torch.is_tensor(cache_start):
+            if cache.static:
                 cache.k[layer].copy_(seen)
                 cache.v[layer].copy_(state)
             else:  # (not in place: the old state may be saved for backward)

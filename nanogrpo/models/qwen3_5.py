@@ -85,7 +85,7 @@ class Qwen3_5Block(nn.Module):
     def forward(self, x, cos, sin, mask, cache=None, layer=0, cache_start=0):
         h = self.input_layernorm(x)
         if hasattr(self, "linear_attn"):
-            x = x + self.linear_attn(h, mask, cache, layer, cache_start)
+            x = x + self.linear_attn(h, mask, cache, layer)
         else:
             x = x + self.self_attn(h, cos, sin, mask, cache, layer, cache_start)
         return x + self.mlp(self.post_attention_layernorm(x))
