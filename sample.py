@@ -127,7 +127,9 @@ def main(argv=None):
     sampler.on_decode_step = progress  # called after each decode step
     try:
         with torch.no_grad():
-            out = generate(model, [prompt_ids], settings, args.num_samples, generator)
+            out = generate(
+                model, [prompt_ids], settings, num_samples=args.num_samples, generator=generator
+            )
     finally:
         sampler.on_decode_step = None
     if progress is not None:

@@ -569,7 +569,7 @@ def bench_large_vocab(args, device, dtype):
                         sample_token=sample_next_token_fast,
                         decoder=SharedPrefixDecoder,
                     )
-                    outs[logits_fn] = generate(model, [prompt], settings, 4, seeds=[0])
+                    outs[logits_fn] = generate(model, [prompt], settings, num_samples=4, seeds=[0])
                 finally:
                     sampler.lm_logits = lm_logits
                 cpu[logits_fn].append(time.process_time() - c0)
