@@ -4,9 +4,9 @@ Owns: `sampling_of` (a TrainConfig's sampler settings, as the
 `sampler.Sampling` that generate takes), `generation_settings`
 (generation_kwargs -> those settings' fields, with the keys TRL's backends
 read that nanogrpo refuses and why), and what `generate` does with three
-of them, handed in as Sampling's `processors` (`processors`): `banned_tokens` (suppress_tokens, and
-the stop ids before min_new_tokens) and `StopStrings` (stop_strings,
-vLLM's `stop`).
+of them, handed in as Sampling's `processors` (`processors`):
+`banned_tokens` (suppress_tokens, and the stop ids before min_new_tokens)
+and `StopStrings` (stop_strings, vLLM's `stop`).
 
 Does not know about: models, tokenization (stop strings are matched on
 the text of the `decode` callable the caller passes), rewards, losses,
@@ -153,9 +153,10 @@ def processors(suppress_tokens=(), min_new_tokens=0, stop_strings=(), decode=Non
 # -----------------------------------------------------------------------------
 # TRL's generation_kwargs
 
-# generation_kwargs keys -> a Sampling field or processors' argument: transformers' GenerationConfig
-# names (TRL's transformers backend), and vLLM's `stop` for stop_strings (with
-# either backend the token ids TRL trains on keep the stop string)
+# generation_kwargs keys -> a Sampling field or processors' argument:
+# transformers' GenerationConfig names (TRL's transformers backend), and
+# vLLM's `stop` for stop_strings (with either backend the token ids TRL
+# trains on keep the stop string)
 GENERATION_KWARGS = {
     "temperature": "temperature",
     "top_k": "top_k",
