@@ -19,13 +19,14 @@ import sys
 import torch
 
 import nanogrpo.extras.lora  # noqa: F401 (registers LoRA with the loader: an adapter dir loads)
+from nanogrpo import sampler
 from nanogrpo.checkpoint import load_model
 from nanogrpo.extras.reward_funcs import resolve_reward_funcs
 from nanogrpo.fast.sampling import sample_next_token_fast
 from nanogrpo.grpo import total_reward
 from nanogrpo.rewards import RewardError, score_completions
 from nanogrpo.run.report import open_sampling_progress
-from nanogrpo.sampler import generate
+from nanogrpo.sampler import Sampling, generate
 from nanogrpo.tokenizer import Tokenizer
 
 
@@ -111,25 +112,27 @@ def main(argv=None):
         )
     max_new_tokens = min(args.max_new_tokens, room)
     generator = torch.Generator(args.device).manual_seed(args.seed)
+    settings = Sampling(
+        max_new_tokens=max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        stop_ids=tok.eos_token_ids,
+        pad_id=tok.pad_token_id,
+        vocab_size=tok.vocab_size,
+        sample_token=sample_next_token_fast,
+    )
     progress = open_sampling_progress()  # a status line on a terminal, else None
-    with torch.no_grad():
-        out = generate(
-            model,
-            [prompt_ids],
-            num_samples=args.num_samples,
-            max_new_tokens=max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            stop_ids=tok.eos_token_ids,
-            pad_id=tok.pad_token_id,
-            generator=generator,
-            vocab_size=tok.vocab_size,
-            sample_token=sample_next_token_fast,
-            progress=progress,
-        )
+    sampler.on_decode_step = progress  # called after each decode step
+    try:
+        with torch.no_grad():
+            out = generate(
+                model, [prompt_ids], settings, num_samples=args.num_samples, generator=generator
+            )
+    finally:
+        sampler.on_decode_step = None
     if progress is not None:
         progress.clear()
     ids, texts = tok.decode_completions(out.completion_ids, out.completion_mask)

@@ -84,10 +84,13 @@ def sample(t: Trainer, rows: list[dict], copies: int, generator) -> Rollout:
     (nanogrpo/extras/custom_rollout.py)."""
     if t.rollout_func is not None:
         return custom_rollout(t, rows, copies, generator)
+    cfg = t.cfg
     episodes = None if t.environments is None else t.environments.start(rows, copies)
     how = dict(settings=t.sampling, generator=generator, turns=t.turns, episodes=episodes)
+    how["encode"] = dict(max_length=cfg.max_prompt_length, **(cfg.chat_template_kwargs or {}))
+    how["mask_truncated_completions"] = cfg.mask_truncated_completions
     with t.autocast:
-        return rollout(t.model, t.tok, rows, t.cfg, num_generations=copies, **how)
+        return rollout(t.model, t.tok, rows, num_generations=copies, **how)
 
 
 def reward_rollout(ro: Rollout, reward_funcs, t=None, logs=None) -> torch.Tensor:

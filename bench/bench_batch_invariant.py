@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 from nanogrpo import fast  # noqa: E402
 from nanogrpo.checkpoint import load_model  # noqa: E402
 from nanogrpo.rollout import join_prompt_completion  # noqa: E402
-from nanogrpo.sampler import generate  # noqa: E402
+from nanogrpo.sampler import Sampling, generate  # noqa: E402
 from nanogrpo.trainer import Kernels  # noqa: E402
 
 PROMPT = [1, 504, 3756, 28, 1030, 1848, 3121, 314, 260, 3500, 2079, 30, 2]  # any ids
@@ -46,11 +46,11 @@ def one_pass(model, kernels, autocast, P, G, new, seed):
     with kernels.within(autocast):
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = generate(
-                model, prompts(P, V), num_samples=G, max_new_tokens=new, temperature=1.0,
-                seeds=[seed + i for i in range(P)], sample_token=kernels.sample_token,
-                decoder=kernels.decoder,
-            )  # fmt: skip
+            how = Sampling(
+                max_new_tokens=new, sample_token=kernels.sample_token, decoder=kernels.decoder
+            )
+            seeds = [seed + i for i in range(P)]
+            out = generate(model, prompts(P, V), how, num_samples=G, seeds=seeds)
         t1 = time.perf_counter()
         ids, mask = join_prompt_completion(prompts(P, V), out.completion_ids, 0, G)
         cmask = out.completion_mask

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanogrpo.extras import lora  # noqa: E402
 from nanogrpo.model import ModelConfig, Transformer  # noqa: E402
-from nanogrpo.sampler import generate  # noqa: E402
+from nanogrpo.sampler import Sampling, generate  # noqa: E402
 
 SHAPES = {
     "bench47m": dict(
@@ -106,17 +106,9 @@ def bench_sample(shape, device, runs):
     prompts = torch.randint(0, V - 1, (2, 64), generator=torch.Generator().manual_seed(0)).tolist()
 
     def gen(m):
-        generate(
-            m,
-            prompts,
-            num_samples=8,
-            max_new_tokens=32,
-            temperature=1.0,
-            stop_ids={V - 1},
-            pad_id=0,
-            generator=torch.Generator(device).manual_seed(0),
-            vocab_size=V - 1,
-        )
+        settings = Sampling(max_new_tokens=32, stop_ids={V - 1}, vocab_size=V - 1)
+        gen = torch.Generator(device).manual_seed(0)
+        generate(m, prompts, settings, num_samples=8, generator=gen)
 
     def merged():
         merge_(model, +1)

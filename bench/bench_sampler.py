@@ -54,6 +54,7 @@ from nanogrpo.fast.sampling import (
 from nanogrpo.fast.shared_prefix import SharedPrefixCache, SharedPrefixDecoder  # noqa: E402
 from nanogrpo.model import ModelConfig, Transformer, lm_head_linear  # noqa: E402
 from nanogrpo.sampler import (  # noqa: E402
+    Sampling,
     apply_top_p,
     generate,
     lm_logits,
@@ -125,21 +126,22 @@ def timed(fns, device, runs):
     return [statistics.median(ts) for ts in times], warm
 
 
-def generate_new(model, prompts, G, top_p, new=NEW, sample_token=sample_next_token_fast, **kwargs):
+def generate_new(
+    model, prompts, G, top_p, new=NEW, sample_token=sample_next_token_fast, seeds=None, **fields
+):
     """nanogrpo's generate with the training draw, exactly `new` tokens a row at temperature 1: the
-    stop id (the last id) is cut from the vocabulary, so it never fires."""
+    stop id (the last id) is cut from the vocabulary, so it never fires. fields: more of
+    Sampling's (decoder)."""
     V = model.config.vocab_size
-    return generate(
-        model,
-        prompts,
-        num_samples=G,
+    settings = Sampling(
         max_new_tokens=new,
         top_p=top_p,
         stop_ids=[V - 1],
         vocab_size=V - 1,
         sample_token=sample_token,
-        **kwargs,
+        **fields,
     )
+    return generate(model, prompts, settings, num_samples=G, seeds=seeds)
 
 
 def matmul_limit(model, batch, device, head_chunk=2048, reps=10):
@@ -559,18 +561,15 @@ def bench_large_vocab(args, device, dtype):
                 sampler.lm_logits = logits_fn  # what Decoder.step and prefill call
                 c0 = time.process_time()
                 try:
-                    outs[logits_fn] = generate(
-                        model,
-                        [prompt],
-                        num_samples=4,
+                    settings = Sampling(
                         max_new_tokens=12,
                         stop_ids=tok.eos_token_ids,
                         pad_id=tok.pad_token_id,
                         vocab_size=tok.vocab_size,
-                        seeds=[0],
                         sample_token=sample_next_token_fast,
                         decoder=SharedPrefixDecoder,
                     )
+                    outs[logits_fn] = generate(model, [prompt], settings, num_samples=4, seeds=[0])
                 finally:
                     sampler.lm_logits = lm_logits
                 cpu[logits_fn].append(time.process_time() - c0)

@@ -70,11 +70,15 @@ def tiny_settings() -> tuple[list[str], int]:
     return [f"--{k}={getattr(cfg, k)}" for k in SHARED], cfg.max_steps
 
 
-def plain_generate(model, prompt_ids, num_samples, max_new_tokens, stop_ids, pad_id, **unused):
-    """Reference sampler: every row prefilled separately, one multinomial draw per row and step."""
+def plain_generate(model, prompt_ids, settings, num_samples=1, generator=None, seeds=None):
+    """Reference sampler: every row prefilled separately, one multinomial draw per row and step
+    (of the settings it reads max_new_tokens, stop_ids and pad_id)."""
     import torch
 
     from nanogrpo.sampler import Generation
+
+    max_new_tokens = settings.max_new_tokens
+    stop_ids, pad_id = settings.stop_ids, settings.pad_id
 
     x = torch.tensor(
         [p for p in prompt_ids for _ in range(num_samples)]

@@ -25,7 +25,7 @@ import tool_calculator as task  # noqa: E402
 
 from nanogrpo.checkpoint import load_model  # noqa: E402
 from nanogrpo.extras.tools import tool_suffix_ids  # noqa: E402
-from nanogrpo.sampler import generate  # noqa: E402
+from nanogrpo.sampler import Sampling, generate  # noqa: E402
 from nanogrpo.tokenizer import Tokenizer  # noqa: E402
 
 
@@ -58,7 +58,7 @@ def main():
         for name, new in (("round", args.new), ("prefill", 1)):
             t = time.perf_counter()
             generate(
-                model, contexts, max_new_tokens=new, stop_ids=(), seeds=list(range(len(contexts)))
+                model, contexts, Sampling(max_new_tokens=new), seeds=list(range(len(contexts)))
             )
             times[name].append(time.perf_counter() - t)
     rnd, pre = statistics.median(times["round"]), statistics.median(times["prefill"])

@@ -38,10 +38,10 @@ def main(argv=None):
     from nanogrpo.extras.custom_rollout import resolve_rollout_func
     from nanogrpo.extras.datasets import load_dataset
     from nanogrpo.extras.environments import Environments
-    from nanogrpo.extras.generation_kwargs import sampling_kwargs
+    from nanogrpo.extras.generation_kwargs import sampling_of
     from nanogrpo.extras.loss_terms import loss_settings
     from nanogrpo.extras.reward_funcs import resolve_reward_funcs
-    from nanogrpo.extras.tool_rounds import ToolTurns
+    from nanogrpo.extras.tool_rounds import ToolTurns, tool_rules
     from nanogrpo.extras.tools import resolve_tools
     from nanogrpo.run.configurator import load_config
     from nanogrpo.tokenizer import Tokenizer
@@ -67,7 +67,7 @@ def main(argv=None):
     weights = cfg.reward_weights or [1.0] * len(funcs)
     envs = None  # an environment config evaluates in its environments, with their rewards
     if cfg.environment_factory is not None:
-        envs = Environments(cfg.environment_factory, tools)
+        envs = Environments(cfg.environment_factory, tools, tool_rules(cfg))
         funcs += envs.reward_funcs()
         weights = weights + [1.0] * len(envs.reward_funcs())
     rows = load_dataset(
@@ -86,8 +86,8 @@ def main(argv=None):
         eval_rows=rows,
         reward_funcs=funcs,
         reward_weights=torch.tensor(weights),
-        turns=ToolTurns(tools) if tools else None,
-        sampling=sampling_kwargs(cfg, tok, train.kernels(cfg)),
+        turns=ToolTurns(tools, rules=tool_rules(cfg)) if tools else None,
+        sampling=sampling_of(cfg, tok, train.kernels(cfg)),
         environments=envs,
         rollout_func=resolve_rollout_func(cfg.rollout_func),
         autocast=dist.autocast(info, cfg.use_bf16(info.device)),

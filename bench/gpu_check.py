@@ -55,6 +55,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -70,7 +71,7 @@ from nanogrpo.checkpoint import load_model, save_model  # noqa: E402
 from nanogrpo.fast import sampling as fast_sampling  # noqa: E402
 from nanogrpo.fast.shared_prefix import SharedPrefixDecoder  # noqa: E402
 from nanogrpo.model import ModelConfig, Transformer  # noqa: E402
-from nanogrpo.sampler import generate  # noqa: E402
+from nanogrpo.sampler import Sampling, generate  # noqa: E402
 
 TIE = 1e-3  # top-2 logits closer than this may be picked either way by fp32 rounding
 BF16_REL = 0.1  # bf16 autocast logits against fp32, max |diff| / max |logit| (CPU: <= 6.2e-2)
@@ -252,12 +253,14 @@ def part_sampling(c: Check) -> dict:
     V = cpu.config.vocab_size
     new = 8 if c.quick else 32
     prompts = torch.randint(0, V, (4, 16 if c.quick else 64)).tolist()
-    args = dict(num_samples=4, max_new_tokens=new, seeds=[1, 2, 3, 4], stop_ids=[V - 1])
+    call = dict(num_samples=4, seeds=[1, 2, 3, 4])
+    base = Sampling(
+        max_new_tokens=new, stop_ids=[V - 1], sample_token=fast_sampling.sample_next_token_fast
+    )
     out, ok = {}, True
     for name, kw in (("greedy", dict(temperature=0.0)), ("sampled", dict(top_p=0.95))):
-        kw = dict(args, sample_token=fast_sampling.sample_next_token_fast, **kw)
-        a = generate(cpu, prompts, **kw)
-        b = generate(dev, prompts, **kw)
+        a = generate(cpu, prompts, replace(base, **kw), **call)
+        b = generate(dev, prompts, replace(base, **kw), **call)
         b_ids, b_logps = b.completion_ids.cpu(), b.logprobs.cpu()
         equal_rows, ties, breaks, worst = 0, 0, 0, 0.0
         for i in range(len(a.completion_ids)):
@@ -290,8 +293,8 @@ def part_sampling(c: Check) -> dict:
         c.log(f"  {name}: {row}")
     # each decoder on the device against the CPU's sampled rows, before a row's first divergence:
     # the plain step, the shared-prompt step (training's eager default), the compiled step
-    kw = dict(args, top_p=0.95, sample_token=fast_sampling.sample_next_token_fast)
-    reference = generate(cpu, prompts, **kw)
+    sampled = replace(base, top_p=0.95)
+    reference = generate(cpu, prompts, sampled, **call)
     for dtype in ("float32", "bfloat16"):
         ctx = (
             torch.autocast(c.device.type, dtype=torch.bfloat16)
@@ -305,7 +308,7 @@ def part_sampling(c: Check) -> dict:
         ):
             t = time.perf_counter()
             with ctx:
-                got = generate(dev, prompts, decoder=decoder, **kw)
+                got = generate(dev, prompts, replace(sampled, decoder=decoder), **call)
             row = agreement(reference, got)
             row["first_call_s"] = round(time.perf_counter() - t, 1)
             # fp32: rounding only (logits up to ~30); bf16: 8 bits, rows drift apart

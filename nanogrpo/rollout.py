@@ -2,14 +2,14 @@
 
 Owns: the `Rollout` record (one generation round of one rank: every field the rest of the round
 reads, by name) and `rollout(...)`, which encodes the prompts, samples with `sampler.generate`
-(with the `settings` it is given), decodes, and joins prompt and completion into the [n, P+C]
-rows the log-prob pass scores.
+(with the sampler.Sampling `settings` it is given), decodes, and joins prompt and completion into
+the [n, P+C] rows the log-prob pass scores.
 
 Does not know about: rewards, advantages or losses (train.py fills the `advantages`,
 `old_logps`, `ref_logps`, `trainer_logps` and `num_items` fields), optimizers, or files.
 
 Left out, and where it lives: the config's sampler settings and generation_kwargs
-(nanogrpo/extras/generation_kwargs.py's sampling_kwargs, taken as `settings`), the tool rounds of
+(nanogrpo/extras/generation_kwargs.py's sampling_of, taken as `settings`), the tool rounds of
 completions that call tools (nanogrpo/extras/tool_rounds.py's ToolTurns, taken as `turns`),
 environments (nanogrpo/extras/environments.py: an `Episodes` record gives each completion its
 prompt and turns, taken as `episodes`), a config's rollout_func in place of all of this
@@ -43,7 +43,7 @@ import torch
 
 from nanogrpo import distributed as dist
 from nanogrpo.model import eval_mode
-from nanogrpo.sampler import generate
+from nanogrpo.sampler import Sampling, generate
 
 
 @dataclass(kw_only=True)
@@ -125,24 +125,20 @@ def join_prompt_completion(
     return torch.cat([ids, completion_ids], 1), torch.cat([mask, ones], 1)
 
 
-def trained_mask(model_mask, truncated, cfg) -> torch.Tensor:
+def trained_mask(model_mask, truncated, mask_truncated_completions: bool) -> torch.Tensor:
     """The completion mask the loss trains on [n,C] float: the model's tokens, none of a truncated
     row with mask_truncated_completions (TRL's rule)."""
     mask = model_mask.float()
-    if cfg.mask_truncated_completions:
+    if mask_truncated_completions:
         mask = mask * (~truncated).float()[:, None]
     return mask
 
 
-def encode_prompts(tok, prompts: list, schemas: list, G: int, cfg) -> tuple[list, int]:
+def encode_prompts(tok, prompts: list, schemas: list, G: int, encode: dict) -> tuple[list, int]:
     """Token ids of the prompts of n = groups x G completions (prompts[r], rendered with the tool
-    schemas schemas[r]): each group's once when its G completions share prompt and tools (the
-    sampler prefills it once for all G), else each completion's own.
-    -> (the ids, completions per entry: G or 1)."""
-    encode = dict(
-        max_length=getattr(cfg, "max_prompt_length", None),
-        **(getattr(cfg, "chat_template_kwargs", None) or {}),
-    )
+    schemas schemas[r] and tok.encode_prompt's keyword arguments `encode`): each group's once when
+    its G completions share prompt and tools (the sampler prefills it once for all G), else each
+    completion's own. -> (the ids, completions per entry: G or 1)."""
     shared = all(
         prompts[i + j] == prompts[i] and schemas[i + j] == schemas[i]
         for i in range(0, len(prompts), G)
@@ -160,17 +156,20 @@ def rollout(
     model,
     tok,
     rows: list[dict],
-    cfg,
     *,
     num_generations: int,
-    settings: dict,
+    settings: Sampling,
+    encode: dict | None = None,
+    mask_truncated_completions: bool = False,
     generator=None,
     turns=None,
     episodes=None,
 ) -> Rollout:
-    """Sample `num_generations` completions for each row's prompt with `settings`, generate's
-    keyword arguments (extras/generation_kwargs.py's sampling_kwargs(cfg, tok, kernels)) -> a
-    Rollout (advantages and log-probs not yet filled in). turns: None, or the tool rounds
+    """Sample `num_generations` completions for each row's prompt as `settings` say
+    (extras/generation_kwargs.py's sampling_of(cfg, tok, kernels)) -> a Rollout (advantages and
+    log-probs not yet filled in). encode: tok.encode_prompt's keyword arguments (max_length: TRL's
+    max_prompt_length; chat_template_kwargs' variables). mask_truncated_completions: TRL's (a
+    truncated completion trains on no token). turns: None, or the tool rounds
     (extras/tool_rounds.py's ToolTurns: each completion's tools, their schemas, `play`). With
     `episodes` (environments.Episodes, one entry per completion), each completion has the prompt
     and turns given there instead, and the Rollout's extra_fields hold its environment for the
@@ -186,28 +185,19 @@ def rollout(
             "tools need conversational prompts (message lists); this dataset's are plain strings"
         )
     schemas = [None] * len(prompts) if turns is None else turns.schemas_of(len(prompts))
-    prompt_ids, step = encode_prompts(tok, prompts, schemas, G, cfg)
+    prompt_ids, step = encode_prompts(tok, prompts, schemas, G, encode or {})
     with torch.no_grad(), dist.gathered(model), eval_mode(model):
-        out = generate(
-            model,
-            prompt_ids,
-            num_samples=step,
-            stop_ids=tok.eos_token_ids,
-            pad_id=tok.pad_token_id,
-            generator=generator,
-            vocab_size=tok.vocab_size,
-            **settings,
-        )
+        out = generate(model, prompt_ids, settings, num_samples=step, generator=generator)
         token_ids, texts = tok.decode_completions(out.completion_ids, out.completion_mask)
         completions, counts = texts, {}
         if turns is not None:  # rows of different lengths, tool-result tokens masked out
             prompt_of = [prompt_ids[r // step] for r in range(len(token_ids))]
             first = (out, token_ids, texts)  # the sampler's first turn
             more = dict(prompt_of=prompt_of, generator=generator, settings=settings)
-            out, completions, counts = turns.play(model, tok, cfg, first, **more)
+            out, completions, counts = turns.play(model, tok, first, **more)
         elif not isinstance(prompts[0], str):
             completions = [[{"role": "assistant", "content": t}] for t in texts]
-    mask = trained_mask(out.completion_mask, out.truncated, cfg)
+    mask = trained_mask(out.completion_mask, out.truncated, mask_truncated_completions)
     input_ids, attention_mask = join_prompt_completion(
         prompt_ids, out.completion_ids, tok.pad_token_id, step
     )

@@ -1,17 +1,18 @@
 """Batched, KV-cached sampling of G completions per prompt: the rollout half of GRPO.
 
-Owns: `generate`, the logit filters (repetition penalty, temperature, top-k, top-p, min-p: pure
-functions [B,V] -> [B,V], -inf = removed; `suppress` sets banned tokens to -inf), the draw of one
-token (`sample_next_token`), its per-row random numbers (`row_keys`, `uniforms`), and the
-checks of generate's arguments (`check_sampling`, which TrainConfig applies too;
-`check_prompts`). Read `sample_next_token` first: temperature, then the filters in transformers'
-order, then an inverse-CDF draw.
+Owns: `generate` and `Sampling`, its settings (what it draws and how), the logit filters
+(repetition penalty, temperature, top-k, top-p, min-p: pure functions [B,V] -> [B,V], -inf =
+removed; `suppress` sets banned tokens to -inf), the draw of one token (`sample_next_token`), its
+per-row random numbers (`row_keys`, `uniforms`), and the checks of generate's arguments
+(`check_sampling`, which Sampling and TrainConfig apply; `check_prompts`). Read
+`sample_next_token` first: temperature, then the filters in transformers' order, then an
+inverse-CDF draw.
 
 Left out, and where it lives: the same draw without sorting the vocabulary and a compiled
-static-shape decode step (nanogrpo/fast/sampling.py; generate takes them as `sample_token` and
+static-shape decode step (nanogrpo/fast/sampling.py; Sampling takes them as `sample_token` and
 `decoder`, the loop is the same); TRL's generation_kwargs, the tokens suppress_tokens and
 min_new_tokens ban, and stop strings (nanogrpo/extras/generation_kwargs.py, handed in as
-generate's `processors`); the decode step that reads each prompt's keys once per group
+Sampling's `processors`); the decode step that reads each prompt's keys once per group
 (nanogrpo/fast/shared_prefix.py).
 
 Does not know about: tokenization (prompts, stop ids and the pad id come as ints), rewards,
@@ -44,6 +45,7 @@ Choices:
 """
 
 import math
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -316,13 +318,16 @@ class Rows:
         )
 
 
-# generate's `progress` when it is given none: nanogrpo/run/report.py's open_progress sets it (a
-# status line on rank 0 when stdout is a terminal, else None); rollout passes no `progress`
+# After every decode step generate calls on_decode_step(done, total, rows), when it is set: `done`
+# of `total` positions sampled, `rows` rows decoding (no host sync: the row count is a shape).
+# nanogrpo/run/report.py's open_progress sets it (a status line on rank 0 when stdout is a
+# terminal, else None), and sample.py while it samples.
 on_decode_step = None
 
 
 # -----------------------------------------------------------------------------
-# Checks of generate's arguments: one early ValueError naming the argument, its value and the rule
+# What generate draws and how (`Sampling`), and the checks of its arguments: one early ValueError
+# naming the argument, its value and the rule
 
 
 def need(ok, name, value, rule):
@@ -331,7 +336,7 @@ def need(ok, name, value, rule):
 
 
 def check_sampling(temperature, top_k, top_p, min_p, repetition_penalty):
-    """The one rule for the sampling settings (generate, TrainConfig and
+    """The one rule for the sampling settings (Sampling, TrainConfig and
     generation_kwargs' checks call it); ValueError if off."""
     need(temperature >= 0, "temperature", temperature, "must be >= 0 (0 means greedy)")
     need(top_k >= 0, "top_k", top_k, "must be >= 0 (0 means off)")
@@ -339,6 +344,39 @@ def check_sampling(temperature, top_k, top_p, min_p, repetition_penalty):
     need(0 <= min_p <= 1, "min_p", min_p, "must be in [0, 1] (0 means off)")
     penalty = repetition_penalty
     need(penalty > 0, "repetition_penalty", penalty, "must be > 0 (1 means off)")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What `generate` draws and how, checked when made (check_sampling). The defaults draw
+    plainly from the model's whole distribution."""
+
+    max_new_tokens: int = 256  # C: tokens sampled at most per row
+    # temperature 0 is greedy (log-probs of the unfiltered temperature-1 distribution); top_k 0,
+    # top_p 1, min_p 0 and repetition_penalty 1 are off
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    # a row stops at the first of these ids it samples (in its mask); pad_id only fills the padding
+    stop_ids: Collection[int] = ()
+    pad_id: int = 0
+    vocab_size: int | None = None  # the tokenizer's real vocabulary; None: the model's
+    # sample_next_token, or nanogrpo/fast/sampling.py's equal and faster sample_next_token_fast
+    sample_token: Callable = sample_next_token
+    # the decode step's class: None = the eager `Decoder`; fast/sampling.py's StaticDecoder compiles
+    decoder: type | None = None
+    # None, or processors(N, C, stop ids [k], V, device) -> (banned, stop_strings), a call's limits
+    # beyond these fields (extras/generation_kwargs.py's: suppress_tokens, min_new_tokens, stop
+    # strings), each None or: banned.at(t), the bool [V] mask of the tokens step t may not draw (or
+    # None); stop_strings.check(out_ids, rows, t) ends rows, stop_strings.ends [N] where it did
+    processors: Callable | None = None
+
+    def __post_init__(self):
+        check_sampling(
+            self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty
+        )
 
 
 def check_prompts(model, prompt_ids, num_samples, max_new_tokens, vocab_size, seeds):
@@ -363,89 +401,43 @@ def check_prompts(model, prompt_ids, num_samples, max_new_tokens, vocab_size, se
     need(ok, "seeds", seeds, "needs one seed per prompt")
 
 
+# -----------------------------------------------------------------------------
+# Generation
+
+
 @torch.no_grad()  # not inference_mode: the outputs feed autograd (masks)
 def generate(
-    model,
-    prompt_ids,
-    num_samples=1,
-    max_new_tokens=256,
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
-    min_p=0.0,
-    repetition_penalty=1.0,
-    stop_ids=(),
-    pad_id=0,
-    generator=None,
-    vocab_size=None,
-    seeds=None,
-    sample_token=sample_next_token,
-    decoder=None,
-    progress=None,
-    processors=None,
+    model, prompt_ids, settings=Sampling(), num_samples=1, generator=None, seeds=None
 ) -> Generation:
-    """Sample `num_samples` completions of up to `max_new_tokens` tokens
-    for each prompt.
+    """Sample `num_samples` completions of each prompt, drawn as `settings`
+    (a Sampling) say.
 
     prompt_ids: P non-empty lists of token ids. Returns a `Generation` of
     N = P * num_samples rows, prompt i's samples at rows i*G .. i*G+G-1.
-    A row stops at the first id of `stop_ids` it samples (in its mask);
-    pad_id only fills the padding. temperature 0 is greedy (log-probs of
-    the unfiltered temperature-1 distribution); top_k 0, top_p 1, min_p 0
-    and repetition_penalty 1 are off. vocab_size: the tokenizer's real
-    vocabulary (default model.config.vocab_size). seeds: P ints, one per
-    prompt; else drawn from `generator` or torch's RNG.
-    sample_token: sample_next_token or nanogrpo/fast/sampling.py's equal
-    and faster sample_next_token_fast. decoder: a decoder class, None =
-    the eager `Decoder`; that file's StaticDecoder compiles the step.
-    progress: None, or a function progress(done, total, rows) called after
-    every decode step (`done` of `total` positions sampled, `rows` rows
-    decoding); None = the module's `on_decode_step`, which is None too
-    unless a training run on a terminal shows its status line there.
-    processors: None, or processors(N, C, stop ids [k], V, device) ->
-    (banned, stop_strings), this call's limits beyond the sampling fields
-    (extras/generation_kwargs.py's, for suppress_tokens, min_new_tokens,
-    stop strings), each None or: banned.at(t), the bool [V] mask of the
-    tokens step t may not draw (or None); stop_strings.check(out_ids, rows,
-    t) ends rows, stop_strings.ends [N] where it did."""
+    seeds: P ints, one per prompt; else drawn from `generator` or torch's
+    RNG."""
     # ids past the model's rows are never drawn (Gemma 3's tokenizer has one: <image_soft_token>)
-    vocab_size = min(vocab_size or model.config.vocab_size, model.config.vocab_size)
+    vocab_size = min(settings.vocab_size or model.config.vocab_size, model.config.vocab_size)
+    C = settings.max_new_tokens
     prompt_ids = [[int(t) for t in p] for p in prompt_ids]
-    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
-    check_prompts(model, prompt_ids, num_samples, max_new_tokens, vocab_size, seeds)
+    check_prompts(model, prompt_ids, num_samples, C, vocab_size, seeds)
     dev = model.lm_head.weight.device
     # CPU BLAS multiplies [n,D] by slices of 2048 vocab rows faster than by the whole [V,D]
     chunk = 2048 if dev.type == "cpu" else vocab_size
-    decoder = (decoder or Decoder)(model, vocab_size, chunk)
+    decoder = (settings.decoder or Decoder)(model, vocab_size, chunk)
     P = len(prompt_ids)
-    G = num_samples
     if seeds is None:
         where = getattr(generator, "device", "cpu")
         seeds = torch.randint(0, 2**31 - 1, (P,), generator=generator, device=where)
-    keys = row_keys(torch.as_tensor(seeds, dtype=torch.long).to(dev), G)
-    stops = sorted({int(s) for s in stop_ids or ()})
+    keys = row_keys(torch.as_tensor(seeds, dtype=torch.long).to(dev), num_samples)
+    stops = sorted({int(s) for s in settings.stop_ids or ()})
     stops = torch.tensor(stops, dtype=torch.long, device=dev)
-    settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     banned = strings = None  # the limits beyond the sampling fields
-    if processors is not None:
-        banned, strings = processors(P * G, max_new_tokens, stops, vocab_size, dev)
-    out_ids, out_logps = decode_loop(
-        model,
-        decoder,
-        prompt_ids,
-        G,
-        max_new_tokens,
-        keys=keys,
-        stops=stops,
-        pad_id=pad_id,
-        repetition_penalty=repetition_penalty,
-        sample=lambda logits, u: sample_token(logits, u, **settings),
-        progress=progress or on_decode_step,
-        banned=banned,
-        strings=strings,
-    )
+    if settings.processors is not None:
+        banned, strings = settings.processors(P * num_samples, C, stops, vocab_size, dev)
+    out_ids, out_logps = decode_loop(decoder, prompt_ids, keys, stops, settings, (banned, strings))
     ends = None if strings is None else strings.ends
-    return assemble(out_ids, out_logps, stops, pad_id, ends)
+    return assemble(out_ids, out_logps, stops, settings.pad_id, ends)
 
 
 def prefill(model, decoder, prompt_ids, G, C, pad_id):
@@ -472,30 +464,25 @@ def prefill(model, decoder, prompt_ids, G, C, pad_id):
     return logits[src], cache, key_valid, lens[src], prompt_tokens, L
 
 
-def decode_loop(
-    model,
-    decoder,
-    prompt_ids,
-    G,
-    C,
-    keys,
-    stops,
-    pad_id,
-    repetition_penalty,
-    sample,
-    progress=None,
-    banned=None,
-    strings=None,
-):
-    """The decode loop. -> (ids [N,C], log-probs [N,C]) of every step.
-    banned: a Banned or None; strings: a StopStrings or None."""
+def decode_loop(decoder, prompt_ids, keys, stops, settings, limits):
+    """The decode loop of `decoder` (its model, vocabulary and step) over
+    the P prompts, one row a key (keys [N], N = P x G), stops [k] the stop
+    ids, limits = (a Banned or None, a StopStrings or None).
+    -> (ids [N,C], log-probs [N,C]) of every step."""
+    model = decoder.model
+    G = len(keys) // len(prompt_ids)
+    C = settings.max_new_tokens
+    pad_id = settings.pad_id
+    penalty = settings.repetition_penalty
+    banned, strings = limits
+    draw = {k: getattr(settings, k) for k in ("temperature", "top_k", "top_p", "min_p")}
     dev = model.lm_head.weight.device
     logits, cache, key_valid, next_pos, prompt_tokens, L = prefill(
         model, decoder, prompt_ids, G, C, pad_id
     )
     N = len(next_pos)
     seen = None
-    if repetition_penalty != 1.0:  # [N,V] tokens present in each row
+    if penalty != 1.0:  # [N,V] tokens present in each row
         seen = token_mask(prompt_tokens, decoder.vocab_size)
     rows = Rows(
         index=torch.arange(N, device=dev),
@@ -510,11 +497,11 @@ def decode_loop(
     out_logps = torch.zeros(N, C, device=dev)
     for t in range(C):
         if rows.seen is not None:
-            logits = apply_repetition_penalty(logits, rows.seen, repetition_penalty)
+            logits = apply_repetition_penalty(logits, rows.seen, penalty)
         ban = None if banned is None else banned.at(t)  # [V] or None
         if ban is not None:
             logits = suppress(logits, ban)
-        tok, logp = sample(logits, uniforms(rows.keys, t))
+        tok, logp = settings.sample_token(logits, uniforms(rows.keys, t), **draw)
         out_ids[rows.index, t] = tok
         out_logps[rows.index, t] = logp
         rows.tok = tok
@@ -523,8 +510,8 @@ def decode_loop(
             strings.check(out_ids, rows, t)
         if rows.seen is not None:
             rows.seen.scatter_(1, tok[:, None], True)
-        if progress is not None:  # no host sync: the row count is a shape
-            progress(t + 1, C, len(rows.index))
+        if on_decode_step is not None:  # no host sync: the row count is a shape
+            on_decode_step(t + 1, C, len(rows.index))
         if t == C - 1:
             break
         if (t + 1) % decoder.sync_every == 0:

@@ -32,16 +32,16 @@ from nanogrpo.extras import lora
 from nanogrpo.extras.custom_rollout import resolve_rollout_func
 from nanogrpo.extras.datasets import load_dataset
 from nanogrpo.extras.environments import Environments, placeholder_rows
-from nanogrpo.extras.generation_kwargs import sampling_kwargs
+from nanogrpo.extras.generation_kwargs import sampling_of
 from nanogrpo.extras.loss_terms import LossTerms, loss_settings
 from nanogrpo.extras.lr_schedules import lr_lambda, warmup_length
 from nanogrpo.extras.reward_funcs import check_names, check_reward_columns, resolve_reward_funcs
-from nanogrpo.extras.tool_rounds import ToolTurns
+from nanogrpo.extras.tool_rounds import ToolTurns, tool_rules
 from nanogrpo.extras.tools import resolve_tools, tool_schema
 from nanogrpo.grpo import LossConfig
 from nanogrpo.logprobs import policy_logprobs, token_logprobs
 from nanogrpo.run.config import ConfigError, TrainConfig
-from nanogrpo.sampler import sample_next_token
+from nanogrpo.sampler import Sampling, sample_next_token
 from nanogrpo.schedules import Schedule
 from nanogrpo.tokenizer import Tokenizer
 
@@ -82,8 +82,9 @@ class Trainer:
     reward_weights: torch.Tensor  # [K]
     # the config's tools as rollout's tool rounds (extras/tool_rounds.py), or None
     turns: ToolTurns | None
-    # generate's keyword arguments: the sampling fields, generation_kwargs, the kernels' draw
-    sampling: dict
+    # generate's settings: the sampling fields, generation_kwargs, the tokenizer's stop ids, the
+    # kernels' draw
+    sampling: Sampling
     prompts: PromptSampler  # all ranks' prompts, resumable
     eval_rows: list | None
     autocast: object  # bf16 autocast where the run computes in bf16 on one process, else a no-op
@@ -168,9 +169,10 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None, given=Given())
     reward_funcs = build_reward_funcs(cfg, info)
     weights = cfg.reward_weights or [1.0] * len(reward_funcs)
     tools = resolve_tools(cfg.tools)
+    rules = tool_rules(cfg)  # how the tool rounds run
     envs = None
     if cfg.environment_factory is not None:
-        envs = Environments(cfg.environment_factory, tools)
+        envs = Environments(cfg.environment_factory, tools, rules)
         owned = envs.reward_funcs()  # TRL: weight 1 each, named after the class
         reward_funcs += owned
         weights = weights + [1.0] * len(owned)
@@ -211,8 +213,8 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None, given=Given())
         loss_terms=terms if terms.on() else None,
         reward_funcs=reward_funcs,
         reward_weights=torch.tensor(weights, device=info.device),
-        turns=ToolTurns(tools) if tools else None,
-        sampling=sampling_kwargs(cfg, tok, kernels),
+        turns=ToolTurns(tools, rules=rules) if tools else None,
+        sampling=sampling_of(cfg, tok, kernels),
         prompts=PromptSampler(
             rows, sched.prompts_per_round, seed=cfg.seed, shuffle=cfg.shuffle_dataset
         ),

@@ -20,7 +20,7 @@ from nanogrpo.logprobs import token_logprobs
 from nanogrpo.model import Transformer
 from nanogrpo.rollout import join_prompt_completion
 from nanogrpo.run.config import ConfigError, TrainConfig
-from nanogrpo.sampler import generate
+from nanogrpo.sampler import Sampling, generate
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 30)), [40]]
 
@@ -86,11 +86,11 @@ def sampled_and_scored(model, bf16, temperature=0.9, rows=None, **settings):
     """(the sampler's log-probs, the trainer's) of PROMPTS x 3 samples in the mode."""
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     with torch.no_grad(), bi.BatchInvariant(autocast):
-        out = generate(
-            model, PROMPTS, num_samples=3, max_new_tokens=24, temperature=temperature,
-            seeds=[1, 2, 3, 4], sample_token=bi.sample_next_token, decoder=bi.InvariantDecoder,
-            **settings,
+        how = Sampling(
+            max_new_tokens=24, temperature=temperature, sample_token=bi.sample_next_token,
+            decoder=bi.InvariantDecoder, **settings,
         )  # fmt: skip
+        out = generate(model, PROMPTS, how, num_samples=3, seeds=[1, 2, 3, 4])
         ids, mask = join_prompt_completion(PROMPTS, out.completion_ids, 0, 3)
         rows = rows or slice(None)  # the trainer scores a micro-batch of the rows
         logps, _ = token_logprobs(

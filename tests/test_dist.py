@@ -403,21 +403,15 @@ def test_torchrun_tiny_train_save_resume(tmp_path):
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
 
     from nanogrpo.checkpoint import load_model
-    from nanogrpo.sampler import generate
+    from nanogrpo.sampler import Sampling, generate
     from nanogrpo.tokenizer import Tokenizer
 
     ckpt = tmp_path / "run" / "checkpoint"
     model = load_model(ckpt)
     tok = Tokenizer.from_pretrained(ckpt)
-    out = generate(
-        model,
-        [tok.encode("abcd=")],
-        num_samples=2,
-        max_new_tokens=6,
-        stop_ids=tok.eos_token_ids,
-        pad_id=tok.pad_token_id,
-        generator=torch.Generator().manual_seed(0),
-    )
+    settings = Sampling(max_new_tokens=6, stop_ids=tok.eos_token_ids, pad_id=tok.pad_token_id)
+    gen = torch.Generator().manual_seed(0)
+    out = generate(model, [tok.encode("abcd=")], settings, num_samples=2, generator=gen)
     assert out.completion_ids.shape[0] == 2
 
 

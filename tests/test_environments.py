@@ -21,7 +21,7 @@ from nanogrpo import checkpoint, rollout as rollout_module
 from nanogrpo.extras import tool_rounds
 from nanogrpo.extras.custom_rollout import checked_output, generate_rollout_completions, rollout_of
 from nanogrpo.extras.environments import Environments
-from nanogrpo.extras.generation_kwargs import sampling_kwargs
+from nanogrpo.extras.generation_kwargs import sampling_of
 from nanogrpo.extras.tools import tool_suffix_ids
 from nanogrpo.model import Transformer
 from nanogrpo.rollout import rollout
@@ -141,17 +141,7 @@ def scripted(tok, policy, log=None):
     1..5 drawn from the call's generator (or its seeds), then the eos."""
     eos = tok.eos_token_id
 
-    def generate(
-        model,
-        prompt_ids,
-        num_samples=1,
-        max_new_tokens=256,
-        stop_ids=(),
-        pad_id=0,
-        seeds=None,
-        generator=None,
-        **kw,
-    ):
+    def generate(model, prompt_ids, settings, num_samples=1, generator=None, seeds=None):
         n = len(prompt_ids) * num_samples
         if seeds is not None:
             draws = [s % 5 + 1 for s in seeds]
@@ -165,8 +155,8 @@ def scripted(tok, policy, log=None):
             for j in range(num_samples):
                 text = policy(context, j, draws[i * num_samples + j])
                 rows.append(tok.encode(text, add_special_tokens=False) + [eos])
-        C = min(max_new_tokens, max(map(len, rows)))
-        ids = torch.full((n, C), pad_id)
+        C = min(settings.max_new_tokens, max(map(len, rows)))
+        ids = torch.full((n, C), settings.pad_id)
         mask = torch.zeros(n, C, dtype=torch.bool)
         for i, r in enumerate(rows):
             ids[i, : min(len(r), C)] = torch.tensor(r[:C])
@@ -186,16 +176,15 @@ def run_rollout(monkeypatch, envs, rows, G=2, log=None, seed=0):
     fake = scripted(tok, counter_policy, log)
     monkeypatch.setattr(rollout_module, "generate", fake)
     monkeypatch.setattr(tool_rounds, "generate", fake)  # the tool rounds' calls
-    cfg = TrainConfig(max_completion_length=1000, tool_timeout=5.0)
+    cfg = TrainConfig(max_completion_length=1000)
     model = Transformer(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096))
     episodes = envs.start(rows, G)
     gen = torch.Generator().manual_seed(seed)
-    settings = sampling_kwargs(cfg, tok)
+    settings = sampling_of(cfg, tok)
     ro = rollout(
         model,
         tok,
         rows,
-        cfg,
         num_generations=G,
         settings=settings,
         generator=gen,
@@ -698,7 +687,10 @@ def test_env_mask_keeps_environment_tokens_out_of_the_loss():
         "env_mask": [[1, 0, 0, 1], [1, 0]],
         "score": [0.5, 1.5],
     }
-    ro = rollout_of(output, rows, 2, ["ab=", "ab="], tok=tok, cfg=cfg, context=64, device="cpu")
+    truncation = dict(mask_truncated_completions=cfg.mask_truncated_completions)
+    ro = rollout_of(
+        output, rows, 2, ["ab=", "ab="], tok=tok, **truncation, context=64, device="cpu"
+    )
     assert ro.completion_mask.tolist() == [[1, 0, 0, 1], [0, 0, 0, 0]]  # row 1 ends without eos
     assert ro.truncated.tolist() == [False, True]
     assert ro.completion_lengths.tolist() == [2, 1]

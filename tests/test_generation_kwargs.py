@@ -7,11 +7,19 @@ unknown and refused keys fail at config load, and a tiny training run reads them
 import pytest
 import torch
 from conftest import tiny_config
-from test_sampler import PROMPTS, TOKENIZER_VOCAB, filtered, left_pad, load, sampling_args
+from test_sampler import (
+    PROMPTS,
+    TOKENIZER_VOCAB,
+    filtered,
+    generate_with,
+    left_pad,
+    load,
+    sampling_args,
+)
 
 from nanogrpo import rollout as rollout_module
 from nanogrpo.extras import tool_rounds
-from nanogrpo.extras.generation_kwargs import generation_settings, processors, sampling_kwargs
+from nanogrpo.extras.generation_kwargs import generation_settings, processors, sampling_of
 from nanogrpo.fast.sampling import sample_next_token_fast
 from nanogrpo.model import Transformer
 from nanogrpo.run.config import ConfigError, TrainConfig
@@ -53,11 +61,11 @@ def test_a_stop_string_spanning_two_tokens_ends_the_row():
     """The row ends with the token that completed the string, kept in the completion and the
     mask; it counts as truncated (no eos at its end, as TRL counts it); other rows run on."""
     model = load("qwen2")
-    free = generate(model, PROMPTS, max_new_tokens=10, temperature=0)
+    free = generate_with(model, PROMPTS, max_new_tokens=10, temperature=0)
     row = free.completion_ids[0].tolist()  # greedy: 309, 62, 62, 62, 309, ...
     stop = f"{row[3]}><{row[4]}"  # token 3's text but its "<", token 4's but its ">"
     assert stop not in "".join(f"<{i}>" for i in row[:4])
-    out = generate(
+    out = generate_with(
         model,
         PROMPTS,
         max_new_tokens=10,
@@ -90,8 +98,10 @@ def test_stop_strings_end_each_row_where_its_full_text_first_holds_one(decoder):
         seeds=[3, 4, 5, 6],
         decoder=decoder,
     )
-    free = generate(model, PROMPTS, **args)
-    out = generate(model, PROMPTS, processors=processors(stop_strings=stops, decode=decode), **args)
+    free = generate_with(model, PROMPTS, **args)
+    out = generate_with(
+        model, PROMPTS, processors=processors(stop_strings=stops, decode=decode), **args
+    )
     C = args["max_new_tokens"]
     ends = {"string": 0, "id": 0, "length": 0, "string, then an id in its 8 steps": 0}
     for r in range(len(out.completion_ids)):
@@ -114,25 +124,15 @@ def test_stop_strings_end_each_row_where_its_full_text_first_holds_one(decoder):
 
 
 def test_stop_strings_in_a_rollout_read_the_tokenizer():
-    """sampling_kwargs(cfg, tok): generation_kwargs' stop strings ("stop", vLLM's name, too)
-    matched on tok.decode; a char-level tokenizer makes every two-letter string span two tokens.
-    Without tok, a clear error."""
+    """sampling_of(cfg, tok): generation_kwargs' stop strings ("stop", vLLM's name, too)
+    matched on tok.decode; a char-level tokenizer makes every two-letter string span two tokens."""
     tok = char_level_tokenizer("abcdefgh=")
     torch.manual_seed(0)
     model = Transformer(tiny_config(vocab_size=tok.vocab_size))
     cfg = TrainConfig(
         max_completion_length=20, generation_kwargs={"stop": ["ab"], "stop_strings": "hh"}
     )
-    out = generate(
-        model,
-        [tok.encode("abc=")],
-        num_samples=16,
-        stop_ids=tok.eos_token_ids,
-        pad_id=tok.pad_token_id,
-        seeds=[0],
-        vocab_size=tok.vocab_size,
-        **sampling_kwargs(cfg, tok),
-    )
+    out = generate(model, [tok.encode("abc=")], sampling_of(cfg, tok), num_samples=16, seeds=[0])
     ended = 0
     for ids, mask in zip(out.completion_ids, out.completion_mask):
         text = tok.decode(ids[mask])
@@ -140,8 +140,6 @@ def test_stop_strings_in_a_rollout_read_the_tokenizer():
         assert first is None or first == len(text)  # a string, if any, only at the very end
         ended += first is not None
     assert ended >= 4
-    with pytest.raises(ValueError, match="stop strings need the tokenizer"):
-        sampling_kwargs(cfg)
 
 
 # -----------------------------------------------------------------------------
@@ -182,7 +180,9 @@ def test_suppressed_tokens_are_never_sampled_and_the_logprobs_renormalise():
     """The tokens greedy decoding picks most are suppressed: never sampled, and each returned
     log-prob is log_softmax of the processed logits (the allowed tokens' probabilities sum to 1)."""
     model = load("qwen2")
-    free = generate(model, PROMPTS, max_new_tokens=10, temperature=0, vocab_size=TOKENIZER_VOCAB)
+    free = generate_with(
+        model, PROMPTS, max_new_tokens=10, temperature=0, vocab_size=TOKENIZER_VOCAB
+    )
     banned = sorted(set(free.completion_ids.flatten().tolist()))
     args = sampling_args(
         num_samples=3,
@@ -195,17 +195,17 @@ def test_suppressed_tokens_are_never_sampled_and_the_logprobs_renormalise():
         seeds=[1, 2, 3, 4],
     )
     limits = processors(suppress_tokens=banned + [10_000])  # 10_000: ignored
-    out = generate(model, PROMPTS, processors=limits, **args)
+    out = generate_with(model, PROMPTS, processors=limits, **args)
     assert not torch.isin(out.completion_ids[out.completion_mask], torch.tensor(banned)).any()
     want = recomputed_logprobs(model, out, args, lambda t: banned)
     live = out.completion_mask
     assert torch.allclose(out.logprobs[live], want[live], atol=2e-4)
     assert torch.isfinite(want[live]).all()
     limits = processors(suppress_tokens=banned)
-    greedy = generate(model, PROMPTS, max_new_tokens=10, temperature=0, processors=limits)
+    greedy = generate_with(model, PROMPTS, max_new_tokens=10, temperature=0, processors=limits)
     assert not torch.isin(greedy.completion_ids, torch.tensor(banned)).any()
     with pytest.raises(ValueError, match="leave no token to sample"):
-        generate(
+        generate_with(
             model,
             PROMPTS,
             max_new_tokens=4,
@@ -231,9 +231,9 @@ def test_min_new_tokens_holds_the_stop_ids_back():
         stop_ids=stops,
         seeds=[7, 8, 9, 10],
     )
-    free = generate(model, PROMPTS, **args)
+    free = generate_with(model, PROMPTS, **args)
     assert (free.completion_mask.sum(1) <= 4).sum() >= 4  # without it, many rows end early
-    out = generate(model, PROMPTS, processors=processors(min_new_tokens=4), **args)
+    out = generate_with(model, PROMPTS, processors=processors(min_new_tokens=4), **args)
     length = out.completion_mask.sum(1)
     assert (length >= 5).all() and (length == 5).any()  # the stop id may come as the 5th token
     assert not torch.isin(out.completion_ids[:, :4], torch.tensor(stops)).any()
@@ -259,8 +259,8 @@ def test_the_fast_draw_equals_the_plain_one_with_suppression(top_k, top_p, min_p
             suppress_tokens=[252, 62, 14, 37], min_new_tokens=3, stop_strings=["cab"], decode=decode
         ),
     )
-    plain = generate(model, PROMPTS, **args)
-    fast = generate(model, PROMPTS, sample_token=sample_next_token_fast, **args)
+    plain = generate_with(model, PROMPTS, **args)
+    fast = generate_with(model, PROMPTS, sample_token=sample_next_token_fast, **args)
     assert torch.equal(plain.completion_ids, fast.completion_ids)
     assert torch.equal(plain.logprobs, fast.logprobs)
     assert torch.equal(plain.completion_mask, fast.completion_mask)
@@ -289,15 +289,17 @@ def test_overrides_win_over_the_fields_but_not_the_loss_temperature():
             "do_sample": True,
         },
     ).validate()
-    got = sampling_kwargs(cfg)
-    assert (got["temperature"], got["top_k"], got["top_p"], got["min_p"]) == (0.5, 3, 0.8, 0.0)
-    assert got["repetition_penalty"] == 1.2
-    banned, strings = got["processors"](1, 4, torch.tensor([0]), 10, "cpu")  # N, C, stops, V
+    tok = char_level_tokenizer("abc")
+    got = sampling_of(cfg, tok)
+    assert (got.temperature, got.top_k, got.top_p, got.min_p) == (0.5, 3, 0.8, 0.0)
+    assert got.repetition_penalty == 1.2 and cfg.temperature == 1.0
+    banned, strings = got.processors(1, 4, torch.tensor([0]), 10, "cpu")  # N, C, stops, V
     assert banned.at(0).nonzero().flatten().tolist() == [0, 5]  # the stop id, before 2 tokens
     assert banned.at(2).nonzero().flatten().tolist() == [5] and strings is None
-    assert "do_sample" not in got and "suppress_tokens" not in got and cfg.temperature == 1.0
-    assert "processors" not in sampling_kwargs(TrainConfig())  # none: generate runs without
-    assert sampling_kwargs(TrainConfig(top_k=20))["top_k"] == 20  # none given: the fields
+    assert sampling_of(TrainConfig(), tok).processors is None  # none: generate runs without
+    assert sampling_of(TrainConfig(top_k=20), tok).top_k == 20  # none given: the fields
+    # the tokenizer's stop ids, pad id and vocabulary
+    assert (got.stop_ids, got.pad_id, got.vocab_size) == (tok.eos_token_ids, tok.pad_token_id, 4)
 
 
 @pytest.mark.parametrize(
@@ -337,9 +339,9 @@ def test_a_tiny_training_run_samples_with_generation_kwargs(tmp_path, monkeypatc
 
     seen = []
 
-    def recording(*args, **kwargs):
-        out = generate(*args, **kwargs)
-        seen.append((kwargs, out))
+    def recording(model, prompt_ids, settings, *args, **kwargs):
+        out = generate(model, prompt_ids, settings, *args, **kwargs)
+        seen.append((settings, out))
         return out
 
     fake = recording
@@ -351,8 +353,8 @@ def test_a_tiny_training_run_samples_with_generation_kwargs(tmp_path, monkeypatc
     assert cfg.generation_kwargs == {"suppress_tokens": [9], "min_new_tokens": 2, "top_k": 5}
     history = train.train(cfg)
     assert [m["step"] for m in history] == [1, 2, 3] and len(seen) >= 3
-    for kwargs, out in seen:
-        assert kwargs["processors"] is not None and kwargs["top_k"] == 5
+    for settings, out in seen:
+        assert settings.processors is not None and settings.top_k == 5
         assert not (out.completion_ids[out.completion_mask] == 9).any()
         assert (out.completion_mask.sum(1) >= 3).all()
     with pytest.raises(ConfigError, match="num_beams"):

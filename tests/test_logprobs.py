@@ -224,21 +224,13 @@ def test_scoring_matches_the_sampler_on_a_padded_vocabulary():
     from conftest import fixture_path
 
     from nanogrpo.rollout import join_prompt_completion
-    from nanogrpo.sampler import generate
+    from nanogrpo.sampler import Sampling, generate
 
     model = load_model(fixture_path("qwen2"))
     prompts = [[5, 17, 250, 3], [99, 100]]
-    out = generate(
-        model,
-        prompts,
-        num_samples=3,
-        max_new_tokens=5,
-        temperature=0.8,
-        stop_ids={2},
-        pad_id=0,
-        generator=torch.Generator().manual_seed(0),
-        vocab_size=384,
-    )
+    settings = Sampling(max_new_tokens=5, temperature=0.8, stop_ids={2}, pad_id=0, vocab_size=384)
+    gen = torch.Generator().manual_seed(0)
+    out = generate(model, prompts, settings, num_samples=3, generator=gen)
     ids, attention = join_prompt_completion(prompts, out.completion_ids, 0, 3)
     with torch.no_grad():
         same, _ = token_logprobs(

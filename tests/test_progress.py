@@ -34,20 +34,16 @@ def slow_decoding(monkeypatch, seconds=0.05):
     monkeypatch.setattr(sampler.Decoder, "step", slow)
 
 
-def test_generate_reports_every_decode_step():
+def test_generate_reports_every_decode_step(monkeypatch):
     model = Transformer(tiny_config()).eval()
     calls = []
     prompts = [[1, 2, 3], [4, 5]]
-    out = sampler.generate(
-        model,
-        prompts,
-        num_samples=2,
-        max_new_tokens=7,
-        seeds=[1, 2],
-        progress=lambda *args: calls.append(args),
-    )
+    settings = sampler.Sampling(max_new_tokens=7)
+    monkeypatch.setattr(sampler, "on_decode_step", lambda *args: calls.append(args))
+    out = sampler.generate(model, prompts, settings, num_samples=2, seeds=[1, 2])
     assert calls == [(t, 7, 4) for t in range(1, 8)] and out.completion_ids.shape == (4, 7)
-    quiet = sampler.generate(model, prompts, num_samples=2, max_new_tokens=7, seeds=[1, 2])
+    monkeypatch.setattr(sampler, "on_decode_step", None)
+    quiet = sampler.generate(model, prompts, settings, num_samples=2, seeds=[1, 2])
     assert torch.equal(quiet.completion_ids, out.completion_ids)  # a callback changes no sample
 
 

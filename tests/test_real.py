@@ -15,7 +15,7 @@ import torch
 from conftest import fixture_path, mismatches, real_folder
 
 from nanogrpo.checkpoint import load_model, save_model
-from nanogrpo.sampler import generate
+from nanogrpo.sampler import Sampling, generate
 from nanogrpo.tokenizer import Tokenizer
 
 SMOLLM2 = json.load(open(os.path.join(fixture_path("real"), "smollm2.json")))
@@ -104,15 +104,13 @@ def test_smollm2_greedy_chat_matches_transformers(smollm2):
     prompts = [tok.encode_prompt(c["messages"]) for c in cases]
     assert prompts == [c["prompt_ids"] for c in cases]
     torch.manual_seed(0)
-    out = generate(
-        model,
-        prompts,
-        num_samples=1,
+    settings = Sampling(
         max_new_tokens=SMOLLM2["max_new_tokens"],
         temperature=0,
         stop_ids=tok.eos_token_ids,
         pad_id=tok.pad_token_id,
     )
+    out = generate(model, prompts, settings)
     for row, case in enumerate(cases):
         ids = out.completion_ids[row][out.completion_mask[row]].tolist()
         assert ids == case["completion_ids"], f"{tok.decode(ids)!r} != {case['completion']!r}"

@@ -18,7 +18,7 @@ import torch
 from conftest import fixture_path, real_folder
 
 from nanogrpo.checkpoint import load_model
-from nanogrpo.sampler import generate
+from nanogrpo.sampler import Sampling, generate
 from nanogrpo.tokenizer import Tokenizer
 
 EXPECTED = json.load(open(os.path.join(fixture_path("real"), "gemma3_270m.json")))
@@ -123,17 +123,14 @@ def test_gemma3_270m_greedy_batch_matches_transformers(gemma3, shared):
     cases = EXPECTED["greedy"]
     prompts = [tok.encode(c["text"]) for c in cases]
     assert prompts == [c["prompt_ids"] for c in cases]
-    out = generate(
-        model,
-        prompts,
-        num_samples=G,
+    settings = Sampling(
         max_new_tokens=EXPECTED["max_new_tokens"],
         temperature=0,
         stop_ids=tok.eos_token_ids,
         pad_id=tok.pad_token_id,
-        seeds=[0] * len(prompts),
         decoder=SharedPrefixDecoder if shared else None,
     )
+    out = generate(model, prompts, settings, num_samples=G, seeds=[0] * len(prompts))
     for row, case in enumerate(c for c in cases for _ in range(G)):
         ids = out.completion_ids[row][out.completion_mask[row]].tolist()
         assert ids == case["completion_ids"], f"{tok.decode(ids)!r} != {case['completion']!r}"

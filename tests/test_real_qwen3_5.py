@@ -122,7 +122,8 @@ def test_a_qwen3_5_tool_rollout_is_what_the_template_renders(tok, monkeypatch):
     call += "</parameter>\n</function>\n</tool_call>"
     turns = {False: "Let me add.\n\n" + call, True: "It is 42."}
 
-    def scripted(model, prompt_ids, num_samples=1, pad_id=0, **kw):
+    def scripted(model, prompt_ids, settings, num_samples=1, generator=None, seeds=None):
+        pad_id = settings.pad_id
         rows = []
         for p in prompt_ids:
             answered = "<tool_response>" in tok.decode(p, skip_special_tokens=False)
@@ -140,16 +141,15 @@ def test_a_qwen3_5_tool_rollout_is_what_the_template_renders(tok, monkeypatch):
         tiny_config(**{**QWEN3_5, "vocab_size": 248320, "max_position_embeddings": 4096})
     )
     prompt = [{"role": "user", "content": "What is 40 + 2?"}]
-    from nanogrpo.extras.generation_kwargs import sampling_kwargs
+    from nanogrpo.extras.generation_kwargs import sampling_of
     from nanogrpo.extras.tool_rounds import ToolTurns
 
     ro = rollout_module.rollout(
         model,
         tok,
         [{"prompt": prompt}],
-        cfg,
         num_generations=1,
-        settings=sampling_kwargs(cfg, tok),
+        settings=sampling_of(cfg, tok),
         generator=torch.Generator(),
         turns=ToolTurns({"add": add}),
     )

@@ -358,7 +358,7 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
     from nanogrpo.rollout import Rollout
     from nanogrpo.run.config import TrainConfig
 
-    def fake_rollout(model, tok, rows, cfg, num_generations, **kwargs):
+    def fake_rollout(model, tok, rows, num_generations, **kwargs):
         n = len(rows) * num_generations
         return Rollout(
             rows=rows,

@@ -13,8 +13,8 @@ from conftest import fixture_path, tiny_config
 
 from nanogrpo import rollout as rollout_module
 from nanogrpo.extras import tool_rounds
-from nanogrpo.extras.generation_kwargs import sampling_kwargs
-from nanogrpo.extras.tool_rounds import ToolTurns
+from nanogrpo.extras.generation_kwargs import sampling_of
+from nanogrpo.extras.tool_rounds import ToolTurns, tool_rules
 from nanogrpo.extras.tools import resolve_tools, tool_schema, tool_suffix_ids
 from nanogrpo.model import Transformer
 from nanogrpo.rollout import rollout
@@ -56,10 +56,15 @@ AFTER = {  # the last tool result -> the next turn
 
 
 def how(cfg, tok, G, seed):
-    """rollout's keyword arguments: G completions each, the config's sampler settings, a seeded
-    generator."""
-    gen = torch.Generator().manual_seed(seed)
-    return dict(num_generations=G, settings=sampling_kwargs(cfg, tok), generator=gen)
+    """rollout's keyword arguments: G completions each, the config's sampler settings, prompt
+    encoding and truncation rule, a seeded generator."""
+    return dict(
+        num_generations=G,
+        settings=sampling_of(cfg, tok),
+        encode=dict(max_length=cfg.max_prompt_length, **(cfg.chat_template_kwargs or {})),
+        mask_truncated_completions=cfg.mask_truncated_completions,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def chat_tokenizer():
@@ -72,16 +77,8 @@ def scripted_generate(tok, log):
     """A stand-in for sampler.generate that writes the scripted turns (then the eos) for every row."""
     eos = tok.eos_token_id
 
-    def generate(
-        model,
-        prompt_ids,
-        num_samples=1,
-        max_new_tokens=256,
-        stop_ids=(),
-        pad_id=0,
-        seeds=None,
-        **kw,
-    ):
+    def generate(model, prompt_ids, settings, num_samples=1, generator=None, seeds=None):
+        max_new_tokens = settings.max_new_tokens
         log.append(
             {
                 "rows": len(prompt_ids) * num_samples,
@@ -100,7 +97,7 @@ def scripted_generate(tok, log):
                     text = AFTER[context.split("<|im_start|>tool\n")[-1].split("<|endoftext|>")[0]]
                 rows.append(tok.encode(text, add_special_tokens=False) + [eos])
         C = max_new_tokens if any(len(r) > max_new_tokens for r in rows) else max(map(len, rows))
-        ids = torch.full((len(rows), C), pad_id)
+        ids = torch.full((len(rows), C), settings.pad_id)
         mask = torch.zeros(len(rows), C, dtype=torch.bool)
         for i, r in enumerate(rows):
             ids[i, : min(len(r), C)] = torch.tensor(r[:C])
@@ -124,7 +121,9 @@ def run_script(
     tools = resolve_tools(list(tools))
     return (
         tok,
-        rollout(model, tok, rows, cfg, **how(cfg, tok, 2, 0), turns=ToolTurns(tools)),
+        rollout(
+            model, tok, rows, **how(cfg, tok, 2, 0), turns=ToolTurns(tools, rules=tool_rules(cfg))
+        ),
         log,
     )
 
@@ -271,7 +270,6 @@ def test_tools_need_conversational_prompts(monkeypatch):
             model,
             tok,
             [{"prompt": "mul"}],
-            TrainConfig(),
             **how(TrainConfig(), tok, 2, 0),
             turns=ToolTurns(resolve_tools([add])),
         )
@@ -310,17 +308,9 @@ def test_sampling_logps_are_the_generations_logprobs():
     model = Transformer(tiny_config(vocab_size=tok.vocab_size))
     cfg = TrainConfig(max_completion_length=16, temperature=0.7, top_k=5, top_p=0.9)
     rows = [{"prompt": "abc"}, {"prompt": "hello world"}]
-    ro = rollout(model, tok, rows, cfg, **how(cfg, tok, 3, 0))
-    out = generate(
-        model,
-        ro.prompt_ids,
-        num_samples=3,
-        stop_ids=tok.eos_token_ids,
-        pad_id=tok.pad_token_id,
-        generator=torch.Generator().manual_seed(0),
-        vocab_size=tok.vocab_size,
-        **sampling_kwargs(cfg),
-    )
+    ro = rollout(model, tok, rows, **how(cfg, tok, 3, 0))
+    gen = torch.Generator().manual_seed(0)
+    out = generate(model, ro.prompt_ids, sampling_of(cfg, tok), num_samples=3, generator=gen)
     assert torch.equal(ro.input_ids[:, -out.completion_ids.shape[1] :], out.completion_ids)
     assert ro.sampling_logps.dtype == torch.float32
     assert torch.equal(ro.sampling_logps, out.logprobs)
@@ -338,11 +328,11 @@ def sampled_after_tools(tok, temperature):
 
     script = scripted_generate(tok, [])
 
-    def generate(model, prompt_ids, num_samples=1, seeds=None, **kw):
+    def generate(model, prompt_ids, settings, num_samples=1, generator=None, seeds=None):
         if seeds is not None:
-            return sampler.generate(model, prompt_ids, num_samples=num_samples, seeds=seeds, **kw)
-        out = script(model, prompt_ids, num_samples=num_samples, **kw)
-        pad = kw["pad_id"]
+            return sampler.generate(model, prompt_ids, settings, num_samples, generator, seeds)
+        out = script(model, prompt_ids, settings, num_samples)
+        pad = settings.pad_id
         ids, attention = join_prompt_completion(prompt_ids, out.completion_ids, pad, num_samples)
         mask = out.completion_mask
         logps, _ = token_logprobs(model, ids, attention, mask, temperature=temperature)
@@ -374,7 +364,8 @@ def test_sampling_logps_through_tool_rounds(monkeypatch):
     model = Transformer(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=4096))
     rows = [{"prompt": [{"role": "user", "content": q}]} for q in ("mul", "bad")]
     tools = resolve_tools([add, boom, slow_add, sleepy])
-    ro = rollout(model, tok, rows, cfg, **how(cfg, tok, 2, 0), turns=ToolTurns(tools))
+    turns = ToolTurns(tools, rules=tool_rules(cfg))
+    ro = rollout(model, tok, rows, **how(cfg, tok, 2, 0), turns=turns)
     mask = ro.completion_mask  # [n,C] the model's tokens (mask_truncated_completions is off)
     assert ro.sampling_logps.shape == mask.shape and ro.sampling_logps.dtype == torch.float32
     for r, n in lengths.items():  # a round of tool results, then the sampler's continuation
@@ -398,7 +389,7 @@ def tiny_rollout(prompts, max_completion_length, G=2, seed=0):
     model = Transformer(tiny_config(vocab_size=tok.vocab_size))
     cfg = TrainConfig(max_completion_length=max_completion_length, temperature=0.7)
     rows = [{"prompt": p} for p in prompts]
-    return tok, model, rollout(model, tok, rows, cfg, **how(cfg, tok, G, seed))
+    return tok, model, rollout(model, tok, rows, **how(cfg, tok, G, seed))
 
 
 def assert_same_rollout(a, b):
@@ -547,7 +538,7 @@ def test_an_error_while_sampling_or_scoring_gives_the_model_its_training_mode_ba
 
     monkeypatch.setattr(rollout_module, "generate", broken)
     with pytest.raises(RuntimeError, match="broken"):
-        rollout(model, tok, [{"prompt": "mul"}], TrainConfig(), **how(TrainConfig(), tok, 2, 0))
+        rollout(model, tok, [{"prompt": "mul"}], **how(TrainConfig(), tok, 2, 0))
     assert model.training
     ones = torch.ones(2, 3, dtype=torch.long)
     ro = SimpleNamespace(input_ids=ones, attention_mask=ones, completion_mask=ones)

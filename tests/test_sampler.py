@@ -17,6 +17,7 @@ from nanogrpo.fast import sampling as fast_sampling
 from nanogrpo.fast.sampling import StaticDecoder, filter_candidates, sample_next_token_fast
 from nanogrpo.model import KVCache, Transformer, lm_head_linear
 from nanogrpo.sampler import (
+    Sampling,
     apply_min_p,
     apply_repetition_penalty,
     apply_temperature,
@@ -118,7 +119,7 @@ EXPECTED["families"].update(NEW["families"])
 def test_greedy_matches_transformers(family):
     case, model = EXPECTED["families"][family], load(family)
     for key, penalty in (("greedy", 1.0), ("greedy_penalty", EXPECTED["repetition_penalty"])):
-        out = generate(
+        out = generate_with(
             model,
             case["prompts"],
             num_samples=2,
@@ -137,6 +138,13 @@ def test_greedy_matches_transformers(family):
 
 # -----------------------------------------------------------------------------
 # Batched == alone, log-probs == a recomputation, stops, masks
+
+
+def generate_with(model, prompt_ids, **kwargs):
+    """generate, the Sampling fields among `kwargs` as its settings, the rest (num_samples,
+    generator, seeds) as they are."""
+    call = {k: kwargs.pop(k) for k in ("num_samples", "generator", "seeds") if k in kwargs}
+    return generate(model, prompt_ids, Sampling(**kwargs), **call)
 
 
 def sampling_args(**overrides):
@@ -160,11 +168,11 @@ def sampling_args(**overrides):
 def test_batched_equals_each_prompt_alone(temperature):
     model, args = load("llama3"), sampling_args(temperature=temperature)
     seeds = [11, 22, 33, 44]
-    out = generate(model, PROMPTS, seeds=seeds, **args)
+    out = generate_with(model, PROMPTS, seeds=seeds, **args)
     G = args["num_samples"]
     assert out.completion_mask.sum(1).min() < out.completion_mask.shape[1]  # some rows stop early
     for i, p in enumerate(PROMPTS):
-        alone = generate(model, [p], seeds=[seeds[i]], **args)
+        alone = generate_with(model, [p], seeds=[seeds[i]], **args)
         rows = slice(i * G, i * G + G)
         C = alone.completion_ids.shape[1]
         assert torch.equal(out.completion_ids[rows, :C], alone.completion_ids)
@@ -178,7 +186,7 @@ def test_logprobs_equal_recomputation(family, temperature):
     """Each sampled token's log-prob is log_softmax of the filtered, tempered logits of an uncached full
     forward at that token; sampled tokens always survived the filters; masked slots hold 0."""
     model, args = load(family), sampling_args(temperature=temperature)
-    out = generate(model, PROMPTS, seeds=[1, 2, 3, 4], **args)
+    out = generate_with(model, PROMPTS, seeds=[1, 2, 3, 4], **args)
     N, C = out.completion_ids.shape
     prompts = [p for p in PROMPTS for _ in range(args["num_samples"])]
     ids, mask = left_pad([p + c.tolist() for p, c in zip(prompts, out.completion_ids)])
@@ -212,7 +220,7 @@ def test_logprobs_equal_recomputation(family, temperature):
 def test_stops_masks_and_truncation():
     model = load("qwen2")
     stops = [0, 2, *range(40, 120)]  # pad (0) is also a stop id; ~20% of the vocabulary stops a row
-    out = generate(
+    out = generate_with(
         model,
         PROMPTS,
         **sampling_args(
@@ -253,12 +261,12 @@ def test_stops_masks_and_truncation():
 
 def test_pad_equal_to_eos_keeps_the_eos_in_the_mask():
     model = load("qwen2")
-    free = generate(model, PROMPTS, max_new_tokens=8, temperature=0)
+    free = generate_with(model, PROMPTS, max_new_tokens=8, temperature=0)
     row = free.completion_ids[0].tolist()
     eos = next(
         t for i, t in enumerate(row) if i >= 2 and t not in row[:i]
     )  # first produced at step i
-    out = generate(model, PROMPTS, max_new_tokens=8, temperature=0, stop_ids=[eos], pad_id=eos)
+    out = generate_with(model, PROMPTS, max_new_tokens=8, temperature=0, stop_ids=[eos], pad_id=eos)
     n = row.index(eos) + 1
     assert out.completion_mask[0].tolist() == [True] * n + [False] * (
         out.completion_ids.shape[1] - n
@@ -271,14 +279,14 @@ def test_pad_equal_to_eos_keeps_the_eos_in_the_mask():
 
 def test_stop_id_inside_prompt_is_irrelevant():
     model = load("qwen2")
-    free = generate(model, [[9, 8, 7]], max_new_tokens=6, temperature=0)
+    free = generate_with(model, [[9, 8, 7]], max_new_tokens=6, temperature=0)
     first = int(
         free.completion_ids[0, 0]
     )  # make the greedy first token a stop id inside the prompt too
-    out = generate(
+    out = generate_with(
         model, [[first, 9, first, 8, 7]], max_new_tokens=6, temperature=0, stop_ids=[first]
     )
-    again = generate(model, [[first, 9, first, 8, 7]], max_new_tokens=6, temperature=0)
+    again = generate_with(model, [[first, 9, first, 8, 7]], max_new_tokens=6, temperature=0)
     stop_at = (again.completion_ids[0] == first).nonzero()
     want = int(stop_at[0]) + 1 if len(stop_at) else 6
     assert int(out.completion_mask.sum()) == want and bool(out.truncated[0]) == (len(stop_at) == 0)
@@ -291,7 +299,7 @@ def test_all_rows_stop_early_gives_narrow_output_and_compacts(monkeypatch):
     monkeypatch.setattr(
         KVCache, "select", lambda self, rows: calls.append(len(rows)) or select(self, rows)
     )
-    out = generate(
+    out = generate_with(
         model,
         PROMPTS,
         **sampling_args(
@@ -314,25 +322,25 @@ def test_padded_vocab_never_sampled():
     model = Transformer(tiny_config(vocab_size=97, tie_word_embeddings=False))
     with torch.no_grad():
         model.lm_head.weight[90:] *= 50  # the padded rows would dominate every distribution
-    out = generate(
+    out = generate_with(
         model, [[1, 2, 3], [4]], num_samples=8, max_new_tokens=10, vocab_size=90, temperature=1.5
     )
     assert out.completion_ids.max() < 90
-    greedy = generate(model, [[1, 2, 3]], max_new_tokens=10, vocab_size=90, temperature=0)
+    greedy = generate_with(model, [[1, 2, 3]], max_new_tokens=10, vocab_size=90, temperature=0)
     assert greedy.completion_ids.max() < 90
 
 
 def test_seeds_and_generators():
     model, args = load("qwen2"), sampling_args(stop_ids=[], top_k=0, top_p=1.0, min_p=0.0)
-    a = generate(model, PROMPTS, generator=torch.Generator().manual_seed(5), **args)
-    b = generate(model, PROMPTS, generator=torch.Generator().manual_seed(5), **args)
-    c = generate(model, PROMPTS, generator=torch.Generator().manual_seed(6), **args)
+    a = generate_with(model, PROMPTS, generator=torch.Generator().manual_seed(5), **args)
+    b = generate_with(model, PROMPTS, generator=torch.Generator().manual_seed(5), **args)
+    c = generate_with(model, PROMPTS, generator=torch.Generator().manual_seed(6), **args)
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
     assert (a.completion_ids != c.completion_ids).float().mean() > 0.5
     torch.manual_seed(3)
-    d = generate(model, PROMPTS, **args)
+    d = generate_with(model, PROMPTS, **args)
     torch.manual_seed(3)
-    assert torch.equal(d.completion_ids, generate(model, PROMPTS, **args).completion_ids)
+    assert torch.equal(d.completion_ids, generate_with(model, PROMPTS, **args).completion_ids)
     G = args["num_samples"]  # the G samples of one prompt differ from each other
     assert (a.completion_ids[0] != a.completion_ids[1]).any() and (
         a.completion_ids[G] != a.completion_ids[G + 1]
@@ -341,7 +349,7 @@ def test_seeds_and_generators():
 
 def test_bf16_model():
     model = Transformer(tiny_config()).to(torch.bfloat16)
-    out = generate(
+    out = generate_with(
         model, [[1, 2, 3], [4, 5]], num_samples=2, max_new_tokens=5, seeds=[0, 1], top_p=0.9
     )
     assert out.logprobs.dtype == torch.float32 and torch.isfinite(out.logprobs).all()
@@ -371,7 +379,7 @@ def test_bf16_model():
 def test_invalid_arguments(kwargs, name):
     args = {"prompt_ids": [[1] * 10], "max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=name):
-        generate(load("qwen2"), args.pop("prompt_ids"), **args)
+        generate_with(load("qwen2"), args.pop("prompt_ids"), **args)
 
 
 def test_a_tokenizer_larger_than_the_model_draws_the_models_rows():
@@ -379,8 +387,10 @@ def test_a_tokenizer_larger_than_the_model_draws_the_models_rows():
     ids are never drawn, as transformers' logits never cover them; the rest is unchanged."""
     model = load("qwen2")  # 400 rows
     args = dict(num_samples=4, max_new_tokens=6, seeds=[3], temperature=1.5)
-    wide = generate(model, [[1, 2, 3]], vocab_size=401, **args)
-    assert torch.equal(wide.completion_ids, generate(model, [[1, 2, 3]], **args).completion_ids)
+    wide = generate_with(model, [[1, 2, 3]], vocab_size=401, **args)
+    assert torch.equal(
+        wide.completion_ids, generate_with(model, [[1, 2, 3]], **args).completion_ids
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -625,8 +635,8 @@ def test_compiled_decode_equals_eager_and_never_recompiles(monkeypatch, family):
     )
     for prompts in ([[1, 2, 3], [4, 5]], [[9, 8, 7, 6, 5, 4, 3], [4, 5, 9, 9]]):
         with torch._dynamo.config.patch(error_on_recompile=prompts[0][0] == 9):
-            fast = generate(model, prompts, decoder=StaticDecoder, **args)
-        want = generate(model, prompts, **args)
+            fast = generate_with(model, prompts, decoder=StaticDecoder, **args)
+        want = generate_with(model, prompts, **args)
         assert torch.equal(fast.completion_ids, want.completion_ids) and torch.equal(
             fast.truncated, want.truncated
         )
@@ -698,8 +708,8 @@ def test_shared_prefix_decoder_equals_the_plain_one(family, dtype):
             stop_ids=[3, 17, 30],
             repetition_penalty=penalty,
         )
-        shared = generate(model, prompts, decoder=SharedPrefixDecoder, **args)
-        plain = generate(model, prompts, **args)
+        shared = generate_with(model, prompts, decoder=SharedPrefixDecoder, **args)
+        plain = generate_with(model, prompts, **args)
         assert torch.equal(shared.completion_ids, plain.completion_ids)
         assert torch.equal(shared.completion_mask, plain.completion_mask)
         tol = 0 if dtype == torch.float64 else 1e-5
@@ -713,7 +723,7 @@ def test_shared_prefix_decoder_equals_the_plain_one(family, dtype):
     "top_k,top_p,min_p", [(0, 1.0, 0.0), (5, 0.9, 0.0), (0, 0.95, 0.05), (20, 0.8, 0.5)]
 )
 def test_generate_with_the_fast_draw_equals_the_plain_one(top_k, top_p, min_p):
-    """generate(sample_token=sample_next_token_fast), what training uses, = the plain sample_next_token."""
+    """generate_with(sample_token=sample_next_token_fast), what training uses, = the plain sample_next_token."""
     model = load("qwen2")
     args = sampling_args(
         num_samples=3,
@@ -724,8 +734,8 @@ def test_generate_with_the_fast_draw_equals_the_plain_one(top_k, top_p, min_p):
         min_p=min_p,
         seeds=[11, 12, 13, 14],
     )
-    plain = generate(model, PROMPTS, **args)
-    fast = generate(model, PROMPTS, sample_token=sample_next_token_fast, **args)
+    plain = generate_with(model, PROMPTS, **args)
+    fast = generate_with(model, PROMPTS, sample_token=sample_next_token_fast, **args)
     assert torch.equal(plain.completion_ids, fast.completion_ids)
     assert torch.equal(plain.logprobs, fast.logprobs) and torch.equal(
         plain.completion_mask, fast.completion_mask
@@ -815,7 +825,7 @@ def sampled_and_scored(top_k, sample_token, seed=0):
     model = Transformer(tiny_config()).eval()
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (5, 12, 1, 8)]
-    out = generate(
+    out = generate_with(
         model,
         prompts,
         num_samples=4,
@@ -873,8 +883,8 @@ def test_compiled_decode_under_bf16_autocast_over_fp32_weights(monkeypatch):
     args = dict(num_samples=3, max_new_tokens=6, seeds=[1, 2], top_p=0.9, stop_ids=[3])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert model.new_cache(1, 4).k[0].dtype == torch.bfloat16
-        fast = generate(model, [[1, 2, 3], [4, 5]], decoder=StaticDecoder, **args)
-        want = generate(model, [[1, 2, 3], [4, 5]], **args)
+        fast = generate_with(model, [[1, 2, 3], [4, 5]], decoder=StaticDecoder, **args)
+        want = generate_with(model, [[1, 2, 3], [4, 5]], **args)
     assert model.new_cache(1, 4).k[0].dtype == torch.float32
     assert torch.equal(fast.completion_ids, want.completion_ids)
     # the static step attends over every slot of its bucket (masked), eager over the filled ones:

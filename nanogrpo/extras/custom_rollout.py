@@ -44,6 +44,7 @@ Choices (TRL 1.16's contract, as its code has it):
 
 import copy
 import numbers
+from dataclasses import replace
 
 import torch
 
@@ -55,7 +56,7 @@ from nanogrpo.rollout import Rollout, join_prompt_completion, trained_mask
 from nanogrpo.sampler import generate
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
-# generate_rollout_completions' overrides: vLLM's names -> sampler.generate's
+# generate_rollout_completions' overrides: vLLM's names -> sampler.Sampling's
 OVERRIDES = {
     "max_tokens": "max_new_tokens",
     "temperature": "temperature",
@@ -105,21 +106,13 @@ class RolloutTrainer:
 
     def generate(self, prompt_ids: list[list[int]], **overrides) -> list[dict]:
         """One completion of each prompt (a list of token ids), sampled as the run samples
-        (the trainer's `sampling`; `overrides` are more of sampler.generate's keyword arguments,
-        e.g. max_new_tokens) from this round's random stream.
+        (the trainer's `sampling`, with `overrides` of sampler.Sampling's fields, e.g.
+        max_new_tokens) from this round's random stream.
         -> [{"completion_ids": its ids up to and including its stop id, "logprobs": the
         sampler's log-prob of each}], one per prompt."""
         tok = self.processing_class
-        out = generate(
-            self.model,
-            prompt_ids,
-            num_samples=1,
-            stop_ids=tok.eos_token_ids,
-            pad_id=tok.pad_token_id,
-            generator=self.generator,
-            vocab_size=tok.vocab_size,
-            **{**self._trainer.sampling, **overrides},
-        )
+        settings = replace(self._trainer.sampling, **overrides)
+        out = generate(self.model, prompt_ids, settings, generator=self.generator)
         ids, _ = tok.decode_completions(out.completion_ids, out.completion_mask)
         logps = out.logprobs.tolist()  # [P][C]
         return [{"completion_ids": x, "logprobs": lp[: len(x)]} for x, lp in zip(ids, logps)]
@@ -167,7 +160,7 @@ def custom_rollout(t, rows: list[dict], copies: int, generator) -> Rollout:
         copies,
         prompts,
         tok=t.tok,
-        cfg=t.cfg,
+        mask_truncated_completions=t.cfg.mask_truncated_completions,
         context=t.model.config.max_position_embeddings,
         device=t.info.device,
     )
@@ -277,9 +270,11 @@ def checked_output(output, n: int, vocab_size: int, context: int) -> tuple:
     return prompt_ids, completion_ids, logprobs, env_mask, extra
 
 
-def rollout_of(output, rows, copies, prompts, *, tok, cfg, context, device) -> Rollout:
+def rollout_of(
+    output, rows, copies, prompts, *, tok, mask_truncated_completions, context, device
+) -> Rollout:
     """A rollout_func's output -> the Rollout of its n = rows x copies completions, one prompt per
-    completion (prompt_ids holds n entries)."""
+    completion (prompt_ids holds n entries); mask_truncated_completions: TRL's."""
     n = len(prompts)
     prompt_ids, completion_ids, logprobs, env_mask, extra = checked_output(
         output, n, tok.vocab_size, context
@@ -296,7 +291,7 @@ def rollout_of(output, rows, copies, prompts, *, tok, cfg, context, device) -> R
     truncated = torch.tensor(
         [bool(x) and x[-1] not in stops for x in completion_ids], device=device
     )
-    mask = trained_mask(model_mask, truncated, cfg)
+    mask = trained_mask(model_mask, truncated, mask_truncated_completions)
     input_ids, attention_mask = join_prompt_completion(prompt_ids, ids, pad, 1)
     texts = tok.batch_decode(completion_ids)
     completions = (

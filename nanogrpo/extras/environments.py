@@ -46,7 +46,7 @@ import os
 from dataclasses import dataclass
 
 from nanogrpo.extras.reward_funcs import import_function
-from nanogrpo.extras.tool_rounds import ToolTurns
+from nanogrpo.extras.tool_rounds import ToolRules, ToolTurns
 from nanogrpo.extras.tools import tool_schema
 
 # TRL's prompt of a row without one: the environment's reset() writes it
@@ -151,13 +151,15 @@ def with_observation(prompt: list, observation) -> list:
 
 class Environments:
     """The environments of a run: made from its environment_factory and its `tools` (the
-    config's, {name: function}), which every environment offers before its own methods."""
+    config's, {name: function}), which every environment offers before its own methods, called
+    in the tool rounds as `rules` (tool_rounds.ToolRules) say."""
 
-    def __init__(self, factory, tools: dict | None = None):
+    def __init__(self, factory, tools: dict | None = None, rules: ToolRules = ToolRules()):
         factory = resolve_factory(factory)
         self.multi = isinstance(factory, dict)
         self.factories = factory if self.multi else {None: factory}
         self.tools = dict(tools or {})
+        self.rules = rules
         self.pool = {}  # {name: [instances]}, grown as batches need
         self.schemas = {}  # {name: the JSON schemas of its tools, or None}
         self.reward_types = []  # classes that own a reward, in order
@@ -262,5 +264,5 @@ class Environments:
             prompts.append(with_observation(self.prompt_of(row), observation))
         tools = [{**self.tools, **{m.__name__: m for m in methods_of(env)}} for env in instances]
         schemas = [self.schemas[name] for name in names]
-        turns = ToolTurns(tools, schemas) if any(tools) else None
+        turns = ToolTurns(tools, schemas, self.rules) if any(tools) else None
         return Episodes(instances=instances, prompts=prompts, turns=turns)

@@ -1,12 +1,12 @@
 """TRL's generation_kwargs, and the sampler's settings beyond the sampling fields.
 
-Owns: `sampling_kwargs` (a TrainConfig's sampler settings, as
-`sampler.generate` takes them), `generation_settings` (generation_kwargs ->
-those keyword arguments, with the keys TRL's backends read that nanogrpo
-refuses and why), and what `generate` does with three of them, handed in
-as its `processors` (`processors`): `banned_tokens` (suppress_tokens, and
-the stop ids before min_new_tokens) and `StopStrings` (stop_strings,
-vLLM's `stop`).
+Owns: `sampling_of` (a TrainConfig's sampler settings, as the
+`sampler.Sampling` that generate takes), `generation_settings`
+(generation_kwargs -> those settings' fields, with the keys TRL's backends
+read that nanogrpo refuses and why), and what `generate` does with three
+of them, handed in as Sampling's `processors` (`processors`):
+`banned_tokens` (suppress_tokens, and the stop ids before min_new_tokens)
+and `StopStrings` (stop_strings, vLLM's `stop`).
 
 Does not know about: models, tokenization (stop strings are matched on
 the text of the `decode` callable the caller passes), rewards, losses,
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanogrpo.sampler import check_sampling, need
+from nanogrpo.sampler import Sampling, check_sampling, need
 
 # -----------------------------------------------------------------------------
 # What limits a row: suppressed tokens, stop strings
@@ -122,7 +122,7 @@ class StopStrings:
 
 
 def check_limits(min_new_tokens, stop_strings, decode):
-    """ValueError if generate's min_new_tokens or stop strings cannot run."""
+    """ValueError if min_new_tokens or the stop strings cannot run."""
     ok = isinstance(min_new_tokens, int) and min_new_tokens >= 0
     need(ok, "min_new_tokens", min_new_tokens, "must be an int >= 0 (0 means off)")
     ok = all(isinstance(s, str) and s for s in stop_strings or ())
@@ -132,7 +132,7 @@ def check_limits(min_new_tokens, stop_strings, decode):
 
 
 def processors(suppress_tokens=(), min_new_tokens=0, stop_strings=(), decode=None):
-    """generate's `processors` for transformers' suppress_tokens (ids never sampled),
+    """Sampling's `processors` for transformers' suppress_tokens (ids never sampled),
     min_new_tokens (no stop id among a row's first min_new_tokens tokens) and stop_strings (a row
     ends with the token that completes one in decode(its generated ids); decode: a list of ids ->
     text), or None when all are off. The first two change the distribution drawn from, and so the
@@ -153,9 +153,10 @@ def processors(suppress_tokens=(), min_new_tokens=0, stop_strings=(), decode=Non
 # -----------------------------------------------------------------------------
 # TRL's generation_kwargs
 
-# generation_kwargs keys -> generate's argument: transformers' GenerationConfig
-# names (TRL's transformers backend), and vLLM's `stop` for stop_strings (with
-# either backend the token ids TRL trains on keep the stop string)
+# generation_kwargs keys -> a Sampling field or processors' argument:
+# transformers' GenerationConfig names (TRL's transformers backend), and
+# vLLM's `stop` for stop_strings (with either backend the token ids TRL
+# trains on keep the stop string)
 GENERATION_KWARGS = {
     "temperature": "temperature",
     "top_k": "top_k",
@@ -203,7 +204,7 @@ GENERATION_KWARGS_REFUSED = {
 
 
 def generation_settings(generation_kwargs) -> dict:
-    """TRL's generation_kwargs -> generate's keyword arguments, for the
+    """TRL's generation_kwargs -> Sampling's fields and processors' arguments, for the
     keys of GENERATION_KWARGS (None = off; stop and stop_strings: all of
     them; do_sample=True and num_beams=1, plain sampling, set nothing).
     ValueError naming a refused key and why, an unknown key and the keys
@@ -243,7 +244,7 @@ def _ok_list(key, value, kind):
 
 
 def _check_setting(key, name, value):
-    """ValueError if generation_kwargs[key] (generate's `name`) is invalid."""
+    """ValueError if generation_kwargs[key] (the setting `name`) is invalid."""
     where = f"generation_kwargs[{key!r}]"
     if name == "stop_strings":
         need(all(value), where, value, "stop strings must be non-empty")
@@ -263,12 +264,12 @@ def _check_setting(key, name, value):
             raise ValueError(f"generation_kwargs: {e}") from None
 
 
-def sampling_kwargs(cfg, tok=None, kernels=None) -> dict:
-    """The sampler settings of a TrainConfig, as `generate` takes them: the sampling fields, then
+def sampling_of(cfg, tok, kernels=None) -> Sampling:
+    """The sampler settings of a TrainConfig, as a sampler.Sampling: the sampling fields, then
     generation_kwargs over them (TRL's order: its keys win; suppress_tokens, min_new_tokens and
-    stop strings as `processors`). Stop strings are matched on `tok.decode` of the generated ids,
-    so they need `tok`. kernels (trainer.Kernels): the draw and the decoder; None = the course's
-    sample_next_token and eager Decoder.
+    stop strings as `processors`), and the tokenizer's stop ids, pad id and vocabulary. Stop
+    strings are matched on `tok.decode` of the generated ids. kernels (trainer.Kernels): the draw
+    and the decoder; None = the course's sample_next_token and eager Decoder.
     """
     settings = dict(
         max_new_tokens=cfg.max_completion_length,
@@ -277,6 +278,9 @@ def sampling_kwargs(cfg, tok=None, kernels=None) -> dict:
         top_p=cfg.top_p,
         min_p=cfg.min_p or 0.0,
         repetition_penalty=cfg.repetition_penalty,
+        stop_ids=tok.eos_token_ids,
+        pad_id=tok.pad_token_id,
+        vocab_size=tok.vocab_size,
     )
     if kernels is not None:
         settings.update(sample_token=kernels.sample_token, decoder=kernels.decoder)
@@ -284,12 +288,5 @@ def sampling_kwargs(cfg, tok=None, kernels=None) -> dict:
     names = ("suppress_tokens", "min_new_tokens", "stop_strings")
     limits = {k: settings.pop(k) for k in names if k in settings}
     if limits.get("stop_strings"):
-        if tok is None:
-            raise ValueError(
-                "generation_kwargs' stop strings need the tokenizer: sampling_kwargs(cfg, tok)"
-            )
         limits["decode"] = tok.decode
-    made = processors(**limits)
-    if made is not None:
-        settings["processors"] = made
-    return settings
+    return Sampling(**settings, processors=processors(**limits))

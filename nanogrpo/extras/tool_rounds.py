@@ -1,8 +1,9 @@
 """Tool rounds (TRL's `tools=` and `_tool_call_loop`): completions that call tools continue.
 
 Owns: `ToolTurns` (what rollout.rollout takes as `turns`: each completion's
-tools and their schemas, and `play`, the tool rounds on the sampler's first
-turn), `ToolRows` (the batch's rows as they grow), `continue_with_tools`
+tools and their schemas, the `ToolRules` the rounds follow, and `play`, the
+tool rounds on the sampler's first turn), `tool_rules` (a TrainConfig's),
+`ToolRows` (the batch's rows as they grow), `continue_with_tools`
 (parse each completion's tool calls, run them, append the results and
 sample again, round after round) and `pad_tool_rows` (the rows of
 different lengths it leaves, as the [n,C] tensors a Rollout holds,
@@ -25,7 +26,7 @@ Choices, as TRL's:
   tool-result ids are 0.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,14 +42,35 @@ from nanogrpo.extras.tools import (
 from nanogrpo.sampler import Generation, generate
 
 
+@dataclass(frozen=True)
+class ToolRules:
+    """How the tool rounds run: TrainConfig's fields of these names, with its defaults."""
+
+    # how calls are written in the text: hermes, qwen3_5, or auto (the chat template's form)
+    tool_call_format: str = "auto"
+    max_tool_calling_iterations: int | None = None  # tool rounds per completion; None: unbounded
+    tool_timeout: float = 30.0  # seconds an async tool may run before its result is an error
+
+
+def tool_rules(cfg) -> ToolRules:
+    """A TrainConfig's rules of the tool rounds."""
+    return ToolRules(
+        tool_call_format=cfg.tool_call_format,
+        max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+        tool_timeout=cfg.tool_timeout,
+    )
+
+
 @dataclass
 class ToolTurns:
     """The tool rounds of a rollout: `tools`, {name: function} of every completion or one per
-    completion (an environment's methods with the config's tools), and their JSON schemas
-    (`schemas`: one list for all, or one per completion; None = the tools' own)."""
+    completion (an environment's methods with the config's tools), their JSON schemas
+    (`schemas`: one list for all, or one per completion; None = the tools' own), and the `rules`
+    the rounds follow."""
 
     tools: dict | list[dict]
     schemas: list | None = None
+    rules: ToolRules = field(default_factory=ToolRules)
 
     def __post_init__(self):
         if self.schemas is None and isinstance(self.tools, dict):
@@ -58,11 +80,11 @@ class ToolTurns:
         """[n] the schemas each completion's prompt is rendered with."""
         return self.schemas if isinstance(self.tools, list) else [self.schemas] * n
 
-    def play(self, model, tok, cfg, first, *, prompt_of, generator, settings):
+    def play(self, model, tok, first, *, prompt_of, generator, settings):
         """The tool rounds after the sampler's first turn, `first` = (a sampler.Generation, its
-        rows' ids, their texts). prompt_of[r]: row r's prompt ids; settings: generate's keyword
-        arguments. -> (the whole completions as a Generation, tool-result ids 0 in its mask; their
-        message lists; {turns, tool_calls, tool_failures}, each [n] long)."""
+        rows' ids, their texts). prompt_of[r]: row r's prompt ids; settings: the first turn's
+        sampler.Sampling. -> (the whole completions as a Generation, tool-result ids 0 in its
+        mask; their message lists; {turns, tool_calls, tool_failures}, each [n] long)."""
         out, token_ids, texts = first
         rows = ToolRows(
             ids=token_ids,
@@ -71,7 +93,7 @@ class ToolTurns:
             truncated=out.truncated.tolist(),
         )
         more = dict(prompt_of=prompt_of, generator=generator, settings=settings)
-        continue_with_tools(model, tok, cfg, rows, tools=self.tools, **more)
+        continue_with_tools(model, tok, rows, self, **more)
         whole, counts = pad_tool_rows(rows, tok.pad_token_id, out.completion_ids.device)
         return whole, rows.messages, counts
 
@@ -93,14 +115,18 @@ class ToolRows:
     failures: list[int] | None = None  # of which failed
 
 
-def continue_with_tools(model, tok, cfg, rows: ToolRows, *, tools, prompt_of, generator, settings):
+def continue_with_tools(
+    model, tok, rows: ToolRows, turns: ToolTurns, *, prompt_of, generator, settings
+):
     """The tool rounds (TRL's `_tool_call_loop`) on `rows`, extended in place (ids, logps,
-    truncated) and filled in (masks, messages, calls, failures). prompt_of[r]: row r's prompt
-    ids; tools: {name: function} of every row, or one per row; settings: generate's keyword
-    arguments (generation_kwargs.sampling_kwargs)."""
+    truncated) and filled in (masks, messages, calls, failures), with the tools and rules of
+    `turns`. prompt_of[r]: row r's prompt ids; settings: the first turn's sampler.Sampling
+    (generation_kwargs.sampling_of), whose max_new_tokens (max_completion_length) bounds the
+    whole completion."""
     ids, logps, texts, truncated = rows.ids, rows.logps, rows.texts, rows.truncated
-    M, limit = cfg.max_completion_length, model.config.max_position_embeddings
-    parser = parser_for(cfg.tool_call_format, tok.chat_template)
+    tools, rules = turns.tools, turns.rules
+    M, limit = settings.max_new_tokens, model.config.max_position_embeddings
+    parser = parser_for(rules.tool_call_format, tok.chat_template)
 
     def parse(text, r):  # -> (content, calls), arguments typed by row r's tools' schemas
         content, row_calls = parser(text)
@@ -113,11 +139,10 @@ def continue_with_tools(model, tok, cfg, rows: ToolRows, *, tools, prompt_of, ge
     num_calls, num_failed = [0] * len(ids), [0] * len(ids)  # per row
     rounds = 0
     active = [r for r in range(len(ids)) if calls[r]]
-    while active and (
-        cfg.max_tool_calling_iterations is None or rounds < cfg.max_tool_calling_iterations
-    ):
+    most = rules.max_tool_calling_iterations
+    while active and (most is None or rounds < most):
         row_tools = tools if isinstance(tools, dict) else [tools[r] for r in active]
-        results = run_tools([calls[r] for r in active], row_tools, cfg.tool_timeout)
+        results = run_tools([calls[r] for r in active], row_tools, rules.tool_timeout)
         going = []
         for r, row_results in zip(active, results):
             num_calls[r] += len(row_results)
@@ -145,16 +170,7 @@ def continue_with_tools(model, tok, cfg, rows: ToolRows, *, tools, prompt_of, ge
             generator=generator,
             device=generator.device if generator is not None else "cpu",
         ).tolist()
-        out = generate(
-            model,
-            contexts,
-            num_samples=1,
-            stop_ids=tok.eos_token_ids,
-            pad_id=tok.pad_token_id,
-            seeds=seeds,
-            vocab_size=tok.vocab_size,
-            **{**settings, "max_new_tokens": max_new},
-        )
+        out = generate(model, contexts, replace(settings, max_new_tokens=max_new), seeds=seeds)
         new_ids, new_texts = tok.decode_completions(out.completion_ids, out.completion_mask)
         new_truncated = out.truncated.tolist()  # one device-to-host transfer
         new_logps = out.logprobs.tolist()  # [len(going)][C'], and one more transfer

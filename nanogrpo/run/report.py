@@ -283,7 +283,7 @@ PROGRESS_INTERVAL = 1.0  # seconds between two redraws of the status line
 class Progress:
     """A status line on a terminal, so that long work is never silent:
     while sampling, the decode position and tokens/s (the object is
-    generate's `progress` callback); after a step that prints no line,
+    sampler.on_decode_step); after a step that prints no line,
     the step, tokens/s and ETA. Redrawn in place (a carriage return) at
     most every PROGRESS_INTERVAL seconds; `where()` -> the text it
     starts with ("step 3/200 | eta 1.2 min | ")."""
