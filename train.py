@@ -34,10 +34,9 @@ from nanogrpo.extras.loss_terms import (
     grpo_step_with_terms,
     update_entropy_coef,
 )
-from nanogrpo.extras.trainer_info import RewardLogs, reward_kwargs, trainer_state_of
 from nanogrpo.grpo import LossInputs, LossScale, group_advantages, grpo_step, sampler_correction
 from nanogrpo.logprobs import frozen_logprobs, sync_ref_model
-from nanogrpo.rewards import score_rollout
+from nanogrpo.rewards import RewardLogs, score_rollout
 from nanogrpo.rollout import Rollout, rollout
 from nanogrpo.run import report
 from nanogrpo.run.config import TrainConfig
@@ -96,7 +95,7 @@ def sample(t: Trainer, rows: list[dict], copies: int, generator) -> Rollout:
 def reward_rollout(ro: Rollout, reward_funcs, t=None, logs=None) -> torch.Tensor:
     """rewards.score_rollout, with t: TRL's trainer_state, log_metric and log_extra (logging into
     `logs`, or nowhere). -> [n, K] fp32, NaN = unscored."""
-    extras = None if t is None else reward_kwargs(trainer_state_of(t), logs or RewardLogs())
+    extras = None if t is None else (logs or RewardLogs()).reward_kwargs(t.state)
     return score_rollout(ro, reward_funcs, extras)
 
 
@@ -164,15 +163,15 @@ def micro_batches(t: Trainer, ro: Rollout, rnd: int) -> list[tuple]:
 
 def optimizer_step(t: Trainer, micro) -> dict:
     """One optimizer step over `micro`, GA (Rollout, row indices) pairs (from one round or several).
-    -> loss metrics over the step's micro-batches (report.across_micro_batches)."""
+    -> the step's record: grad_norm, and each micro-batch's loss and loss metrics (0-dim tensors)
+    with its completion mask, which report.step_metrics reads after the cycle."""
     GA = len(micro)
     terms = t.loss_terms  # the options around the loss (extras/loss_terms.py), or None
     bonus = terms is not None and terms.bonus_on()
     # every micro-batch of the step applies the coefficient of the last one
     coef = applied_entropy_coef(terms, t.entropy_coef, t.last_entropy) if bonus else None
-    window = torch.zeros(2, dtype=torch.float64, device=t.info.device)
-    values = {}  # metric -> [(value, weight)] of each micro-batch
-    losses = []  # each micro-batch's loss, detached
+    window = torch.zeros(2, dtype=torch.float64, device=t.info.device) if bonus else None
+    micro_batches, losses = [], []  # each one's (metrics, completion mask) and loss, detached
     for k, (ro, idx) in enumerate(micro):
         dist.gradient_sync(t.model, enabled=(k == GA - 1))
         with t.autocast:
@@ -215,17 +214,11 @@ def optimizer_step(t: Trainer, micro) -> dict:
         losses.append(loss.detach())
         if bonus:  # the adaptive control's [entropy sum, token count]
             window += entropy_window(inputs.entropies, inputs.completion_mask, terms)
-        weights = report.micro_batch_weights(ro.completion_mask[idx], t.loss_cfg)
-        for key, value in (sampling_metrics | metrics).items():
-            values.setdefault(key, []).append((value, weights.get(key, 1.0)))
+        micro_batches.append((sampling_metrics | metrics, ro.completion_mask[idx]))
     grad_norm = dist.clip_grad_norm(t.model, t.cfg.max_grad_norm or 0.0)
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
-    # the step's one read of its metrics (a float() each would wait each time)
-    values, losses = report.read_floats((values, losses))
-    out = report.across_micro_batches(values, t.info)
-    out["loss"] = sum(losses, 0.0)  # added in order, as a running total
-    out["grad_norm"] = grad_norm
+    out = dict(micro_batches=micro_batches, losses=losses, grad_norm=grad_norm)
     if bonus and terms.use_adaptive_entropy:
         update_entropy_coef(t, window)
     if bonus:
@@ -273,7 +266,7 @@ def sample_round(t: Trainer, rnd: int) -> tuple[Rollout, dict]:
     logs = RewardLogs()  # what the reward functions log
     # a stop inside drops the round at once (nanogrpo/run/); the parameters
     # are gathered first, so that nothing inside waits on another rank
-    with dist.gathered(t.model), run.abandonable():
+    with dist.gathered(t.model), dist.local_work(info):
         ro = sample(t, rows, copies, generator)
         t1 = time.time()
         local = reward_rollout(ro, t.reward_funcs, t, logs)  # [n, K]
@@ -290,7 +283,7 @@ def sample_round(t: Trainer, rnd: int) -> tuple[Rollout, dict]:
     t2 = time.time()
     if t.sched.off_policy:  # the policy moves before some update
         ro.old_logps, _ = frozen(t.model, ro, t)
-    elif cfg.vllm_importance_sampling_correction and lora.has_dropout(t.model):
+    elif cfg.vllm_importance_sampling_correction and t.drops_adapter_inputs:
         # the update's forward drops adapter inputs, the sampler's did not:
         # the correction compares the sampler with the policy it ran
         ro.trainer_logps, _ = frozen(t.model, ro, t)
@@ -351,7 +344,7 @@ def evaluate(t: Trainer) -> dict:
     generator.manual_seed(round_seed(t.cfg, 0, info.rank, salt=17))
     G = t.cfg.num_generations_eval or t.cfg.num_generations
     logs = RewardLogs()  # what the reward functions log
-    with dist.gathered(t.model), run.abandonable():  # as in sample_round
+    with dist.gathered(t.model), dist.local_work(info):  # as in sample_round
         ro = sample(t, rows, G, generator)
         local = reward_rollout(ro, t.reward_funcs, t, logs).to(info.device)  # [n, K]
     rewards = dist.all_gather_rows(local, info)[: num_rows * G]  # [E*G, K]

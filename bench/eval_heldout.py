@@ -43,6 +43,7 @@ def main(argv=None):
     from nanogrpo.extras.reward_funcs import resolve_reward_funcs
     from nanogrpo.extras.tool_rounds import ToolTurns, tool_rules
     from nanogrpo.extras.tools import resolve_tools
+    from nanogrpo.extras.trainer_info import trainer_state_of
     from nanogrpo.run.configurator import load_config
     from nanogrpo.tokenizer import Tokenizer
 
@@ -100,6 +101,7 @@ def main(argv=None):
         loss_terms=None,
         ref=None,
     )
+    t.state = trainer_state_of(t)
     if ours.completions:  # evaluate's rollout, written out as it is scored
         score = train.reward_rollout
 

@@ -2,7 +2,8 @@
 outputs into one [N, K] reward matrix.
 
 Owns: `score_rollout` and `score_completions` (TRL's calling convention, async functions
-awaited together, outputs checked) and `RewardError`.
+awaited together, outputs checked), `RewardLogs` (what the functions log with TRL's log_metric
+and log_extra, and the keyword arguments TRL adds) and `RewardError`.
 
 Left out, and where it lives: turning config entries into functions (a built-in's name,
 "module:function", "file.py:function", a reward model) and checking the dataset's columns
@@ -25,10 +26,35 @@ import asyncio
 import inspect
 import math
 import numbers
+from dataclasses import dataclass, field
 
 import torch
 
 from nanogrpo.data import columns_of
+
+
+@dataclass
+class RewardLogs:
+    """What reward functions logged in one round: `metrics` (log_metric: name -> every value
+    logged, over every call; the step's record takes each name's mean, as TRL logs it) and
+    `columns` (log_extra: column -> values per completion, of the latest call)."""
+
+    metrics: dict = field(default_factory=dict)
+    columns: dict = field(default_factory=dict)
+
+    def reward_kwargs(self, trainer_state) -> dict:
+        """The keyword arguments TRL 1.16 adds for reward functions: trainer_state (the run's
+        extras/trainer_info.py TrainerState), log_metric and log_extra, logging here. With dynamic
+        sampling log_metric's values include every draw's call (TRL logs what reward functions
+        report each time they are called); log_extra's columns are of this call's completions:
+        this call empties `columns`. log_extra(column, values): TRL appends, but its table keeps
+        one batch of rows: a second call's values are the ones shown, as here."""
+        self.columns = {}
+        log_extra = self.columns.__setitem__
+        return dict(trainer_state=trainer_state, log_metric=self.log_metric, log_extra=log_extra)
+
+    def log_metric(self, name, value):
+        self.metrics.setdefault(name, []).append(float(value))
 
 
 class RewardError(RuntimeError):

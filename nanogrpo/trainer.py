@@ -38,6 +38,7 @@ from nanogrpo.extras.lr_schedules import lr_lambda, warmup_length
 from nanogrpo.extras.reward_funcs import check_names, check_reward_columns, resolve_reward_funcs
 from nanogrpo.extras.tool_rounds import ToolTurns, tool_rules
 from nanogrpo.extras.tools import resolve_tools, tool_schema
+from nanogrpo.extras.trainer_info import TrainerState, trainer_state_of
 from nanogrpo.grpo import LossConfig
 from nanogrpo.logprobs import policy_logprobs, token_logprobs
 from nanogrpo.run.config import ConfigError, TrainConfig
@@ -99,6 +100,10 @@ class Trainer:
     # the config's rollout_func, resolved (extras/custom_rollout.py), or None
     rollout_func: object = None
     kernels: Kernels = field(default_factory=Kernels)  # sampling and scoring: train.kernels
+    # whether the update's forward drops LoRA adapter inputs (lora_dropout > 0), the sampler's not
+    drops_adapter_inputs: bool = False
+    # transformers' TrainerState of the run, live (extras/trainer_info.py): reward functions get it
+    state: TrainerState | None = None
 
 
 def load_policy(path, cfg: TrainConfig, info, lora_settings=None):
@@ -144,6 +149,8 @@ def make_optimizer(model, cfg: TrainConfig, info):
         fused=fused,
     )
     warmup = warmup_length(cfg.max_steps, cfg.warmup_steps, cfg.warmup_ratio)
+    if cfg.lr_scheduler_type == "constant" and warmup == 0:  # the rate never moves
+        return optimizer, torch.optim.lr_scheduler.ConstantLR(optimizer, 1.0, total_iters=0)
     multiplier = lr_lambda(
         cfg.lr_scheduler_type, warmup, cfg.max_steps, cfg.learning_rate, cfg.lr_scheduler_kwargs
     )
@@ -200,7 +207,7 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None, given=Given())
     cfg = cfg.with_total_steps(cfg.total_steps(len(rows), info.world_size))
     optimizer, scheduler = make_optimizer(model, cfg, info)
     loss_cfg, terms = loss_settings(**cfg.loss_config())
-    return Trainer(
+    t = Trainer(
         cfg=cfg,
         info=info,
         sched=sched,
@@ -224,7 +231,10 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None, given=Given())
         environments=envs,
         rollout_func=resolve_rollout_func(cfg.rollout_func),
         kernels=kernels,
+        drops_adapter_inputs=lora.has_dropout(model),
     )
+    t.state = trainer_state_of(t)
+    return t
 
 
 def check_context(cfg: TrainConfig, model):

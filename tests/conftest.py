@@ -126,3 +126,14 @@ def forbid_unpickling(monkeypatch):
     for name in ("load", "loads", "Unpickler"):
         monkeypatch.setattr(pickle, name, no_pickle)
     monkeypatch.setattr(torch, "load", no_pickle)
+
+
+def optimizer_step(t, micro):
+    """train.optimizer_step's record with its loss metrics read (report.step_metrics), as the run
+    logs it."""
+    import train
+    from nanogrpo.run.report import step_metrics
+
+    record = train.optimizer_step(t, micro)
+    record.update(step_metrics(record, t))
+    return record

@@ -10,6 +10,7 @@ import sys
 import warnings
 from contextlib import nullcontext
 
+import conftest
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -44,7 +45,6 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
     one optimizer step on this rank's share of a fixed global batch, save
     the full weights from rank 0."""
     join_group(rank, world_size, port)
-    import train
     from nanogrpo import distributed as dist
     from nanogrpo.checkpoint import load_model
 
@@ -122,7 +122,7 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
         entropy_coef=terms.entropy_coef,
         last_entropy=0.0,
     )  # at or below the target: the bonus applies
-    metrics = train.optimizer_step(t, [(local, idx) for idx in micro])
+    metrics = conftest.optimizer_step(t, [(local, idx) for idx in micro])
     state = dist.full_state_dict(model)
     if info.is_main:
         torch.save(
@@ -317,7 +317,7 @@ def spanning_step(rank, world_size, port, out_path):
         advantages=advantages,
         num_items=dist.all_reduce_sum(mask[mine].sum(), info),
     )
-    metrics = train.optimizer_step(t, [(ro, torch.arange(n))])
+    metrics = conftest.optimizer_step(t, [(ro, torch.arange(n))])
     all_advantages = dist.all_gather_rows(advantages, info)
     state = dist.full_state_dict(model)
     if info.is_main:

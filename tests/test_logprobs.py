@@ -4,6 +4,7 @@ plain definition in logprobs.py, values and gradients, in float64 on a tiny rand
 
 import os
 
+import conftest
 import pytest
 import torch
 from conftest import GEMMA3, QWEN3_5, RecordOps, fixture_path, tiny_config
@@ -655,7 +656,6 @@ def masked_rank_step(rank, world_size, port, out_path):
 
     from test_dist import join_group
 
-    import train
     from nanogrpo import distributed as dist, fast
     from nanogrpo.fast import logprobs
     from nanogrpo.grpo import LossConfig
@@ -708,7 +708,7 @@ def masked_rank_step(rank, world_size, port, out_path):
         entropy_coef=0.0,
         last_entropy=0.0,
     )
-    metrics = train.optimizer_step(t, [(ro, idx) for idx in micro])
+    metrics = conftest.optimizer_step(t, [(ro, idx) for idx in micro])
     state = dist.full_state_dict(model)
     if info.is_main:
         torch.save({"state": state, "grad_norm": metrics["grad_norm"]}, out_path)

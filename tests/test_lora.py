@@ -8,6 +8,7 @@ import subprocess
 import sys
 from contextlib import nullcontext
 
+import conftest
 import pytest
 import torch
 from conftest import FIXTURES, QWEN3_5, ROOT, fixture_path, tiny_config
@@ -145,7 +146,6 @@ def test_reference_logprobs_with_adapters_off_are_the_base_models():
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
-    import train
     from nanogrpo import distributed as dist
     from nanogrpo.grpo import LossConfig
     from nanogrpo.rollout import Rollout
@@ -201,7 +201,7 @@ def test_a_step_changes_only_adapters_and_modules_to_save(checkpointing):
         entropy_coef=0.0,
         last_entropy=float("inf"),
     )
-    m = train.optimizer_step(t, [(ro, idx) for idx in micro])
+    m = conftest.optimizer_step(t, [(ro, idx) for idx in micro])
     after = model.state_dict()
     changed = {k for k in after if not torch.equal(after[k], before[k])}
     adapters = {k for k in after if ".lora_" in k}

@@ -385,6 +385,8 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
     import contextlib
     from types import SimpleNamespace
 
+    from nanogrpo.extras.trainer_info import trainer_state_of
+
     t = SimpleNamespace(
         model=torch.nn.Linear(1, 1),
         tok=None,
@@ -403,6 +405,7 @@ def test_eval_reward_excludes_unscored_rows_like_training(monkeypatch):
         prompts=SimpleNamespace(rows=[{"prompt": "a"}]),  # for trainer_state
         step=0,
     )
+    t.state = trainer_state_of(t)
     m = train.evaluate(t)
     assert m["eval/reward"] == 1.0
 

@@ -563,7 +563,7 @@ def test_an_error_while_sampling_or_scoring_gives_the_model_its_training_mode_ba
         seen.append(trainer_state.global_step)
         return [1.0] * len(completions)
 
-    monkeypatch.setattr(train, "trainer_state_of", lambda t: SimpleNamespace(global_step=7))
+    t.state = SimpleNamespace(global_step=7)
     monkeypatch.setattr(train, "score_rollout", score_rollout)
     ro = SimpleNamespace(
         num_generations=1,

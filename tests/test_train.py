@@ -6,6 +6,7 @@ import math
 import os
 import re
 
+import conftest
 import pytest
 import torch
 
@@ -855,7 +856,7 @@ def test_rows_without_advantage_skip_the_backward_and_change_nothing(loss_type, 
                     )[0]
             if skip:
                 t = trainer_for(model, optimizer, cfg, (loss_cfg, terms))
-                history.append(train.optimizer_step(t, [(ro, idx) for idx in micro]))
+                history.append(conftest.optimizer_step(t, [(ro, idx) for idx in micro]))
             else:
                 sums = {}
                 for idx in micro:  # the plain loop: every row with its gradient
@@ -1246,7 +1247,7 @@ def test_an_entropy_bonus_alone_moves_the_entropy_its_way(coef):
         return (ent * ro.completion_mask).sum() / ro.completion_mask.sum()
 
     before = mean_entropy()
-    metrics = train.optimizer_step(
+    metrics = conftest.optimizer_step(
         trainer_for(model, optimizer, cfg, loss_cfg), [(ro, idx) for idx in micro]
     )
     after = mean_entropy()
@@ -1322,7 +1323,7 @@ def test_sampling_metrics_are_over_the_whole_step_as_trl(mode):
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     t = trainer_for(model, optimizer, cfg, loss_cfg)
-    m = train.optimizer_step(t, [(ro, torch.tensor([0])), (ro, torch.tensor([1]))])
+    m = conftest.optimizer_step(t, [(ro, torch.tensor([0])), (ro, torch.tensor([1]))])
     assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(0.25, rel=1e-6)
     assert m["sampling/sampling_logp_difference/max"] == pytest.approx(1.0, rel=1e-6)
     e = math.exp(1.0)

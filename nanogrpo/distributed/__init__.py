@@ -4,8 +4,9 @@ Owns: process-group setup from torchrun's environment (nccl on CUDA, gloo on
 CPU), sharding the model with PyTorch's own FSDP2 (`fully_shard` on each
 block, then the root), filling a sharded model from rank 0's full state dict
 and gathering one back, gathering parameters once for a whole sampling phase,
-the collectives the trainer needs, and what a failed collective means (a rank
-that stopped answering or is gone: collective_failure, tell_peers).
+the collectives the trainer needs, what a failed collective means (a rank
+that stopped answering or is gone: collective_failure, tell_peers), and
+`local_work`, which all ranks leave together when a stop signal asks them to.
 
 With one process (no torchrun) every function here degrades to a plain no-op
 or identity: the trainer calls the same functions either way, and the model is
@@ -158,6 +159,45 @@ def barrier():
     """Wait for every rank."""
     if dist.is_initialized():
         dist.barrier()
+
+
+# A stop asked for by a signal (its number; 0 = none), whether local_work is running, and what
+# tells whether the work in flight may then be dropped (None: no one handles stops: nanogrpo/run/
+# sets all three while a run runs)
+stop_request = {"signum": 0, "inside": False, "droppable": None}
+
+
+class Dropped(KeyboardInterrupt):
+    """A stop inside `local_work`: the work in flight is dropped, on every rank together. A
+    KeyboardInterrupt, so that what passes Ctrl-C through (asyncio's tasks, `except Exception`)
+    passes it through too."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def local_work(info: DistInfo):
+    """Around work each rank does alone (sampling and scoring a round; no collective inside: a
+    rank may leave it at any point). A stop signal's handler may raise Dropped inside it, at once;
+    at its exit every rank learns whether any was asked to stop (one small all-reduce), and if
+    one was and the work may be dropped (stop_request["droppable"]()), all raise Dropped
+    together. Where no one handles stops it does nothing."""
+    if stop_request["droppable"] is None:
+        yield
+        return
+    try:
+        stop_request["inside"] = True
+        try:
+            yield
+        finally:
+            stop_request["inside"] = False
+    except Dropped:
+        pass  # the ranks agree below
+    signum = max_over_ranks(stop_request["signum"], info)
+    if signum and stop_request["droppable"]():
+        raise Dropped(signum)
 
 
 def max_over_ranks(value: int, info: DistInfo) -> int:

@@ -1,12 +1,11 @@
 """What TRL 1.16 hands reward functions beside the completions: the run's progress
 (`trainer_state`) and two ways to log from inside a function (`log_metric`, `log_extra`).
 
-Owns: `TrainerState` (transformers' TrainerState, field for field), `trainer_state_of`, which
-fills one from trainer.py's Trainer as it scores a round, `epochs_done` (its `epoch`),
-`RewardLogs` (what the functions logged in one round) and `reward_kwargs` (the three keyword
-arguments). Reward functions receive them
-from train.py's `reward_rollout`, a rollout_func the state as `trainer.state`
-(extras/custom_rollout.py).
+Owns: `TrainerState` (transformers' TrainerState, field for field), `LiveTrainerState` and
+`trainer_state_of`, the one trainer.py's setup builds for its Trainer (`t.state`: global_step
+and epoch follow the run), and `epochs_done` (its `epoch`). Reward functions receive it from
+train.py's `reward_rollout` (with rewards.py's RewardLogs' log_metric and log_extra), a
+rollout_func as `trainer.state` (extras/custom_rollout.py).
 
 Does not know about: reward functions or how they are called (rewards.py), the model, the
 optimizer, the run's logged metrics (run.Run holds them: `log_history` stays empty), or
@@ -23,7 +22,7 @@ Choices:
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 from nanogrpo.schedules import micro_batches_per_epoch, steps_per_epoch
 
@@ -69,50 +68,41 @@ def epochs_done(cfg, step: int, num_prompts: int, world_size: int = 1) -> float:
     return whole + into / per_epoch
 
 
+class LiveTrainerState(TrainerState):
+    """The TrainerState of trainer.py's Trainer `t` as it trains, as TRL hands its trainer's own
+    `state`: global_step and epoch are read from t each time; the rest is fixed for the run.
+    log_history stays empty: the run's logged metrics live in run.Run."""
+
+    def __init__(self, t):
+        self._t = t
+        cfg, info = t.cfg, t.info
+        updates = steps_per_epoch(cfg, len(t.prompts.rows), info.world_size)
+        fixed = dict(
+            max_steps=cfg.max_steps,
+            logging_steps=cfg.logging_steps,
+            eval_steps=cfg.eval_steps or cfg.logging_steps,
+            save_steps=cfg.save_steps,
+            train_batch_size=cfg.per_device_train_batch_size,
+            num_train_epochs=math.ceil(cfg.max_steps / updates),
+            is_local_process_zero=info.local_rank == 0,
+            is_world_process_zero=info.rank == 0,
+        )
+        for f in fields(TrainerState):
+            if f.name not in ("global_step", "epoch"):
+                default = f.default_factory() if f.default is MISSING else f.default
+                setattr(self, f.name, fixed.get(f.name, default))
+
+    @property
+    def global_step(self) -> int:
+        return self._t.step
+
+    @property
+    def epoch(self) -> float:
+        t = self._t
+        return epochs_done(t.cfg, t.step, len(t.prompts.rows), t.info.world_size)
+
+
 def trainer_state_of(t) -> TrainerState:
-    """The TrainerState of trainer.py's Trainer `t` as it scores a round. log_history stays empty:
-    the run's logged metrics live in run.Run, which the trainer does not hold."""
-    cfg = t.cfg
-    num_prompts = len(t.prompts.rows)
-    world_size = t.info.world_size
-    return TrainerState(
-        epoch=epochs_done(cfg, t.step, num_prompts, world_size),
-        global_step=t.step,
-        max_steps=cfg.max_steps,
-        logging_steps=cfg.logging_steps,
-        eval_steps=cfg.eval_steps or cfg.logging_steps,
-        save_steps=cfg.save_steps,
-        train_batch_size=cfg.per_device_train_batch_size,
-        num_train_epochs=math.ceil(cfg.max_steps / steps_per_epoch(cfg, num_prompts, world_size)),
-        is_local_process_zero=t.info.local_rank == 0,
-        is_world_process_zero=t.info.rank == 0,
-    )
-
-
-@dataclass
-class RewardLogs:
-    """What reward functions logged in one round: `metrics` (log_metric: name -> every value
-    logged, over every call; the step's record takes each name's mean, as TRL logs it) and
-    `columns` (log_extra: column -> values per completion, of the latest call)."""
-
-    metrics: dict = field(default_factory=dict)
-    columns: dict = field(default_factory=dict)
-
-
-def reward_kwargs(state: TrainerState, logs: RewardLogs) -> dict:
-    """The keyword arguments TRL 1.16 adds for reward functions. With dynamic sampling
-    log_metric's values include every draw's call, the dropped groups' too (TRL logs what reward
-    functions report each time they are called); log_extra's columns are of this call's
-    completions (train.py then keeps the kept ones'): this call empties `logs.columns`."""
-    logs.columns = {}
-
-    def log_metric(name, value):
-        logs.metrics.setdefault(name, []).append(float(value))
-
-    return {
-        "trainer_state": state,
-        "log_metric": log_metric,
-        # log_extra(column, values): TRL appends, but its table keeps one batch of rows: a
-        # second call's values are the ones shown, as here
-        "log_extra": logs.columns.__setitem__,
-    }
+    """The TrainerState of trainer.py's Trainer `t`, live (LiveTrainerState): setup builds it once
+    as `t.state`."""
+    return LiveTrainerState(t)

@@ -48,7 +48,6 @@ from nanogrpo.run.stops import (  # noqa: F401
     Abandoned,
     RankFailure,
     Stopped,
-    abandonable,
     saving_on_stop,
     signalled,
     stop_if_signalled,

@@ -67,6 +67,22 @@ def _with_floats(tree, floats):
     return tree
 
 
+def step_metrics(record: dict, t) -> dict:
+    """An optimizer step's loss metrics as TRL logs them, from train.optimizer_step's record
+    (whose micro_batches and losses it takes out): read from the device at once (a float() each
+    would wait each time), each metric over the micro-batches and ranks (across_micro_batches),
+    `loss` the micro-batches' sum, added in order as a running total. t: trainer.py's Trainer."""
+    values = {}  # metric -> [(value, weight)] of each micro-batch
+    for metrics, mask in record.pop("micro_batches"):
+        weights = micro_batch_weights(mask, t.loss_cfg)
+        for key, value in metrics.items():
+            values.setdefault(key, []).append((value, weights.get(key, 1.0)))
+    values, losses = read_floats((values, record.pop("losses")))
+    out = across_micro_batches(values, t.info)
+    out["loss"] = sum(losses, 0.0)
+    return out
+
+
 def across_micro_batches(values: dict, info) -> dict:
     """One step's metrics from its micro-batches' values, {key: [(value,
     weight)]}: the smallest of a /min, the largest of a /max, else the

@@ -38,6 +38,7 @@ from nanogrpo.run.metrics import (  # noqa: F401 (the names train.py and the tes
     micro_batch_weights,
     read_floats,
     shown_samples,
+    step_metrics,
     tool_metrics,
 )
 
@@ -444,6 +445,8 @@ def add_round_metrics(run, t, rounds: list[dict], records):
     Each record also gets TRL's `epoch` at its step. Also checks the
     rewards and keeps a few samples."""
     info = t.info
+    for m in records:  # the steps' loss metrics, read from the device at once
+        m.update(step_metrics(m, t))
     checks = {}  # check_rewards' numbers, of the last round
     gens = [generation_metrics(t, s["ro"], s["rewards"], checks) for s in rounds]
     gen = {k: sum(g[k] for g in gens) / len(gens) for k in gens[0]}

@@ -1,6 +1,7 @@
 """Stopping: Ctrl-C or SIGTERM stops every rank where the same cycle ends or, while a round
-samples before the cycle's first step, at once (`abandonable`: the round is dropped); an error on
-one of several ranks is told to the others and named in one line (`RankFailure`).
+samples before the cycle's first step, at once (distributed's local_work: the round is
+dropped); an error on one of several ranks is told to the others and named in one line
+(`RankFailure`).
 
 Does not know about: the GRPO math, sampling, or log-probs.
 """
@@ -21,7 +22,7 @@ from nanogrpo.run.saving import current_step, resume_command, save, save_on_stop
 @contextmanager
 def saving_on_stop(run: Run, t):
     """Inside: Ctrl-C (SIGINT) or SIGTERM stops the run at once while it
-    samples or scores before the cycle's first step (abandonable: the
+    samples or scores before the cycle's first step (local_work: the
     round is dropped, the last step saved), else where the cycle ends
     (on_stop_signal, stop_if_signalled; in the last cycle the run ends as
     usual); a second Ctrl-C stops at once (save_on_stop keeps what is
@@ -32,7 +33,7 @@ def saving_on_stop(run: Run, t):
     previous = catch_stop_signals(run, t)
     try:
         yield
-    except Abandoned as e:  # every rank together (abandonable's exit)
+    except Abandoned as e:  # every rank together (local_work's exit)
         stop(run, t, e.signum)
     except KeyboardInterrupt:
         if run.info.sharded:
@@ -55,8 +56,8 @@ def saving_on_stop(run: Run, t):
     finally:
         restore_signals(previous)
         torch.set_num_threads(run.threads_before or torch.get_num_threads())
-        stopping.update(run=None, t=None, window=False)
-        signalled["signum"] = 0
+        stopping.update(run=None, t=None)
+        signalled.update(signum=0, inside=False, droppable=None)
 
 
 def rank_error(run: Run, t, e: Exception) -> Exception | None:
@@ -78,13 +79,13 @@ def rank_error(run: Run, t, e: Exception) -> Exception | None:
 STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
-# the stop signal this process received inside saving_on_stop; 0 = none
-signalled = {"signum": 0}
+# the stop signal this process received inside saving_on_stop (0 = none), whether it is inside
+# distributed's local_work, and when that work may be dropped: set by catch_stop_signals
+signalled = dist.stop_request
 
 
-# the run inside saving_on_stop (one at a time) and its Trainer, for abandonable;
-# window: inside abandonable
-stopping = {"run": None, "t": None, "window": False}
+# the run inside saving_on_stop (one at a time) and its Trainer
+stopping = {"run": None, "t": None}
 
 
 class Stopped(BaseException):
@@ -97,14 +98,9 @@ class Stopped(BaseException):
         self.signum = signum
 
 
-class Abandoned(KeyboardInterrupt):
-    """A stop signal inside `abandonable`: the round being sampled or
-    scored is dropped. A KeyboardInterrupt, so that what passes Ctrl-C
-    through (asyncio's tasks, `except Exception`) passes it through too."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
+# A stop signal inside distributed's local_work (train.py's sampling and scoring, evaluation's):
+# the round being sampled or scored is dropped
+Abandoned = dist.Dropped
 
 
 class RankFailure(Exception):
@@ -117,8 +113,8 @@ def catch_stop_signals(run: Run, t) -> dict:
     replaced, for restore_signals. Where no handler can be installed (not
     the main thread) nothing changes; an ignored signal (a background
     job's SIGINT) stays ignored."""
-    signalled["signum"] = 0
-    stopping.update(run=run, t=t, window=False)
+    signalled.update(signum=0, inside=False, droppable=lambda: nothing_moved(run, t))
+    stopping.update(run=run, t=t)
     previous = {}
 
     def handler(signum, frame):
@@ -144,7 +140,7 @@ def restore_signals(previous: dict):
 def on_stop_signal(run: Run, t, signum: int, frame):
     """A stop signal sets a flag (a signal arriving mid-step corrupts
     nothing): the loop stops where the cycle ends (stop_if_signalled).
-    Inside `abandonable` before the cycle's first step it also raises
+    Inside distributed's local_work before the cycle's first step it also raises
     Abandoned, at once. A second Ctrl-C stops at once; a repeated
     SIGTERM changes nothing (SLURM signals every process, and torchrun
     passes it on too). SIGTERM after another rank failed is torchrun
@@ -160,7 +156,7 @@ def on_stop_signal(run: Run, t, signum: int, frame):
     signalled["signum"] = signum
     if run.info.is_main:
         say(stopping_line(run, t, signum))
-    if stopping["window"] and nothing_moved(run, t):
+    if signalled["inside"] and nothing_moved(run, t):
         raise Abandoned(signum)
 
 
@@ -170,42 +166,13 @@ def nothing_moved(run: Run, t) -> bool:
     return run.cycle_begin is None or t.step == run.cycle_start_step
 
 
-@contextmanager
-def abandonable():
-    """Around local work of a round that moves no parameter (train.py's
-    sampling and scoring, evaluation's): a stop signal inside drops it at
-    once when no parameter moved in the cycle (on_stop_signal raises
-    Abandoned). Nothing inside may be a collective (train.py gathers
-    FSDP's parameters before): a rank leaves it at any point. At the exit
-    every rank learns whether any was signalled (one small all-reduce, so
-    no rank starts a collective another left); if one was, all raise
-    Abandoned together, and saving_on_stop saves the last step. Outside a
-    run (saving_on_stop) it does nothing."""
-    run = stopping["run"]
-    t = stopping["t"]
-    if run is None:
-        yield
-        return
-    try:
-        stopping["window"] = True
-        try:
-            yield
-        finally:
-            stopping["window"] = False
-    except Abandoned:
-        pass  # the ranks agree below
-    signum = dist.max_over_ranks(signalled["signum"], run.info)
-    if signum and nothing_moved(run, t):
-        raise Abandoned(signum)
-
-
 def stopping_line(run: Run, t, signum: int) -> str:
     """What a stop signal's arrival prints: the step the run will stop
     after (checkpoints are exact where a cycle ends)."""
     name = STOP_SIGNALS[signum]
     if run.cycle_begin is None and t.step == 0:
         return f"\n{name}: stopping before the first step"
-    if stopping["window"] and nothing_moved(run, t):
+    if signalled["inside"] and nothing_moved(run, t):
         if t.step == 0:
             return f"\n{name}: stopping now, before the first step"
         dropped = "evaluation" if run.cycle_begin is None else "round"
