@@ -11,10 +11,19 @@ of the rounds -> micro-batched grpo_step -> clip -> AdamW step, in TRL's batch a
 (schedules.py). `train`, at the bottom, is the loop: cycles, evaluation, saves and stops.
 
 Setup (model, tokenizer, optimizer, rewards, prompts) is nanogrpo/trainer.py's; the run's
-bookkeeping (output folder, resume, signals, metrics, trackers) nanogrpo/run/'s. Options enter
-at named places: `kernels` (fast/), `sample` (environment_factory, rollout_func),
-`groups_with_signal` (dynamic sampling), the entropy control in `optimizer_step`, LoRA's
-reference in `ref_logprobs` (extras/).
+bookkeeping (output folder, resume, signals, metrics, trackers) nanogrpo/run/'s, called by
+`train` around each cycle. `python train.py --plain=true` runs the course alone
+(tests/test_layout.py traces it). What that plain round leaves out, and where each option
+enters (docs/internals.md has the table):
+    faster kernels (plain=false, the default)  `kernels` -> t.kernels    fast/
+    LoRA (use_peft)                            setup; `ref_logprobs`     extras/lora.py
+    a reference model (beta > 0), its sync     `ref_logprobs`, `update`  logprobs.py
+    entropy bonus, OPSM, top_entropy_quantile  `optimizer_step`          extras/loss_terms.py
+    dynamic sampling                           `sample_round`            extras/dynamic_sampling.py
+    tools, environments, rollout_func          `sample`                  extras/
+    reward models                              setup's reward_funcs      extras/reward_model.py
+    evaluation and its eval_loss               `evaluate`, from `train`  extras/eval_loss.py
+    more processes (FSDP2)                     the dist.* calls          distributed/
 """
 
 import sys
@@ -163,8 +172,9 @@ def micro_batches(t: Trainer, ro: Rollout, rnd: int) -> list[tuple]:
 
 def optimizer_step(t: Trainer, micro) -> dict:
     """One optimizer step over `micro`, GA (Rollout, row indices) pairs (from one round or several).
-    -> the step's record: grad_norm, and each micro-batch's loss and loss metrics (0-dim tensors)
-    with its completion mask, which report.step_metrics reads after the cycle."""
+    -> the step's record: grad_norm, and each micro-batch's loss, loss metrics (0-dim tensors),
+    completion mask and the sampler correction's inputs, of which report.step_metrics makes the
+    step's metrics after the cycle."""
     GA = len(micro)
     terms = t.loss_terms  # the options around the loss (extras/loss_terms.py), or None
     bonus = terms is not None and terms.bonus_on()
@@ -197,7 +207,7 @@ def optimizer_step(t: Trainer, micro) -> dict:
         )
         sampling_logps = rows(ro.sampling_logps, idx)
         correction = (inputs, sampling_logps, t.loss_cfg, rows(ro.trainer_logps, idx))
-        inputs.weights, sampling_metrics = sampler_correction(*correction)
+        inputs.weights, compared = sampler_correction(*correction)
         scale = LossScale(
             num_items=ro.num_items,
             grad_accum=GA,
@@ -214,7 +224,7 @@ def optimizer_step(t: Trainer, micro) -> dict:
         losses.append(loss.detach())
         if bonus:  # the adaptive control's [entropy sum, token count]
             window += entropy_window(inputs.entropies, inputs.completion_mask, terms)
-        micro_batches.append((sampling_metrics | metrics, ro.completion_mask[idx]))
+        micro_batches.append((metrics, ro.completion_mask[idx], compared, inputs.weights))
     grad_norm = dist.clip_grad_norm(t.model, t.cfg.max_grad_norm or 0.0)
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)

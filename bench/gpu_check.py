@@ -348,6 +348,7 @@ def part_grpo_step(c: Check) -> dict:
     """Every loss type on the device in fp32 = the float64 CPU reference."""
     from nanogrpo.extras.loss_terms import grpo_step_with_terms, loss_settings
     from nanogrpo.grpo import LOSS_TYPES, LossScale, sampler_correction
+    from nanogrpo.run.metrics import sampler_metrics
 
     out, ok = {}, True
     for loss_type in LOSS_TYPES:
@@ -365,10 +366,12 @@ def part_grpo_step(c: Check) -> dict:
         res = []
         for device, dtype in ((torch.device("cpu"), torch.float64), (c.device, torch.float32)):
             inputs, sampling = loss_inputs(torch.Generator().manual_seed(0), 16, 24, dtype, device)
-            inputs.weights, metrics = sampler_correction(inputs, sampling, cfg)
+            inputs.weights, compared = sampler_correction(inputs, sampling, cfg)
             how = dict(sampling_logps=sampling, read_metrics=False)
             loss, more = grpo_step_with_terms(inputs, cfg, terms, scale, **how)
-            metrics = {k: float(v) for k, v in (metrics | more).items()}
+            mask = inputs.completion_mask.bool()
+            metrics = sampler_metrics(*compared, inputs.weights, mask) | more
+            metrics = {k: float(v) for k, v in metrics.items()}
             loss.backward()
             res.append((loss.detach().double().cpu(), inputs.logps.grad.double().cpu(), metrics))
         (l64, g64, m64), (l32, g32, m32) = res

@@ -122,13 +122,6 @@ class LossConfig:
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
 
-    def correction_fits_the_loss(self) -> bool:
-        """VESPO folds the sampler correction into its own weight, token by token: with
-        loss_type='vespo' TRL refuses a sequence-level vllm_importance_sampling_mode."""
-        token_level = self.vllm_importance_sampling_mode.startswith("token")
-        correcting = self.vllm_importance_sampling_correction
-        return self.loss_type != "vespo" or not correcting or token_level
-
 
 # -----------------------------------------------------------------------------
 # Advantages (TRL: _generate_and_score_completions; DeepSeekMath arXiv 2402.03300, GDPO)
@@ -442,28 +435,27 @@ def _check_inputs(inputs, cfg, scale):
 
 
 def sampler_correction(inputs, sampling_logps, cfg, trainer_logps=None):
-    """-> (the correction's weights [N,C] or [N,1], or None when it is off; its metrics as 0-dim
-    tensors). sampling_logps [N,C]: the sampler's log-prob of each token it drew (None: the
-    sampler is the old policy, nothing to correct); trainer_logps: the trainer's with the weights
-    that sampled, where neither old_logps nor logps (with dropout) can stand for them."""
+    """-> (the correction's weights [N,C] or [N,1], None when it is off; the log-probs it
+    compares, (the trainer's, the sampler's) [N,C] with 0 off the mask, from which
+    run/metrics.py measures the mismatch). sampling_logps [N,C]: the sampler's log-prob of each
+    token it drew (None: the sampler is the old policy, nothing to compare); trainer_logps: the
+    trainer's with the weights that sampled, where neither old_logps nor logps (with dropout) can
+    stand for them."""
     if sampling_logps is None:
-        return None, {}
+        return None, None
     m = inputs.completion_mask.bool()
     sampling = torch.where(m, sampling_logps, 0)
     trainer = inputs.old_logps if trainer_logps is None else trainer_logps
-    behavior = torch.where(m, inputs.logps.detach() if trainer is None else trainer, 0)
-    metrics = raw_sampler_ratios(behavior, sampling, m)  # the mismatch, corrected or not
+    trainer = torch.where(m, inputs.logps.detach() if trainer is None else trainer, 0)
     if not cfg.vllm_importance_sampling_correction:
-        return None, metrics
-    if not cfg.correction_fits_the_loss():
+        return None, (trainer, sampling)
+    if cfg.loss_type == "vespo" and not cfg.vllm_importance_sampling_mode.startswith("token"):
         raise ValueError(
             f"vllm_importance_sampling_mode={cfg.vllm_importance_sampling_mode!r}: "
             "loss_type='vespo' folds token-level weights into its own: use token_truncate or "
             "token_mask, or vllm_importance_sampling_correction=False (as TRL)"
         )
-    weights = importance_weights(behavior, sampling, m, cfg)
-    metrics.update(importance_sampling_metrics(behavior, sampling, weights, m))
-    return weights, metrics
+    return importance_weights(trainer, sampling, m, cfg), (trainer, sampling)
 
 
 def importance_weights(trainer_logps, sampling_logps, mask, cfg):
@@ -489,45 +481,6 @@ def importance_weights(trainer_logps, sampling_logps, mask, cfg):
     if high is not None:
         outside = outside | (w > high)
     return w.masked_fill(outside, 0.0)
-
-
-@torch.no_grad()
-def importance_sampling_metrics(trainer_logps, sampling_logps, weights, mask):
-    """TRL's sampling/* metrics of one batch: |log pi_trainer - log pi_sampler| over its tokens
-    (mean, max) and the correction weights (min, mean, max; per sequence or per token), as
-    0-dim float64 tensors on the inputs' device."""
-    delta = (trainer_logps - sampling_logps).abs()[mask].double()
-    w = (weights.flatten() if weights.shape[1] == 1 else weights[mask]).double()
-    delta = delta if delta.numel() else delta.new_zeros(1)
-    w = w if w.numel() else w.new_zeros(1)
-    return {
-        "sampling/sampling_logp_difference/mean": delta.mean(),
-        "sampling/sampling_logp_difference/max": delta.max(),
-        "sampling/importance_sampling_ratio/min": w.min(),
-        "sampling/importance_sampling_ratio/mean": w.mean(),
-        "sampling/importance_sampling_ratio/max": w.max(),
-    }
-
-
-@torch.no_grad()
-def raw_sampler_ratios(trainer_logps, sampling_logps, m) -> dict:
-    """How far the sampler's probabilities are from the trainer's, before any correction clips or
-    masks them: min, mean and max of pi_trainer / pi_sampler per token (over m's tokens) and per
-    sequence (exp of its summed log difference, over rows with tokens), as 0-dim float64 tensors
-    (1 where there is nothing to measure). Inputs [N,C], 0 on masked slots. No host sync."""
-    diff = (trainer_logps - sampling_logps).double()  # [N,C]
-    out = {}
-    for level, log_r, keep in (("token", diff, m), ("sequence", diff.sum(-1), m.any(-1))):
-        r, n = log_r.exp(), keep.sum()
-        values = {
-            "min": torch.where(keep, r, math.inf).min(),
-            "mean": torch.where(keep, r, 0).sum() / n.clamp(min=1),
-            "max": torch.where(keep, r, -math.inf).max(),
-        }
-        for stat, v in values.items():
-            key = f"sampling/raw_importance_sampling_ratio/{level}/{stat}"
-            out[key] = torch.where(n > 0, v, torch.ones_like(v))
-    return out
 
 
 @torch.no_grad()

@@ -76,7 +76,7 @@ class Trainer:
     model: torch.nn.Module  # the policy (FSDP2-sharded on several ranks)
     ref: torch.nn.Module | None  # reference model: beta > 0 without LoRA
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     loss_cfg: LossConfig
     loss_terms: LossTerms | None  # the options around the loss when one is on (extras/), or None
     reward_funcs: list  # [(name, fn)]

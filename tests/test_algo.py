@@ -20,6 +20,7 @@ from nanogrpo.extras.loss_terms import (
     off_policy_mask,
 )
 from nanogrpo.grpo import LossInputs, LossScale, grpo_step, importance_weights, sampler_correction
+from nanogrpo.run.metrics import sampler_metrics
 
 F64 = torch.float64
 PROPS = settings(max_examples=25, deadline=None)
@@ -36,10 +37,12 @@ def t64(rows):
 
 def micro_batch_loss(inputs, settings, scale, sampling_logps, trainer_logps=None, coef=None):
     """What train.py's optimizer_step computes of one micro-batch: the sampler correction's
-    weights, then grpo_step, or grpo_step_with_terms when an option is on. settings: the pair
-    loss_settings returns."""
+    weights, then grpo_step, or grpo_step_with_terms when an option is on, and the metrics
+    run/metrics.py makes of it. settings: the pair loss_settings returns."""
     cfg, terms = settings
-    inputs.weights, sampling = sampler_correction(inputs, sampling_logps, cfg, trainer_logps)
+    inputs.weights, compared = sampler_correction(inputs, sampling_logps, cfg, trainer_logps)
+    mask = inputs.completion_mask.bool()
+    sampling = {} if compared is None else sampler_metrics(*compared, inputs.weights, mask)
     if terms.on():
         how = dict(sampling_logps=sampling_logps, entropy_coef=coef)
         loss, metrics = grpo_step_with_terms(inputs, cfg, terms, scale, **how)

@@ -455,3 +455,119 @@ def test_the_infrastructure_imports_no_option_and_no_course_module():
         f"{len(offenders)} import(s) from the infrastructure up to an option or the course; let "
         "the option register with the infrastructure instead:\n" + "\n".join(offenders)
     )
+
+
+# -----------------------------------------------------------------------------
+# What a round runs: one steady-state cycle of `python train.py` (the embedded default), traced.
+# With --plain=true it runs the course, the infrastructure and the config's reward file only, and
+# the options that are off run nothing; the default (fast) round adds fast/'s kernels. The run's
+# bookkeeping (run/) happens in train.py's loop around the cycle.
+
+PLAIN_ROUND_FILES = 12
+PLAIN_ROUND_LINES = 1500  # of the function bodies it runs, each counted once
+FAST_ROUND_FILES = 16
+ROUND_INFRASTRUCTURE = ("nanogrpo/tokenizer/", "nanogrpo/distributed/")
+
+
+def function_spans(path: Path) -> dict[int, range]:
+    """A function's lines, def (or its first decorator) to its end, keyed by the line a code
+    object of it starts at (Python's co_firstlineno: the first decorator's, else the def's)."""
+    spans = {}
+    for node in ast.walk(parse(path)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            spans[node.lineno] = spans[first] = range(first, node.end_lineno + 1)
+    return spans
+
+
+def traced_round(tmp_path, plain: bool) -> dict[str, set[int]]:
+    """Run the embedded default for 4 steps (a cycle is a round and its step) and trace its third
+    cycle: -> {file of the repository: the lines of the functions it ran there}."""
+    import sys
+
+    import train
+    from nanogrpo.run.configurator import load_config, read_config_file
+
+    init = read_config_file("tiny")["init_model"]
+    cfg = load_config(
+        [
+            "--config",
+            "tiny.py",
+            f"--model={tmp_path}/init",
+            f"--init_model={init!r}",
+            f"--output_dir={tmp_path}/out",
+            "--eval_strategy=no",
+            "--save_steps=0",
+            "--max_steps=4",
+            f"--plain={str(plain).lower()}",
+        ]
+    )
+    started = set()  # (file, first line) of every code object called
+    cycles = []
+    cycle = train.train_cycle
+
+    def traced(t):
+        cycles.append(t.step)
+        if len(cycles) != 3:
+            return cycle(t)
+
+        def profile(frame, event, arg):
+            if event == "call":
+                started.add((frame.f_code.co_filename, frame.f_code.co_firstlineno))
+
+        sys.setprofile(profile)
+        try:
+            return cycle(t)
+        finally:
+            sys.setprofile(None)
+
+    train.train_cycle = traced
+    try:
+        train.train(cfg)
+    finally:
+        train.train_cycle = cycle
+    assert len(cycles) == 4, cycles
+    lines = {}
+    for filename, first in started:
+        path = Path(filename)
+        if not path.is_absolute() or ROOT not in path.resolve().parents:
+            continue
+        rel = path.resolve().relative_to(ROOT).as_posix()
+        if not rel.startswith(("nanogrpo/", "train.py")):  # torch in a venv inside the checkout
+            continue
+        span = function_spans(path).get(first)
+        lines.setdefault(rel, set()).update(span or ())
+    return lines
+
+
+def round_summary(lines: dict[str, set[int]]) -> str:
+    return "\n".join(f"  {len(v):5d} {k}" for k, v in sorted(lines.items()))
+
+
+def test_a_plain_round_runs_the_course_and_the_infrastructure_only(tmp_path):
+    import inspect
+
+    from nanogrpo.extras.builtin_rewards import default_task_reward
+
+    reward_file = Path(inspect.getsourcefile(default_task_reward)).relative_to(ROOT).as_posix()
+    course = {p.relative_to(ROOT).as_posix() for p in course_files()}
+    lines = traced_round(tmp_path, plain=True)
+    summary = round_summary(lines)
+    outside = [
+        f
+        for f in lines
+        if f not in course and f != reward_file and not f.startswith(ROUND_INFRASTRUCTURE)
+    ]
+    assert not outside, f"a plain round runs {outside} (an option off runs nothing):\n{summary}"
+    assert len(lines) <= PLAIN_ROUND_FILES, summary
+    total = sum(len(v) for v in lines.values())
+    assert total <= PLAIN_ROUND_LINES, f"{total} lines of functions run:\n{summary}"
+
+
+def test_the_default_round_adds_only_the_fast_kernels(tmp_path):
+    lines = traced_round(tmp_path, plain=False)
+    assert any(f.startswith("nanogrpo/fast/") for f in lines), round_summary(lines)
+    outside = [f for f in lines if f.startswith(("nanogrpo/extras/", "nanogrpo/run/"))]
+    outside = [f for f in outside if not f.endswith("builtin_rewards.py")]
+    assert not outside, round_summary(lines)
+    assert len(lines) <= FAST_ROUND_FILES, round_summary(lines)

@@ -67,13 +67,64 @@ def _with_floats(tree, floats):
     return tree
 
 
+def sampler_metrics(trainer_logps, sampling_logps, weights, mask) -> dict:
+    """How far the sampler's log-probs are from the trainer's (grpo.sampler_correction's pair,
+    [N,C], 0 off the mask [N,C] bool): the raw ratios, corrected or not, and with the correction
+    on (its weights) TRL's sampling/* metrics, as 0-dim float64 tensors."""
+    out = raw_sampler_ratios(trainer_logps, sampling_logps, mask)
+    if weights is not None:
+        out.update(importance_sampling_metrics(trainer_logps, sampling_logps, weights, mask))
+    return out
+
+
+@torch.no_grad()
+def importance_sampling_metrics(trainer_logps, sampling_logps, weights, mask):
+    """TRL's sampling/* metrics of one batch: |log pi_trainer - log pi_sampler| over its tokens
+    (mean, max) and the correction weights (min, mean, max; per sequence or per token), as
+    0-dim float64 tensors on the inputs' device."""
+    delta = (trainer_logps - sampling_logps).abs()[mask].double()
+    w = (weights.flatten() if weights.shape[1] == 1 else weights[mask]).double()
+    delta = delta if delta.numel() else delta.new_zeros(1)
+    w = w if w.numel() else w.new_zeros(1)
+    return {
+        "sampling/sampling_logp_difference/mean": delta.mean(),
+        "sampling/sampling_logp_difference/max": delta.max(),
+        "sampling/importance_sampling_ratio/min": w.min(),
+        "sampling/importance_sampling_ratio/mean": w.mean(),
+        "sampling/importance_sampling_ratio/max": w.max(),
+    }
+
+
+@torch.no_grad()
+def raw_sampler_ratios(trainer_logps, sampling_logps, m) -> dict:
+    """How far the sampler's probabilities are from the trainer's, before any correction clips or
+    masks them: min, mean and max of pi_trainer / pi_sampler per token (over m's tokens) and per
+    sequence (exp of its summed log difference, over rows with tokens), as 0-dim float64 tensors
+    (1 where there is nothing to measure). Inputs [N,C], 0 on masked slots. No host sync."""
+    diff = (trainer_logps - sampling_logps).double()  # [N,C]
+    out = {}
+    for level, log_r, keep in (("token", diff, m), ("sequence", diff.sum(-1), m.any(-1))):
+        r, n = log_r.exp(), keep.sum()
+        values = {
+            "min": torch.where(keep, r, math.inf).min(),
+            "mean": torch.where(keep, r, 0).sum() / n.clamp(min=1),
+            "max": torch.where(keep, r, -math.inf).max(),
+        }
+        for stat, v in values.items():
+            key = f"sampling/raw_importance_sampling_ratio/{level}/{stat}"
+            out[key] = torch.where(n > 0, v, torch.ones_like(v))
+    return out
+
+
 def step_metrics(record: dict, t) -> dict:
     """An optimizer step's loss metrics as TRL logs them, from train.optimizer_step's record
     (whose micro_batches and losses it takes out): read from the device at once (a float() each
     would wait each time), each metric over the micro-batches and ranks (across_micro_batches),
     `loss` the micro-batches' sum, added in order as a running total. t: trainer.py's Trainer."""
     values = {}  # metric -> [(value, weight)] of each micro-batch
-    for metrics, mask in record.pop("micro_batches"):
+    for metrics, mask, compared, correction in record.pop("micro_batches"):
+        if compared is not None:  # the sampler's log-probs against the trainer's
+            metrics = sampler_metrics(*compared, correction, mask.bool()) | metrics
         weights = micro_batch_weights(mask, t.loss_cfg)
         for key, value in metrics.items():
             values.setdefault(key, []).append((value, weights.get(key, 1.0)))
