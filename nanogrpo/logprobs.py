@@ -52,14 +52,11 @@ def check_shapes(input_ids, attention_mask, completion_mask, temperature):
 def token_logprobs(
     model, input_ids, attention_mask, completion_mask, temperature=1.0, vocab_size=None
 ):
-    """Log-prob and entropy of each completion token under `model`.
-
-    input_ids, attention_mask: [N,L], a left-padded prompt then a
-    right-padded completion filling the last C positions. completion_mask:
-    [N,C], 1 = score this token. vocab_size: normalize over the first
-    vocab_size logits only (the sampler's support when the embedding has
-    padded rows); None = all, as TRL does. -> (logps, entropy), [N,C]
-    each, fp32 (fp64 for an fp64 model), 0 where completion_mask is 0."""
+    """(logps, entropy) [N,C] of each completion token under `model`, fp32 (fp64 for an fp64
+    model), 0 where completion_mask [N,C] is 0. input_ids, attention_mask [N,L]: a left-padded
+    prompt, then the right-padded completion in the last C positions. vocab_size: normalize over
+    the first vocab_size logits only (the sampler's support when the embedding has padded rows);
+    None = all, as TRL does."""
     check_shapes(input_ids, attention_mask, completion_mask, temperature)
     C = completion_mask.shape[1]
     logits = model(input_ids, attention_mask=attention_mask)  # [N,L,V]
@@ -88,20 +85,10 @@ def policy_logprobs(
     temperature=1.0,
     vocab_size=None,
 ):
-    """The update's scoring: token_logprobs of every row, with gradient.
-
-    advantages [N], beta, entropy_bonus and world_size change nothing
-    here: they are what the fast twin (nanogrpo/fast/logprobs.py) needs
-    to score the rows whose advantage is 0 (with beta = 0 and no entropy
-    bonus) without gradient, since such a row adds nothing to the
-    gradient, while every rank makes the same FSDP collectives."""
+    """The update's scoring: token_logprobs of every row, with gradient (advantages [N], beta,
+    entropy_bonus and world_size are for fast/logprobs.py's twin, which skips rows without it)."""
     return token_logprobs(
-        model,
-        input_ids,
-        attention_mask,
-        completion_mask,
-        temperature=temperature,
-        vocab_size=vocab_size,
+        model, input_ids, attention_mask, completion_mask, temperature, vocab_size
     )
 
 
