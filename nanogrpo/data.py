@@ -167,8 +167,7 @@ class PromptSampler:
         return torch.randperm(len(self.rows), generator=generator).tolist()
 
     def next_batch(self) -> list[dict]:
-        """The next `batch_size` rows (starting a new, reshuffled epoch
-        when this one runs out)."""
+        """The next `batch_size` rows (a new, reshuffled epoch when this one runs out)."""
         if self.position + self.batch_size > len(self.rows):
             self.epoch += 1
             self.position = 0

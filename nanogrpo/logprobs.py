@@ -5,10 +5,12 @@ Owns: scoring sampled tokens under a model (the policy, the old policy, the refe
 `token_logprobs` is the definition: full logits, log_softmax, gather. `policy_logprobs` is the
 update's scoring: token_logprobs with gradient.
 
-Does not know about: losses, sampling, or processes (under FSDP2 the model's forward gathers
+Does not know about: losses, sampling, or processes (under FSDP2 a model's forward gathers
 what it needs; `policy_logprobs` takes the loss's advantages, beta and entropy_bonus only to
-share its signature with fast/logprobs.py's twin, which skips rows without gradient). Of the
-model it calls `model(input_ids, attention_mask=)` -> logits [N,L,V].
+share its signature with fast/logprobs.py's twin, which skips rows without gradient).
+
+Of the model it calls `model(input_ids, attention_mask=)` -> logits [N,L,V], and model.py's
+`eval_mode`.
 
 Choices: temperature divides the logits before the softmax, as TRL scores, and the entropy is the
 tempered distribution's, in nats. Positions with completion_mask == 0 come out as exactly 0 (no
@@ -24,6 +26,8 @@ only when asked.
 import contextlib
 
 import torch
+
+from nanogrpo.model import eval_mode
 
 
 def check_shapes(input_ids, attention_mask, completion_mask, temperature):
@@ -52,14 +56,11 @@ def check_shapes(input_ids, attention_mask, completion_mask, temperature):
 def token_logprobs(
     model, input_ids, attention_mask, completion_mask, temperature=1.0, vocab_size=None
 ):
-    """Log-prob and entropy of each completion token under `model`.
-
-    input_ids, attention_mask: [N,L], a left-padded prompt then a
-    right-padded completion filling the last C positions. completion_mask:
-    [N,C], 1 = score this token. vocab_size: normalize over the first
-    vocab_size logits only (the sampler's support when the embedding has
-    padded rows); None = all, as TRL does. -> (logps, entropy), [N,C]
-    each, fp32 (fp64 for an fp64 model), 0 where completion_mask is 0."""
+    """(logps, entropy) [N,C] of each completion token under `model`, fp32 (fp64 for an fp64
+    model), 0 where completion_mask [N,C] is 0. input_ids, attention_mask [N,L]: a left-padded
+    prompt, then the right-padded completion in the last C positions. vocab_size: normalize over
+    the first vocab_size logits only (the sampler's support when the embedding has padded rows);
+    None = all, as TRL does."""
     check_shapes(input_ids, attention_mask, completion_mask, temperature)
     C = completion_mask.shape[1]
     logits = model(input_ids, attention_mask=attention_mask)  # [N,L,V]
@@ -88,20 +89,10 @@ def policy_logprobs(
     temperature=1.0,
     vocab_size=None,
 ):
-    """The update's scoring: token_logprobs of every row, with gradient.
-
-    advantages [N], beta, entropy_bonus and world_size change nothing
-    here: they are what the fast twin (nanogrpo/fast/logprobs.py) needs
-    to score the rows whose advantage is 0 (with beta = 0 and no entropy
-    bonus) without gradient, since such a row adds nothing to the
-    gradient, while every rank makes the same FSDP collectives."""
+    """The update's scoring: token_logprobs of every row, with gradient (advantages [N], beta,
+    entropy_bonus and world_size are for fast/logprobs.py's twin, which skips rows without it)."""
     return token_logprobs(
-        model,
-        input_ids,
-        attention_mask,
-        completion_mask,
-        temperature=temperature,
-        vocab_size=vocab_size,
+        model, input_ids, attention_mask, completion_mask, temperature, vocab_size
     )
 
 
@@ -120,17 +111,12 @@ def frozen_logprobs(model, ro, batch_size, *, score=token_logprobs, autocast=Non
     old policy, the reference model), batch_size rows at a time, in eval mode. score:
     token_logprobs or fast/logprobs.py's equal kernel, called with kwargs (temperature,
     vocab_size). -> (log-probs, entropies), both [n, C]."""
-    was_training = model.training
-    model.eval()
     parts = []  # [(log-probs, entropies)] of each batch
-    try:
-        with autocast or contextlib.nullcontext():
-            for i in range(0, len(ro.input_ids), batch_size):
-                rows = slice(i, i + batch_size)
-                ids, mask = ro.input_ids[rows], ro.attention_mask[rows]
-                parts.append(score(model, ids, mask, ro.completion_mask[rows], **kwargs))
-    finally:  # after an error too
-        model.train(was_training)
+    with eval_mode(model), autocast or contextlib.nullcontext():
+        for i in range(0, len(ro.input_ids), batch_size):
+            rows = slice(i, i + batch_size)
+            ids, mask = ro.input_ids[rows], ro.attention_mask[rows]
+            parts.append(score(model, ids, mask, ro.completion_mask[rows], **kwargs))
     logps, entropies = zip(*parts)
     return torch.cat(logps), torch.cat(entropies)
 

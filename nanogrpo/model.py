@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 SUPPORTED_MODEL_TYPES = tuple("llama mistral qwen2 qwen3 smollm3 gemma3_text qwen3_5_text".split())
 # model_type -> the module of a family whose layers differ from Block's: its Block, RMSNorm,
@@ -355,9 +356,8 @@ def additive_mask(mask, dtype):
 
 
 def lm_head_linear(h, weight, fp32=False):
-    """h [...,D] @ weight [V,D].T -> logits [...,V]. fp32 (TRL's
-    cast_lm_head_to_fp32, the ScaleRL recipe): computed in float32 whatever
-    the autocast or the weights' dtype, so that bf16 rounding does not
+    """h [...,D] @ weight [V,D].T -> logits [...,V]. fp32 (TRL's cast_lm_head_to_fp32, the ScaleRL
+    recipe): in float32 whatever the autocast or the weights' dtype, so bf16 rounding does not
     reach the log-probs."""
     if not fp32:
         return F.linear(h, weight)
@@ -412,15 +412,12 @@ class Transformer(nn.Module):
     def hidden_states(
         self, input_ids, attention_mask=None, positions=None, cache=None, cache_start=0
     ):
-        """Final-norm hidden states [B,T,C] (everything but the LM head).
-
-        input_ids [B,T]. attention_mask: which keys are real tokens, [B,T] without a cache or
-        [B, cache_start+T] with one (0 = padding). positions [B,T] for RoPE; by default the
-        count of real tokens before each one (left-padding aware) or cache_start + arange(T).
-        cache/cache_start: write this chunk's keys at slots cache_start.. and attend to all
-        slots. A static cache (a compiled decode step: shapes never change) takes a tensor
-        cache_start and attends over all its slots: attention_mask is [B, cache.max_len].
-        """
+        """input_ids [B,T] -> final-norm hidden states [B,T,C] (all but the LM head).
+        attention_mask: the real keys (0 = padding), [B,T], or [B, cache_start+T] with a cache.
+        positions [B,T] for RoPE; by default the count of real tokens before each, or
+        cache_start + arange(T). A cache takes this chunk's keys at slots cache_start.. and
+        attends over all filled slots; a static one (a compiled decode step) takes a tensor
+        cache_start, and a [B, max_len] mask."""
         return self._trunk(input_ids, attention_mask, positions, cache, cache_start)
 
     def _trunk(self, input_ids, attention_mask, positions, cache, cache_start):
@@ -436,16 +433,13 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"KV cache of {cache.max_len} slots is too small for {cache_start + T} tokens"
             )
-        mask = window = None
-        # [B,T]: which of these T tokens are real (None: all, or unknown in a compiled step)
-        valid = None
+        mask = window = valid = None
         if attention_mask is not None and not static and T > 1:
+            # [B,T]: which of these T tokens are real (None: all, or unknown in a compiled step)
             valid = attention_mask[:, -T:].bool()
         if attention_mask is not None or cache is not None or any(self.sliding):
             if attention_mask is None:
-                attention_mask = torch.ones(
-                    B, cache_start + T, dtype=torch.bool, device=input_ids.device
-                )
+                attention_mask = input_ids.new_ones(B, cache_start + T, dtype=torch.bool)
             mask = attention_mask_for(attention_mask, T, cache_start)
         if any(self.sliding):  # Gemma 3's sliding layers see the last sliding_window real tokens
             window = self.window_mask(
@@ -467,14 +461,11 @@ class Transformer(nn.Module):
             local = rope_cos_sin(self.local_inv_freq, positions, x.dtype)
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.layers):
-            cos, sin = (
-                (local if self.sliding[i] else cos_sin) if self.rope_layers[i] else (None, None)
-            )
+            rope = local if self.sliding[i] else cos_sin
+            cos, sin = rope if self.rope_layers[i] else (None, None)  # None: a NoPE layer
             mask_i = valid if self.linear[i] else window if self.sliding[i] else mask
             if checkpointing and cache is None:
-                x = torch.utils.checkpoint.checkpoint(
-                    block, x, cos, sin, mask_i, use_reentrant=False
-                )
+                x = checkpoint(block, x, cos, sin, mask_i, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask_i, cache, i, cache_start)
         return self.norm(x)
@@ -482,11 +473,10 @@ class Transformer(nn.Module):
     def forward(
         self, input_ids, attention_mask=None, positions=None, cache=None, cache_start=0, head=None
     ):
-        """Logits [B,T,V] (a classifier: label scores [B,T,num_labels]); arguments as in
-        `hidden_states`. With `head`, returns head(hidden [B,T,C], self.lm_head or self.score)
-        instead: how fast/logprobs.py scores in chunks without full logits and a reward model
-        scores only its pooled position, inside the forward call (so FSDP keeps the head
-        gathered while it runs)."""
+        """Logits [B,T,V] (a classifier's label scores [B,T,num_labels]); arguments as in
+        `hidden_states`. With `head`: head(hidden [B,T,C], self.lm_head or self.score), inside the
+        forward so that FSDP keeps the head gathered (how fast/logprobs.py scores in chunks, and a
+        reward model only its pooled position)."""
         h = self._trunk(input_ids, attention_mask, positions, cache, cache_start)
         out = self.lm_head if self.config.num_labels is None else self.score
         if head is not None:

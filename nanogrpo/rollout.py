@@ -106,12 +106,9 @@ class Rollout:
 # Rollout
 
 
-def join_prompt_completion(
-    prompt_ids: list[list[int]], completion_ids, pad_id: int, num_generations: int
-):
-    """Left-padded prompts (each repeated G times) followed by the completions.
-    -> input_ids [n, P+C], attention_mask [n, P+C] (1 on real prompt tokens and on the completion).
-    """
+def join_prompt_completion(prompt_ids, completion_ids, pad_id, num_generations):
+    """Each prompt left-padded, num_generations times, then the completions [n,C] -> input_ids,
+    attention_mask [n, P+C] (1 on real prompt tokens and on the completion)."""
     P = max(len(p) for p in prompt_ids)
     n, C = completion_ids.shape
     both = torch.zeros((2, n, P), dtype=torch.long)  # prompt [ids, mask]: on the CPU, one copy
@@ -135,20 +132,17 @@ def trained_mask(model_mask, truncated, mask_truncated_completions: bool) -> tor
 
 
 def encode_prompts(tok, prompts: list, schemas: list, G: int, encode: dict) -> tuple[list, int]:
-    """Token ids of the prompts of n = groups x G completions (prompts[r], rendered with the tool
-    schemas schemas[r] and tok.encode_prompt's keyword arguments `encode`): each group's once when
-    its G completions share prompt and tools (the sampler prefills it once for all G), else each
-    completion's own. -> (the ids, completions per entry: G or 1)."""
+    """Token ids of the prompts of n = groups x G completions (with their tool schemas and
+    tok.encode_prompt's keyword arguments `encode`), a group's once where its G share prompt and
+    tools (see Choices above) -> (the ids, completions per entry: G or 1)."""
     shared = all(
         prompts[i + j] == prompts[i] and schemas[i + j] == schemas[i]
         for i in range(0, len(prompts), G)
         for j in range(1, G)
     )
     step = G if shared else 1
-    ids = [
-        tok.encode_prompt(prompts[r], tools=schemas[r], **encode)
-        for r in range(0, len(prompts), step)
-    ]
+    starts = range(0, len(prompts), step)
+    ids = [tok.encode_prompt(prompts[r], tools=schemas[r], **encode) for r in starts]
     return ids, step
 
 
@@ -165,16 +159,11 @@ def rollout(
     turns=None,
     episodes=None,
 ) -> Rollout:
-    """Sample `num_generations` completions for each row's prompt as `settings` say
-    (extras/generation_kwargs.py's sampling_of(cfg, tok, kernels)) -> a Rollout (advantages and
-    log-probs not yet filled in). encode: tok.encode_prompt's keyword arguments (max_length: TRL's
-    max_prompt_length; chat_template_kwargs' variables). mask_truncated_completions: TRL's (a
-    truncated completion trains on no token). turns: None, or the tool rounds
-    (extras/tool_rounds.py's ToolTurns: each completion's tools, their schemas, `play`). With
-    `episodes` (environments.Episodes, one entry per completion), each completion has the prompt
-    and turns given there instead, and the Rollout's extra_fields hold its environment for the
-    reward functions. Runs under the caller's autocast, if any.
-    """
+    """Sample `num_generations` completions of each row's prompt as `settings` say -> a Rollout
+    (advantages and log-probs not yet filled in), under the caller's autocast if any. encode:
+    tok.encode_prompt's keyword arguments (max_length: TRL's max_prompt_length, template
+    variables). turns, episodes: None, or the tool rounds and environments (see Left out above);
+    with episodes, extra_fields hold each completion's environment for the reward functions."""
     G = num_generations
     if episodes is None:
         prompts = [r["prompt"] for r in rows for _ in range(G)]

@@ -95,8 +95,7 @@ def row_keys(seeds, num_samples):
 
 
 def uniforms(keys, step):
-    """keys [n] int64, step int -> [n] float64 in [0,1) (52 random bits),
-    the same on every device."""
+    """keys [n] int64, step int -> [n] float64 in [0,1) (52 random bits), on every device alike."""
     h = _mix(keys ^ _mix(step ^ 0x3C6EF372))
     hi = _mix(h ^ 0x68E31DA4) >> 6  # 26 bits
     lo = _mix(h ^ 0x1B56C4E9) >> 6  # 26 more
@@ -182,9 +181,8 @@ def apply_min_p(logits, min_p):
     logit is below max + log(min_p) (the top token always stays). min_p = 0: nothing is removed."""
     if min_p == 0.0:
         return logits
-    return logits.masked_fill(
-        logits < logits.amax(dim=-1, keepdim=True) + math.log(min_p), float("-inf")
-    )
+    floor = logits.amax(dim=-1, keepdim=True) + math.log(min_p)  # [B,1]
+    return logits.masked_fill(logits < floor, float("-inf"))
 
 
 # -----------------------------------------------------------------------------
@@ -197,9 +195,8 @@ def sample_from(logits, u, token_ids=None):
     token_ids [B,K] (ascending, then any -inf padding), logits [B,K] are those tokens' logits,
     all others removed: the same draw, as zero weights leave a cumulative sum unchanged."""
     top = logits.amax(dim=-1, keepdim=True)  # [B,1]
-    # unnormalized probabilities (the largest exactly 1), summed in fp64 so tail tokens keep
-    # their exact share;
-    # in place: on CPU, fresh [B,V] buffers cost more than the arithmetic
+    # unnormalized probabilities (the largest exactly 1), summed in fp64 so tail tokens keep their
+    # exact share; in place, as on CPU fresh [B,V] buffers cost more than the arithmetic
     cdf = (logits - top).exp_().double().cumsum_(dim=-1)  # [B,V]
     total = cdf[:, -1:]  # [B,1], in [1, V]
     # u * total < total, so the first cdf entry above it belongs to a token of nonzero probability
@@ -235,11 +232,8 @@ def sample_next_token(logits, u, temperature, top_k, top_p, min_p):
 
 
 def lm_logits(model, h, vocab_size, chunk):
-    """h [n,D] -> fp32 logits [n,vocab_size]: the real vocabulary's rows
-    of the LM head, in slices of `chunk` rows (in float32 with the
-    model's cast_lm_head_to_fp32). The whole slices are multiplied in one
-    batched product, each as the [n,D] x [D,chunk] product a loop over
-    them would make: the same numbers (tests/test_sampler.py checks)."""
+    """h [n,D] -> fp32 logits [n,vocab_size] from the real vocabulary's rows of the LM head, in
+    slices of `chunk` rows: one batched product, the numbers a loop over the slices gives."""
     W = model.lm_head.weight[:vocab_size]  # [V,D]: padded rows never scored
     fp32 = getattr(model, "cast_lm_head_to_fp32", False)
     if chunk >= vocab_size:  # one slice (the GPU's whole head)
@@ -275,8 +269,7 @@ class Decoder:
         self.model = model
         self.vocab_size = vocab_size
         self.chunk = chunk
-        device = model.lm_head.weight.device
-        self.sync_every = 1 if device.type == "cpu" else 8
+        self.sync_every = 1 if model.lm_head.weight.device.type == "cpu" else 8
 
     def prefill_cache(self, P, L, C):
         return self.model.new_cache(P, L + C)
@@ -306,16 +299,7 @@ class Rows:
     seen: torch.Tensor | None  # [n,V] tokens present, for the penalty
 
     def select(self, live):
-        seen = None if self.seen is None else self.seen[live]
-        return Rows(
-            index=self.index[live],
-            tok=self.tok[live],
-            keys=self.keys[live],
-            key_valid=self.key_valid[live],
-            next_pos=self.next_pos[live],
-            stopped=self.stopped[live],
-            seen=seen,
-        )
+        return Rows(**{k: None if v is None else v[live] for k, v in vars(self).items()})
 
 
 # After every decode step generate calls on_decode_step(done, total, rows), when it is set: `done`
@@ -392,11 +376,9 @@ def check_prompts(model, prompt_ids, num_samples, max_new_tokens, vocab_size, se
         ok = min(p) >= 0 and max(p) < V
         need(ok, "prompt_ids", ids, f"prompt {i} has ids outside [0, {V})")
     longest = max(map(len, prompt_ids))
-    limit = model.config.max_position_embeddings
-    too_long = (
-        f"the longest prompt ({longest}) + max_new_tokens exceeds max_position_embeddings={limit}"
-    )
-    need(longest + max_new_tokens <= limit, "max_new_tokens", max_new_tokens, too_long)
+    cap = model.config.max_position_embeddings
+    rule = f"the longest prompt ({longest}) + max_new_tokens exceeds max_position_embeddings={cap}"
+    need(longest + max_new_tokens <= cap, "max_new_tokens", max_new_tokens, rule)
     ok = seeds is None or len(seeds) == len(prompt_ids)
     need(ok, "seeds", seeds, "needs one seed per prompt")
 
@@ -409,13 +391,8 @@ def check_prompts(model, prompt_ids, num_samples, max_new_tokens, vocab_size, se
 def generate(
     model, prompt_ids, settings=Sampling(), num_samples=1, generator=None, seeds=None
 ) -> Generation:
-    """Sample `num_samples` completions of each prompt, drawn as `settings`
-    (a Sampling) say.
-
-    prompt_ids: P non-empty lists of token ids. Returns a `Generation` of
-    N = P * num_samples rows, prompt i's samples at rows i*G .. i*G+G-1.
-    seeds: P ints, one per prompt; else drawn from `generator` or torch's
-    RNG."""
+    """G = `num_samples` completions of each of the P prompts (non-empty lists of token ids), drawn
+    as `settings` say -> a Generation of P x G rows. seeds: P ints (see RNG above)."""
     # ids past the model's rows are never drawn (Gemma 3's tokenizer has one: <image_soft_token>)
     vocab_size = min(settings.vocab_size or model.config.vocab_size, model.config.vocab_size)
     C = settings.max_new_tokens
@@ -440,10 +417,10 @@ def generate(
     return assemble(out_ids, out_logps, stops, settings.pad_id, ends)
 
 
-def prefill(model, decoder, prompt_ids, G, C, pad_id):
-    """Run the P distinct prompts once, left-padded to the longest L.
-    -> (the first logits [N,V], the decode cache, key_valid [N,S], each row's
-    next RoPE position [N], its prompt's ids [N,L] (-1 on padding), L)."""
+def prefill(decoder, prompt_ids, G, C, pad_id):
+    """The P prompts, left-padded to the longest L, run once -> (the first logits [N,V], the
+    decode cache, key_valid [N,S], each row's next position [N], its prompt [N,L] (-1: pad), L)."""
+    model = decoder.model
     dev = model.lm_head.weight.device
     P = len(prompt_ids)
     N = P * G
@@ -460,30 +437,24 @@ def prefill(model, decoder, prompt_ids, G, C, pad_id):
     cache, S = decoder.decode_cache(cache, src, L, C)
     # [N,S]: the prompt's keys, the completion's slots, the cache's slack
     key_valid = torch.cat([valid[src], valid.new_ones(N, C), valid.new_zeros(N, S - L - C)], 1)
-    prompt_tokens = torch.where(valid, ids, -1)[src]  # [N,L]
-    return logits[src], cache, key_valid, lens[src], prompt_tokens, L
+    row_prompts = torch.where(valid, ids, -1)[src]  # [N,L]
+    return logits[src], cache, key_valid, lens[src], row_prompts, L
 
 
 def decode_loop(decoder, prompt_ids, keys, stops, settings, limits):
-    """The decode loop of `decoder` (its model, vocabulary and step) over
-    the P prompts, one row a key (keys [N], N = P x G), stops [k] the stop
-    ids, limits = (a Banned or None, a StopStrings or None).
-    -> (ids [N,C], log-probs [N,C]) of every step."""
-    model = decoder.model
+    """keys [N] (N = P x G rows), stops [k] ids, limits = (a Banned or None, a StopStrings or
+    None) -> (ids [N,C], log-probs [N,C]) of every step."""
     G = len(keys) // len(prompt_ids)
     C = settings.max_new_tokens
     pad_id = settings.pad_id
     penalty = settings.repetition_penalty
     banned, strings = limits
     draw = {k: getattr(settings, k) for k in ("temperature", "top_k", "top_p", "min_p")}
-    dev = model.lm_head.weight.device
-    logits, cache, key_valid, next_pos, prompt_tokens, L = prefill(
-        model, decoder, prompt_ids, G, C, pad_id
-    )
-    N = len(next_pos)
-    seen = None
-    if penalty != 1.0:  # [N,V] tokens present in each row
-        seen = token_mask(prompt_tokens, decoder.vocab_size)
+    dev = keys.device
+    logits, cache, key_valid, next_pos, row_prompts, L = prefill(decoder, prompt_ids, G, C, pad_id)
+    N = len(keys)
+    # [N,V] tokens present in each row, for the repetition penalty
+    seen = token_mask(row_prompts, decoder.vocab_size) if penalty != 1.0 else None
     rows = Rows(
         index=torch.arange(N, device=dev),
         tok=None,
@@ -518,13 +489,11 @@ def decode_loop(decoder, prompt_ids, keys, stops, settings, limits):
             live = (~rows.stopped).nonzero().squeeze(1)  # a host sync
             if len(live) == 0:
                 break
-            few = len(live) <= 0.75 * len(rows.index)
-            if decoder.compacts and few:  # finished rows stop costing
+            if decoder.compacts and len(live) <= 0.75 * len(rows.index):  # a quarter have stopped
                 cache = cache.select(live)
                 rows = rows.select(live)
-        logits = decoder.step(
-            rows.tok[:, None], (rows.next_pos + t)[:, None], rows.key_valid, cache, L + t
-        )
+        positions = (rows.next_pos + t)[:, None]  # [n,1]
+        logits = decoder.step(rows.tok[:, None], positions, rows.key_valid, cache, L + t)
     return out_ids, out_logps
 
 
@@ -539,8 +508,7 @@ def assemble(out_ids, out_logps, stops, pad_id, ends=None) -> Generation:
         has_stop &= length <= ends  # the stop id came first: the row ends with it
         length = torch.minimum(length, ends)
     C = int(length.max())
-    arange = torch.arange(C, device=out_ids.device)
-    mask = arange[None, :] < length[:, None]  # [N,C]
+    mask = torch.arange(C, device=out_ids.device)[None, :] < length[:, None]  # [N,C]
     return Generation(
         completion_ids=torch.where(mask, out_ids[:, :C], pad_id),
         completion_mask=mask,

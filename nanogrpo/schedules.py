@@ -14,6 +14,7 @@ it reads a TrainConfig's batch fields.
 """
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 # -----------------------------------------------------------------------------
@@ -30,17 +31,12 @@ def micro_batches_per_round(cfg, world_size: int = 1) -> int:
 
 
 def batch_schedule(cfg, world_size: int = 1) -> "Schedule":
-    """Every count derived from the batch settings on `world_size`
-    processes, as TRL's GRPOConfig derives them (call validate first).
-
-    A generation round is TRL's generation batch: generation_batch_size
-    completions = whole groups of G over all processes together, laid
-    out as TRL's RepeatSampler lays them (a prompt's G copies
-    consecutive, each process a consecutive slice), so a group may span
-    processes. Each process cuts its slice into steps_per_generation
-    micro-batches and trains on them num_iterations times; an optimizer
-    step takes the next gradient_accumulation_steps of those
-    micro-batches, from one round or from several."""
+    """Every count derived from the batch settings on `world_size` processes, as TRL's GRPOConfig
+    derives them (call validate first). A generation round is TRL's generation batch, whole
+    groups of G over all processes, laid out as TRL's RepeatSampler lays them (a prompt's G copies
+    consecutive, each process a consecutive slice: a group may span processes). Each process
+    trains num_iterations times on its slice's steps_per_generation micro-batches; an optimizer
+    step takes the next gradient_accumulation_steps of them, from one round or several."""
     micro = cfg.per_device_train_batch_size
     GA = cfg.gradient_accumulation_steps
     spg = micro_batches_per_round(cfg, world_size)
@@ -68,29 +64,25 @@ def batch_schedule(cfg, world_size: int = 1) -> "Schedule":
 
 
 def micro_batches_per_epoch(cfg, num_prompts: int, world_size: int = 1) -> int:
-    """TRL's len(train_dataloader) on each process: one pass over
-    `num_prompts` is its whole generation rounds (RepeatSampler drops the
-    last incomplete one), each feeding steps_per_generation x
-    num_iterations micro-batches (its dataloader batches)."""
+    """TRL's len(train_dataloader) on each process: the whole rounds in `num_prompts`
+    (RepeatSampler drops an incomplete last one), each feeding steps_per_generation x
+    num_iterations micro-batches."""
     sched = batch_schedule(cfg, world_size)
     rounds = num_prompts // sched.prompts_per_round
     return rounds * sched.steps_per_generation * sched.num_iterations
 
 
 def steps_per_epoch(cfg, num_prompts: int, world_size: int = 1) -> int:
-    """transformers' num_update_steps_per_epoch: an epoch's micro-batches
-    in steps of gradient_accumulation_steps, the last step taking what is
-    left (rounded up), at least 1."""
+    """transformers' num_update_steps_per_epoch: an epoch's micro-batches in steps of
+    gradient_accumulation_steps, rounded up, at least 1."""
     micro = micro_batches_per_epoch(cfg, num_prompts, world_size)
     GA = cfg.gradient_accumulation_steps
     return max(-(-micro // GA), 1)
 
 
 def micro_batches_in_step(cfg, step: int, num_prompts: int, world_size: int = 1) -> int:
-    """Micro-batches optimizer step `step` (0-based) accumulates, as
-    transformers' loop cuts each epoch: gradient_accumulation_steps, but
-    the last step of an epoch takes only what the epoch has left, so no
-    step spans two epochs."""
+    """Micro-batches optimizer step `step` (0-based) accumulates: gradient_accumulation_steps, but
+    an epoch's last step only what the epoch has left (transformers': no step spans two epochs)."""
     micro = micro_batches_per_epoch(cfg, num_prompts, world_size)
     GA = cfg.gradient_accumulation_steps
     per_epoch = steps_per_epoch(cfg, num_prompts, world_size)
@@ -143,14 +135,8 @@ class Schedule:
         [rank x n, (rank + 1) x n) of the round's prompt-major list of
         generation_batch_size completions."""
         n = self.completions_per_round_per_rank
-        G = self.num_generations
-        share = []
-        for j in range(rank * n, (rank + 1) * n):
-            if share and share[-1][0] == j // G:
-                share[-1] = (j // G, share[-1][1] + 1)
-            else:
-                share.append((j // G, 1))
-        return share
+        copies = Counter(j // self.num_generations for j in range(rank * n, (rank + 1) * n))
+        return list(copies.items())
 
     def replay_order(self) -> list[int]:
         """The micro-batches one round feeds, in order: its

@@ -145,19 +145,14 @@ class Tokenizer:
         """Token ids of `text`; with add_special_tokens, the tokenizer's post-processor runs and
         tokenizer_config.json's add_bos_token/add_eos_token are honoured."""
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens:
-            if (
-                self.config.get("add_bos_token")
-                and self.bos_token_id is not None
-                and ids[:1] != [self.bos_token_id]
-            ):
-                ids = [self.bos_token_id] + ids
-            if (
-                self.config.get("add_eos_token")
-                and self.eos_token_id is not None
-                and ids[-1:] != [self.eos_token_id]
-            ):
-                ids = ids + [self.eos_token_id]
+        if not add_special_tokens:
+            return ids
+        bos = self.bos_token_id
+        eos = self.eos_token_id
+        if self.config.get("add_bos_token") and bos is not None and ids[:1] != [bos]:
+            ids = [bos] + ids
+        if self.config.get("add_eos_token") and eos is not None and ids[-1:] != [eos]:
+            ids = ids + [eos]
         return ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -173,8 +168,7 @@ class Tokenizer:
         self, completion_ids, completion_mask
     ) -> tuple[list[list[int]], list[str]]:
         """Generated rows [N,C] (right-padded, mask [N,C]) -> (each row's ids up to its length, its
-        text with special tokens skipped). One device-to-host transfer for the whole batch.
-        """
+        text with special tokens skipped), in one device-to-host transfer for the whole batch."""
         N, C = completion_ids.shape
         both = completion_ids.new_empty((N, 1 + C))  # [N, 1+C]: each row's length, its ids
         both[:, 0] = completion_mask.sum(1)
