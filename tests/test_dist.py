@@ -532,7 +532,7 @@ def nested_gather(rank, world_size, port, out_dir):
 
 
 def test_a_gather_inside_a_gather_leaves_the_parameters_to_the_outer_one(tmp_path):
-    """train.py gathers the parameters before a round's abandonable window (nothing collective
+    """train.py gathers the parameters before a round's local_work window (nothing collective
     may run inside it) and rollout gathers them too: the inner one must not shard them again
     when it ends, or a forward later in the window would gather them inside it."""
     mp.start_processes(
