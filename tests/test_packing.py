@@ -165,16 +165,23 @@ def test_the_row_holds_only_real_tokens_up_to_the_last_scored_one():
     assert at.tolist() == [2, 3, 4, 5, 6]
 
 
-def test_a_broken_mask_fails_the_comparison(monkeypatch):
-    """The tests above can fail: one causal attention over the whole row (sequences seeing the
-    ones before them) is caught."""
+def whole_row(self, q, k, v, mask, scale, layer, start):
+    """A broken attend: one causal attention over the whole row."""
+    return sdpa(q, k, v, None, scale)
 
-    def whole_row(self, q, k, v, mask, scale, layer, start):
-        return sdpa(q, k, v, None, scale)
 
-    monkeypatch.setattr(packing.PackedRow, "attend", whole_row)
+@pytest.mark.parametrize(
+    "family, broken",
+    [("qwen2", ("PackedRow.attend", whole_row)), ("gemma3", ("window_mask", lambda *a: None))],
+)
+def test_a_broken_mask_fails_the_comparison(monkeypatch, family, broken):
+    """The tests above can fail: sequences that see the ones before them in the row, or Gemma 3's
+    sliding layers without their window, are caught."""
+    name, replacement = broken
+    owner = packing.PackedRow if name.startswith("PackedRow.") else packing
+    monkeypatch.setattr(owner, name.removeprefix("PackedRow."), replacement)
     ids, att, mask = batch([5, 2, 6], [7, 3, 4])
-    model = model_of("qwen2")
+    model = model_of(family)
     padded = logprobs.token_logprobs(model, ids, att, mask)
     packed = packing.token_logprobs(model, ids, att, mask)
     with pytest.raises(AssertionError):

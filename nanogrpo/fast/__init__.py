@@ -13,7 +13,8 @@ Does not know about: rewards, losses, optimizers, files, or what a run does arou
 algorithm, or the trainer (train.py builds its `Kernels` record from what `kernels` returns).
 
 Each trick is held equal to its course function by a test (tests/test_sampler.py,
-tests/test_logprobs.py), and the two paths' training trajectories by tests/test_train.py.
+tests/test_logprobs.py, tests/test_packing.py), and the two paths' training trajectories by
+tests/test_train.py.
 """
 
 from nanogrpo.fast import logprobs, packing

@@ -141,13 +141,10 @@ def pack(model, input_ids, attention_mask, completion_mask):
         )
     ends = lengths.cumsum(0)
     cu_seqlens = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
-    edges = cu_seqlens.tolist()  # the one host read
+    edges = cu_seqlens.tolist()  # on the host (with the check above: a call's two syncs)
     bounds = list(zip(edges[:-1], edges[1:]))
     positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # the padded forward's
-    cfg = model.config
-    n_layers = cfg.num_hidden_layers
-    sliding = [t == "sliding_attention" for t in (cfg.layer_types or [""] * n_layers)]
-    row = PackedRow(bounds, cu_seqlens, sliding, cfg.sliding_window)
+    row = PackedRow(bounds, cu_seqlens, model.sliding, model.config.sliding_window)
     at = flat[where[0], before]  # [M]
     return input_ids[keep][None], positions[keep][None], row, where, at
 
