@@ -5,8 +5,10 @@ stays close to the padded run; what cannot pack is refused in one line."""
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from conftest import GEMMA3, QWEN3_5, tiny_config
 from hypothesis import given, settings, strategies as st
+from test_dist import free_port, one_step
 from test_train import FAMILY_MODELS, tiny
 
 import nanogrpo.models  # noqa: F401 (registers Gemma 3 and Qwen3.5)
@@ -223,6 +225,29 @@ def test_setup_refuses_qwen3_5_before_step_1(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="not supported for model_type='qwen3_5_text' yet"):
         train.train(cfg)
     assert steps == []
+
+
+def test_two_processes_packed_match_one(tmp_path):
+    """FSDP2: an optimizer step packed on 2 ranks (rows without advantage in their own no_grad
+    call) equals it packed on one to 1e-5, and padded on one to 1e-4 (AdamW's first step is about
+    lr x sign(gradient): a rounding difference in a near-zero gradient entry moves its weight)."""
+    results = {}
+    for world, packed in ((1, False), (1, True), (2, True)):
+        out = tmp_path / f"w{world}-{packed}.pt"
+        mp.start_processes(
+            one_step,
+            args=(world, free_port(), "gemma3", str(out), None, False, packed),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
+        )
+        results[world, packed] = torch.load(out)
+    two, one, padded = results[2, True], results[1, True], results[1, False]
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
+    for k, v in two["state"].items():
+        torch.testing.assert_close(v, one["state"][k], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, padded["state"][k], atol=1e-4, rtol=1e-4)
 
 
 # -----------------------------------------------------------------------------
