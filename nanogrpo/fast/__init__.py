@@ -4,9 +4,9 @@ Owns: `kernels`, the fast set of the functions a round calls (the fields of trai
 as a dict): the draw without sorting the vocabulary and the compiled static-shape decode step
 (fast/sampling.py), the decode step that reads each prompt's keys once per group
 (fast/shared_prefix.py), the LM head in chunks, each prompt's forward shared by its rows and no
-backward for rows without advantage (fast/logprobs.py); with padding_free, the micro-batch packed
-into one row (fast/packing.py). train.py chooses between them and the
-course's in one place (its `kernels`); `plain=True` trains with the course's. Beside them,
+backward for rows without advantage (fast/logprobs.py); with padding_free, each micro-batch
+packed into one row (fast/packing.py). train.py chooses between them and the course's in one place
+(its `kernels`); `plain=True` trains with the course's (packed with padding_free). Beside them,
 fast/batch_invariant.py: not faster but exact, the sampler's log-probs the trainer's bit for bit.
 
 Does not know about: rewards, losses, optimizers, files, or what a run does around the

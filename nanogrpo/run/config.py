@@ -149,7 +149,8 @@ class TrainConfig(Rules):
         False,
         "TRL's: each micro-batch's sequences packed into one row, no padding, attention within "
         "each sequence (nanogrpo/fast/packing.py), for the update's and the old/reference "
-        "log-probs; the same numbers. Not for Qwen3.5 (Gated DeltaNet) nor batch_invariant",
+        "log-probs; the same numbers to rounding. Not for Qwen3.5 (Gated DeltaNet) nor "
+        "batch_invariant",
     )
     steps_per_generation: int | None = setting(
         None, "micro-batches per process sampled at once; None = gradient_accumulation_steps"
