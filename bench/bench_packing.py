@@ -15,7 +15,8 @@ row skipped):
 - fast: fast/logprobs.py's (the default: the LM head in chunks, the padding after the micro-batch's
   longest completion cut, each prompt's forward once for its rows);
 - packed: fast/packing.py's (one row of the real tokens, attention per sequence).
-Reported: the median seconds of a pass over the micro-batches, tokens per second (real tokens:
+Reported: the fastest of `--repeats` passes over the micro-batches (the three kernels' passes
+interleaved, so a busy machine slows them alike), tokens per second (real tokens:
 prompts and completions, the same count for all three), and the peak memory of one micro-batch:
 on CUDA torch.cuda.max_memory_allocated; on CPU the peak of the bytes of live tensors that torch's
 ops allocate during the call (tracemalloc does not see torch's allocator), measured in a separate,
@@ -23,7 +24,6 @@ untimed pass. Ratios are against fast, the default.
 """
 
 import argparse
-import statistics
 import time
 import weakref
 
@@ -153,7 +153,7 @@ def run(args, model, device):
     longest = max(range(len(batches)), key=lambda i: batches[i][2].shape[1])
     rows = {}
     for name, kernel in KERNELS.items():
-        s = statistics.median(times[name])
+        s = min(times[name])
         mem = peak_bytes(model, kernel, batches[longest], args.vocab)
         rows[name] = (s, real / s, mem)
     base_s, _, base_mem = rows["fast"]
