@@ -58,10 +58,10 @@ from nanogrpo.trainer import Given, Kernels, Trainer, setup
 
 def kernels(cfg: TrainConfig) -> Kernels:
     """The one place speed is chosen (nanogrpo/fast/, each kernel equal to the course function it
-    stands for): plain=true trains with the course's alone."""
+    stands for): plain=true trains with the course's alone, packed with padding_free."""
     if cfg.plain and not cfg.batch_invariant:
-        return Kernels()
-    return Kernels(**fast.kernels(cfg.torch_compile, cfg.batch_invariant))
+        return Kernels(**fast.packing.kernels(cfg.padding_free))
+    return Kernels(**fast.kernels(cfg.torch_compile, cfg.batch_invariant, cfg.padding_free))
 
 
 def round_seed(cfg: TrainConfig, rnd: int, rank: int, salt=0) -> int:

@@ -429,6 +429,7 @@ class Transformer(nn.Module):
             slots = torch.arange(cache_start, cache_start + T, device=input_ids.device)  # [T]
             positions = slots.expand(B, T)
         static = cache is not None and cache.static  # cache_start is then a tensor
+        packed = getattr(cache, "packed", False)  # fast/packing.py's row: attends per sequence
         if cache is not None and not static and cache_start + T > cache.max_len:
             raise ValueError(
                 f"KV cache of {cache.max_len} slots is too small for {cache_start + T} tokens"
@@ -437,11 +438,11 @@ class Transformer(nn.Module):
         if attention_mask is not None and not static and T > 1:
             # [B,T]: which of these T tokens are real (None: all, or unknown in a compiled step)
             valid = attention_mask[:, -T:].bool()
-        if attention_mask is not None or cache is not None or any(self.sliding):
+        if not packed and (attention_mask is not None or cache is not None or any(self.sliding)):
             if attention_mask is None:
                 attention_mask = input_ids.new_ones(B, cache_start + T, dtype=torch.bool)
             mask = attention_mask_for(attention_mask, T, cache_start)
-        if any(self.sliding):  # Gemma 3's sliding layers see the last sliding_window real tokens
+        if mask is not None and any(self.sliding):  # Gemma 3's last sliding_window real tokens
             window = self.window_mask(
                 mask, attention_mask, T, cache_start, self.config.sliding_window
             )
@@ -464,8 +465,8 @@ class Transformer(nn.Module):
             rope = local if self.sliding[i] else cos_sin
             cos, sin = rope if self.rope_layers[i] else (None, None)  # None: a NoPE layer
             mask_i = valid if self.linear[i] else window if self.sliding[i] else mask
-            if checkpointing and cache is None:
-                x = checkpoint(block, x, cos, sin, mask_i, use_reentrant=False)
+            if checkpointing and (cache is None or packed):
+                x = checkpoint(block, x, cos, sin, mask_i, cache, i, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask_i, cache, i, cache_start)
         return self.norm(x)

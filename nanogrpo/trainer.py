@@ -63,6 +63,8 @@ class Kernels:
     # within(the run's autocast) -> the context every forward of a round runs in (sampling,
     # scoring, the update): the autocast, or fast/batch_invariant.py's BatchInvariant around it
     within: Callable = lambda autocast: autocast
+    # check(the model's ModelConfig): ValueError where these kernels cannot run it (setup calls it)
+    check: Callable = lambda config: None
 
 
 @dataclass
@@ -107,10 +109,9 @@ class Trainer:
 
 
 def load_policy(path, cfg: TrainConfig, info, lora_settings=None):
-    """The policy in the config's weight dtype (float32 unless model_init_kwargs
-    says otherwise; bf16 compute under autocast, or FSDP2's mixed precision
-    on several ranks, where it is sharded); with lora_settings, fresh LoRA
-    adapters on it."""
+    """The policy in the config's weight dtype (float32 unless model_init_kwargs says otherwise;
+    bf16 compute under autocast, or FSDP2's mixed precision on several ranks, where it is
+    sharded); with lora_settings, fresh LoRA adapters on it."""
     model = checkpoint.load_model(
         path,
         dtype=cfg.weight_dtype(),
@@ -137,8 +138,7 @@ class Given:
 def make_optimizer(model, cfg: TrainConfig, info):
     """AdamW (transformers' optim names) and its learning-rate schedule,
     step for step transformers' get_scheduler (extras/lr_schedules.py)."""
-    # fused: one kernel for the whole step; FSDP2's sharded parameters
-    # keep the default implementation
+    # fused: one kernel for the whole step; FSDP2's sharded parameters keep the default one
     fused = cfg.optim == "adamw_torch_fused" and info.world_size == 1
     optimizer = torch.optim.AdamW(
         lora.trainable_parameters(model),
@@ -167,6 +167,7 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None, given=Given())
     model = given.load_policy(resume_from or cfg.model, cfg, info, cfg.lora_settings())
     model.gradient_checkpointing = cfg.gradient_checkpointing
     check_context(cfg, model)
+    kernels.check(model.config)  # fast/packing.py refuses what cannot pack
     peft = hasattr(model, "lora_config")  # use_peft, or an adapter dir
     cfg.check_lora(peft)
     ref = None
@@ -272,14 +273,12 @@ def load_data(
     ckpt=None,
     given=Given(),
 ):
-    """Training and eval rows, checked before step 1: each prompt fits
-    the context (with the tools' schemas: with environments, those of its
-    row's environment) and carries every column the reward functions read
-    (a rollout_func's fields may bring them: not checked then). Without a
-    dataset, TRL's num_placeholder_rows empty prompts, which the
-    environment's reset() fills. Resuming checkpoint `ckpt`, another
-    dataset than its run's is refused first. given.rows and given.eval_rows, where set, are the
-    datasets' rows (checked by their caller)."""
+    """Training and eval rows, checked before step 1: each prompt fits the context (with the
+    tools' schemas: with environments, those of its row's environment) and carries every column
+    the reward functions read (a rollout_func's fields may bring them: not checked then). Without
+    a dataset, TRL's num_placeholder_rows empty prompts, which the environment's reset() fills.
+    Resuming checkpoint `ckpt`, another dataset than its run's is refused first. given.rows and
+    given.eval_rows, where set, are the datasets' rows (checked by their caller)."""
     needs_prompt = envs is None  # an environment's reset() may write it
     if cfg.dataset is None:
         rows = placeholder_rows(num_placeholder_rows)

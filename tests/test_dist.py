@@ -39,11 +39,13 @@ def join_group(rank, world_size, port):
     torch.set_num_threads(1)
 
 
-def one_step(rank, world_size, port, family, out_path, lora_settings=None, entropy=False):
+def one_step(
+    rank, world_size, port, family, out_path, lora_settings=None, entropy=False, packed=False
+):
     """Load the fixture (sharded when world_size > 1; with LoRA adapters
     when lora_settings; with entropy, the adaptive entropy bonus on), take
-    one optimizer step on this rank's share of a fixed global batch, save
-    the full weights from rank 0."""
+    one optimizer step on this rank's share of a fixed global batch (packed:
+    with padding_free's kernels), save the full weights from rank 0."""
     join_group(rank, world_size, port)
     from nanogrpo import distributed as dist
     from nanogrpo.checkpoint import load_model
@@ -118,7 +120,7 @@ def one_step(rank, world_size, port, family, out_path, lora_settings=None, entro
         autocast=nullcontext(),
         tok=SimpleNamespace(vocab_size=None),
         sched=SimpleNamespace(steps_per_generation=len(micro)),
-        kernels=Kernels(**fast.kernels()),
+        kernels=Kernels(**fast.kernels(padding_free=packed)),
         entropy_coef=terms.entropy_coef,
         last_entropy=0.0,
     )  # at or below the target: the bonus applies

@@ -409,6 +409,7 @@ def policy_logprobs(
     world_size=1,
     temperature=1.0,
     vocab_size=None,
+    score=None,
 ):
     """nanogrpo.logprobs.policy_logprobs' result (same arguments, same
     numbers and, for a loss whose per-token terms are the advantage times
@@ -416,7 +417,8 @@ def policy_logprobs(
     the rows rows_without_gradient frees scored under no_grad (no
     backward, no stored activations). Their log-probs and entropies still
     count in the loss and the metrics. The entropy carries a gradient
-    only with entropy_bonus."""
+    only with entropy_bonus. score: token_logprobs' stand-in (None: it;
+    fast/packing.py passes its packed one)."""
     n, length = input_ids.shape
     free = None
     # on one rank, a batch whose every row freed would not pay is decided
@@ -434,23 +436,29 @@ def policy_logprobs(
         temperature=temperature,
         vocab_size=vocab_size,
         entropy_grad=entropy_bonus,
+        scorer=score or token_logprobs,
     )
 
 
 def _split_scoring(
-    model, input_ids, attention_mask, completion_mask, no_grad_rows, world_size=1, **kwargs
+    model,
+    input_ids,
+    attention_mask,
+    completion_mask,
+    no_grad_rows,
+    world_size=1,
+    scorer=token_logprobs,
+    **kwargs,
 ):
     """token_logprobs, with rows no_grad_rows [n] bool scored under
     no_grad. With several ranks the no_grad call always runs (on a
     throwaway row if need be), so every rank makes the same FSDP
     collectives, unless no_grad_rows is None (rows_without_gradient's
     answer when no rank may skip rows): one call with gradient, on every
-    rank alike. kwargs: token_logprobs'."""
+    rank alike. scorer: token_logprobs or its stand-in, called with kwargs."""
 
     def score(rows):
-        return token_logprobs(
-            model, input_ids[rows], attention_mask[rows], completion_mask[rows], **kwargs
-        )
+        return scorer(model, input_ids[rows], attention_mask[rows], completion_mask[rows], **kwargs)
 
     free = no_grad_rows
     if free is None or (world_size == 1 and not free.any()):

@@ -145,6 +145,13 @@ class TrainConfig(Rules):
         "completions, a multiple of num_generations",
     )
     gradient_accumulation_steps: int = setting(1, "forward/backwards summed per optimizer step")
+    padding_free: bool = setting(
+        False,
+        "TRL's: each micro-batch's sequences packed into one row, no padding, attention within "
+        "each sequence (nanogrpo/fast/packing.py), for the update's and the old/reference "
+        "log-probs; the same numbers to rounding. Not for Qwen3.5 (Gated DeltaNet) nor "
+        "batch_invariant",
+    )
     steps_per_generation: int | None = setting(
         None, "micro-batches per process sampled at once; None = gradient_accumulation_steps"
     )

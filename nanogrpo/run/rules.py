@@ -167,6 +167,11 @@ class Rules:
             "batch_invariant=true decodes eagerly with its own kernels: set one of them",
         )
         need(
+            not (self.batch_invariant and self.padding_free),
+            "padding_free",
+            "batch_invariant=true scores padded rows with its own kernels: set one of them",
+        )
+        need(
             not (self.batch_invariant and (self.tools or self.environment_factory is not None)),
             "batch_invariant",
             "tool rounds re-lay each turn's context at other slots than the trainer's; "

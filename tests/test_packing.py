@@ -1,0 +1,276 @@
+"""fast/packing.py: a micro-batch packed into one row scores what the padded rows score (logprobs.py's
+token_logprobs and policy_logprobs), log-probs, entropies and their gradients, in float64 to 1e-12
+and float32 to 1e-5, over random prompt and completion lengths; a 5-step run with padding_free=true
+stays close to the padded run; what cannot pack is refused in one line."""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import GEMMA3, QWEN3_5, tiny_config
+from hypothesis import given, settings, strategies as st
+from test_dist import free_port, one_step
+from test_train import FAMILY_MODELS, tiny
+
+import nanogrpo.models  # noqa: F401 (registers Gemma 3 and Qwen3.5)
+import train
+from nanogrpo import logprobs
+from nanogrpo.extras.lora import apply_lora
+from nanogrpo.fast import packing
+from nanogrpo.model import Transformer, sdpa
+from nanogrpo.run.config import ConfigError
+from nanogrpo.run.configurator import load_config, read_config_file
+
+V = 97
+FAMILIES = {
+    "qwen2": {},
+    "smollm3": {"model_type": "smollm3", "no_rope_layers": [1, 0]},
+    "gemma3": GEMMA3,  # sliding layers with a window of 3: shorter than most sequences here
+}
+MODELS = {}
+
+
+def model_of(family, dtype=torch.float64):
+    if (family, dtype) not in MODELS:
+        torch.manual_seed(0)
+        MODELS[family, dtype] = Transformer(tiny_config(vocab_size=V, **FAMILIES[family])).to(dtype)
+    return MODELS[family, dtype]
+
+
+def batch(prompt_lens, completion_lens, holes=(), seed=0):
+    """Left-padded prompts, right-padded completions (attention 1 over the whole completion, as
+    rollout.join_prompt_completion lays it), completion_mask 1 on each completion's tokens but the
+    (row, column) pairs of `holes` (tool results): ids, attention_mask [n, P+C], completion_mask
+    [n,C]."""
+    g = torch.Generator().manual_seed(seed)
+    n, P, C = len(prompt_lens), max(prompt_lens), max(max(completion_lens), 1)
+    ids = torch.randint(1, V, (n, P + C), generator=g)
+    prompt = torch.arange(P)[None] >= P - torch.tensor(prompt_lens)[:, None]
+    attention = torch.cat([prompt, torch.ones(n, C, dtype=torch.bool)], 1).long()
+    ids = torch.where(attention.bool(), ids, 0)
+    mask = (torch.arange(C)[None] < torch.tensor(completion_lens)[:, None]).float()
+    for row, col in holes:
+        mask[row, col] = 0.0
+    return ids, attention, mask
+
+
+def grads(model, logps, entropies, seed=1):
+    """Every parameter's gradient of a random combination of the log-probs and entropies."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(logps.shape, generator=g, dtype=logps.dtype)
+    u = torch.randn(logps.shape, generator=g, dtype=logps.dtype)
+    total = (w * logps).sum() + (u * entropies).sum()
+    return torch.autograd.grad(total, list(model.parameters()))
+
+
+def assert_same(model, padded, packed, atol, rtol=0.0):
+    for a, b in zip(padded, packed):  # log-probs, entropies
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(b, a, atol=atol, rtol=rtol)
+    for a, b in zip(grads(model, *padded), grads(model, *packed)):
+        torch.testing.assert_close(b, a, atol=atol, rtol=max(rtol, 1e-9))
+
+
+rows = st.lists(
+    st.tuples(st.integers(1, 7), st.integers(0, 9)),  # (prompt length, completion length)
+    min_size=1,
+    max_size=5,
+)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@settings(max_examples=15, deadline=None)
+@given(rows=rows, temperature=st.sampled_from([1.0, 0.7]), seed=st.integers(0, 99))
+def test_packed_equals_padded_in_float64(family, rows, temperature, seed):
+    prompt_lens, completion_lens = zip(*rows)
+    holes = [(0, 1)] if completion_lens[0] > 2 else []  # a masked token inside a completion
+    ids, att, mask = batch(prompt_lens, completion_lens, holes, seed)
+    model = model_of(family)
+    padded = logprobs.token_logprobs(model, ids, att, mask, temperature)
+    packed = packing.token_logprobs(model, ids, att, mask, temperature, entropy_grad=True)
+    assert_same(model, padded, packed, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_equals_padded_in_float32(family):
+    ids, att, mask = batch([5, 1, 7, 3], [9, 0, 4, 1], holes=[(0, 2)])
+    model = model_of(family, torch.float32)
+    padded = logprobs.token_logprobs(model, ids, att, mask)
+    packed = packing.token_logprobs(model, ids, att, mask, entropy_grad=True)
+    assert_same(model, padded, packed, atol=1e-5, rtol=1e-5)
+
+
+def test_one_row_and_vocab_size():
+    ids, att, mask = batch([4], [6])
+    model = model_of("qwen2")
+    padded = logprobs.token_logprobs(model, ids, att, mask, vocab_size=90)
+    packed = packing.token_logprobs(model, ids, att, mask, vocab_size=90, entropy_grad=True)
+    assert_same(model, padded, packed, atol=1e-12)
+
+
+def test_nothing_scored_still_ties_every_parameter_to_the_graph():
+    ids, att, mask = batch([3, 2], [0, 0])
+    model = model_of("qwen2")
+    logps, entropies = packing.token_logprobs(model, ids, att, mask)
+    assert torch.equal(logps, torch.zeros_like(logps)) and logps.shape == mask.shape
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads(model, logps, entropies))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_policy_logprobs_equal_the_course_ones(beta):
+    """The update's kernel: rows without advantage scored under no_grad (beta = 0) as fast/logprobs.py
+    does, each call packed; the log-gradient equals the course's for an advantage-weighted loss."""
+    ids, att, mask = batch([5, 2, 6, 3], [7, 3, 0, 8], holes=[(0, 4)])
+    advantages = torch.tensor([0.5, 0.0, -1.0, 0.0], dtype=torch.float64)
+    model = model_of("gemma3")
+    how = dict(beta=beta, entropy_bonus=False)
+    padded = logprobs.policy_logprobs(model, ids, att, mask, advantages, **how)
+    packed = packing.policy_logprobs(model, ids, att, mask, advantages, **how)
+    for a, b in zip(padded, packed):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=0)
+    loss = lambda lp: -(advantages[:, None] * lp).sum()  # noqa: E731
+    params = list(model.parameters())
+    for a, b in zip(
+        torch.autograd.grad(loss(padded[0]), params), torch.autograd.grad(loss(packed[0]), params)
+    ):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-9)
+
+
+def test_gradient_checkpointing_and_lora():
+    torch.manual_seed(0)
+    model = apply_lora(Transformer(tiny_config(vocab_size=V)).double(), r=4, lora_dropout=0.0)
+    model.gradient_checkpointing = True
+    model.train()
+    ids, att, mask = batch([5, 1, 7], [9, 2, 5])
+    padded = logprobs.token_logprobs(model, ids, att, mask)
+    packed = packing.token_logprobs(model, ids, att, mask, entropy_grad=True)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and len(trained) < len(list(model.parameters()))
+    for a, b in zip(padded, packed):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=0)
+    g = torch.randn(mask.shape, dtype=torch.float64)
+    for a, b in zip(
+        torch.autograd.grad((g * padded[0]).sum(), trained),
+        torch.autograd.grad((g * packed[0]).sum(), trained),
+    ):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-9)
+
+
+def test_the_row_holds_only_real_tokens_up_to_the_last_scored_one():
+    ids, att, mask = batch([3, 1], [4, 2])  # row 1's completion is padded by 2
+    mask[0, 3] = 0.0  # row 0's last token not scored: not run either
+    packed_ids, positions, row, where, at = packing.pack(model_of("qwen2"), ids, att, mask)
+    # row 0: 3 prompt + 2 completion tokens (the 3rd predicts the last scored one); row 1: 1 + 1
+    assert row.bounds == [(0, 5), (5, 7)] and row.cu_seqlens.tolist() == [0, 5, 7]
+    assert positions.tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    assert packed_ids[0, :5].tolist() == ids[0, :5].tolist()
+    assert packed_ids[0, 5:].tolist() == ids[1, 2:4].tolist()
+    assert at.tolist() == [2, 3, 4, 5, 6]
+
+
+def whole_row(self, q, k, v, mask, scale, layer, start):
+    """A broken attend: one causal attention over the whole row."""
+    return sdpa(q, k, v, None, scale)
+
+
+@pytest.mark.parametrize(
+    "family, broken",
+    [("qwen2", ("PackedRow.attend", whole_row)), ("gemma3", ("window_mask", lambda *a: None))],
+)
+def test_a_broken_mask_fails_the_comparison(monkeypatch, family, broken):
+    """The tests above can fail: sequences that see the ones before them in the row, or Gemma 3's
+    sliding layers without their window, are caught."""
+    name, replacement = broken
+    owner = packing.PackedRow if name.startswith("PackedRow.") else packing
+    monkeypatch.setattr(owner, name.removeprefix("PackedRow."), replacement)
+    ids, att, mask = batch([5, 2, 6], [7, 3, 4])
+    model = model_of(family)
+    padded = logprobs.token_logprobs(model, ids, att, mask)
+    packed = packing.token_logprobs(model, ids, att, mask)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(packed[0], padded[0], atol=1e-6, rtol=0)
+
+
+# -----------------------------------------------------------------------------
+# Refusals, the kernels train.py picks
+
+
+def test_gated_deltanet_and_padding_holes_are_refused():
+    model = Transformer(tiny_config(vocab_size=V, **QWEN3_5))
+    with pytest.raises(ValueError, match="padding_free=true is not supported for model_type="):
+        packing.check_model(model.config)
+    ids, att, mask = batch([3, 2], [4, 4])
+    with pytest.raises(ValueError, match="qwen3_5_text"):
+        packing.token_logprobs(model, ids, att, mask)
+    att[1, -3] = 0  # a padding slot before a scored token
+    with pytest.raises(ValueError, match="follows a padding slot"):
+        packing.token_logprobs(model_of("qwen2"), ids, att, mask)
+
+
+def test_train_picks_the_packed_kernels_and_refuses_batch_invariant():
+    for plain in ("true", "false"):
+        cfg = load_config(["--config", "tiny.py", "--padding_free=true", f"--plain={plain}"])
+        k = train.kernels(cfg)
+        assert k.policy_logprobs is packing.policy_logprobs
+        assert k.token_logprobs is packing.token_logprobs and k.check is packing.check_model
+    assert train.kernels(load_config(["--config", "tiny.py"])).check(None) is None
+    with pytest.raises(ConfigError, match="padding_free=True: batch_invariant=true"):
+        load_config(["--config", "tiny.py", "--padding_free=true", "--batch_invariant=true"])
+
+
+def test_setup_refuses_qwen3_5_before_step_1(tmp_path, monkeypatch):
+    init = dict(read_config_file("tiny")["init_model"], **FAMILY_MODELS["qwen3_5"])
+    steps = []
+    monkeypatch.setattr(train, "train_cycle", lambda t: steps.append(t))
+    cfg = tiny(tmp_path, f"--init_model={init!r}", "--padding_free=true")
+    with pytest.raises(ValueError, match="not supported for model_type='qwen3_5_text' yet"):
+        train.train(cfg)
+    assert steps == []
+
+
+def test_two_processes_packed_match_one(tmp_path):
+    """FSDP2: an optimizer step packed on 2 ranks (rows without advantage in their own no_grad
+    call) equals it packed on one to 1e-5, and padded on one to 1e-4 (AdamW's first step is about
+    lr x sign(gradient): a rounding difference in a near-zero gradient entry moves its weight)."""
+    results = {}
+    for world, packed in ((1, False), (1, True), (2, True)):
+        out = tmp_path / f"w{world}-{packed}.pt"
+        mp.start_processes(
+            one_step,
+            args=(world, free_port(), "gemma3", str(out), None, False, packed),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
+        )
+        results[world, packed] = torch.load(out)
+    two, one, padded = results[2, True], results[1, True], results[1, False]
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
+    for k, v in two["state"].items():
+        torch.testing.assert_close(v, one["state"][k], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, padded["state"][k], atol=1e-4, rtol=1e-4)
+
+
+# -----------------------------------------------------------------------------
+# Training: 5 steps packed against 5 padded
+
+EXACT = ("reward", "reward_std", "num_tokens", "learning_rate")
+
+
+def test_a_packed_run_trains_as_the_padded_one(tmp_path, capsys):
+    """The draw does not change, so rewards and token counts are exact; the log-probs differ by
+    float32 rounding only (other matmul shapes), so gradient norm, entropy and KL agree to 1e-5
+    relative and the loss (a sum of terms of both signs, near 0) to 1e-6 absolute."""
+    args = ("--max_steps=5", "--beta=0.04", "--max_completion_length=12")
+    padded = train.train(tiny(tmp_path / "padded", *args))
+    packed = train.train(tiny(tmp_path / "packed", *args, "--padding_free=true"))
+    assert len(padded) == len(packed) == 5
+    worst = dict.fromkeys(("loss", "grad_norm", "entropy", "kl"), 0.0)
+    for a, b in zip(padded, packed):
+        for key in EXACT:
+            assert a[key] == b[key], key
+        for key in worst:
+            worst[key] = max(worst[key], abs(b[key] - a[key]))
+            tolerance = dict(abs=1e-6) if key == "loss" else dict(rel=1e-5, abs=1e-7)
+            assert b[key] == pytest.approx(a[key], **tolerance), key
+    with capsys.disabled():
+        print("largest absolute differences, packed - padded:", worst)
