@@ -31,6 +31,11 @@ Speed (random weights of real shapes, bf16):
              each against the HBM floor (weights + KV bytes read per step / measured bandwidth).
   update     forward + backward + AdamW of the 0.5B shape, 16 x (128 + 512) tokens, bf16 autocast over
              fp32 master weights, with and without gradient checkpointing: tokens/s, MFU, peak memory.
+  packing    padding_free (fast/packing.py) against the padded update: 16 rows (2 groups of 8 sharing
+             a 128-token prompt, geometric completion lengths, mean 128, cap 512) of the 0.5B shape;
+             log-probs packed vs padded in bf16 (autocast over fp32 weights; bf16 weights) against
+             fp32, and in fp32 on the 47M shape (max |diff| <= 1e-4); which attention ran (varlen_attn
+             or the loop over sequences, the dtypes it saw); forward + backward: tokens/s, peak memory.
   chunks     the LM head's chunk size: forward + backward of 16 x 512 tokens' log-probs through the
              0.5B shape's head at chunk sizes 128-4096, probabilities kept and recomputed.
   skip       the zero-advantage skip's threshold: 16 rows of the 0.5B shape with 1, 4 or 8 rows of
@@ -74,6 +79,9 @@ from nanogrpo.model import ModelConfig, Transformer  # noqa: E402
 from nanogrpo.sampler import Sampling, generate  # noqa: E402
 
 TIE = 1e-3  # top-2 logits closer than this may be picked either way by fp32 rounding
+# fp32 packed vs padded: the log-probs' max |diff| (they are ~ -log V ~ -10: ~1e-5 relative, the
+# logits part's bound) and the gradient's rel. err.; the CPU at the full sizes: 1.9e-6 and 7e-7
+FP32_PACKED = 1e-4
 BF16_REL = 0.1  # bf16 autocast logits against fp32, max |diff| / max |logit| (CPU: <= 6.2e-2)
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s, the vendor's SXM figure
 QUICK_SHAPE = dict(  # --quick's stand-in for the real shapes
@@ -806,6 +814,216 @@ def part_update(c: Check) -> dict:
     return out
 
 
+def packing_batch(c: Check, V: int, rows: int, prompt: int, mean: int, cap: int, seed=0):
+    """One micro-batch of `rows` rows, 2 groups sharing a prompt of `prompt` tokens each,
+    completions of geometric lengths (bench/bench_packing.py's: mean `mean`, capped at `cap`),
+    right-padded to the longest; every advantage nonzero (no row skipped)."""
+    import bench_packing
+
+    g = torch.Generator().manual_seed(seed)
+    how = argparse.Namespace(dist="geometric", mean=mean, cap=cap)
+    lengths = bench_packing.completion_lengths(how, rows, g)
+    C = int(lengths.max())
+    prompts = torch.randint(0, V, (2, prompt), generator=g).repeat_interleave(rows // 2, 0)
+    ids = torch.cat([prompts, torch.randint(0, V, (rows, C), generator=g)], 1)
+    cmask = (torch.arange(C)[None] < lengths[:, None]).float()
+    adv = torch.randn(rows, generator=g)
+    adv = adv.sign() * adv.abs().clamp(min=0.1)
+    real = rows * prompt + int(lengths.sum())
+    batch = [t.to(c.device) for t in (ids, torch.ones_like(ids), cmask, adv)]
+    return batch, real, lengths
+
+
+class AttentionPath:
+    """Inside it: how fast/packing.py's PackedRow attended (its `attend` calls, those that went
+    to varlen_attn, the q/k/v dtypes it saw); `path` names it."""
+
+    def __enter__(self):
+        from nanogrpo.fast import packing
+
+        self.cls, self.calls, self.varlen, self.dtypes = packing.PackedRow, 0, 0, set()
+        self.attend, self.attend_varlen = self.cls.attend, self.cls.attend_varlen
+        path = self
+
+        def attend(row, q, k, v, *args):
+            path.calls += 1
+            path.dtypes.add(f"q {q.dtype}, k {k.dtype}, v {v.dtype}".replace("torch.", ""))
+            return path.attend(row, q, k, v, *args)
+
+        def attend_varlen(row, *args):
+            path.varlen += 1
+            return path.attend_varlen(row, *args)
+
+        self.cls.attend, self.cls.attend_varlen = attend, attend_varlen
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.attend, self.cls.attend_varlen = self.attend, self.attend_varlen
+
+    def record(self) -> dict:
+        path = (
+            "varlen_attn" if self.varlen == self.calls else "loop" if not self.varlen else "mixed"
+        )
+        return {
+            "path": path,
+            "attend_calls": self.calls,
+            "varlen_calls": self.varlen,
+            "attend_dtypes": sorted(self.dtypes),
+        }
+
+
+def part_packing(c: Check) -> dict:
+    """padding_free (fast/packing.py) against the padded update (fast/logprobs.py): one micro-
+    batch of 16 rows (2 groups of 8 sharing a 128-token prompt, geometric completion lengths,
+    mean 128, cap 512) of the 0.5B shape, random weights. Correctness: the scored tokens'
+    log-probs packed vs padded in bf16 (autocast over fp32 weights, the update's; and bf16
+    weights), each against the padded fp32 ones, and in fp32 on the 47M shape (bound FP32_PACKED);
+    which attention ran (varlen_attn or the loop over sequences, and why); speed: forward +
+    backward of each, tokens/s on real tokens, peak memory."""
+    import copy
+
+    from nanogrpo.fast import logprobs as fast_logprobs, packing
+    from nanogrpo.grpo import LossConfig, LossInputs, grpo_step
+
+    kernels = {"padded": fast_logprobs.policy_logprobs, "packed": packing.policy_logprobs}
+    rows, prompt, mean, cap = (4, 8, 8, 32) if c.quick else (16, 128, 128, 512)
+    out = {
+        "torch": torch.__version__,
+        "varlen_attn_imported": packing.varlen_attn is not None,
+        # packing.py's rule: varlen_attn when it imported, q is on CUDA and q is bf16/fp16
+        "rule": "varlen_attn if imported and q.is_cuda and q.dtype in (bfloat16, float16), "
+        "else the loop over sequences (model.sdpa)",
+    }
+    if packing.varlen_attn is None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        except ImportError as e:
+            out["varlen_import_error"] = f"{type(e).__name__}: {e}"
+
+    def fwd_bwd(kernel, model, batch, ctx):
+        ids, attn, cmask, adv = batch
+        with ctx():
+            logps, _ = kernel(model, ids, attn, cmask, adv, beta=0.0, entropy_bonus=False)
+        loss, _ = grpo_step(LossInputs(logps, adv, cmask), LossConfig(), read_metrics=False)
+        loss.backward()
+        return logps.detach().float()
+
+    def diff(a, b, scored):
+        d = (a - b)[scored].abs()
+        return {"max_abs": float(f"{d.max().item():.3g}"), "mean_abs": float(f"{d.mean():.3g}")}
+
+    def grads(model):
+        g = torch.cat([p.grad.flatten().float() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+        return g
+
+    ok = True
+    # (a) fp32, no autocast, the 47M shape: on CUDA the packed row takes the loop (q is fp32)
+    torch.manual_seed(0)
+    small = Transformer(ModelConfig(**c.shape("47m"))).to(c.device)
+    batch, _, _ = packing_batch(c, small.config.vocab_size, rows, prompt, mean, cap)
+    scored = batch[2].bool()
+    logps, paths = {}, {}
+    for name, kernel in kernels.items():
+        with AttentionPath() as path:
+            logps[name] = fwd_bwd(kernel, small, batch, contextlib.nullcontext)
+        paths[name] = path.record()
+        logps[name + "_grad"] = grads(small)
+    row = diff(logps["packed"], logps["padded"], scored)
+    row["grad_rel"] = float(f"{rel_err(logps['packed_grad'], logps['padded_grad']):.3g}")
+    row["attention"] = paths["packed"]
+    row["ok"] = row["max_abs"] <= FP32_PACKED and row["grad_rel"] <= FP32_PACKED
+    ok &= row["ok"]
+    out["fp32_47m"] = row
+    c.log(f"  fp32, 47M shape, packed vs padded: {row}")
+    del small, logps
+
+    # (b) the 0.5B shape in bf16: autocast over fp32 weights (the update's), and bf16 weights
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**c.shape("qwen0.5b"))).to(c.device)
+    batch, real, lengths = packing_batch(c, model.config.vocab_size, rows, prompt, mean, cap)
+    scored = batch[2].bool()
+    padded_tokens = batch[0].numel()
+    out["batch"] = {
+        "rows": rows,
+        "prompt": prompt,
+        "completion_lengths": lengths.tolist(),
+        "real_tokens": real,
+        "padded_tokens": padded_tokens,
+        "real_fraction": round(real / padded_tokens, 3),
+    }
+    c.log(f"  batch: {out['batch']}")
+    ref = fwd_bwd(kernels["padded"], model, batch, contextlib.nullcontext)  # fp32, padded
+    model.zero_grad(set_to_none=True)
+    bf16_weights = copy.deepcopy(model).to(torch.bfloat16)
+
+    def autocast():
+        return torch.autocast(c.device.type, dtype=torch.bfloat16)
+
+    settings = {
+        "bf16_autocast": (model, autocast),
+        "bf16_weights": (bf16_weights, contextlib.nullcontext),
+    }
+    failed = set()  # a setting whose kernel raised (varlen_attn, say): no speed for it
+    for setting, (m, ctx) in settings.items():
+        got, row = {}, {}
+        try:
+            for name, kernel in kernels.items():
+                with AttentionPath() as path:
+                    got[name] = fwd_bwd(kernel, m, batch, ctx)
+                m.zero_grad(set_to_none=True)
+                if name == "packed":
+                    row["attention"] = path.record()
+        except Exception as e:
+            failed.add(setting)
+            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+            c.log(traceback.format_exc())
+        else:
+            row["packed_vs_padded"] = diff(got["packed"], got["padded"], scored)
+            row["padded_vs_fp32"] = diff(got["padded"], ref, scored)
+            row["packed_vs_fp32"] = diff(got["packed"], ref, scored)
+            # packing may not round worse than the padded path does in the same dtype
+            bound = 2 * row["padded_vs_fp32"]["mean_abs"] + 1e-3
+            row["ok"] = row["packed_vs_fp32"]["mean_abs"] <= bound
+        ok &= row["ok"]
+        out[setting] = row
+        c.log(f"  {setting}: {row}")
+
+    # (c) speed: forward + backward of each, tokens/s on the real tokens, peak memory
+    for setting, (m, ctx) in settings.items():
+        if setting in failed:
+            continue
+        times = {}
+        for name, kernel in kernels.items():
+
+            def step():
+                fwd_bwd(kernel, m, batch, ctx)
+                m.zero_grad(set_to_none=True)
+
+            c.peak_reset()
+            # held before the call (both models' weights, no gradients): the peak's floor
+            base = torch.cuda.memory_allocated() / 2**30 if c.device.type == "cuda" else None
+            t, warm = c.timed(step, runs=1 if c.quick else 5)
+            times[name] = t
+            row = {
+                "ms": round(t * 1e3, 2),
+                "tokens_per_s": round(real / t),
+                "first_call_ms": round(warm * 1e3, 1),
+                "peak_GiB": c.peak_gib(),
+            }
+            if base is not None:
+                row["peak_above_weights_GiB"] = round(row["peak_GiB"] - base, 2)
+            out[f"{setting}_{name}"] = row
+            c.log(f"  {setting}, {name}: {row}")
+        out[f"{setting}_packed_speedup"] = round(times["padded"] / times["packed"], 3)
+        if c.device.type == "cuda":  # the call's own memory, packed / padded
+            above = [out[f"{setting}_{k}"]["peak_above_weights_GiB"] for k in ("packed", "padded")]
+            out[f"{setting}_packed_memory_ratio"] = round(above[0] / max(above[1], 1e-3), 3)
+        c.log(f"  {setting}: packed {out[f'{setting}_packed_speedup']}x the padded tokens/s")
+    out["ok"] = ok
+    return out
+
+
 def part_chunks(c: Check) -> dict:
     """The LM head's chunk size (token_logprobs' chunk_size): forward + backward of the scored
     tokens' log-probs through the 0.5B shape's LM head, 16 x 512 tokens, bf16 autocast over fp32
@@ -1026,6 +1244,7 @@ PARTS = {  # in the order they run: the correctness a fix needs first, the long 
     "sampling": part_sampling,
     "syncs": part_syncs,
     "update": part_update,
+    "packing": part_packing,
     "chunks": part_chunks,
     "skip": part_skip,
     "decode": part_decode,

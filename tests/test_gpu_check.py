@@ -29,6 +29,7 @@ def test_gpu_check_rehearses_every_part_on_cpu(tmp_path):
         "sampling",
         "syncs",
         "update",
+        "packing",
         "chunks",
         "skip",
         "decode",
@@ -40,3 +41,8 @@ def test_gpu_check_rehearses_every_part_on_cpu(tmp_path):
     assert all(isinstance(v, dict) for k, v in parts["step"].items() if k in ("eager", "compiled"))
     assert parts["chunks"]["keep_fastest"] in (8, 16, 256)  # the rehearsal's sizes
     assert all(row["speedup"] > 0 for k, row in parts["skip"].items() if k.startswith("free"))
+    packed = parts["packing"]
+    assert (
+        packed["fp32_47m"]["max_abs"] <= 1e-4 and packed["fp32_47m"]["attention"]["path"] == "loop"
+    )
+    assert all(packed[f"{s}_packed_speedup"] > 0 for s in ("bf16_autocast", "bf16_weights"))
