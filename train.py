@@ -60,7 +60,7 @@ def kernels(cfg: TrainConfig) -> Kernels:
     """The one place speed is chosen (nanogrpo/fast/, each kernel equal to the course function it
     stands for): plain=true trains with the course's alone, packed with padding_free."""
     if cfg.plain and not cfg.batch_invariant:
-        return Kernels(**fast.packing.kernels(cfg.padding_free))
+        return Kernels(**fast.packing.packed_kernels(cfg.padding_free))
     return Kernels(**fast.kernels(cfg.torch_compile, cfg.batch_invariant, cfg.padding_free))
 
 
@@ -92,9 +92,9 @@ def sample(t: Trainer, rows: list[dict], copies: int, generator) -> Rollout:
     (nanogrpo/extras/custom_rollout.py)."""
     if t.rollout_func is not None:
         return custom_rollout(t, rows, copies, generator)
-    cfg = t.cfg
     episodes = None if t.environments is None else t.environments.start(rows, copies)
     how = dict(settings=t.sampling, generator=generator, turns=t.turns, episodes=episodes)
+    cfg = t.cfg  # (TrainConfig.prompt_encoding's, written here: nothing of run/ runs in a round)
     how["encode"] = dict(max_length=cfg.max_prompt_length, **(cfg.chat_template_kwargs or {}))
     how["mask_truncated_completions"] = cfg.mask_truncated_completions
     with t.autocast:
@@ -111,14 +111,8 @@ def reward_rollout(ro: Rollout, reward_funcs, t=None, logs=None) -> torch.Tensor
 def advantages_of(t: Trainer, rewards: torch.Tensor, G: int):
     """Group advantages over all ranks' rewards [N, K] (scale_rewards "batch" normalises over the
     whole batch) -> this rank's rows [n]."""
-    cfg = t.cfg
-    advantages = group_advantages(
-        rewards,
-        G,
-        reward_weights=t.reward_weights,
-        scale_rewards=cfg.scale_rewards,
-        multi_objective_aggregation=cfg.multi_objective_aggregation,
-    )
+    scale, aggregation = t.cfg.scale_rewards, t.cfg.multi_objective_aggregation
+    advantages = group_advantages(rewards, G, t.reward_weights, scale, aggregation)
     n = len(advantages) // t.info.world_size
     first = t.info.rank * n
     return advantages[first : first + n]
@@ -131,15 +125,9 @@ def advantages_of(t: Trainer, rewards: torch.Tensor, G: int):
 def frozen(model, ro: Rollout, t: Trainer):
     """(log-probs, entropies) [n, C] of the rollout under `model`, frozen, with the kernels and
     micro-batch size of the update."""
-    return frozen_logprobs(
-        model,
-        ro,
-        t.cfg.per_device_train_batch_size,
-        score=t.kernels.token_logprobs,
-        autocast=t.autocast,
-        temperature=t.cfg.temperature,
-        vocab_size=t.tok.vocab_size,
-    )
+    how = dict(autocast=t.autocast, temperature=t.cfg.temperature, vocab_size=t.tok.vocab_size)
+    size = t.cfg.per_device_train_batch_size
+    return frozen_logprobs(model, ro, size, score=t.kernels.token_logprobs, **how)
 
 
 def ref_logprobs(t: Trainer, ro: Rollout) -> torch.Tensor | None:
@@ -214,7 +202,6 @@ def optimizer_step(t: Trainer, micro) -> dict:
             world_size=t.info.world_size,
             steps_per_generation=t.sched.steps_per_generation,
         )
-        # metrics as 0-dim tensors: the step reads them all at once
         if terms is None:
             loss, metrics = grpo_step(inputs, t.loss_cfg, scale, read_metrics=False)
         else:
@@ -311,9 +298,8 @@ def train_cycle(t: Trainer) -> tuple[list[dict], list[dict]]:
     (an epoch's last step what the epoch has left, as transformers cuts it; the cycle ends there),
     sampling a new round whenever none is left. -> (a record per step, what the report needs of each
     round)."""
-    queue = []  # (Rollout, row indices) not trained on yet
-    rounds = []  # what the report needs of each round sampled
-    records = []
+    # (Rollout, row indices) not trained on yet; what the report needs of each round; the steps'
+    queue, rounds, records = [], [], []
     for _ in range(min(t.sched.steps_per_cycle, t.cfg.max_steps - t.step)):
         n = micro_batches_in_step(t.cfg, t.step, len(t.prompts.rows), t.info.world_size)
         while len(queue) < n:

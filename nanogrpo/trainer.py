@@ -299,7 +299,7 @@ def load_data(
         dist.print0(f"warning: {warning}")
     room = model.config.max_position_embeddings - cfg.max_completion_length
     schemas = [tool_schema(fn) for fn in tools.values()] or None
-    encode = dict(max_length=cfg.max_prompt_length, **(cfg.chat_template_kwargs or {}))
+    encode = cfg.prompt_encoding()
     for source, checked in ((cfg.dataset, rows), (cfg.eval_dataset, eval_rows or [])):
         prompts = checked
         if envs is not None:

@@ -134,7 +134,7 @@ def generate_rollout_completions(trainer, prompts: list, *, generation_overrides
             f"generation_overrides: {unknown} are not read here; use {sorted(OVERRIDES)}"
         )
     overrides = {OVERRIDES[k]: v for k, v in (generation_overrides or {}).items()}
-    encode = dict(max_length=cfg.max_prompt_length, **(cfg.chat_template_kwargs or {}))
+    encode = cfg.prompt_encoding()
     prompt_ids = [tok.encode_prompt(p, **encode) for p in prompts]
     out = trainer.generate(prompt_ids, **overrides)
     return [

@@ -38,4 +38,4 @@ def kernels(
         token_logprobs=logprobs.token_logprobs,
         policy_logprobs=logprobs.policy_logprobs,
     )
-    return fast | packing.kernels(padding_free)
+    return fast | packing.packed_kernels(padding_free)

@@ -226,7 +226,7 @@ def policy_logprobs(
     )
 
 
-def kernels(padding_free: bool) -> dict:
+def packed_kernels(padding_free: bool) -> dict:
     """trainer.Kernels' fields this module fills with padding_free (none without it)."""
     if not padding_free:
         return {}

@@ -492,6 +492,11 @@ class TrainConfig(Rules):
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype", "float32"))
         return "float32" if dtype == "auto" else dtype
 
+    def prompt_encoding(self) -> dict:
+        """Tokenizer.encode_prompt's keyword arguments for this run's prompts: max_prompt_length
+        (cut from the left) and chat_template_kwargs."""
+        return dict(max_length=self.max_prompt_length, **(self.chat_template_kwargs or {}))
+
     def lora_settings(self) -> dict | None:
         """Keyword arguments for extras/lora.py's apply_lora (PEFT's names),
         or None without use_peft."""
