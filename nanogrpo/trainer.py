@@ -63,8 +63,6 @@ class Kernels:
     # within(the run's autocast) -> the context every forward of a round runs in (sampling,
     # scoring, the update): the autocast, or fast/batch_invariant.py's BatchInvariant around it
     within: Callable = lambda autocast: autocast
-    # check(the model's ModelConfig): ValueError where these kernels cannot run it (setup calls it)
-    check: Callable = lambda config: None
 
 
 @dataclass
@@ -167,7 +165,6 @@ def setup(cfg: TrainConfig, info, resume_from=None, kernels=None, given=Given())
     model = given.load_policy(resume_from or cfg.model, cfg, info, cfg.lora_settings())
     model.gradient_checkpointing = cfg.gradient_checkpointing
     check_context(cfg, model)
-    kernels.check(model.config)  # fast/packing.py refuses what cannot pack
     peft = hasattr(model, "lora_config")  # use_peft, or an adapter dir
     cfg.check_lora(peft)
     ref = None

@@ -9,22 +9,23 @@ import torch.multiprocessing as mp
 from conftest import GEMMA3, QWEN3_5, tiny_config
 from hypothesis import given, settings, strategies as st
 from test_dist import free_port, one_step
-from test_train import FAMILY_MODELS, tiny
+from test_train import tiny
 
 import nanogrpo.models  # noqa: F401 (registers Gemma 3 and Qwen3.5)
 import train
 from nanogrpo import logprobs
 from nanogrpo.extras.lora import apply_lora
-from nanogrpo.fast import packing
+from nanogrpo.fast import logprobs as fast_logprobs, packing
 from nanogrpo.model import Transformer, sdpa
 from nanogrpo.run.config import ConfigError
-from nanogrpo.run.configurator import load_config, read_config_file
+from nanogrpo.run.configurator import load_config
 
 V = 97
 FAMILIES = {
     "qwen2": {},
     "smollm3": {"model_type": "smollm3", "no_rope_layers": [1, 0]},
     "gemma3": GEMMA3,  # sliding layers with a window of 3: shorter than most sequences here
+    "qwen3_5": QWEN3_5,  # Gated DeltaNet layers: a state from zero at each sequence
 }
 MODELS = {}
 
@@ -36,14 +37,17 @@ def model_of(family, dtype=torch.float64):
     return MODELS[family, dtype]
 
 
-def batch(prompt_lens, completion_lens, holes=(), seed=0):
+def batch(prompt_lens, completion_lens, holes=(), seed=0, same=()):
     """Left-padded prompts, right-padded completions (attention 1 over the whole completion, as
     rollout.join_prompt_completion lays it), completion_mask 1 on each completion's tokens but the
-    (row, column) pairs of `holes` (tool results): ids, attention_mask [n, P+C], completion_mask
-    [n,C]."""
+    (row, column) pairs of `holes` (tool results); each (row, earlier row) of `same`: the row's
+    prompt is the earlier row's (a group; give them one length): ids, attention_mask [n, P+C],
+    completion_mask [n,C]."""
     g = torch.Generator().manual_seed(seed)
     n, P, C = len(prompt_lens), max(prompt_lens), max(max(completion_lens), 1)
     ids = torch.randint(1, V, (n, P + C), generator=g)
+    for row, earlier in same:
+        ids[row, :P] = ids[earlier, :P]
     prompt = torch.arange(P)[None] >= P - torch.tensor(prompt_lens)[:, None]
     attention = torch.cat([prompt, torch.ones(n, C, dtype=torch.bool)], 1).long()
     ids = torch.where(attention.bool(), ids, 0)
@@ -62,11 +66,16 @@ def grads(model, logps, entropies, seed=1):
     return torch.autograd.grad(total, list(model.parameters()))
 
 
-def assert_same(model, padded, packed, atol, rtol=0.0):
+def assert_same(model, padded, packed, atol, rtol=0.0, shared=None):
+    """packed's values equal padded's; their gradients equal padded's, or shared's where given:
+    the padded rows scored with each prompt's forward once (fast/logprobs.py), as packed runs it.
+    (A model's RMSNorm runs in float32 whatever its dtype, as transformers' does, so a float64
+    model's gradients round to float32 where a prompt's gradient is summed over its rows before
+    the norm's backward rather than after: 1e-6 relative.)"""
     for a, b in zip(padded, packed):  # log-probs, entropies
         assert a.shape == b.shape and a.dtype == b.dtype
         torch.testing.assert_close(b, a, atol=atol, rtol=rtol)
-    for a, b in zip(grads(model, *padded), grads(model, *packed)):
+    for a, b in zip(grads(model, *(shared or padded)), grads(model, *packed)):
         torch.testing.assert_close(b, a, atol=atol, rtol=max(rtol, 1e-9))
 
 
@@ -77,17 +86,33 @@ rows = st.lists(
 )
 
 
+@st.composite
+def groups(draw):
+    """rows of (prompt length, completion length), and `same` pairs: some rows repeat an earlier
+    row's prompt (a group), in any order."""
+    drawn = draw(rows)
+    same = []
+    for i in range(1, len(drawn)):
+        earlier = draw(st.integers(-1, i - 1))  # -1: a prompt of its own
+        if earlier >= 0:
+            drawn[i] = (drawn[earlier][0], drawn[i][1])
+            same.append((i, earlier))
+    return drawn, same
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @settings(max_examples=15, deadline=None)
-@given(rows=rows, temperature=st.sampled_from([1.0, 0.7]), seed=st.integers(0, 99))
-def test_packed_equals_padded_in_float64(family, rows, temperature, seed):
+@given(drawn=groups(), temperature=st.sampled_from([1.0, 0.7]), seed=st.integers(0, 99))
+def test_packed_equals_padded_in_float64(family, drawn, temperature, seed):
+    rows, same = drawn
     prompt_lens, completion_lens = zip(*rows)
     holes = [(0, 1)] if completion_lens[0] > 2 else []  # a masked token inside a completion
-    ids, att, mask = batch(prompt_lens, completion_lens, holes, seed)
+    ids, att, mask = batch(prompt_lens, completion_lens, holes, seed, same)
     model = model_of(family)
     padded = logprobs.token_logprobs(model, ids, att, mask, temperature)
     packed = packing.token_logprobs(model, ids, att, mask, temperature, entropy_grad=True)
-    assert_same(model, padded, packed, atol=1e-12)
+    shared = fast_logprobs.token_logprobs(model, ids, att, mask, temperature, entropy_grad=True)
+    assert_same(model, padded, packed, atol=1e-12, shared=shared if same else None)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -121,7 +146,7 @@ def test_policy_logprobs_equal_the_course_ones(beta):
     does, each call packed; the log-gradient equals the course's for an advantage-weighted loss."""
     ids, att, mask = batch([5, 2, 6, 3], [7, 3, 0, 8], holes=[(0, 4)])
     advantages = torch.tensor([0.5, 0.0, -1.0, 0.0], dtype=torch.float64)
-    model = model_of("gemma3")
+    model = model_of("qwen3_5")
     how = dict(beta=beta, entropy_bonus=False)
     padded = logprobs.policy_logprobs(model, ids, att, mask, advantages, **how)
     packed = packing.policy_logprobs(model, ids, att, mask, advantages, **how)
@@ -159,12 +184,30 @@ def test_the_row_holds_only_real_tokens_up_to_the_last_scored_one():
     ids, att, mask = batch([3, 1], [4, 2])  # row 1's completion is padded by 2
     mask[0, 3] = 0.0  # row 0's last token not scored: not run either
     packed_ids, positions, row, where, at = packing.pack(model_of("qwen2"), ids, att, mask)
-    # row 0: 3 prompt + 2 completion tokens (the 3rd predicts the last scored one); row 1: 1 + 1
-    assert row.bounds == [(0, 5), (5, 7)] and row.cu_seqlens.tolist() == [0, 5, 7]
+    # row 0: 3 prompt + 2 completion tokens (the 3rd predicts the last scored one); row 1: 1 + 1;
+    # each completion's segment sees its prompt's
+    assert row.segments == [(0, 3, 0, 0), (3, 5, 0, 3), (5, 6, 5, 5), (6, 7, 5, 6)]
     assert positions.tolist() == [[0, 1, 2, 3, 4, 0, 1]]
     assert packed_ids[0, :5].tolist() == ids[0, :5].tolist()
     assert packed_ids[0, 5:].tolist() == ids[1, 2:4].tolist()
     assert at.tolist() == [2, 3, 4, 5, 6]
+
+
+def test_a_group_runs_its_prompt_once():
+    """Rows 0 and 2 share a prompt: it is in the row once, before both completions, whose first
+    tokens are both predicted by its last slot; row 1 (its own prompt) comes after them."""
+    ids, att, mask = batch([2, 3, 2], [3, 1, 2], same=[(2, 0)])
+    packed_ids, positions, row, where, at = packing.pack(model_of("qwen2"), ids, att, mask)
+    # prompt 0 (0,2); row 0's completion (2,4); row 2's (4,5); prompt 1 (5,8); row 1's (8,8)
+    assert row.segments == [(0, 2, 0, 0), (2, 4, 0, 2), (4, 5, 0, 2), (5, 8, 5, 5), (8, 8, 5, 8)]
+    assert positions.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2]]
+    P = ids.shape[1] - mask.shape[1]
+    assert packed_ids[0].tolist() == [
+        *ids[0, P - 2 : P + 2].tolist(),
+        *ids[2, P : P + 1].tolist(),
+        *ids[1, P - 3 : P].tolist(),
+    ]
+    assert at.tolist() == [1, 2, 3, 7, 1, 4]  # row 0's 3 tokens, row 1's, row 2's 2
 
 
 def whole_row(self, q, k, v, mask, scale, layer, start):
@@ -194,13 +237,8 @@ def test_a_broken_mask_fails_the_comparison(monkeypatch, family, broken):
 # Refusals, the kernels train.py picks
 
 
-def test_gated_deltanet_and_padding_holes_are_refused():
-    model = Transformer(tiny_config(vocab_size=V, **QWEN3_5))
-    with pytest.raises(ValueError, match="padding_free=true is not supported for model_type="):
-        packing.check_model(model.config)
+def test_padding_holes_are_refused():
     ids, att, mask = batch([3, 2], [4, 4])
-    with pytest.raises(ValueError, match="qwen3_5_text"):
-        packing.token_logprobs(model, ids, att, mask)
     att[1, -3] = 0  # a padding slot before a scored token
     with pytest.raises(ValueError, match="follows a padding slot"):
         packing.token_logprobs(model_of("qwen2"), ids, att, mask)
@@ -211,20 +249,9 @@ def test_train_picks_the_packed_kernels_and_refuses_batch_invariant():
         cfg = load_config(["--config", "tiny.py", "--padding_free=true", f"--plain={plain}"])
         k = train.kernels(cfg)
         assert k.policy_logprobs is packing.policy_logprobs
-        assert k.token_logprobs is packing.token_logprobs and k.check is packing.check_model
-    assert train.kernels(load_config(["--config", "tiny.py"])).check(None) is None
+        assert k.token_logprobs is packing.token_logprobs
     with pytest.raises(ConfigError, match="padding_free=True: batch_invariant=true"):
         load_config(["--config", "tiny.py", "--padding_free=true", "--batch_invariant=true"])
-
-
-def test_setup_refuses_qwen3_5_before_step_1(tmp_path, monkeypatch):
-    init = dict(read_config_file("tiny")["init_model"], **FAMILY_MODELS["qwen3_5"])
-    steps = []
-    monkeypatch.setattr(train, "train_cycle", lambda t: steps.append(t))
-    cfg = tiny(tmp_path, f"--init_model={init!r}", "--padding_free=true")
-    with pytest.raises(ValueError, match="not supported for model_type='qwen3_5_text' yet"):
-        train.train(cfg)
-    assert steps == []
 
 
 def test_two_processes_packed_match_one(tmp_path):

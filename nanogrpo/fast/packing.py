@@ -1,11 +1,12 @@
 """padding_free (TRL's name): a micro-batch's sequences scored as one packed row, no padding.
 
 Owns: `pack` (a micro-batch's [n,L] rows -> `PackedRow`: the real tokens of every sequence in one
-row [1,T], positions restarting at each sequence, and where each scored token's hidden state
-lies), `PackedRow` (its `attend`, which model.Attention calls as it calls a cache's: each
-sequence attends to itself only) and the kernels: `token_logprobs` and `policy_logprobs`, of
-logprobs.py's signatures and numbers (tests/test_packing.py holds them equal, values and
-gradients), which train.py's `kernels` picks with padding_free=true.
+row [1,T], each distinct prompt once, positions restarting at each sequence, and where each scored
+token's hidden state lies), `PackedRow` (its `attend`, which model.Attention calls as it calls a
+cache's: each completion attends to its prompt and itself only; `each_sequence`, which Qwen3.5's
+Gated DeltaNet calls) and the kernels: `token_logprobs` and `policy_logprobs`, of logprobs.py's
+signatures and numbers (tests/test_packing.py holds them equal, values and gradients), which
+train.py's `kernels` picks with padding_free=true.
 
 Does not know about: sampling, losses, files, or more than one process (every rank packs its own
 micro-batch and makes the same model calls, so FSDP2's collectives stay in step).
@@ -13,24 +14,33 @@ micro-batch and makes the same model calls, so FSDP2's collectives stay in step)
 Why: the update pads every micro-batch to its longest sequence, and GRPO's completions are
 long-tailed (a few long, most short), so most of a padded micro-batch can be padding: run forward
 and backward, then masked away. A packed row runs only the real tokens up to each row's last
-scored one (T of them); attention costs each sequence's own length squared, not L^2 per row.
+scored one (T of them), a group's prompt once for its G completions; attention costs each
+sequence's own length times its keys', not L^2 per row.
 
 Choices:
-- A row keeps its real tokens (attention_mask 1) before its last scored completion token: the
-  hidden states that predict scored tokens, and nothing after them (the completion's padding
-  after its end is real to the padded forward's mask, and never read).
+- The row: for each distinct prompt (the same ids and mask: a group), its real tokens, then each
+  of its completions' real tokens before the last scored one: the hidden states that predict
+  scored tokens, and nothing after them (the completion's padding after its end is real to the
+  padded forward's mask, and never read). A completion's first token is predicted by its prompt's
+  last slot, shared by the group.
 - Positions are the padded forward's (the count of real tokens before each), so RoPE, SmolLM3's
   NoPE layers and Gemma 3's local RoPE see what they see there; Gemma 3's sliding layers mask each
-  sequence's keys to the last sliding_window (all its tokens are real).
-- Attention within each sequence: on CPU (or in float32) a loop over the sequences, model.sdpa
-  over each one's slice (exact, causal); on CUDA in bf16/fp16, torch's varlen_attn (torch >= 2.10,
-  flash attention over cu_seqlens) when it imports. The mask model.py would build for a packed row
-  ([1,1,T,T]) is never built: the row masks itself.
+  sequence's keys to the last sliding_window real tokens, by those positions.
+- Attention: on CPU (or in float32) a loop over the segments, model.sdpa over a prompt's slice
+  (causal) or over a completion's queries against its prompt's keys and its own (a mask made
+  from the positions): exact; on CUDA in bf16/fp16 (or under such an autocast), torch's
+  varlen_attn (torch >= 2.10, flash attention, causal aligned to each segment's last key) over
+  the keys gathered segment by segment, when it imports. The mask model.py would build for a
+  packed row ([1,1,T,T]) is never built: the row masks itself.
+- Qwen3.5's Gated DeltaNet keeps a recurrent state along its input: it runs on each sequence
+  alone (a completion after its prompt's tokens, again), from a zero state, as each padded row
+  does.
 - The LM head is fast/logprobs.py's, in chunks, on the scored tokens only; the update's rows
   without advantage are scored without gradient as fast/logprobs.py's policy_logprobs does.
-- Qwen3.5's Gated DeltaNet keeps a recurrent state along the row, which would flow from one
-  sequence into the next: refused (`check_model`), as is batch_invariant (run/rules.py).
+- batch_invariant is refused (run/rules.py): its kernels score padded rows.
 """
+
+from functools import partial
 
 import torch
 
@@ -44,67 +54,131 @@ except ImportError:  # older torch: the loop over sequences
     varlen_attn = None
 
 
-def check_model(config):
-    """ValueError where a model cannot run packed (config: its ModelConfig)."""
-    if "linear_attention" in (config.layer_types or []):
-        raise ValueError(
-            f"padding_free=true is not supported for model_type={config.model_type!r} yet: "
-            "its Gated DeltaNet layers carry a state along the row; set padding_free=false"
-        )
-
-
 # -----------------------------------------------------------------------------
 # The packed row
 
+HALF = (torch.bfloat16, torch.float16)
+
 
 class PackedRow:
-    """n sequences in one row [1,T]: `bounds` [(start, end)] of each on the host, `cu_seqlens`
-    [n+1] int32 on the device; `sliding` [layers] and `window`: Gemma 3's sliding layers. Passed
-    to the model as its `cache=`: model._trunk then builds no mask, and every layer's attention
-    comes here."""
+    """A micro-batch's sequences in one row [1,T], each distinct prompt once: `segments`
+    [(start, end, prefix_start, prefix_end)] on the host, tiling the row: a prompt's (no prefix,
+    prefix_start == prefix_end) and each completion's, whose queries see its prompt's segment (its
+    prefix) and its own tokens; `positions` [T]; `sliding` [layers] and `window`: Gemma 3's sliding
+    layers. Passed to the model as its `cache=`: model._trunk then builds no mask, and every layer's
+    attention comes here."""
 
     static = False  # (model.KVCache.static)
     packed = True  # model._trunk: no [T,T] mask; checkpointed blocks as without a cache
 
-    def __init__(self, bounds, cu_seqlens, sliding, window):
-        self.bounds = bounds
-        self.cu_seqlens = cu_seqlens
-        self.max_len = bounds[-1][1] if bounds else 0  # T (model._trunk's check)
-        self.longest = max((e - s for s, e in bounds), default=0)
+    def __init__(self, segments, positions, sliding, window):
+        self.segments = segments
+        self.positions = positions
+        self.max_len = segments[-1][1] if segments else 0  # T (model._trunk's check)
         self.sliding = sliding
         self.window = window
+        self.masks = {}  # (segment, window) -> a completion's mask, made once per forward
+        self.varlen = None  # (key slots, cu_seq_q, cu_seq_k, max_q, max_k), made on first use
 
     def attend(self, q, k, v, mask, scale, layer, start):
-        """q [1,H,T,D], k, v [1,Hkv,T,D] -> [1,T,H*D]: each sequence's queries over its own keys,
-        causal (and windowed in a sliding layer). mask and start are unused (None, 0)."""
+        """q [1,H,T,D], k, v [1,Hkv,T,D] -> [1,T,H*D]: each segment's queries over its prefix's
+        keys and its own, causal (and windowed in a sliding layer). mask and start are unused."""
         window = self.window if self.sliding[layer] else None
-        if varlen_attn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        if varlen_attn is not None and q.is_cuda and compute_dtype(q) in HALF:
             return self.attend_varlen(q, k, v, scale, window)
         parts = []
-        for s, e in self.bounds:
-            if e > s:
+        for i, (s, e, ps, pe) in enumerate(self.segments):
+            if e == s:
+                continue
+            if ps == pe:  # a prompt: causal over itself
                 seq_mask = window_mask(e - s, window, q.device)
                 parts.append(sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], seq_mask, scale))
+                continue
+            seq_k = torch.cat([k[:, :, ps:pe], k[:, :, s:e]], dim=2)  # its prompt's, then its own
+            seq_v = torch.cat([v[:, :, ps:pe], v[:, :, s:e]], dim=2)
+            parts.append(sdpa(q[:, :, s:e], seq_k, seq_v, self.prefix_mask(i, window), scale))
         return torch.cat(parts, dim=1)
 
+    def each_sequence(self, layer, x):
+        """layer(x [1,n,C]) run on each sequence of the row x [1,T,C] alone, a completion after its
+        prompt, as a new state (Qwen3.5's Gated DeltaNet: its recurrent state and convolution
+        start from zero at each sequence, as in the padded forward's rows) -> [1,T,C]."""
+        parts = []
+        for s, e, ps, pe in self.segments:
+            if e == s:
+                continue
+            if ps == pe:  # a prompt
+                parts.append(layer(x[:, s:e]))
+            else:  # its prompt's tokens first, run again: their outputs are its prompt's own
+                parts.append(layer(torch.cat([x[:, ps:pe], x[:, s:e]], dim=1))[:, pe - ps :])
+        return torch.cat(parts, dim=1)
+
+    def prefix_mask(self, i, window):
+        """Segment i's bool mask [1,1,n,P+n] over its prefix's P keys and its own n: key j seen by
+        query t when position(j) <= position(t) (and, windowed, position(t) - position(j) <
+        window): the padded forward's mask, by the positions it ran at."""
+        if (i, window) not in self.masks:
+            s, e, ps, pe = self.segments[i]
+            at = self.positions[s:e, None]  # [n,1]
+            keys = torch.cat([self.positions[ps:pe], self.positions[s:e]])[None]  # [1,P+n]
+            seen = keys <= at
+            if window is not None:
+                seen &= at - keys < window
+            self.masks[i, window] = seen[None, None]
+        return self.masks[i, window]
+
     def attend_varlen(self, q, k, v, scale, window):
-        """attend with torch's varlen_attn (CUDA, bf16/fp16); unmeasured here."""
+        """attend with torch's varlen_attn (CUDA, bf16/fp16; flash attention's causal mask is
+        aligned to the end of each segment's keys, so a completion's queries follow its prefix);
+        unmeasured here."""
         H, T, D = q.shape[1:]
+        if self.varlen is None:
+            self.varlen = varlen_layout(self.segments, q.device)
+        slots, cu_q, cu_k, max_q, max_k = self.varlen
+        dtype = compute_dtype(q)  # under autocast RoPE's fp32 cos/sin leave q and k in fp32
         # varlen's window (left, 0) sees keys q - left .. q: Gemma's q - k < window
         left = -1 if window is None else window - 1
         y = varlen_attn(
-            q[0].transpose(0, 1),  # [T,H,D]
-            k[0].transpose(0, 1),
-            v[0].transpose(0, 1),
-            self.cu_seqlens,
-            self.cu_seqlens,
-            self.longest,
-            self.longest,
+            q[0].transpose(0, 1).to(dtype),  # [T,H,D]
+            k[0, :, slots]
+            .transpose(0, 1)
+            .to(dtype),  # [keys,Hkv,D]: each segment's prefix, then it
+            v[0, :, slots].transpose(0, 1).to(dtype),
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
             scale=scale,
             window_size=(left, 0),
             enable_gqa=k.shape[1] != H,
         )
         return y.reshape(1, T, H * D)
+
+
+def compute_dtype(x):
+    """The dtype x's attention runs in: the autocast dtype where autocast is on, else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def varlen_layout(segments, device):
+    """varlen_attn's arguments for the segments: the key slots [K] (each segment's prefix, then its
+    own), cu_seq_q and cu_seq_k [m+1] int32 and the longest query and key runs."""
+    slots, cu_q, cu_k = [], [0], [0]
+    for s, e, ps, pe in segments:
+        slots += [*range(ps, pe), *range(s, e)]
+        cu_q.append(e)
+        cu_k.append(len(slots))
+    longest_q = max((e - s for s, e, _, _ in segments), default=0)
+    longest_k = max((b - a for a, b in zip(cu_k, cu_k[1:])), default=0)
+    as_tensor = partial(torch.tensor, dtype=torch.int32, device=device)
+    return (
+        torch.tensor(slots, device=device),
+        as_tensor(cu_q),
+        as_tensor(cu_k),
+        longest_q,
+        longest_k,
+    )
 
 
 def window_mask(length, window, device):
@@ -120,33 +194,55 @@ def window_mask(length, window, device):
 def pack(model, input_ids, attention_mask, completion_mask):
     """[n,L] rows (left-padded prompts, then the last C columns the completions) -> (ids [1,T],
     positions [1,T], PackedRow, where: the scored (row, column) pairs, at [M]: the packed slot
-    whose hidden state predicts each scored token)."""
+    whose hidden state predicts each scored token). Rows of one prompt (the same first L - C ids
+    and mask: a group) share one copy of it; each row's completion follows, up to the token before
+    its last scored one."""
     n, L = input_ids.shape
     C = completion_mask.shape[1]
+    P = L - C
     scored = completion_mask.bool()
     # each row's end: the slot after the one predicting its last scored token (0: none)
     columns = torch.arange(1, C + 1, device=scored.device)
     last = (scored * columns).amax(1, keepdim=True)  # [n,1]: last scored column + 1
     slots = torch.arange(L, device=scored.device)
     real = attention_mask.bool()
-    keep = real & (slots < L - C - 1 + last.clamp(min=1))  # [n,L]; nothing scored: the prompt
-    flat = keep.flatten().cumsum(0).view(n, L) - 1  # each kept slot's place in the row
+    keep = real & (slots < P - 1 + last.clamp(min=1))  # [n,L]; nothing scored: the prompt
+    prompt = torch.cat([input_ids[:, :P], attention_mask[:, :P].long()], dim=1)
+    unique, group = prompt.unique(dim=0, return_inverse=True)  # [n]: each row's prompt
+    rows = torch.arange(n, device=group.device)
+    seen = rows.new_full((len(unique),), n).scatter_reduce(0, group, rows, "amin")
+    group = seen.argsort().argsort()[group]  # numbered in the order the rows bring them
+    order = group.argsort(stable=True)  # the rows, group by group
+    first = torch.ones_like(group, dtype=torch.bool)
+    first[order[1:]] = group[order[1:]] != group[order[:-1]]  # [n]: a group's first row
+    keep[:, :P] &= first[:, None]  # the others' prompt is their group's first row's
     where = scored.nonzero(as_tuple=True)
-    before = where[1] + L - C - 1  # the slot predicting each scored token
-    lengths = keep.sum(1)
-    if not bool(keep[where[0], before].all()):
+    # the slot predicting each scored token: its completion's previous one, or for the first
+    # token the prompt's last, in the group's first row
+    owner = order[torch.searchsorted(group[order], group)]  # [n]: the first row of each's group
+    before_row = torch.where(where[1] == 0, owner[where[0]], where[0])
+    before = where[1] + P - 1
+    if not bool(keep[before_row, before].all()):
         raise ValueError(
             "padding_free: a scored completion token follows a padding slot (attention_mask 0); "
             "only left-padded prompts and right-padded completions pack"
         )
-    ends = lengths.cumsum(0)
-    cu_seqlens = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
-    edges = cu_seqlens.tolist()  # on the host (with the check above: a call's two syncs)
-    bounds = list(zip(edges[:-1], edges[1:]))
-    positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # the padded forward's
-    row = PackedRow(bounds, cu_seqlens, model.sliding, model.config.sliding_window)
-    at = flat[where[0], before]  # [M]
-    return input_ids[keep][None], positions[keep][None], row, where, at
+    kept = keep[order]  # [n,L], group by group
+    place = torch.empty_like(keep, dtype=torch.long)
+    place[order] = kept.flatten().cumsum(0).view(n, L) - 1  # each kept slot's place in the row
+    lengths = torch.stack([kept[:, :P].sum(1), kept[:, P:].sum(1)], 1).tolist()  # a host sync
+    segments, offset, prefix = [], 0, None
+    for (prompt_len, completion_len), is_first in zip(lengths, first[order].tolist()):
+        if is_first:  # the group's prompt: its segment, the prefix of the group's completions
+            prefix = (offset, offset + prompt_len)
+            segments.append((*prefix, offset, offset))
+            offset += prompt_len
+        segments.append((offset, offset + completion_len, *prefix))
+        offset += completion_len
+    positions = (real.long().cumsum(-1) - 1).clamp(min=0)[order][kept]  # the padded forward's
+    row = PackedRow(segments, positions, model.sliding, model.config.sliding_window)
+    at = place[before_row, before]  # [M]
+    return input_ids[order][kept][None], positions[None], row, where, at
 
 
 # -----------------------------------------------------------------------------
@@ -168,7 +264,6 @@ def token_logprobs(
     packed into one row: (logps, entropy) [n,C], 0 where completion_mask is 0. chunk_size,
     keep_bytes and entropy_grad as in fast/logprobs.py's token_logprobs."""
     check_shapes(input_ids, attention_mask, completion_mask, temperature)
-    check_model(model.config)
     if model.gradient_checkpointing and torch.is_grad_enabled() or not torch.is_grad_enabled():
         keep_bytes = 0  # no backward, or a run that trades compute for memory
     ids, positions, row, where, at = pack(model, input_ids, attention_mask, completion_mask)
@@ -230,4 +325,4 @@ def packed_kernels(padding_free: bool) -> dict:
     """trainer.Kernels' fields this module fills with padding_free (none without it)."""
     if not padding_free:
         return {}
-    return dict(token_logprobs=token_logprobs, policy_logprobs=policy_logprobs, check=check_model)
+    return dict(token_logprobs=token_logprobs, policy_logprobs=policy_logprobs)

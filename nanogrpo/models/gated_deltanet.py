@@ -165,6 +165,8 @@ class GatedDeltaNet(nn.Module):
         # x [B,T,C]; valid [B,T] (False on padding) or None. With a cache, start from layer's
         # state there and leave the new one (in place in a static cache: a compiled step's
         # buffers keep their addresses).
+        if getattr(cache, "packed", False):  # fast/packing.py's row: each sequence from state 0
+            return cache.each_sequence(self, x)
         B, T, _ = x.shape
         if valid is not None:
             x = x * valid[..., None].to(x.dtype)

@@ -149,7 +149,7 @@ class TrainConfig(Rules):
         False,
         "TRL's: each micro-batch's sequences packed into one row, no padding, attention within "
         "each sequence (nanogrpo/fast/packing.py), for the update's and the old/reference "
-        "log-probs; the same numbers to rounding. Not for Qwen3.5 (Gated DeltaNet) nor "
+        "log-probs, each group's prompt once; the same numbers to rounding. Not with "
         "batch_invariant",
     )
     steps_per_generation: int | None = setting(
