@@ -59,9 +59,10 @@ from nanogrpo.trainer import Given, Kernels, Trainer, setup
 def kernels(cfg: TrainConfig) -> Kernels:
     """The one place speed is chosen (nanogrpo/fast/, each kernel equal to the course function it
     stands for): plain=true trains with the course's alone, packed with padding_free."""
+    packed = fast.packing.packed_kernels(cfg.padding_free, cfg.token_budget)
     if cfg.plain and not cfg.batch_invariant:
-        return Kernels(**fast.packing.packed_kernels(cfg.padding_free))
-    return Kernels(**fast.kernels(cfg.torch_compile, cfg.batch_invariant, cfg.padding_free))
+        return Kernels(**packed)
+    return Kernels(**fast.kernels(cfg.torch_compile, cfg.batch_invariant) | packed)
 
 
 def round_seed(cfg: TrainConfig, rnd: int, rank: int, salt=0) -> int:
@@ -160,18 +161,18 @@ def micro_batches(t: Trainer, ro: Rollout, rnd: int) -> list[tuple]:
 
 def optimizer_step(t: Trainer, micro) -> dict:
     """One optimizer step over `micro`, GA (Rollout, row indices) pairs (from one round or several).
-    -> the step's record: grad_norm, and each micro-batch's loss, loss metrics (0-dim tensors),
-    completion mask and the sampler correction's inputs, of which report.step_metrics makes the
-    step's metrics after the cycle."""
-    GA = len(micro)
+    -> the step's record: grad_norm, and each forward's (micro-batch's) loss, loss metrics (0-dim
+    tensors), completion mask and the sampler correction's inputs, of which report.step_metrics
+    makes the step's metrics after the cycle."""
     terms = t.loss_terms  # the options around the loss (extras/loss_terms.py), or None
     bonus = terms is not None and terms.bonus_on()
     # every micro-batch of the step applies the coefficient of the last one
     coef = applied_entropy_coef(terms, t.entropy_coef, t.last_entropy) if bonus else None
     window = torch.zeros(2, dtype=torch.float64, device=t.info.device) if bonus else None
     micro_batches, losses = [], []  # each one's (metrics, completion mask) and loss, detached
-    for k, (ro, idx) in enumerate(micro):
-        dist.gradient_sync(t.model, enabled=(k == GA - 1))
+    forwards = t.kernels.forwards(micro, t.loss_cfg.loss_type, t.info)
+    for k, (ro, idx, share) in enumerate(forwards):
+        dist.gradient_sync(t.model, enabled=(k == len(forwards) - 1))
         with t.autocast:
             logps, entropies = t.kernels.policy_logprobs(
                 t.model,
@@ -198,7 +199,7 @@ def optimizer_step(t: Trainer, micro) -> dict:
         inputs.weights, compared = sampler_correction(*correction)
         scale = LossScale(
             num_items=ro.num_items,
-            grad_accum=GA,
+            grad_accum=len(micro) / share,  # (token_budget: a forward's part of its micro-batch)
             world_size=t.info.world_size,
             steps_per_generation=t.sched.steps_per_generation,
         )

@@ -360,7 +360,7 @@ class LossScale:
     # grad_accum, the optimizer step's); only dapo, cispo and vespo use it. None: "this
     # micro-batch is the whole step", right only when grad_accum == world_size == 1
     num_items: int | torch.Tensor | None = None
-    grad_accum: int = 1  # micro-batches summed per optimizer step
+    grad_accum: float = 1  # micro-batches summed per step (token_budget: over a forward's share)
     world_size: int = 1  # ranks whose gradients are averaged
     steps_per_generation: int | None = None  # None = grad_accum
 

@@ -176,3 +176,9 @@ class Schedule:
             rows.insert(1, ("groups span processes", "yes, as in TRL"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def one_forward_each(micro, loss_type, info) -> list[tuple]:
+    """The update's forwards of a step's micro-batches [(Rollout, rows)]: one each, its whole loss
+    -> [(Rollout, rows, 1.0)] (fast/packing.py's by_tokens cuts them by token_budget)."""
+    return [(ro, idx, 1.0) for ro, idx in micro]

@@ -43,19 +43,16 @@ from nanogrpo.grpo import LossConfig
 from nanogrpo.logprobs import policy_logprobs, token_logprobs
 from nanogrpo.run.config import ConfigError, TrainConfig
 from nanogrpo.sampler import Sampling, sample_next_token
-from nanogrpo.schedules import Schedule
+from nanogrpo.schedules import Schedule, one_forward_each
 from nanogrpo.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """The functions a round calls where nanogrpo/fast/ has an equal and
-    faster one. The defaults are the course's; train.py's `kernels` picks."""
+    """Where nanogrpo/fast/ has an equal, faster function: the course's; train.kernels picks."""
 
-    # the draw of one token: sampler.sample_next_token's signature
-    sample_token: Callable = sample_next_token
-    # the decode step's class (sampler.Decoder's interface); None = Decoder
-    decoder: type | None = None
+    sample_token: Callable = sample_next_token  # the draw of one token
+    decoder: type | None = None  # the decode step's class (sampler.Decoder's interface); None: it
     # old and reference log-probs: logprobs.token_logprobs' signature
     token_logprobs: Callable = token_logprobs
     # the update's log-probs: logprobs.policy_logprobs' signature
@@ -63,6 +60,8 @@ class Kernels:
     # within(the run's autocast) -> the context every forward of a round runs in (sampling,
     # scoring, the update): the autocast, or fast/batch_invariant.py's BatchInvariant around it
     within: Callable = lambda autocast: autocast
+    # (micro-batches, loss type, DistInfo) -> the update's forwards [(Rollout, rows, loss share)]
+    forwards: Callable = one_forward_each
 
 
 @dataclass
@@ -83,16 +82,13 @@ class Trainer:
     reward_weights: torch.Tensor  # [K]
     # the config's tools as rollout's tool rounds (extras/tool_rounds.py), or None
     turns: ToolTurns | None
-    # generate's settings: the sampling fields, generation_kwargs, the tokenizer's stop ids, the
-    # kernels' draw
-    sampling: Sampling
+    sampling: Sampling  # generate's settings (sampling fields, generation_kwargs, stop ids, draw)
     prompts: PromptSampler  # all ranks' prompts, resumable
     eval_rows: list | None
     autocast: object  # bf16 autocast where the run computes in bf16 on one process, else a no-op
     step: int = 0  # optimizer steps done
     round: int = 0  # generation rounds done
-    # the entropy bonus's coefficient (moves with use_adaptive_entropy) and
-    # the last step's mean entropy (inf: none yet); both checkpointed
+    # the entropy bonus's coefficient and the last step's mean entropy (inf: none); checkpointed
     entropy_coef: float = 0.0
     last_entropy: float = math.inf
     # environment_factory's environments (extras/environments.py), or None

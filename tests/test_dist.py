@@ -120,7 +120,7 @@ def one_step(
         autocast=nullcontext(),
         tok=SimpleNamespace(vocab_size=None),
         sched=SimpleNamespace(steps_per_generation=len(micro)),
-        kernels=Kernels(**fast.kernels(padding_free=packed)),
+        kernels=Kernels(**fast.kernels() | fast.packing.packed_kernels(packed)),
         entropy_coef=terms.entropy_coef,
         last_entropy=0.0,
     )  # at or below the target: the bonus applies

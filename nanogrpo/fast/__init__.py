@@ -17,19 +17,18 @@ tests/test_logprobs.py, tests/test_packing.py), and the two paths' training traj
 tests/test_train.py.
 """
 
-from nanogrpo.fast import logprobs, packing
+from nanogrpo.fast import logprobs, packing  # noqa: F401 (packing: train.py's fast.packing)
 from nanogrpo.fast.batch_invariant import kernels as invariant_kernels
 from nanogrpo.fast.sampling import StaticDecoder, sample_next_token_fast
 from nanogrpo.fast.shared_prefix import SharedPrefixDecoder
 
 
-def kernels(
-    torch_compile: bool = False, batch_invariant: bool = False, padding_free: bool = False
-) -> dict:
+def kernels(torch_compile: bool = False, batch_invariant: bool = False) -> dict:
     """The fast functions, by trainer.Kernels' field names; with torch_compile the decode step
     is compiled (with static shapes: the prompts' keys copied to their rows) instead of reading
     each prompt's keys once per group. batch_invariant: fast/batch_invariant.py's instead
-    (exact, not fast). padding_free: the log-probs packed (fast/packing.py's kernels)."""
+    (exact, not fast). The packed log-probs (padding_free) are fast/packing.py's
+    packed_kernels."""
     if batch_invariant:
         return invariant_kernels()
     fast = dict(
@@ -38,4 +37,4 @@ def kernels(
         token_logprobs=logprobs.token_logprobs,
         policy_logprobs=logprobs.policy_logprobs,
     )
-    return fast | packing.packed_kernels(padding_free)
+    return fast

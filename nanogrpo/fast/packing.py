@@ -6,10 +6,15 @@ token's hidden state lies), `PackedRow` (its `attend`, which model.Attention cal
 cache's: each completion attends to its prompt and itself only; `each_sequence`, which Qwen3.5's
 Gated DeltaNet calls) and the kernels: `token_logprobs` and `policy_logprobs`, of logprobs.py's
 signatures and numbers (tests/test_packing.py holds them equal, values and gradients), which
-train.py's `kernels` picks with padding_free=true.
+train.py's `kernels` picks with padding_free=true; and with token_budget `by_tokens`, the update's
+forwards: each micro-batch cut into forwards of at most that many packed tokens, each with its
+share of the micro-batch's loss.
 
-Does not know about: sampling, losses, files, or more than one process (every rank packs its own
-micro-batch and makes the same model calls, so FSDP2's collectives stay in step).
+Does not know about: sampling or files.
+
+Of the loss it knows how each loss type counts a micro-batch (by_tokens' shares: rows, tokens or
+the whole step); of torch.distributed, that every rank makes the same model calls, so by_tokens
+takes the most forwards any rank needs (one all-reduce of their count).
 
 Why: the update pads every micro-batch to its longest sequence, and GRPO's completions are
 long-tailed (a few long, most short), so most of a padded micro-batch can be padding: run forward
@@ -38,12 +43,19 @@ Choices:
 - The LM head is fast/logprobs.py's, in chunks, on the scored tokens only; the update's rows
   without advantage are scored without gradient as fast/logprobs.py's policy_logprobs does.
 - batch_invariant is refused (run/rules.py): its kernels score padded rows.
+- token_budget cuts within a micro-batch, never across two: each loss type's normaliser counts a
+  micro-batch (grpo.aggregate), so a forward's loss is its share of its micro-batch's and the
+  step's loss and gradient are the padded update's. A sequence longer than the budget is an error
+  before the step's first forward (TRL's AsyncGRPOTrainer drops it with a warning: here nothing
+  the sampler drew is lost silently). The loss metrics (entropy, clip ratios, KL) are then means
+  over the forwards, not over the micro-batches.
 """
 
 from functools import partial
 
 import torch
 
+from nanogrpo.distributed import max_over_ranks
 from nanogrpo.fast import logprobs as fast_logprobs
 from nanogrpo.logprobs import check_shapes
 from nanogrpo.model import sdpa
@@ -321,8 +333,89 @@ def policy_logprobs(
     )
 
 
-def packed_kernels(padding_free: bool) -> dict:
-    """trainer.Kernels' fields this module fills with padding_free (none without it)."""
+def packed_kernels(padding_free: bool, token_budget: int | None = None) -> dict:
+    """trainer.Kernels' fields this module fills with padding_free (none without it), and with a
+    token_budget the update's forwards (by_tokens)."""
     if not padding_free:
         return {}
-    return dict(token_logprobs=token_logprobs, policy_logprobs=policy_logprobs)
+    out = dict(token_logprobs=token_logprobs, policy_logprobs=policy_logprobs)
+    if token_budget is not None:
+        out["forwards"] = partial(by_tokens, budget=token_budget)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# token_budget: the update's forwards cut by tokens
+
+
+def by_tokens(micro, loss_type, info, budget):
+    """The optimizer step's micro-batches [(Rollout, rows)] cut into forwards of at most `budget`
+    packed tokens (each distinct prompt once, each completion up to its last scored token, as
+    `pack` lays them), a micro-batch's rows never mixed with another's: -> [(Rollout, rows, share)],
+    share: the part of its micro-batch's loss the forward's rows make, by the loss type's count
+    (grpo.aggregate): its rows' (grpo, sapo, luspo, dr_grpo: a mean over rows), its tokens'
+    (bnpo: a mean over the micro-batch's tokens) or 1 (dapo, cispo, vespo: a step-wide
+    normaliser). train.optimizer_step divides grad_accum by it, so the forwards' losses sum to the
+    padded micro-batch's, gradient too. Every rank makes as many forwards (FSDP2's collectives):
+    the ranks with fewer split their forwards of most rows. ValueError, before any forward, where
+    one sequence alone is longer than the budget."""
+    forwards = []  # (Rollout, its micro-batch's rows, the forward's)
+    for ro, idx in micro:
+        lengths, group = packed_lengths(ro, idx)  # [(prompt, completion)], [group] of each row
+        forwards += [(ro, idx, idx[rows]) for rows in cut(lengths, group, budget)]
+    target = max_over_ranks(len(forwards), info)
+    while len(forwards) < target:  # a rank's rows are as many as any's: one has >= 2
+        k = max(range(len(forwards)), key=lambda i: len(forwards[i][2]))
+        ro, idx, rows = forwards[k]
+        half = len(rows) // 2
+        forwards[k : k + 1] = [(ro, idx, rows[:half]), (ro, idx, rows[half:])]
+    return [(ro, rows, share(ro, idx, rows, loss_type)) for ro, idx, rows in forwards]
+
+
+def share(ro, idx, rows, loss_type):
+    """The part of micro-batch idx's loss its rows `rows` make (see by_tokens)."""
+    if loss_type in ("dapo", "cispo", "vespo"):
+        return 1.0
+    if loss_type == "bnpo":
+        tokens = int(ro.completion_mask[rows].sum())
+        return tokens / int(ro.completion_mask[idx].sum()) if tokens else 1.0  # none: a zero loss
+    return len(rows) / len(idx)
+
+
+def packed_lengths(ro, idx):
+    """The micro-batch rows idx of Rollout ro: each row's (prompt, completion) packed tokens (its
+    prompt's real tokens; its completion's real tokens before its last scored one) and its
+    prompt's number (rows of one prompt: one group), read to the host."""
+    ids, att, mask = ro.input_ids[idx], ro.attention_mask[idx], ro.completion_mask[idx]
+    C = mask.shape[1]
+    P = ids.shape[1] - C
+    columns = torch.arange(1, C + 1, device=mask.device)
+    last = (mask.bool() * columns).amax(1)  # [n]: last scored column + 1
+    completion = (att[:, P:].bool() & (columns[None] < last[:, None])).sum(1)
+    prompt = att[:, :P].sum(1)
+    _, group = torch.cat([ids[:, :P], att[:, :P]], 1).unique(dim=0, return_inverse=True)
+    lengths = torch.stack([prompt, completion], 1).tolist()
+    return lengths, group.tolist()
+
+
+def cut(lengths, group, budget):
+    """Rows in forwards of at most budget packed tokens, greedily, a group's rows together:
+    -> [[row numbers]]."""
+    forwards, rows, tokens, prompts = [], [], 0, set()
+    for r in sorted(range(len(lengths)), key=lambda r: group[r]):
+        prompt, completion = lengths[r]
+        if prompt + completion > budget:
+            raise ValueError(
+                f"token_budget={budget}: one sequence is {prompt + completion} tokens (prompt "
+                f"{prompt} + completion {completion}); raise token_budget to at least "
+                f"{prompt + completion} or lower max_prompt_length/max_completion_length"
+            )
+        cost = completion + (0 if group[r] in prompts else prompt)
+        if rows and tokens + cost > budget:
+            forwards.append(rows)
+            rows, tokens, prompts = [], 0, set()
+            cost = prompt + completion
+        rows.append(r)
+        tokens += cost
+        prompts.add(group[r])
+    return forwards + [rows]

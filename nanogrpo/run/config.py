@@ -152,6 +152,14 @@ class TrainConfig(Rules):
         "log-probs, each group's prompt once; the same numbers to rounding. Not with "
         "batch_invariant",
     )
+    token_budget: int | None = setting(
+        None,
+        "TRL AsyncGRPOConfig's: with padding_free, the update's forwards hold at most this many "
+        "packed tokens (each group's prompt once, each completion up to its last scored token): "
+        "a micro-batch is cut into as many as it needs, so peak memory is bounded whatever the "
+        "lengths; the loss and gradient stay the padded update's (a sequence longer than the "
+        "budget is an error, not dropped). None: a micro-batch a forward",
+    )
     steps_per_generation: int | None = setting(
         None, "micro-batches per process sampled at once; None = gradient_accumulation_steps"
     )

@@ -18,7 +18,8 @@ What each line assumes (nanogrpo's own code paths, not a general model):
   per row; an evaluation samples its rank's share of the eval prompts (eval_size, or the
   dataset's rows when read), num_generations_eval each, in one call, between rounds: the
   larger of the two counts;
-- the update: a micro-batch's completions with gradient (each distinct prompt once), per layer
+- the update: a micro-batch's completions with gradient (each distinct prompt once; with
+  token_budget a forward's tokens, at most the budget), per layer
   and token the tensors autograd keeps (the two norms' inputs and outputs, q/k/v and RoPE's
   products, the grouped-query keys and values repeated to every head, attention's output, the
   MLP's gate, up, SiLU and product); with gradient checkpointing one layer's input per layer plus
@@ -184,11 +185,14 @@ def plan(cfg, world_size: int) -> dict:
         "eval_sampler_logits": E * V * 4,
         "eval_sampler_activations": E * step,
     }
-    # a micro-batch: its completions with gradient, each distinct prompt once
+    # a micro-batch: its completions with gradient, each distinct prompt once; a forward of
+    # token_budget packed tokens at most
     tokens = B * C + max(1, B // cfg.num_generations) * P
+    if cfg.token_budget is not None:
+        tokens = min(tokens, cfg.token_budget)
     per_layer = layer_bytes_per_token(mc, compute) * tokens
     head_blocks = 3 * LM_HEAD_CHUNK * V * 4
-    kept = min(KEEP_BYTES, B * C * V * 4)
+    kept = min(KEEP_BYTES, min(B * C, tokens) * V * 4)
     update = {
         "activations": layers * per_layer,
         "activations_checkpointed": layers * tokens * mc.hidden_size * 4 + per_layer,
@@ -227,6 +231,7 @@ def plan(cfg, world_size: int) -> dict:
         "eval_prompt_tokens_from": eval_source,
         "eval_completions_per_rank": E,
         "micro_batch": B,
+        "update_tokens": tokens,
         "gradient_checkpointing": cfg.gradient_checkpointing,
         "bytes": {**static, **sampling, **update},
         "sampling_peak": sampling_peak,
@@ -247,7 +252,7 @@ def report(p: dict) -> str:
         f"({p['trainable_parameters']:,} trainable), tensor bytes per process of {p['world_size']}",
         f"  prompts {p['prompt_tokens']} tokens ({p['prompt_tokens_from']}), completions "
         f"{p['completion_tokens']}, {p['completions_per_rank_per_round']} completions a round, "
-        f"micro-batch {p['micro_batch']}",
+        f"micro-batch {p['micro_batch']}, {p['update_tokens']:,} tokens an update's forward",
     ]
     if p["eval_completions_per_rank"]:
         line = f"  evaluation: {p['eval_completions_per_rank']} completions sampled at once, "

@@ -167,6 +167,19 @@ class Rules:
             "batch_invariant=true decodes eagerly with its own kernels: set one of them",
         )
         need(
+            self.token_budget is None or self.padding_free and self.token_budget >= 1,
+            "token_budget",
+            "cuts packed forwards: set padding_free=true, and a budget >= 1 token",
+        )
+        need(
+            self.token_budget is None
+            or self.top_entropy_quantile == 1.0
+            and not (self.entropy_coef or self.use_adaptive_entropy),
+            "token_budget",
+            "top_entropy_quantile < 1 and the entropy bonus are taken over a whole micro-batch: "
+            "unset token_budget or them",
+        )
+        need(
             not (self.batch_invariant and self.padding_free),
             "padding_free",
             "batch_invariant=true scores padded rows with its own kernels: set one of them",
