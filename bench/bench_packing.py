@@ -8,8 +8,9 @@ a uniform completion-length distribution.
 A micro-batch is `--rows` completions of one prompt (a GRPO group, as with
 per_device_train_batch_size = num_generations), the prompt `--prompt` tokens, left-padded to the
 longest of its round; completions right-padded to the micro-batch's longest. Lengths: geometric
-(mean `--mean`, capped at `--cap`: most short, a few long) or uniform (every completion `--mean`
-tokens: nothing to unpad). Three kernels score the same micro-batches, every advantage nonzero (no
+(mean `--mean`, capped at `--cap`: most short, a few long), uniform (every completion `--mean`
+tokens: nothing to unpad) or run (each micro-batch the lengths of a logged step of a real run,
+`--run_metrics`, configs/tools.py's by default: its min, mean and max). Three kernels score the same micro-batches, every advantage nonzero (no
 row skipped):
 - plain: logprobs.policy_logprobs (full logits, the padded rows);
 - fast: fast/logprobs.py's (the default: the LM head in chunks, the padding after the micro-batch's
@@ -24,6 +25,7 @@ untimed pass. Ratios are against fast, the default.
 """
 
 import argparse
+import json
 import time
 import weakref
 
@@ -72,8 +74,18 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def completion_lengths(args, n, g):
-    """[n] lengths: geometric with mean args.mean capped at args.cap, or all args.mean."""
+def completion_lengths(args, n, g, k=0):
+    """[n] lengths of micro-batch k: geometric with mean args.mean capped at args.cap, all
+    args.mean, or ("run") the k-th logged step of args.run_metrics: one completion at its
+    completions/min_length, one at its max_length, the others equal, at the length that gives its
+    mean_length (a run's metrics give those three; the spread between them is assumed)."""
+    if args.dist == "run":
+        with open(args.run_metrics) as f:
+            step = [json.loads(line) for line in f if line.strip()][k]
+        low, mean, high = (step[f"completions/{s}_length"] for s in ("min", "mean", "max"))
+        rest = (mean * n - low - high) / max(n - 2, 1)
+        lengths = [low, high] + [min(max(rest, low), high)] * (n - 2)
+        return torch.tensor(lengths[:n]).round().clamp(min=1).long()
     if args.dist == "uniform":
         return torch.full((n,), args.mean)
     p = 1.0 / args.mean  # P(stop) at each token: mean 1/p
@@ -87,8 +99,8 @@ def micro_batches(args, device):
     g = torch.Generator().manual_seed(args.seed)
     P = args.prompt
     out = []
-    for _ in range(args.micro_batches):
-        lengths = completion_lengths(args, args.rows, g)
+    for k in range(args.micro_batches):
+        lengths = completion_lengths(args, args.rows, g, k)
         prompt_len = int(torch.randint(P // 2, P + 1, (1,), generator=g))
         C = int(lengths.max())
         ids = torch.randint(1, args.vocab, (args.rows, P + C), generator=g)
@@ -178,7 +190,12 @@ def main():
     p.add_argument("--prompt", type=int, default=64, help="longest prompt")
     p.add_argument("--mean", type=int, default=64, help="mean completion length")
     p.add_argument("--cap", type=int, default=512, help="max_completion_length")
-    p.add_argument("--dists", default="geometric,uniform")
+    p.add_argument("--dists", default="geometric,uniform,run")
+    p.add_argument(
+        "--run_metrics",
+        default="bench/results/tools_metrics.jsonl",
+        help="dist 'run': a run's metrics.jsonl (configs/tools.py's by default)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
