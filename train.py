@@ -305,7 +305,7 @@ def train_cycle(t: Trainer) -> tuple[list[dict], list[dict]]:
         n = micro_batches_in_step(t.cfg, t.step, len(t.prompts.rows), t.info.world_size)
         while len(queue) < n:
             rnd = t.round + len(rounds)
-            ro, sampled = sample_round(t, rnd)
+            ro, sampled = t.rollouts.take(t, rnd) if t.rollouts else sample_round(t, rnd)
             rounds.append(sampled)
             queue += micro_batches(t, ro, rnd)
         records.append(update(t, queue[:n]))
@@ -373,6 +373,7 @@ def train(cfg: TrainConfig, command=None, given=Given()) -> list[dict]:
     cfg = t.cfg  # max_steps counted (num_train_epochs)
     if not run.begin(r, t):  # restored; False: max_steps already reached
         return r.history
+    t.rollouts = run.async_rollouts.start(t, sample_round, kernels) if cfg.async_rollouts else None
     with run.saving_on_stop(r, t):
         if cfg.eval_on_start:  # transformers' check before any step, on resume too
             report.log_eval(r, {"step": t.step, **evaluate(t)})

@@ -80,8 +80,7 @@ class Trainer:
     loss_terms: LossTerms | None  # the options around the loss when one is on (extras/), or None
     reward_funcs: list  # [(name, fn)]
     reward_weights: torch.Tensor  # [K]
-    # the config's tools as rollout's tool rounds (extras/tool_rounds.py), or None
-    turns: ToolTurns | None
+    turns: ToolTurns | None  # the config's tools as rollout's tool rounds (extras/), or None
     sampling: Sampling  # generate's settings (sampling fields, generation_kwargs, stop ids, draw)
     prompts: PromptSampler  # all ranks' prompts, resumable
     eval_rows: list | None
@@ -91,15 +90,14 @@ class Trainer:
     # the entropy bonus's coefficient and the last step's mean entropy (inf: none); checkpointed
     entropy_coef: float = 0.0
     last_entropy: float = math.inf
-    # environment_factory's environments (extras/environments.py), or None
-    environments: Environments | None = None
-    # the config's rollout_func, resolved (extras/custom_rollout.py), or None
-    rollout_func: object = None
+    environments: Environments | None = None  # environment_factory's (extras/environments.py)
+    rollout_func: object = None  # the config's rollout_func, resolved (extras/custom_rollout.py)
     kernels: Kernels = field(default_factory=Kernels)  # sampling and scoring: train.kernels
     # whether the update's forward drops LoRA adapter inputs (lora_dropout > 0), the sampler's not
     drops_adapter_inputs: bool = False
     # transformers' TrainerState of the run, live (extras/trainer_info.py): reward functions get it
     state: TrainerState | None = None
+    rollouts: object = None  # async_rollouts' sampler process (run/async_rollouts.py), or None
 
 
 def load_policy(path, cfg: TrainConfig, info, lora_settings=None):

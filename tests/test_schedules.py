@@ -296,6 +296,7 @@ def simulate_cycle(cfg, world_size, rank):
         round=0,
         info=DistInfo(rank=rank, local_rank=rank, world_size=world_size, device="cpu"),
         prompts=PromptSampler(rows, sched.prompts_per_round, shuffle=False),
+        rollouts=None,  # (async_rollouts off)
     )
     sampled, steps = [], []
 

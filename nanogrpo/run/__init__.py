@@ -29,7 +29,7 @@ import torch
 
 from nanogrpo import checkpoint, distributed as dist
 from nanogrpo.rewards import RewardError
-from nanogrpo.run import plan, report
+from nanogrpo.run import async_rollouts, plan, report  # noqa: F401 (async_rollouts: train.py's)
 from nanogrpo.run.config import TrainConfig
 from nanogrpo.run.configurator import help_text, load_config
 

@@ -160,6 +160,30 @@ class TrainConfig(Rules):
         "lengths; the loss and gradient stay the padded update's (a sequence longer than the "
         "budget is an error, not dropped). None: a micro-batch a forward",
     )
+    async_rollouts: bool = setting(
+        False,
+        "a sampler process draws the rounds ahead of the update, on weights at most max_staleness "
+        "steps old, sent to it through torch.distributed (nanogrpo/run/async_rollouts.py); on CPU "
+        "it takes half the run's torch threads, the trainer the rest. One trainer process",
+    )
+    max_staleness: int = setting(
+        4, "TRL AsyncGRPOConfig's: the most optimizer steps a completion's weights may lag"
+    )
+    weight_sync_steps: int = setting(
+        1, "TRL AsyncGRPOConfig's: optimizer steps between two sends of the weights"
+    )
+    queue_maxsize: int = setting(
+        0, "TRL AsyncGRPOConfig's: rounds the sampler may queue ahead (0: max_staleness, >= 1)"
+    )
+    async_reproducible: bool = setting(
+        True,
+        "round r is drawn with exactly the weights after step max(0, r - max_staleness) (at a "
+        "weight_sync_steps multiple): reproducible bit for bit, the run its synchronous replay's; "
+        "false: the newest weights the sampler has, rounds past max_staleness dropped (TRL's)",
+    )
+    heartbeat_stale_after_s: float = setting(
+        600.0, "a sampler process silent this long ends the run (one line naming it)"
+    )
     steps_per_generation: int | None = setting(
         None, "micro-batches per process sampled at once; None = gradient_accumulation_steps"
     )

@@ -26,7 +26,9 @@ What each line assumes (nanogrpo's own code paths, not a general model):
   one layer's activations; the chunked LM head's kept probabilities (up to 1 GiB) and three
   [256, vocab] fp32 blocks.
 The peak is the static part plus the larger of sampling and the update (with one micro-batch a
-step, the gradients are made as backward frees the activations: the larger of the two).
+step, the gradients are made as backward frees the activations: the larger of the two); with
+async_rollouts the sampler process's weights (and reference model) and its sampling peak come on
+top of the update's, at the same time.
 
 Does not know about: the GRPO math, the sampler, rewards, or processes (it counts
 their bytes from the configs alone; nothing runs).
@@ -216,6 +218,11 @@ def plan(cfg, world_size: int) -> dict:
         head_grad = V * mc.hidden_size * 4 // W
         update_peak = max(update_peak + head_grad, grads)
     total = held + max(sampling_peak, update_peak)
+    if cfg.async_rollouts:  # the sampler process: its own weights (and reference), sampling
+        # while the trainer updates: both peaks at once, on the same device
+        sampler = static["parameters"] + static["reference_model"]
+        update["sampler_process_weights"] = sampler
+        total = held + update_peak + sampler + sampling_peak
     return {
         "model": cfg.model,
         "world_size": W,

@@ -480,6 +480,7 @@ def add_round_metrics(run, t, rounds: list[dict], records):
     for m in records:
         m.update(gen)
         m.update(timing)
+        m.update(last.get("async", {}))  # async_rollouts' (run/async_rollouts.py)
         m.update(user_metrics)
         # TRL's epoch: transformers' fractional passes over the prompts
         m["epoch"] = epochs_done(t.cfg, m["step"], num_prompts, info.world_size)

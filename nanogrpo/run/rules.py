@@ -95,6 +95,69 @@ class Rules:
         if not ok:
             raise ConfigError(f"{key}={getattr(self, key)!r}: {why}")
 
+    def check_async(self, world_size: int):
+        """async_rollouts' settings, and what it does not run with (each in one line)."""
+        need = self._need
+        need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        need(
+            1 <= self.weight_sync_steps <= self.max_staleness + 1,
+            "weight_sync_steps",
+            f"must be in [1, max_staleness + 1 = {self.max_staleness + 1}]: a round may not wait "
+            "for weights older than max_staleness steps",
+        )
+        need(self.queue_maxsize >= 0, "queue_maxsize", "must be >= 0 (0: max_staleness)")
+        need(self.heartbeat_stale_after_s > 0, "heartbeat_stale_after_s", "must be > 0 seconds")
+        if not self.async_rollouts:
+            return
+        refused = [  # (holds, the setting it names, why not)
+            (world_size == 1, "async_rollouts", f"runs one trainer process, not {world_size}"),
+            (
+                self.rollout_func is None,
+                "rollout_func",
+                "a custom rollout runs in the trainer's process: unset it or async_rollouts",
+            ),
+            (
+                self.environment_factory is None and not self.tools,
+                "async_rollouts",
+                "tools and environments are not drawn by the sampler process yet",
+            ),
+            (
+                not self.dynamic_sampling,
+                "dynamic_sampling",
+                "its extra draws wait on the round they fill: unset it or async_rollouts",
+            ),
+            (
+                self.num_iterations == 1,
+                "num_iterations",
+                "async_rollouts trains each round once (its old policy is the sampler's)",
+            ),
+            (
+                self.steps_per_generation in (None, self.gradient_accumulation_steps),
+                "steps_per_generation",
+                "async_rollouts draws one round per optimizer step: unset it",
+            ),
+            (
+                not self.sync_ref_model,
+                "sync_ref_model",
+                "the sampler's reference model would lag the trainer's: unset it",
+            ),
+            (
+                not self.use_peft
+                or not self.lora_dropout
+                or not self.vllm_importance_sampling_correction,
+                "lora_dropout",
+                "the sampler scores its rounds' trainer log-probs (the correction's, without "
+                "dropout) while the next round's weights arrive: set lora_dropout=0",
+            ),
+            (
+                not self.resume_from_checkpoint,
+                "resume_from_checkpoint",
+                "async_rollouts does not resume yet (the sampler's rounds in flight are not saved)",
+            ),
+        ]
+        for holds, key, why in refused:
+            need(holds, key, f"with async_rollouts=true: {why}")
+
     def validate(self, world_size: int = 1) -> "Rules":
         """Raise ConfigError naming the first inconsistent setting;
         returns self."""
@@ -166,6 +229,7 @@ class Rules:
             "torch_compile",
             "batch_invariant=true decodes eagerly with its own kernels: set one of them",
         )
+        self.check_async(world_size)
         need(
             self.token_budget is None or self.padding_free and self.token_budget >= 1,
             "token_budget",

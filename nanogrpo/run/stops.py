@@ -54,6 +54,8 @@ def saving_on_stop(run: Run, t):
             dist.print0(f"could not save after the error: {e}")
         raise
     finally:
+        if getattr(t, "rollouts", None) is not None:  # async_rollouts' sampler process
+            t.rollouts.close()
         restore_signals(previous)
         torch.set_num_threads(run.threads_before or torch.get_num_threads())
         stopping.update(run=None, t=None)

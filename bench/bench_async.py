@@ -1,0 +1,110 @@
+"""Synchronous against asynchronous rollouts (async_rollouts, nanogrpo/run/async_rollouts.py) on the
+same machine and threads, one after the other in one run (alternating, --repeats times): the
+embedded default (configs/tiny.py) with its reward behind a judge that waits --wait seconds a call
+(an LLM judge's latency, no compute), and with no wait. Each case is `python train.py` in its own
+output folder (no evaluation, no saves but the last).
+
+    python bench/bench_async.py                        # 20 steps, waits 0.5 s and 0, max_staleness 4
+    python bench/bench_async.py --steps 40 --staleness 0,1,4
+
+Reported per case: wall seconds of the steps (the first step's end to the last's: the process
+start and the model's load left out), completions per second, and the reward gained per wall-clock
+minute (the last 5 steps' mean reward less the first 5's, over the minutes between). The
+asynchronous run's sampler process takes half the run's torch threads (1 of 2 here: the embedded
+default trains on 1 thread either way).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+JUDGE = '''
+import time
+
+from nanogrpo.extras.builtin_rewards import default_task_reward
+
+
+def slow_default_task(completions, target, completion_ids=None, **kwargs):
+    """The embedded default's reward, returned after WAIT seconds (a judge's latency)."""
+    time.sleep(WAIT)
+    return default_task_reward(completions, target, completion_ids, **kwargs)
+'''
+
+
+def run_case(out, steps, wait, staleness, judge):
+    args = [
+        sys.executable,
+        "train.py",
+        f"--output_dir={out}",
+        f"--max_steps={steps}",
+        "--eval_strategy=no",
+        f"--save_steps={steps}",
+        f"--reward_funcs=['{judge}:slow_default_task']",
+    ]
+    if staleness is not None:
+        args += ["--async_rollouts=true", f"--max_staleness={staleness}"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    start = time.time()
+    subprocess.run(args, cwd=ROOT, env=env, check=True, capture_output=True, timeout=3600)
+    wall = time.time() - start
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        history = [json.loads(line) for line in f if line.strip()]
+    return history, wall
+
+
+def summary(history, completions_per_step):
+    """(wall seconds from step 1's end to the last's, completions/s, reward gained a minute)."""
+    ends, total = [], 0.0  # each step's end, from the steps' own times (step_time)
+    for m in history:
+        total += m["step_time"]
+        ends.append(total)
+    seconds = ends[-1] - ends[0]
+    completions = completions_per_step * (len(history) - 1)
+    rewards = [m["reward"] for m in history]
+    gain = sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5
+    return seconds, completions / seconds, gain / (seconds / 60)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--waits", default="0.5,0")
+    p.add_argument("--staleness", default="4", help="max_staleness of the async cases")
+    p.add_argument("--repeats", type=int, default=1)
+    args = p.parse_args()
+    tmp = tempfile.mkdtemp(prefix="bench_async_")
+    rows = []
+    for wait in [float(w) for w in args.waits.split(",")]:
+        judge = os.path.join(tmp, f"judge_{wait}.py")
+        with open(judge, "w") as f:
+            f.write(JUDGE.replace("WAIT", repr(wait)))
+        cases = [None] + [int(s) for s in args.staleness.split(",")]
+        for r in range(args.repeats):
+            for staleness in cases if r % 2 == 0 else cases[::-1]:
+                name = "sync" if staleness is None else f"async s={staleness}"
+                out = os.path.join(tmp, f"w{wait}-{name.replace(' ', '')}-{r}")
+                history, wall = run_case(out, args.steps, wait, staleness, judge)
+                per_step = 128  # the embedded default: 16 prompts x 8 completions a step
+                rows.append((wait, name, *summary(history, per_step), wall))
+                print(f"wait {wait}s {name:12} done", flush=True)
+    print(
+        f"\n{'reward wait':>11} {'case':12} {'seconds':>8} {'compl./s':>9} {'reward/min':>10} "
+        f"{'speed':>6} {'process wall s':>14}"
+    )
+    for wait, name, seconds, cps, gain, wall in rows:
+        base = next(x for x in rows if x[0] == wait and x[1] == "sync")
+        speed = cps / base[3]
+        print(
+            f"{wait:10.1f}s {name:12} {seconds:8.1f} {cps:9.1f} {gain:10.3f} {speed:5.2f}x "
+            f"{wall:14.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

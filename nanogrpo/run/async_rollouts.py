@@ -1,0 +1,370 @@
+"""async_rollouts (TRL AsyncGRPOConfig's names): a sampler process draws the rounds ahead of the
+update, on weights at most max_staleness optimizer steps old, with no inference engine: it runs
+train.py's own sample_round (sample, score, advantages, reference log-probs) on its own copy of
+the policy.
+
+Owns: `start` (the sampler process, the queue it fills, the weights' channel) and `Rollouts`, the
+trainer's handle: `take` (train.py's round calls it in place of sample_round: the weights after
+the trainer's last step go out when due, then the next round comes off the queue) and `close`.
+
+Does not know about: the GRPO math, or more than one trainer process (under torchrun it is
+refused by run/rules.py).
+
+How the two processes meet:
+- Weights travel through torch.distributed: a gloo pair of its own (trainer rank 0, sampler rank
+  1), not the run's group, through host memory (on CUDA too: NCCL is not used yet, unmeasured):
+  the trainer's trainable parameters (all of them, or LoRA's adapters: the frozen rest is the same
+  in both) flattened in their dtype, stamped with their step, sent every weight_sync_steps steps
+  without waiting (a copy, so the update goes on).
+- Completions travel back through a torch.multiprocessing queue of queue_maxsize rounds (0:
+  max_staleness, at least 1), each round with the step of the weights that drew it; the sampler
+  waits while it is full.
+- async_reproducible=true: round r is drawn with exactly the weights after step
+  s(r) = max(0, r - max_staleness), rounded down to a multiple of weight_sync_steps; the sampler
+  waits for them. The run is then its synchronous replay's, bit for bit: the same draws (seeded by
+  round), the same weights. false: the sampler waits for those too, then takes any newer weights
+  that have arrived (fresher, not reproducible); a round past max_staleness would be dropped
+  (TRL's rule), which one round per step never reaches. (TRL's sampler takes whatever it has and
+  drops: a sampler faster than the update would then draw every round too stale.)
+- The clipped ratio's old policy is the sampler's own log-probs (ro.sampling_logps), as TRL's
+  AsyncGRPOTrainer; with max_staleness=0 every round is drawn with the current weights and
+  trains on-policy, as the synchronous trainer.
+- A sampler that dies or stops answering ends the run within heartbeat_stale_after_s with one line
+  naming it; an exception in it comes back as its one line.
+- Threads on CPU: the sampler process takes half of the run's torch threads (at least 1), the
+  trainer the rest.
+"""
+
+import datetime
+import queue as queue_module
+import signal
+import socket
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as c10d
+import torch.multiprocessing as mp
+
+from nanogrpo.run.stops import RankFailure
+
+SAMPLER_RANK, TRAINER_RANK = 1, 0
+HEADER, WEIGHTS = 0, 1  # the tags of a weights message's two parts
+
+
+class SamplerFailed(RankFailure):
+    """The sampler process died, stopped answering or raised: its one line (train.py: error)."""
+
+
+def needed_step(rnd: int, staleness: int, sync_steps: int) -> int:
+    """The step of the weights round rnd is drawn with in the reproducible mode."""
+    return max(0, rnd - staleness) // sync_steps * sync_steps
+
+
+def trainable(model) -> list[torch.Tensor]:
+    """The parameters that travel: those the optimizer trains (LoRA: the adapters)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pair(port: int, rank: int, timeout: float):
+    """The gloo process group of the trainer and the sampler (not the run's)."""
+    wait = datetime.timedelta(seconds=timeout)
+    store = c10d.TCPStore("127.0.0.1", port, 2, rank == TRAINER_RANK, timeout=wait)
+    return c10d.ProcessGroupGloo(store, rank, 2, wait)
+
+
+# -----------------------------------------------------------------------------
+# The trainer's side
+
+
+@dataclass
+class Rollouts:
+    """The trainer's handle on its sampler process (see the module docstring)."""
+
+    process: object
+    queue: object
+    group: object
+    staleness: int
+    sync_steps: int
+    reproducible: bool
+    heartbeat: float
+    seed: object  # train.round_seed
+    sent: list = field(default_factory=list)  # (Work, buffer) not yet known to be received
+    published: int = -1  # the step of the last weights sent
+    dropped: int = 0  # completions dropped as too stale (async_reproducible=false)
+
+    def publish(self, t):
+        """Send the weights after step t.step when due (every weight_sync_steps) and not sent."""
+        if t.step == self.published or t.step % self.sync_steps:
+            return
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in trainable(t.model)]).cpu()
+        header = torch.tensor([t.step], dtype=torch.long)
+        self.sent = [(w, b) for w, b in self.sent if not w.is_completed()]
+        for tag, buffer in ((HEADER, header), (WEIGHTS, flat)):
+            self.sent.append((self.group.send([buffer], SAMPLER_RANK, tag), buffer))
+        self.published = t.step
+
+    def take(self, t, rnd: int):
+        """train.sample_round's result for round rnd, from the sampler: (Rollout, what the report
+        needs of it), with the async metrics."""
+        self.publish(t)
+        start = time.time()
+        while True:
+            payload = self.get()
+            ro, sampled, drawn_with, waited = payload
+            lag = t.step - drawn_with
+            if self.reproducible or lag <= self.staleness:
+                break
+            self.dropped += len(ro.input_ids)  # past max_staleness: TRL drops it
+        if self.staleness > 0:  # the sampler's policy is the old one
+            ro.old_logps = ro.sampling_logps
+        # LoRA dropout's masks in the update: seeded per round as the synchronous round seeds them
+        torch.manual_seed(self.seed(t.cfg, rnd, t.info.rank, salt=2))
+        sampled["timing"] = {"time/wait_for_rollouts": time.time() - start}
+        sampled["async"] = {
+            "async/staleness/mean": float(lag),
+            "async/staleness/max": float(lag),
+            "async/dropped": float(self.dropped),
+            "async/queue": float(self.queue.qsize()),
+            "time/wait_for_weights": waited,
+            **{f"async/{k}": v for k, v in sampled.pop("sampler_timing").items()},
+        }
+        return ro, sampled
+
+    def get(self):
+        """The next payload off the queue; SamplerFailed when the sampler is gone or silent."""
+        deadline = time.time() + self.heartbeat
+        while True:
+            try:
+                payload = self.queue.get(timeout=min(1.0, self.heartbeat))
+            except queue_module.Empty:
+                if not self.process.is_alive():
+                    code = self.process.exitcode
+                    raise SamplerFailed(f"the sampler process died (exit code {code})") from None
+                if time.time() > deadline:
+                    raise SamplerFailed(
+                        f"the sampler process sent no round for {self.heartbeat:.0f} s "
+                        "(heartbeat_stale_after_s)"
+                    ) from None
+                continue
+            if isinstance(payload, str):  # the sampler's exception, as one line
+                raise SamplerFailed(f"the sampler process failed: {payload}")
+            return payload
+
+    def close(self):
+        """End the sampler process (queued rounds are dropped)."""
+        if self.process is None:
+            return
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join(timeout=30)
+        self.sent.clear()
+
+
+def start(t, sample_round, kernels) -> Rollouts:
+    """Start t's sampler process (train.py's sample_round and kernels, which it runs with its own
+    trainer) and send it the weights after step t.step."""
+    cfg = t.cfg
+    threads = torch.get_num_threads()
+    sampler_threads = max(1, threads // 2)
+    torch.set_num_threads(max(1, threads - sampler_threads))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue(maxsize=cfg.queue_maxsize or max(1, cfg.max_staleness))
+    port = free_port()
+    last_round = t.round + (cfg.max_steps - t.step)
+    heartbeat = cfg.heartbeat_stale_after_s
+    rounds = (t.round, last_round)
+    args = (cfg, port, q, rounds, sample_round, kernels, t.info.device, sampler_threads, heartbeat)
+    process = ctx.Process(target=sampler_main, args=args, daemon=True, name="nanogrpo-sampler")
+    process.start()
+    rollouts = Rollouts(
+        process=process,
+        queue=q,
+        group=pair(port, TRAINER_RANK, heartbeat),
+        staleness=cfg.max_staleness,
+        sync_steps=cfg.weight_sync_steps,
+        reproducible=cfg.async_reproducible,
+        heartbeat=heartbeat,
+        seed=sample_round.__globals__["round_seed"],
+    )
+    rollouts.publish(t)
+    return rollouts
+
+
+# -----------------------------------------------------------------------------
+# The sampler's side
+
+
+def sampler_main(cfg, port, q, rounds, sample_round, kernels, device, threads, timeout):
+    """The sampler process: its own trainer (model, tokenizer, rewards, prompts) from cfg; the
+    rounds drawn in order, each with the weights it is due, and scored while the next ones are
+    drawn (Pipeline); train.sample_round's results onto the queue in order."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it ends this process
+    try:
+        torch.set_num_threads(threads)
+        from nanogrpo import distributed as dist
+        from nanogrpo.trainer import setup
+
+        group = pair(port, SAMPLER_RANK, timeout)
+        t = setup(cfg, dist.DistInfo(device=device), kernels=kernels(cfg))
+        params = trainable(t.model)
+        # the buffer weights land in, on the host (gloo), copied to the model's device
+        flat = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
+        receiver = Receiver(group, flat, params)
+        pipeline = Pipeline(t, sample_round, receiver, in_flight=max(1, cfg.max_staleness))
+        for payload in pipeline.run(*rounds):
+            q.put(payload)
+        while True:  # every round drawn: take the weights still sent until the trainer ends it
+            receiver.receive()
+    except Exception as e:  # back to the trainer as one line
+        lines = traceback.format_exception_only(type(e), e)
+        q.put(lines[-1].strip())
+
+
+class Pipeline:
+    """Rounds in flight in the sampler process, up to `in_flight` (max_staleness, as TRL's rollout
+    worker keeps max_inflight_tasks): each round a thread running train.sample_round. The model is
+    one lock: a round holds it to draw (in round order: the prompts, the seeds and the weights it
+    is due come in order) and to score with the model (reference log-probs), and lets it go inside
+    each reward function call, where the next round starts drawing: a reward that waits (an LLM
+    judge, a sandbox) waits beside the sampling. Each round's numbers are its own: the result does
+    not depend on the overlap."""
+
+    def __init__(self, t, sample_round, receiver, in_flight):
+        self.t, self.sample_round, self.receiver = t, sample_round, receiver
+        self.in_flight = in_flight
+        self.model = threading.Lock()
+        self.turns = {}  # round -> threading.Event: it may start drawing
+        self.current = threading.local()  # the round this thread runs
+        t.reward_funcs = [(name, self.unlocked(fn)) for name, fn in t.reward_funcs]
+
+    def unlocked(self, fn):
+        """fn, called without the model's lock (and letting the next round draw)."""
+
+        def call(*args, **kwargs):
+            self.turns[self.current.round + 1].set()
+            self.model.release()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.model.acquire()
+
+        return call
+
+    def one_round(self, rnd):
+        self.current.round = rnd
+        cfg = self.t.cfg
+        try:
+            self.turns[rnd].wait()
+            start = time.time()
+            self.receiver.until(needed_step(rnd, cfg.max_staleness, cfg.weight_sync_steps))
+            if not cfg.async_reproducible:
+                self.receiver.newest()
+            step, waited = self.receiver.step, time.time() - start
+            with self.model:
+                ro, sampled = self.sample_round(self.t, rnd)
+            sampled["sampler_timing"] = sampled.pop("timing")
+            return ro, sampled, step, waited
+        finally:
+            self.turns[rnd + 1].set()  # (a round that called no reward function, or failed)
+
+    def run(self, first, last):
+        """The rounds' payloads, in order."""
+        self.turns = {r: threading.Event() for r in range(first, last + 1)}
+        self.turns[first].set()
+        with ThreadPoolExecutor(self.in_flight, thread_name_prefix="nanogrpo-round") as pool:
+            futures = {}
+            for rnd in range(first, last):
+                while len(futures) >= self.in_flight:  # the oldest first, in order
+                    oldest = min(futures)
+                    yield futures.pop(oldest).result()
+                futures[rnd] = pool.submit(self.one_round, rnd)
+            for rnd in sorted(futures):
+                yield futures[rnd].result()
+
+
+class Receiver:
+    """The sampler's end of the weights channel: `step`, that of the weights in its model."""
+
+    def __init__(self, group, flat, params):
+        self.group, self.flat, self.params = group, flat, params
+        self.step = -1
+        self.header = torch.zeros(1, dtype=torch.long)
+        self.pending = group.recv([self.header], TRAINER_RANK, HEADER)
+
+    def receive(self):
+        """The next weights sent (waits for them), into the model."""
+        self.pending.wait()
+        self.group.recv([self.flat], TRAINER_RANK, WEIGHTS).wait()
+        self.step = int(self.header[0])
+        with torch.no_grad():
+            offset = 0
+            for p in self.params:
+                p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.pending = self.group.recv([self.header], TRAINER_RANK, HEADER)
+
+    def until(self, step: int):
+        """Receive until the model holds the weights after `step` (sent in order)."""
+        while self.step < step:
+            self.receive()
+
+    def newest(self):
+        """Receive every weights message already sent."""
+        while self.pending.is_completed():
+            self.receive()
+
+
+# -----------------------------------------------------------------------------
+# The synchronous replay
+
+
+class Replay(Rollouts):
+    """The reproducible mode's run without a process: round r drawn in this process, when the
+    trainer takes it, by a second trainer holding the saved weights after step
+    needed_step(r) (tests/test_async.py holds the asynchronous run equal to it, bit for bit)."""
+
+    def __init__(self, t, sample_round, kernels):
+        from nanogrpo.trainer import setup
+
+        cfg = t.cfg
+        super().__init__(
+            process=None,
+            queue=queue_module.Queue(),
+            group=None,
+            staleness=cfg.max_staleness,
+            sync_steps=cfg.weight_sync_steps,
+            reproducible=True,
+            heartbeat=cfg.heartbeat_stale_after_s,
+            seed=sample_round.__globals__["round_seed"],
+        )
+        self.sampler = setup(cfg, t.info, kernels=kernels(cfg))
+        self.sample_round = sample_round
+        self.saved = {}  # step -> the trainable weights after it
+        self.next_round = t.round
+        self.publish(t)
+
+    def publish(self, t):
+        if t.step % self.sync_steps == 0 and t.step not in self.saved:
+            self.saved[t.step] = [p.detach().clone() for p in trainable(t.model)]
+
+    def get(self):
+        rnd = self.next_round
+        step = needed_step(rnd, self.staleness, self.sync_steps)
+        with torch.no_grad():
+            for p, saved in zip(trainable(self.sampler.model), self.saved[step]):
+                p.copy_(saved)
+        ro, sampled = self.sample_round(self.sampler, rnd)
+        sampled["sampler_timing"] = sampled.pop("timing")
+        self.next_round += 1
+        return ro, sampled, step, 0.0

@@ -1,0 +1,140 @@
+"""async_rollouts (nanogrpo/run/async_rollouts.py): a sampler process draws the rounds ahead of the
+update. With max_staleness=0 the run is the synchronous one (every logged value but timings); with
+max_staleness 1 and 2 (and weights sent every 2 steps) it is its synchronous replay bit for bit:
+round r drawn in the trainer's process from the saved weights after step r - max_staleness; the
+unreproducible mode keeps its staleness within max_staleness; a sampler that fails ends the run in
+one line; what it does not run with is refused in one line."""
+
+import json
+import os
+
+import pytest
+import torch
+from test_train import tiny
+
+import train
+from nanogrpo import run
+from nanogrpo.run import async_rollouts
+from nanogrpo.run.config import ConfigError
+from nanogrpo.run.configurator import load_config
+
+ARGS = ("--max_steps=5", "--beta=0.04", "--max_completion_length=8", "--eval_steps=3")
+
+
+def logged(history, timings=False):
+    """Every logged value but the timings (and async_rollouts' own metrics)."""
+    out = []
+    for m in history:
+        kept = {
+            k: v
+            for k, v in m.items()
+            if timings
+            or not (k.startswith(("time/", "async/")) or k in ("step_time", "tokens_per_sec"))
+        }
+        out.append(kept)
+    return out
+
+
+def test_max_staleness_0_trains_as_the_synchronous_trainer(tmp_path):
+    sync = train.train(tiny(tmp_path / "sync", *ARGS))
+    drawn = train.train(
+        tiny(tmp_path / "async", *ARGS, "--async_rollouts=true", "--max_staleness=0")
+    )
+    assert logged(drawn) == logged(sync)
+    assert all(m["async/staleness/max"] == 0.0 for m in drawn)
+    assert all("time/wait_for_rollouts" in m and "time/wait_for_weights" in m for m in drawn)
+
+
+@pytest.mark.parametrize("staleness, sync_steps", [(1, 1), (2, 1), (2, 2)])
+def test_the_run_is_its_synchronous_replay(tmp_path, monkeypatch, staleness, sync_steps):
+    how = (f"--max_staleness={staleness}", f"--weight_sync_steps={sync_steps}")
+    drawn = train.train(tiny(tmp_path / "async", *ARGS, "--async_rollouts=true", *how))
+    monkeypatch.setattr(run.async_rollouts, "start", async_rollouts.Replay)
+    replay = train.train(tiny(tmp_path / "replay", *ARGS, "--async_rollouts=true", *how))
+    assert logged(drawn) == logged(replay)
+    # the staleness it reports: round r trained at step r on the weights after needed_step(r)
+    lags = [m["async/staleness/max"] for m in drawn]
+    assert lags == [r - async_rollouts.needed_step(r, staleness, sync_steps) for r in range(5)]
+    # and it is off-policy: not the synchronous run
+    sync = train.train(tiny(tmp_path / "sync", *ARGS))
+    assert [m["loss"] for m in sync] != [m["loss"] for m in drawn]
+
+
+def test_the_newest_weights_mode_keeps_within_max_staleness(tmp_path):
+    drawn = train.train(
+        tiny(
+            tmp_path / "a",
+            *ARGS,
+            "--async_rollouts=true",
+            "--max_staleness=1",
+            "--async_reproducible=false",
+        )
+    )
+    assert len(drawn) == 5
+    assert all(m["async/staleness/max"] <= 1 for m in drawn)
+    with open(os.path.join(tmp_path / "a" / "run", "metrics.jsonl")) as f:
+        assert all("async/dropped" in json.loads(line) for line in f if line.strip())
+
+
+def test_a_dead_sampler_ends_the_run_in_one_line(tmp_path):
+    """The trainer waits at most heartbeat_stale_after_s; a sampler that died is named at once."""
+    from nanogrpo import distributed as dist
+    from nanogrpo.trainer import setup
+
+    cfg = tiny(tmp_path, "--async_rollouts=true", "--heartbeat_stale_after_s=20")
+    cfg.validate()
+    run.start(cfg, dist.DistInfo(), None)
+    t = setup(cfg, dist.DistInfo(), kernels=train.kernels(cfg))
+    t.cfg = cfg
+    rollouts = async_rollouts.start(t, train.sample_round, train.kernels)
+    try:
+        rollouts.process.kill()
+        rollouts.process.join(timeout=30)
+        with pytest.raises(async_rollouts.SamplerFailed, match="the sampler process died"):
+            rollouts.take(t, 0)
+    finally:
+        rollouts.close()
+
+
+def test_a_failing_sampler_names_its_error(tmp_path):
+    reward = tmp_path / "bad_reward.py"
+    reward.write_text("def broken(completions, **kw):\n    raise RuntimeError('judge is down')\n")
+    cfg = tiny(tmp_path, "--async_rollouts=true", f"--reward_funcs=['{reward}:broken']")
+    with pytest.raises(async_rollouts.SamplerFailed, match="judge is down"):
+        train.train(cfg)
+
+
+@pytest.mark.parametrize(
+    "setting, match",
+    [
+        ("--max_staleness=-1", "max_staleness=-1: must be >= 0"),
+        ("--weight_sync_steps=3", r"weight_sync_steps=3: must be in \[1, max_staleness \+ 1"),
+        ("--num_iterations=2", "num_iterations=2: with async_rollouts=true"),
+        ("--dynamic_sampling=true", "dynamic_sampling=True: with async_rollouts=true"),
+        ("--steps_per_generation=4", "steps_per_generation=4: with async_rollouts=true"),
+        ("--tools=['examples/tool_calculator.py:multiply']", "tools and environments"),
+    ],
+)
+def test_what_async_rollouts_does_not_run_with_is_refused(setting, match):
+    args = ["--config", "tiny.py", "--async_rollouts=true", "--max_staleness=1", setting]
+    with pytest.raises(ConfigError, match=match):
+        load_config(args).validate()
+
+
+def test_more_than_one_trainer_process_is_refused():
+    cfg = load_config(["--config", "tiny.py", "--async_rollouts=true"])
+    with pytest.raises(ConfigError, match="runs one trainer process, not 2"):
+        cfg.validate(world_size=2)
+    assert torch.get_num_threads() >= 1
+
+
+def test_the_memory_plan_counts_the_sampler_process():
+    from nanogrpo.run.plan import plan
+
+    sync = plan(load_config(["--config", "tiny.py"]), 1)
+    drawn = plan(load_config(["--config", "tiny.py", "--async_rollouts=true"]), 1)
+    weights = drawn["bytes"]["sampler_process_weights"]
+    assert weights == sync["bytes"]["parameters"] > 0
+    assert drawn["total"] == sync["total"] - max(sync["sampling_peak"], sync["update_peak"]) + (
+        sync["sampling_peak"] + sync["update_peak"] + weights
+    )
