@@ -77,9 +77,15 @@ def main():
     p.add_argument("--waits", default="0.5,0")
     p.add_argument("--staleness", default="4", help="max_staleness of the async cases")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="a PNG of the reward against the steps' wall-clock seconds, one line a case, at the "
+        "first wait (needs matplotlib: the bench extra)",
+    )
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench_async_")
-    rows = []
+    rows, curves = [], {}  # curves: wait -> case -> history (the first repeat's last)
     for wait in [float(w) for w in args.waits.split(",")]:
         judge = os.path.join(tmp, f"judge_{wait}.py")
         with open(judge, "w") as f:
@@ -92,6 +98,7 @@ def main():
                 history, wall = run_case(out, args.steps, wait, staleness, judge)
                 per_step = 128  # the embedded default: 16 prompts x 8 completions a step
                 rows.append((wait, name, *summary(history, per_step), wall))
+                curves.setdefault(wait, {})[name] = history
                 print(f"wait {wait}s {name:12} done", flush=True)
     print(
         f"\n{'reward wait':>11} {'case':12} {'seconds':>8} {'compl./s':>9} {'reward/min':>10} "
@@ -104,6 +111,30 @@ def main():
             f"{wait:10.1f}s {name:12} {seconds:8.1f} {cps:9.1f} {gain:10.3f} {speed:5.2f}x "
             f"{wall:14.1f}"
         )
+    if args.plot:
+        plot(curves[float(args.waits.split(",")[0])], args.plot)
+
+
+def plot(cases: dict, path: str):
+    """Each case's reward (the step's mean) against its steps' cumulative step_time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, history in cases.items():
+        seconds, total = [], 0.0
+        for m in history:
+            total += m["step_time"]
+            seconds.append(total)
+        ax.plot(seconds, [m["reward"] for m in history], label=name)
+    ax.set_xlabel("wall-clock seconds of the steps")
+    ax.set_ylabel("mean reward")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
