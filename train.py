@@ -57,8 +57,7 @@ from nanogrpo.trainer import Given, Kernels, Trainer, setup
 
 
 def kernels(cfg: TrainConfig) -> Kernels:
-    """The one place speed is chosen (nanogrpo/fast/, each kernel equal to the course function it
-    stands for): plain=true trains with the course's alone, packed with padding_free."""
+    """The one place speed is chosen (nanogrpo/fast/, each equal to the course's function)."""
     packed = fast.packing.packed_kernels(cfg.padding_free, cfg.token_budget)
     if cfg.plain and not cfg.batch_invariant:
         return Kernels(**packed)
@@ -371,9 +370,8 @@ def train(cfg: TrainConfig, command=None, given=Given()) -> list[dict]:
     r, cfg = run.start(cfg, info, command)  # on resume, the checkpoint's optimizer settings
     t = setup(cfg, info, r.resume_from, kernels=kernels(cfg), given=given)
     cfg = t.cfg  # max_steps counted (num_train_epochs)
-    if not run.begin(r, t):  # restored; False: max_steps already reached
+    if not run.begin(r, t, sample_round, kernels):  # restored (async_rollouts: its sampler)
         return r.history
-    t.rollouts = run.async_rollouts.start(t, sample_round, kernels) if cfg.async_rollouts else None
     with run.saving_on_stop(r, t):
         if cfg.eval_on_start:  # transformers' check before any step, on resume too
             report.log_eval(r, {"step": t.step, **evaluate(t)})

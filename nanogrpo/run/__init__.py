@@ -153,10 +153,11 @@ def dry_run(cfg: TrainConfig) -> list:
     return []
 
 
-def begin(run: Run, t) -> bool:
-    """Restore a resumed run's trainer and history, then open the logs. -> False when there is
-    nothing left to do (max_steps reached and nothing pending: said, processes torn down). The run
-    reads the trainer's config from here on: its max_steps counted (num_train_epochs)."""
+def begin(run: Run, t, sample_round=None, kernels=None) -> bool:
+    """Restore a resumed run's trainer and history, then open the logs; with async_rollouts start
+    its sampler process (train.py's sample_round and kernels: async_rollouts.start). -> False when
+    there is nothing left to do (max_steps reached and nothing pending: said, processes torn down).
+    The run reads the trainer's config from here on: its max_steps counted (num_train_epochs)."""
     run.cfg = t.cfg
     if run.resume_from:
         restore(run, t)
@@ -167,6 +168,8 @@ def begin(run: Run, t) -> bool:
     run.threads_before = torch.get_num_threads()  # saving_on_stop restores it
     torch.set_num_threads(cpu_threads(run.cfg, t))
     open_logs(run, t)
+    if run.cfg.async_rollouts:
+        t.rollouts = async_rollouts.start(t, sample_round, kernels)
     return True
 
 

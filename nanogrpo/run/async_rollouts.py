@@ -49,6 +49,7 @@ import torch
 import torch.distributed as c10d
 import torch.multiprocessing as mp
 
+from nanogrpo.extras.lora import trainable_parameters  # those that travel (LoRA: adapters)
 from nanogrpo.run.stops import RankFailure
 
 SAMPLER_RANK, TRAINER_RANK = 1, 0
@@ -62,11 +63,6 @@ class SamplerFailed(RankFailure):
 def needed_step(rnd: int, staleness: int, sync_steps: int) -> int:
     """The step of the weights round rnd is drawn with in the reproducible mode."""
     return max(0, rnd - staleness) // sync_steps * sync_steps
-
-
-def trainable(model) -> list[torch.Tensor]:
-    """The parameters that travel: those the optimizer trains (LoRA: the adapters)."""
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def free_port() -> int:
@@ -107,7 +103,7 @@ class Rollouts:
         if t.step == self.published or t.step % self.sync_steps:
             return
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in trainable(t.model)]).cpu()
+            flat = torch.cat([p.detach().reshape(-1) for p in trainable_parameters(t.model)]).cpu()
         header = torch.tensor([t.step], dtype=torch.long)
         self.sent = [(w, b) for w, b in self.sent if not w.is_completed()]
         for tag, buffer in ((HEADER, header), (WEIGHTS, flat)):
@@ -217,7 +213,7 @@ def sampler_main(cfg, port, q, rounds, sample_round, kernels, device, threads, t
 
         group = pair(port, SAMPLER_RANK, timeout)
         t = setup(cfg, dist.DistInfo(device=device), kernels=kernels(cfg))
-        params = trainable(t.model)
+        params = trainable_parameters(t.model)
         # the buffer weights land in, on the host (gloo), copied to the model's device
         flat = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
         receiver = Receiver(group, flat, params)
@@ -356,13 +352,13 @@ class Replay(Rollouts):
 
     def publish(self, t):
         if t.step % self.sync_steps == 0 and t.step not in self.saved:
-            self.saved[t.step] = [p.detach().clone() for p in trainable(t.model)]
+            self.saved[t.step] = [p.detach().clone() for p in trainable_parameters(t.model)]
 
     def get(self):
         rnd = self.next_round
         step = needed_step(rnd, self.staleness, self.sync_steps)
         with torch.no_grad():
-            for p, saved in zip(trainable(self.sampler.model), self.saved[step]):
+            for p, saved in zip(trainable_parameters(self.sampler.model), self.saved[step]):
                 p.copy_(saved)
         ro, sampled = self.sample_round(self.sampler, rnd)
         sampled["sampler_timing"] = sampled.pop("timing")
