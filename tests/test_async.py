@@ -10,11 +10,14 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from test_stops import args as stop_args, launch, metrics
 from test_train import tiny
 
 import train
 from nanogrpo import run
 from nanogrpo.run import async_rollouts
+from nanogrpo.run.async_rollouts import SNAPSHOTS
 from nanogrpo.run.config import ConfigError
 from nanogrpo.run.configurator import load_config
 
@@ -58,6 +61,56 @@ def test_the_run_is_its_synchronous_replay(tmp_path, monkeypatch, staleness, syn
     # and it is off-policy: not the synchronous run
     sync = train.train(tiny(tmp_path / "sync", *ARGS))
     assert [m["loss"] for m in sync] != [m["loss"] for m in drawn]
+
+
+@pytest.mark.parametrize("staleness, sync_steps", [(2, 1), (2, 2)])
+def test_a_resumed_run_redraws_its_rounds_in_flight_exactly(tmp_path, staleness, sync_steps):
+    """Stopped after step 3, rounds 3 and 4 were drawn (or queued) with the weights after steps
+    1, 2 (weights every step) or 0, 2 (every 2): the checkpoint keeps them, the resumed run's
+    sampler draws with them, and the run is the uninterrupted one."""
+    how = (
+        "--async_rollouts=true",
+        f"--max_staleness={staleness}",
+        f"--weight_sync_steps={sync_steps}",
+        "--beta=0.04",
+        "--max_completion_length=8",
+    )
+    full = train.train(tiny(tmp_path / "a", "--max_steps=6", *how))
+    first = train.train(tiny(tmp_path / "b", "--max_steps=3", *how))
+    kept = load_file(str(tmp_path / "b" / "run" / "checkpoint-3" / "trainer" / SNAPSHOTS))
+    assert sorted(kept) == [f"step-{s}" for s in ((1, 2) if sync_steps == 1 else (0, 2))]
+    resumed = train.train(
+        tiny(tmp_path / "b", "--max_steps=6", "--resume_from_checkpoint=true", *how)
+    )
+    assert logged(first) == logged(full[:3])
+    assert logged(resumed) == logged(full)
+    assert [m["async/staleness/max"] for m in resumed[3:]] == [
+        m["async/staleness/max"] for m in full[3:]
+    ]
+
+
+def test_sigterm_saves_and_the_resumed_run_redraws_what_was_in_flight(tmp_path):
+    """SIGTERM to the trainer while its sampler scores round 3 (rounds ahead of the update): the
+    trainer saves its last step, ends the sampler and exits 143; resumed, it is the uninterrupted
+    run."""
+    how = ("--max_steps=6", "--async_rollouts=true", "--max_staleness=2", "--beta=0.04")
+    rc, out, _ = launch(tmp_path, stop_args(tmp_path, "full", *how))
+    assert rc == 0, out[-3000:]
+    rc, out, _ = launch(tmp_path, stop_args(tmp_path, "run", *how), at=4, action="parent:SIGTERM")
+    assert rc == 143, out[-3000:]
+    assert "SIGTERM: stopped at step" in out and "Traceback" not in out
+    rc, out, _ = launch(tmp_path, stop_args(tmp_path, "run", *how, "--resume_from_checkpoint=true"))
+    assert rc == 0, out[-3000:]
+    assert "resumed from" in out
+    assert logged(metrics(tmp_path / "run")) == logged(metrics(tmp_path / "full"))
+
+
+def test_a_synchronous_checkpoint_resumed_asynchronously_says_it_does_not_replay(tmp_path, capsys):
+    train.train(tiny(tmp_path, "--max_steps=2"))
+    how = ("--async_rollouts=true", "--max_staleness=2", "--resume_from_checkpoint=true")
+    history = train.train(tiny(tmp_path, "--max_steps=4", *how))
+    assert len(history) == 4
+    assert "holds no async_rollouts weights" in capsys.readouterr().out
 
 
 def test_the_newest_weights_mode_keeps_within_max_staleness(tmp_path):

@@ -21,7 +21,7 @@ from nanogrpo.run import stops
 from nanogrpo.run.configurator import read_config_file
 
 # A reward function that, on call STOP_AT of rank STOP_RANK, does STOP_ACTION:
-# self:SIG (the signal to its own process), group:SIG (to torchrun's process
+# self:SIG (the signal to its own process), parent:SIG (to its parent), group:SIG (to torchrun's process
 # group, as a terminal's Ctrl-C; then it scores for a minute), hang (in the
 # reward function) or raise.
 REWARD = """
@@ -40,6 +40,8 @@ def length(completions, **kwargs):
         action = os.environ["STOP_ACTION"]
         if action.startswith("self:"):
             os.kill(os.getpid(), getattr(signal, action[5:]))
+        if action.startswith("parent:"):  # async_rollouts' sampler: its trainer
+            os.kill(os.getppid(), getattr(signal, action[7:]))
         if action.startswith("group:"):  # torchrun's agent is this process's parent
             os.killpg(os.getpgid(os.getppid()), getattr(signal, action[6:]))
             time.sleep(60)  # a slow reward: torchrun's forwarded signal ends it

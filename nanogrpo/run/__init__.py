@@ -169,7 +169,7 @@ def begin(run: Run, t, sample_round=None, kernels=None) -> bool:
     torch.set_num_threads(cpu_threads(run.cfg, t))
     open_logs(run, t)
     if run.cfg.async_rollouts:
-        t.rollouts = async_rollouts.start(t, sample_round, kernels)
+        t.rollouts = async_rollouts.start(t, sample_round, kernels, run.resume_from)
     return True
 
 

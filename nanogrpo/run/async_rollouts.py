@@ -5,7 +5,9 @@ the policy.
 
 Owns: `start` (the sampler process, the queue it fills, the weights' channel) and `Rollouts`, the
 trainer's handle: `take` (train.py's round calls it in place of sample_round: the weights after
-the trainer's last step go out when due, then the next round comes off the queue) and `close`.
+the trainer's last step go out when due, then the next round comes off the queue) and `close`;
+what a checkpoint keeps of it (`Rollouts.checkpoint_tensors`) and a resumed run sends
+(`resumed_weights`).
 
 Does not know about: the GRPO math, or more than one trainer process (under torchrun it is
 refused by run/rules.py).
@@ -26,6 +28,11 @@ How the two processes meet:
   that have arrived (fresher, not reproducible); a round past max_staleness would be dropped
   (TRL's rule), which one round per step never reaches. (TRL's sampler takes whatever it has and
   drops: a sampler faster than the update would then draw every round too stale.)
+- Stops and resume: a checkpoint after step k keeps the weights (trainable, flattened) of the
+  steps before k that rounds k.. k+max_staleness-1 are due (trainer/async_weights.safetensors;
+  the trainer holds them on the host: at most max_staleness // weight_sync_steps + 1 copies); the
+  rounds queued or in flight are dropped, and the resumed run's sampler redraws them with those
+  weights, exactly.
 - The clipped ratio's old policy is the sampler's own log-probs (ro.sampling_logps), as TRL's
   AsyncGRPOTrainer; with max_staleness=0 every round is drawn with the current weights and
   trains on-policy, as the synchronous trainer.
@@ -36,6 +43,7 @@ How the two processes meet:
 """
 
 import datetime
+import os
 import queue as queue_module
 import signal
 import socket
@@ -49,11 +57,13 @@ import torch
 import torch.distributed as c10d
 import torch.multiprocessing as mp
 
+from nanogrpo import distributed as dist
 from nanogrpo.extras.lora import trainable_parameters  # those that travel (LoRA: adapters)
 from nanogrpo.run.stops import RankFailure
 
 SAMPLER_RANK, TRAINER_RANK = 1, 0
 HEADER, WEIGHTS = 0, 1  # the tags of a weights message's two parts
+SNAPSHOTS = "async_weights.safetensors"  # a checkpoint's trainer/: checkpoint_tensors
 
 
 class SamplerFailed(RankFailure):
@@ -96,6 +106,7 @@ class Rollouts:
     seed: object  # train.round_seed
     sent: list = field(default_factory=list)  # (Work, buffer) not yet known to be received
     published: int = -1  # the step of the last weights sent
+    kept: dict = field(default_factory=dict)  # step -> weights sent that rounds still need
     dropped: int = 0  # completions dropped as too stale (async_reproducible=false)
 
     def publish(self, t):
@@ -104,11 +115,27 @@ class Rollouts:
             return
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1) for p in trainable_parameters(t.model)]).cpu()
-        header = torch.tensor([t.step], dtype=torch.long)
+        self.send(t.step, flat)
+        if self.reproducible:  # the rounds still to draw with it, should the run be resumed
+            oldest = needed_step(t.step, self.staleness, self.sync_steps)
+            self.kept = {s: w for s, w in self.kept.items() if s >= oldest}
+            self.kept[t.step] = flat
+
+    def send(self, step: int, flat: torch.Tensor):
+        """The weights after `step` (trainable, flattened) to the sampler, without waiting."""
+        header = torch.tensor([step], dtype=torch.long)
         self.sent = [(w, b) for w, b in self.sent if not w.is_completed()]
         for tag, buffer in ((HEADER, header), (WEIGHTS, flat)):
             self.sent.append((self.group.send([buffer], SAMPLER_RANK, tag), buffer))
-        self.published = t.step
+        self.published = step
+
+    def checkpoint_tensors(self, step: int) -> dict:
+        """What a checkpoint after `step` keeps: {SNAPSHOTS: {"step-<s>": weights}}, the weights
+        (trainable, flattened) of the steps before it that the rounds after it are drawn with;
+        {} when there are none (the unreproducible mode, max_staleness=0)."""
+        oldest = needed_step(step, self.staleness, self.sync_steps)
+        kept = {f"step-{s}": w for s, w in sorted(self.kept.items()) if oldest <= s < step}
+        return {SNAPSHOTS: kept} if kept else {}
 
     def take(self, t, rnd: int):
         """train.sample_round's result for round rnd, from the sampler: (Rollout, what the report
@@ -122,6 +149,7 @@ class Rollouts:
             if self.reproducible or lag <= self.staleness:
                 break
             self.dropped += len(ro.input_ids)  # past max_staleness: TRL drops it
+        t.prompts.next_batch()  # as the sampler's did: a checkpoint records where the next begins
         if self.staleness > 0:  # the sampler's policy is the old one
             ro.old_logps = ro.sampling_logps
         # LoRA dropout's masks in the update: seeded per round as the synchronous round seeds them
@@ -167,9 +195,10 @@ class Rollouts:
         self.sent.clear()
 
 
-def start(t, sample_round, kernels) -> Rollouts:
+def start(t, sample_round, kernels, resume_from=None) -> Rollouts:
     """Start t's sampler process (train.py's sample_round and kernels, which it runs with its own
-    trainer) and send it the weights after step t.step."""
+    trainer, its prompts where t's are) and send it the weights its first rounds are drawn with:
+    resumed (`resume_from`, a checkpoint), those the checkpoint kept, then those after t.step."""
     cfg = t.cfg
     threads = torch.get_num_threads()
     sampler_threads = max(1, threads // 2)
@@ -180,7 +209,8 @@ def start(t, sample_round, kernels) -> Rollouts:
     last_round = t.round + (cfg.max_steps - t.step)
     heartbeat = cfg.heartbeat_stale_after_s
     rounds = (t.round, last_round)
-    args = (cfg, port, q, rounds, sample_round, kernels, t.info.device, sampler_threads, heartbeat)
+    where = t.prompts.state_dict()
+    args = (cfg, port, q, rounds, where, sample_round, kernels, t.info.device, sampler_threads)
     process = ctx.Process(target=sampler_main, args=args, daemon=True, name="nanogrpo-sampler")
     process.start()
     rollouts = Rollouts(
@@ -193,26 +223,62 @@ def start(t, sample_round, kernels) -> Rollouts:
         heartbeat=heartbeat,
         seed=sample_round.__globals__["round_seed"],
     )
+    for step, flat in resumed_weights(t, resume_from, rollouts).items():
+        rollouts.send(step, flat)
+        rollouts.kept[step] = flat
     rollouts.publish(t)
     return rollouts
+
+
+def resumed_weights(t, resume_from, rollouts) -> dict:
+    """{step: weights} a checkpoint kept for the rounds after it (Rollouts.checkpoint_tensors),
+    checked against the model; {} (said) when it kept none and the first rounds would need them."""
+    steps = range(t.step, t.step + rollouts.staleness)
+    needed = {needed_step(r, rollouts.staleness, rollouts.sync_steps) for r in steps}
+    needed.discard(t.step)
+    if not resume_from or not rollouts.reproducible or not needed:
+        return {}
+    path = os.path.join(resume_from, "trainer", SNAPSHOTS)
+    if not os.path.exists(path):
+        dist.print0(
+            f"note: {resume_from} holds no async_rollouts weights (saved without async_rollouts "
+            f"or async_reproducible): rounds {t.round}..{t.round + len(steps) - 1} are drawn "
+            f"with the weights after step {t.step}, so this run continues the run but does not "
+            "replay it"
+        )
+        return {}
+    from safetensors.torch import load_file
+
+    saved = {int(k.split("-")[1]): v for k, v in load_file(path).items()}
+    params = trainable_parameters(t.model)
+    size, dtype = sum(p.numel() for p in params), params[0].dtype
+    missing = sorted(needed - set(saved))
+    wrong = [s for s, v in saved.items() if v.numel() != size or v.dtype != dtype]
+    if missing or wrong:
+        raise ValueError(
+            f"{path} does not hold the weights of steps {missing or wrong} as this model's "
+            f"{size} trainable values: resume with the checkpoint's model and max_staleness"
+        )
+    return {s: saved[s] for s in sorted(needed)}
 
 
 # -----------------------------------------------------------------------------
 # The sampler's side
 
 
-def sampler_main(cfg, port, q, rounds, sample_round, kernels, device, threads, timeout):
-    """The sampler process: its own trainer (model, tokenizer, rewards, prompts) from cfg; the
-    rounds drawn in order, each with the weights it is due, and scored while the next ones are
-    drawn (Pipeline); train.sample_round's results onto the queue in order."""
+def sampler_main(cfg, port, q, rounds, where, sample_round, kernels, device, threads):
+    """The sampler process: its own trainer (model, tokenizer, rewards, prompts from `where`, the
+    trainer's prompt sampler's state) from cfg; the rounds drawn in order, each with the weights
+    it is due, and scored while the next ones are drawn (Pipeline); train.sample_round's results
+    onto the queue in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it ends this process
     try:
         torch.set_num_threads(threads)
-        from nanogrpo import distributed as dist
         from nanogrpo.trainer import setup
 
-        group = pair(port, SAMPLER_RANK, timeout)
+        group = pair(port, SAMPLER_RANK, cfg.heartbeat_stale_after_s)
         t = setup(cfg, dist.DistInfo(device=device), kernels=kernels(cfg))
+        t.prompts.load_state_dict(where)
         params = trainable_parameters(t.model)
         # the buffer weights land in, on the host (gloo), copied to the model's device
         flat = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
@@ -330,7 +396,7 @@ class Replay(Rollouts):
     trainer takes it, by a second trainer holding the saved weights after step
     needed_step(r) (tests/test_async.py holds the asynchronous run equal to it, bit for bit)."""
 
-    def __init__(self, t, sample_round, kernels):
+    def __init__(self, t, sample_round, kernels, resume_from=None):
         from nanogrpo.trainer import setup
 
         cfg = t.cfg

@@ -62,14 +62,18 @@ def save_checkpoint(
     train_config: dict,
     info: dist.DistInfo,
     ref=None,
+    tensors=None,
 ) -> str:
     """Write out_dir/checkpoint-<step> (the policy or its LoRA adapter,
-    tokenizer, train_config.json, trainer/: optimizer, `trainer_state`, and
-    `ref`, a reference model whose weights are saved: sync_ref_model's)
+    tokenizer, train_config.json, trainer/: optimizer, `trainer_state`,
+    `ref`, a reference model whose weights are saved: sync_ref_model's, and
+    `tensors`, {file name: {key: tensor}} written by rank 0: async_rollouts' weights)
     under a temporary name, rename it, then swap the `checkpoint` link to it.
     A write that fails raises SaveFailed, the partial copy removed."""
     step_dir = os.path.join(out_dir, f"checkpoint-{step}")
     tmp = step_dir + ".tmp"
+    from safetensors.torch import save_file
+
     state, adapter = checkpoint.state_to_write(model)
     try:
         if info.is_main:
@@ -89,6 +93,8 @@ def save_checkpoint(
             checkpoint.write_json(os.path.join(tmp, "train_config.json"), train_config)
             state_file = os.path.join(tmp, "trainer", "trainer_state.json")
             checkpoint.write_json(state_file, trainer_state)
+            for name, part in (tensors or {}).items():
+                save_file(part, os.path.join(tmp, "trainer", name))
         save_optimizer(os.path.join(tmp, "trainer"), model, optimizer, info)
         if ref is not None:
             save_ref_model(os.path.join(tmp, "trainer"), ref, info)

@@ -178,7 +178,8 @@ class TrainConfig(Rules):
     async_reproducible: bool = setting(
         True,
         "round r is drawn with exactly the weights after step max(0, r - max_staleness) (at a "
-        "weight_sync_steps multiple): reproducible bit for bit, the run its synchronous replay's; "
+        "weight_sync_steps multiple): reproducible bit for bit, the run its synchronous replay's, "
+        "resumed exactly; "
         "false: the newest weights the sampler has, rounds past max_staleness dropped (TRL's)",
     )
     heartbeat_stale_after_s: float = setting(

@@ -149,11 +149,6 @@ class Rules:
                 "the sampler scores its rounds' trainer log-probs (the correction's, without "
                 "dropout) while the next round's weights arrive: set lora_dropout=0",
             ),
-            (
-                not self.resume_from_checkpoint,
-                "resume_from_checkpoint",
-                "async_rollouts does not resume yet (the sampler's rounds in flight are not saved)",
-            ),
         ]
         for holds, key, why in refused:
             need(holds, key, f"with async_rollouts=true: {why}")

@@ -50,6 +50,8 @@ def save(run: Run, t):
             info=run.info,
             # sync_ref_model's reference has moved with the policy: the initial one would not do
             ref=t.ref if cfg.sync_ref_model else None,
+            # async_rollouts: the weights its queued rounds were due (run/async_rollouts.py)
+            tensors=t.rollouts.checkpoint_tensors(t.step) if t.rollouts else None,
         )
     except checkpoints.SaveFailed as e:
         raise checkpoints.SaveFailed(f"{e}: {after_failed_save(run)}") from e.__cause__
