@@ -191,3 +191,48 @@ def test_the_memory_plan_counts_the_sampler_process():
     assert drawn["total"] == sync["total"] - max(sync["sampling_peak"], sync["update_peak"]) + (
         sync["sampling_peak"] + sync["update_peak"] + weights
     )
+
+
+class Weights:
+    """The weights channel's end, for a Pipeline run in this process: the model keeps the weights
+    it has (the overlap of the rounds is under test, not the weights)."""
+
+    step = 0
+
+    def until(self, step):
+        pass
+
+    def newest(self):
+        pass
+
+
+def test_an_async_reward_is_awaited_while_the_next_round_draws_and_awaits_its_own(tmp_path):
+    """Round 0's judge answers only once round 1's judge is asking: it cannot unless round 0's
+    coroutine is awaited without the model's lock."""
+    import asyncio
+
+    from nanogrpo import distributed as dist
+    from nanogrpo.trainer import setup
+
+    cfg = tiny(tmp_path, "--async_rollouts=true", "--max_staleness=2")
+    cfg.validate()
+    run.start(cfg, dist.DistInfo(), None)
+    t = setup(cfg, dist.DistInfo(), kernels=train.kernels(cfg))
+    asking = []  # the rounds whose judge has been called, in order
+
+    async def judge(completions, **kwargs):
+        asking.append(len(asking))
+        if asking[-1] == 0:
+            for _ in range(3000):  # up to 30 s
+                if len(asking) > 1:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise TimeoutError("round 1's judge was not called while round 0's waited")
+        return [float(len(c)) for c in completions]
+
+    t.reward_funcs = [("judge", judge)]
+    pipeline = async_rollouts.Pipeline(t, train.sample_round, Weights(), in_flight=2)
+    drawn = list(pipeline.run(0, 3))
+    assert [step for _, _, step, _ in drawn] == [0, 0, 0]
+    assert asking == [0, 1, 2]

@@ -43,6 +43,7 @@ How the two processes meet:
 """
 
 import datetime
+import inspect
 import os
 import queue as queue_module
 import signal
@@ -298,8 +299,9 @@ class Pipeline:
     worker keeps max_inflight_tasks): each round a thread running train.sample_round. The model is
     one lock: a round holds it to draw (in round order: the prompts, the seeds and the weights it
     is due come in order) and to score with the model (reference log-probs), and lets it go inside
-    each reward function call, where the next round starts drawing: a reward that waits (an LLM
-    judge, a sandbox) waits beside the sampling. Each round's numbers are its own: the result does
+    each reward function call and while an `async def` one is awaited, where the next round starts
+    drawing: a reward that waits (an LLM judge, a sandbox) waits beside the sampling and beside
+    the other rounds' rewards. Each round's numbers are its own: the result does
     not depend on the overlap."""
 
     def __init__(self, t, sample_round, receiver, in_flight):
@@ -311,20 +313,41 @@ class Pipeline:
         t.reward_funcs = [(name, self.unlocked(fn)) for name, fn in t.reward_funcs]
 
     def unlocked(self, fn):
-        """fn, called without the model's lock (and letting the next round draw)."""
+        """fn, called without the model's lock (and letting the next round draw); an `async def`
+        fn's coroutine is awaited without it too, so a round's judges wait beside the next
+        rounds' (rewards.await_all awaits a round's coroutines together in its thread: the first
+        to run lets the lock go, the last to end takes it back)."""
+
+        def let_go():
+            if self.current.out == 0:
+                self.turns[self.current.round + 1].set()
+                self.model.release()
+            self.current.out += 1
+
+        def take_back():
+            self.current.out -= 1
+            if self.current.out == 0:
+                self.model.acquire()
+
+        async def awaited(coroutine):
+            let_go()
+            try:
+                return await coroutine
+            finally:
+                take_back()
 
         def call(*args, **kwargs):
-            self.turns[self.current.round + 1].set()
-            self.model.release()
+            let_go()
             try:
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
             finally:
-                self.model.acquire()
+                take_back()
+            return awaited(out) if inspect.isawaitable(out) else out
 
         return call
 
     def one_round(self, rnd):
-        self.current.round = rnd
+        self.current.round, self.current.out = rnd, 0  # out: its calls running unlocked
         cfg = self.t.cfg
         try:
             self.turns[rnd].wait()
