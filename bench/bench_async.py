@@ -6,12 +6,14 @@ output folder (no evaluation, no saves but the last).
 
     python bench/bench_async.py                        # 20 steps, waits 0.5 s and 0, max_staleness 4
     python bench/bench_async.py --steps 40 --staleness 0,1,4
+    python bench/bench_async.py --config smollm.py --steps 12 --staleness 1,4 \
+        --set=--model=.cache/real/smollm2-135m-instruct          # a config's own rewards
 
 Reported per case: wall seconds of the steps (the first step's end to the last's: the process
 start and the model's load left out), completions per second, and the reward gained per wall-clock
 minute (the last 5 steps' mean reward less the first 5's, over the minutes between). The
-asynchronous run's sampler process takes half the run's torch threads (1 of 2 here: the embedded
-default trains on 1 thread either way).
+asynchronous run's sampler process takes half the run's torch threads (at least 1), the trainer
+the rest (at least 1); each case's threads are printed as the run reports them.
 """
 
 import argparse
@@ -37,25 +39,29 @@ def slow_default_task(completions, target, completion_ids=None, **kwargs):
 '''
 
 
-def run_case(out, steps, wait, staleness, judge):
+def run_case(out, steps, staleness, settings):
     args = [
         sys.executable,
         "train.py",
+        *settings,
         f"--output_dir={out}",
         f"--max_steps={steps}",
         "--eval_strategy=no",
         f"--save_steps={steps}",
-        f"--reward_funcs=['{judge}:slow_default_task']",
     ]
     if staleness is not None:
         args += ["--async_rollouts=true", f"--max_staleness={staleness}"]
     env = dict(os.environ, PYTHONPATH=ROOT)
     start = time.time()
-    subprocess.run(args, cwd=ROOT, env=env, check=True, capture_output=True, timeout=3600)
+    done = subprocess.run(
+        args, cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=3600
+    )
     wall = time.time() - start
     with open(os.path.join(out, "metrics.jsonl")) as f:
         history = [json.loads(line) for line in f if line.strip()]
-    return history, wall
+    # the run's own lines on its threads (announce's; async_rollouts' split)
+    threads = [line.split("|")[-1].strip() for line in done.stdout.splitlines() if "thread" in line]
+    return history, wall, "; ".join(threads)
 
 
 def summary(history, completions_per_step):
@@ -78,6 +84,15 @@ def main():
     p.add_argument("--staleness", default="4", help="max_staleness of the async cases")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument(
+        "--config",
+        default=None,
+        help="a config (configs/) run with its own rewards in place of the embedded default "
+        "behind the judge (--waits is then left out)",
+    )
+    p.add_argument(
+        "--set", action="append", default=[], help="a train.py setting for every case, repeatable"
+    )
+    p.add_argument(
         "--plot",
         default=None,
         help="a PNG of the reward against the steps' wall-clock seconds, one line a case, at the "
@@ -85,21 +100,30 @@ def main():
     )
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench_async_")
+    settings = (["--config", args.config] if args.config else []) + args.set
+    per_step = completions_per_step(settings)
     rows, curves = [], {}  # curves: wait -> case -> history (the first repeat's last)
-    for wait in [float(w) for w in args.waits.split(",")]:
-        judge = os.path.join(tmp, f"judge_{wait}.py")
-        with open(judge, "w") as f:
-            f.write(JUDGE.replace("WAIT", repr(wait)))
+    for wait in [None] if args.config else [float(w) for w in args.waits.split(",")]:
+        reward = []
+        if wait is not None:
+            judge = os.path.join(tmp, f"judge_{wait}.py")
+            with open(judge, "w") as f:
+                f.write(JUDGE.replace("WAIT", repr(wait)))
+            reward = [f"--reward_funcs=['{judge}:slow_default_task']"]
         cases = [None] + [int(s) for s in args.staleness.split(",")]
         for r in range(args.repeats):
             for staleness in cases if r % 2 == 0 else cases[::-1]:
                 name = "sync" if staleness is None else f"async s={staleness}"
                 out = os.path.join(tmp, f"w{wait}-{name.replace(' ', '')}-{r}")
-                history, wall = run_case(out, args.steps, wait, staleness, judge)
-                per_step = 128  # the embedded default: 16 prompts x 8 completions a step
+                history, wall, threads = run_case(out, args.steps, staleness, settings + reward)
+                if r == 0:
+                    print(f"{name}: {threads}", flush=True)
                 rows.append((wait, name, *summary(history, per_step), wall))
                 curves.setdefault(wait, {})[name] = history
-                print(f"wait {wait}s {name:12} done", flush=True)
+                print(
+                    f"{'own rewards' if wait is None else f'wait {wait}s'} {name:12} done",
+                    flush=True,
+                )
     print(
         f"\n{'reward wait':>11} {'case':12} {'seconds':>8} {'compl./s':>9} {'reward/min':>10} "
         f"{'speed':>6} {'process wall s':>14}"
@@ -108,11 +132,20 @@ def main():
         base = next(x for x in rows if x[0] == wait and x[1] == "sync")
         speed = cps / base[3]
         print(
-            f"{wait:10.1f}s {name:12} {seconds:8.1f} {cps:9.1f} {gain:10.3f} {speed:5.2f}x "
+            f"{'own' if wait is None else f'{wait:.1f}s':>11} {name:12} {seconds:8.1f} {cps:9.1f} {gain:10.3f} {speed:5.2f}x "
             f"{wall:14.1f}"
         )
     if args.plot:
-        plot(curves[float(args.waits.split(",")[0])], args.plot)
+        plot(next(iter(curves.values())), args.plot)
+
+
+def completions_per_step(settings) -> int:
+    """Completions a step of train.py with these settings (one process, a round a step)."""
+    sys.path.insert(0, ROOT)
+    from nanogrpo.run.configurator import load_config
+
+    cfg = load_config(list(settings))
+    return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
 
 
 def plot(cases: dict, path: str):

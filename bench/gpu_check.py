@@ -22,6 +22,8 @@ Correctness (fp32 on the device against fp32 on the CPU unless said):
              float64 within 1e-5 relative.
   fsdp       one-process FSDP2 (NCCL on CUDA): one AdamW step equals the plain model's; fp32 and bf16.
   train      the embedded default (configs/tiny.py) in bf16 on the device: its reward rises.
+  async      async_rollouts on the device: the embedded default with a judge waiting 0 and 0.5 s a
+             call, synchronous against max_staleness 1 and 4: completions/s, speed, staleness kept.
   syncs      host syncs per optimizer step of the default, steps 2-4: torch.cuda.set_sync_debug_mode
              on CUDA, and the aten ops that sync (tests/test_host_syncs.py's count) on any device.
 Speed (random weights of real shapes, bf16):
@@ -1236,6 +1238,60 @@ def part_step(c: Check) -> dict:
     return out
 
 
+def part_async(c: Check) -> dict:
+    """async_rollouts on one device (the sampler process beside the trainer): the embedded default
+    in bf16 with its reward behind a judge that waits 0 and 0.5 s a call, synchronous against
+    max_staleness 1 and 4 for the same steps: completions/s over steps 2.., speed against the
+    synchronous run, the reward's first and last tenth, the staleness seen."""
+    import bench_async
+
+    import train
+
+    steps = 4 if c.quick else 30
+    bf16 = "--bf16=false" if c.device.type == "cpu" else "--bf16=true"
+    out = {}
+    for wait in (0.0, 0.5):
+        os.makedirs(c.work, exist_ok=True)
+        judge = os.path.join(c.work, f"judge_{wait}.py")
+        with open(judge, "w") as f:
+            f.write(bench_async.JUDGE.replace("WAIT", repr(wait)))
+        reward = f"--reward_funcs=['{judge}:slow_default_task']"
+        base = None
+        for staleness in (None, 1, 4):
+            name = "sync" if staleness is None else f"async_s{staleness}"
+            how = (
+                []
+                if staleness is None
+                else ["--async_rollouts=true", f"--max_staleness={staleness}"]
+            )
+            cfg = tiny_run_config(c, steps, f"async_{wait}_{name}", bf16, reward, *how)
+            recs = train.train(cfg)
+            seconds = sum(r["step_time"] for r in recs[1:])
+            per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+            k = max(1, len(recs) // 10)
+            row = {
+                "steps": steps,
+                "completions_per_s": round(per_step * (len(recs) - 1) / seconds, 1),
+                "median_step_s": round(statistics.median(r["step_time"] for r in recs[1:]), 3),
+                "reward_first": statistics.mean(r["reward"] for r in recs[:k]),
+                "reward_last": statistics.mean(r["reward"] for r in recs[-k:]),
+            }
+            if staleness is not None:
+                row["staleness_max"] = max(r["async/staleness/max"] for r in recs)
+                row["wait_for_rollouts_s"] = round(
+                    sum(r["time/wait_for_rollouts"] for r in recs), 2
+                )
+            base = base or row["completions_per_s"]
+            row["speed"] = round(row["completions_per_s"] / base, 2)
+            out[f"wait{wait}_{name}"] = row
+            c.log(f"  wait {wait} s {name}: {row}")
+    staleness_kept = all(
+        v["staleness_max"] <= int(k.rsplit("s", 1)[1]) for k, v in out.items() if "async" in k
+    )
+    out["ok"] = staleness_kept
+    return out
+
+
 PARTS = {  # in the order they run: the correctness a fix needs first, the long ones last
     "machine": part_machine,
     "logits": part_logits,
@@ -1250,6 +1306,7 @@ PARTS = {  # in the order they run: the correctness a fix needs first, the long 
     "decode": part_decode,
     "step": part_step,
     "train": part_train,
+    "async": part_async,
 }
 
 

@@ -35,6 +35,7 @@ def test_gpu_check_rehearses_every_part_on_cpu(tmp_path):
         "decode",
         "step",
         "train",
+        "async",
     }
     assert parts["syncs"]["aten_sync_ops_per_step"] <= 12
     assert parts["fsdp"]["fp32"]["grad_rel"] == 0  # one process sums as the plain model does
@@ -45,4 +46,5 @@ def test_gpu_check_rehearses_every_part_on_cpu(tmp_path):
     assert (
         packed["fp32_47m"]["max_abs"] <= 1e-4 and packed["fp32_47m"]["attention"]["path"] == "loop"
     )
+    assert parts["async"]["wait0.5_async_s4"]["staleness_max"] <= 4
     assert all(packed[f"{s}_packed_speedup"] > 0 for s in ("bf16_autocast", "bf16_weights"))

@@ -214,6 +214,11 @@ def start(t, sample_round, kernels, resume_from=None) -> Rollouts:
     args = (cfg, port, q, rounds, where, sample_round, kernels, t.info.device, sampler_threads)
     process = ctx.Process(target=sampler_main, args=args, daemon=True, name="nanogrpo-sampler")
     process.start()
+    on = f"{sampler_threads} CPU thread(s), the trainer {torch.get_num_threads()}"
+    dist.print0(
+        f"async_rollouts: a sampler process draws up to {max(1, cfg.max_staleness)} round(s) "
+        f"ahead" + (f" on {on}" if t.info.device.type == "cpu" else "")
+    )
     rollouts = Rollouts(
         process=process,
         queue=q,
