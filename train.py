@@ -365,12 +365,12 @@ def train(cfg: TrainConfig, command=None, given=Given()) -> list[dict]:
     Python caller (nanogrpo/api/) passes in place of the config's names, a trainer.Given."""
     if cfg.dry_run:  # nothing loaded, nothing started: the plan of the run
         return run.dry_run(cfg)
-    info = dist.setup(cfg.device, cfg.ddp_timeout)
-    cfg.validate(info.world_size)
+    info = dist.setup(cfg.device, cfg.ddp_timeout, cfg.async_rollouts * cfg.rollout_processes)
+    cfg.validate(info.launched)
     r, cfg = run.start(cfg, info, command)  # on resume, the checkpoint's optimizer settings
     t = setup(cfg, info, r.resume_from, kernels=kernels(cfg), given=given)
     cfg = t.cfg  # max_steps counted (num_train_epochs)
-    if not run.begin(r, t, sample_round, kernels):  # restored (async_rollouts: its sampler)
+    if not run.begin(r, t, sample_round, kernels):  # restored; a rollout process: it sampled
         return r.history
     with run.saving_on_stop(r, t):
         if cfg.eval_on_start:  # transformers' check before any step, on resume too

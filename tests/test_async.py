@@ -9,7 +9,6 @@ import json
 import os
 
 import pytest
-import torch
 from safetensors.torch import load_file
 from test_stops import args as stop_args, launch, metrics
 from test_train import tiny
@@ -174,11 +173,61 @@ def test_what_async_rollouts_does_not_run_with_is_refused(setting, match):
         load_config(args).validate()
 
 
-def test_more_than_one_trainer_process_is_refused():
-    cfg = load_config(["--config", "tiny.py", "--async_rollouts=true"])
-    with pytest.raises(ConfigError, match="runs one trainer process, not 2"):
-        cfg.validate(world_size=2)
-    assert torch.get_num_threads() >= 1
+@pytest.mark.parametrize(
+    "setting, launched, match",
+    [
+        ("--rollout_processes=2", 2, "rollout_processes=2: .* must be < the 2 processes launched"),
+        ("--rollout_processes=2", 4, "rollout_processes=2: .* one rollout process for now"),
+        ("--per_device_train_batch_size=2", 3, "each trains whole groups: 4 completions"),
+    ],
+)
+def test_what_torchrun_cannot_launch_is_refused(monkeypatch, setting, launched, match):
+    monkeypatch.setenv("WORLD_SIZE", str(launched))  # as torchrun sets it: load_config validates
+    with pytest.raises(ConfigError, match=match):
+        load_config(["--config", "tiny.py", "--async_rollouts=true", setting])
+
+
+REPLAY = """import sys
+
+sys.path.insert(0, {root!r})
+import train
+from nanogrpo import distributed, run
+from nanogrpo.run import async_rollouts
+
+plain = distributed.setup
+distributed.setup = lambda device, timeout, samplers=0: plain(device, timeout)  # all train
+async_rollouts.start = async_rollouts.Replay  # each trainer draws the round, takes its share
+run.exit_process(run.main(sys.argv[1:], train.train))
+"""
+
+
+def test_under_torchrun_a_rollout_process_draws_for_two_trainers_as_their_replay(tmp_path):
+    """3 gloo processes (2 trainers sharding the model, 1 drawing every round for both) equal 2
+    trainers that draw each round themselves from the saved weights of step r - max_staleness."""
+    from test_dist import torchrun
+    from test_train import INIT
+
+    def common(name):
+        out = tmp_path / name
+        return (
+            *("--config", "tiny.py", f"--model={tmp_path}/init", INIT, f"--output_dir={out}"),
+            *("--gradient_accumulation_steps=2", "--num_generations=4"),
+            *("--per_device_train_batch_size=8", "--max_completion_length=6"),
+            *("--eval_strategy=no", "--max_steps=4", "--beta=0.04"),
+            *("--async_rollouts=true", "--max_staleness=1"),
+        )
+
+    drawn = torchrun(*common("async"), nproc=3)
+    assert drawn.returncode == 0, drawn.stderr[-3000:]
+    assert "rank 2 draws up to 1 round(s) ahead for 2 trainer process(es)" in drawn.stdout
+    assert "2 process(es) on cpu" in drawn.stdout
+    script = tmp_path / "replay.py"
+    script.write_text(REPLAY.format(root=os.path.dirname(os.path.dirname(__file__))))
+    replay = torchrun(*common("replay"), nproc=2, script=str(script))
+    assert replay.returncode == 0, replay.stderr[-3000:]
+    drawn, replayed = (metrics(tmp_path / name) for name in ("async", "replay"))
+    assert len(drawn) == 4 and logged(drawn) == logged(replayed)
+    assert [m["async/staleness/max"] for m in drawn] == [0.0, 1.0, 1.0, 1.0]
 
 
 def test_the_memory_plan_counts_the_sampler_process():
@@ -236,3 +285,20 @@ def test_an_async_reward_is_awaited_while_the_next_round_draws_and_awaits_its_ow
     drawn = list(pipeline.run(0, 3))
     assert [step for _, _, step, _ in drawn] == [0, 0, 0]
     assert asking == [0, 1, 2]
+
+
+def test_sigterm_to_torchrun_saves_and_the_resumed_run_redraws_what_was_in_flight(tmp_path):
+    """SIGTERM to torchrun's process group while the rollout process scores round 4: the rollout
+    process ends at once, the trainers save their last step; resumed with the same launch, the
+    run is the uninterrupted one."""
+    how = ("--max_steps=6", "--async_rollouts=true", "--max_staleness=2", "--beta=0.04")
+    rc, out, _ = launch(tmp_path, stop_args(tmp_path, "full", *how), nproc=3)
+    assert rc == 0, out[-3000:]
+    stop = dict(at=4, action="group:SIGTERM", rank=2)
+    rc, out, _ = launch(tmp_path, stop_args(tmp_path, "run", *how), nproc=3, **stop)
+    assert "SIGTERM: stopped at step" in out and "[rank" not in out, out[-3000:]
+    assert "Continue with:\n  torchrun --nproc_per_node 3 train.py" in out
+    resume = stop_args(tmp_path, "run", *how, "--resume_from_checkpoint=true")
+    rc, out, _ = launch(tmp_path, resume, nproc=3)
+    assert rc == 0, out[-3000:]
+    assert logged(metrics(tmp_path / "run")) == logged(metrics(tmp_path / "full"))

@@ -361,7 +361,7 @@ def Transformer_state(family):
     return load_model(fixture_path(family)).state_dict()
 
 
-def torchrun(*args, timeout=300, pythonpath=None, nproc=2):
+def torchrun(*args, timeout=300, pythonpath=None, nproc=2, script=None):
     cmd = [
         sys.executable,
         "-m",
@@ -369,7 +369,7 @@ def torchrun(*args, timeout=300, pythonpath=None, nproc=2):
         "--standalone",
         "--nproc_per_node",
         str(nproc),
-        os.path.join(ROOT, "train.py"),
+        script or os.path.join(ROOT, "train.py"),
         *args,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -411,7 +411,7 @@ class GRPOTrainer:
             cfg = dataclasses.replace(cfg, eval_size=len(rows))
         train = train_module()
         info = dist.setup(cfg.device, cfg.ddp_timeout)
-        cfg.validate(info.world_size)
+        cfg.validate(info.launched)
         t = setup(cfg, info, kernels=train.kernels(cfg), given=self.given(rows))
         return trl_names(train.evaluate(t))
 

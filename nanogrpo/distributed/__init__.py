@@ -38,27 +38,52 @@ class DistInfo:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    # the processes torchrun launched: world_size, or with async_rollouts world_size trainers
+    # and the rollout processes after them
+    launched: int = 1
+    sampler: bool = False  # one of the rollout processes: a world of its own (rank 0 of 1)
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.rank == 0 and not self.sampler
 
     @property
     def sharded(self) -> bool:
         return self.world_size > 1
 
 
-def setup(device: str = "auto", timeout: float = 1800) -> DistInfo:
+def setup(device: str = "auto", timeout: float = 1800, samplers: int = 0) -> DistInfo:
     """Read torchrun's RANK/WORLD_SIZE/LOCAL_RANK (absent: one process) and
     pick the device (each rank its LOCAL_RANK's GPU); initialise the process
     group (nccl on CUDA, gloo on CPU) when there is more than one process.
     `cuda:N` names one GPU, so it is for one process only. timeout: the
     seconds a collective waits for the other ranks before it fails
-    (transformers' ddp_timeout): a hung or dead rank ends the run."""
+    (transformers' ddp_timeout): a hung or dead rank ends the run.
+    samplers: under torchrun, the last this many processes sample
+    (async_rollouts): the group is the others', each sampler a world of its
+    own; launch_store() is every process's."""
+    global _launch_store, _sampler_rank
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = _pick_device(device, world_size, local_rank)
+    if world_size > 1 and samplers and not dist.is_initialized():
+        store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))
+        _launch_store, trainers = store, world_size - samplers
+        if rank >= trainers:  # a rollout process: no group, rank 0 of its own world
+            _sampler_rank = rank
+            return DistInfo(0, 1, local_rank, dev, launched=world_size, sampler=True)
+        cuda = dev.type == "cuda"
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo",
+            store=dist.PrefixStore("nanogrpo/trainers/", store),
+            rank=rank,
+            world_size=trainers,
+            device_id=dev if cuda else None,
+            timeout=timedelta(seconds=timeout),
+        )
+        return DistInfo(rank, trainers, local_rank, dev, launched=world_size)
     if world_size > 1 and not dist.is_initialized():
         if timeout <= 0:
             raise ValueError(f"ddp_timeout={timeout}: must be > 0 seconds")
@@ -74,7 +99,16 @@ def setup(device: str = "auto", timeout: float = 1800) -> DistInfo:
             device_id=dev if cuda else None,
             timeout=timedelta(seconds=timeout),
         )
-    return DistInfo(rank, world_size, local_rank, dev)
+    return DistInfo(rank, world_size, local_rank, dev, launched=world_size)
+
+
+_launch_store = None  # setup's with samplers: the store every launched process shares
+_sampler_rank = None  # setup's in a rollout process: its rank among those launched
+
+
+def launch_store():
+    """The store of every process torchrun launched (setup with samplers)."""
+    return _launch_store
 
 
 def _pick_device(device: str, world_size: int, local_rank: int):
@@ -105,7 +139,10 @@ def teardown():
 
 
 def rank() -> int:
-    """This process's rank (0 without a process group)."""
+    """This process's rank (0 without a process group; a rollout process's among those
+    launched: it prints and writes nothing of the run)."""
+    if _sampler_rank is not None:
+        return _sampler_rank
     return dist.get_rank() if dist.is_initialized() else 0
 
 

@@ -63,6 +63,8 @@ def start(cfg: TrainConfig, info, command=None) -> tuple[Run, TrainConfig]:
     resumed, build the embedded default's checkpoint. -> (the run, the
     config the run will use: on resume, the optimizer settings come from
     the checkpoint)."""
+    if info.sampler:  # async_rollouts' rollout process: the out_dir is the trainers'
+        return Run(cfg=cfg, info=info, command=command), async_rollouts.rollout_config(cfg, info)
     check_out_dir(cfg.output_dir)
     run = Run(cfg=cfg, info=info, command=command or ["train.py"])
     claim_out_dir(run)
@@ -159,6 +161,9 @@ def begin(run: Run, t, sample_round=None, kernels=None) -> bool:
     there is nothing left to do (max_steps reached and nothing pending: said, processes torn down).
     The run reads the trainer's config from here on: its max_steps counted (num_train_epochs)."""
     run.cfg = t.cfg
+    if run.info.sampler:  # async_rollouts' rollout process: it draws the trainers' rounds
+        async_rollouts.serve(t, sample_round)
+        return False
     if run.resume_from:
         restore(run, t)
     if t.step >= run.cfg.max_steps and not run.pending:

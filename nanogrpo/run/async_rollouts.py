@@ -9,8 +9,15 @@ the trainer's last step go out when due, then the next round comes off the queue
 what a checkpoint keeps of it (`Rollouts.checkpoint_tensors`) and a resumed run sends
 (`resumed_weights`).
 
-Does not know about: the GRPO math, or more than one trainer process (under torchrun it is
-refused by run/rules.py).
+Under torchrun (`serve`, `connect`, `Remote`): the last rollout_processes (one for now) of the
+processes launched sample, the others train (FSDP2 among themselves: distributed.setup gives them
+their own group). The rollout process draws each round whole, as one process would draw the
+trainers' shares together, and hands trainer k its completions [k n, (k+1) n) (`share`): whole
+groups, the advantages over the whole round as the synchronous trainers' all-gather gives them.
+The weights go to it from trainer 0 (FSDP2's shards gathered first) through a gloo group of every
+process; the rounds, pickled, through the launch's store (torchrun's).
+
+Does not know about: the GRPO math.
 
 How the two processes meet:
 - Weights travel through torch.distributed: a gloo pair of its own (trainer rank 0, sampler rank
@@ -20,7 +27,7 @@ How the two processes meet:
   without waiting (a copy, so the update goes on).
 - Completions travel back through a torch.multiprocessing queue of queue_maxsize rounds (0:
   max_staleness, at least 1), each round with the step of the weights that drew it; the sampler
-  waits while it is full.
+  waits while it is full (torchrun: the store; the weights bound how far ahead it draws).
 - async_reproducible=true: round r is drawn with exactly the weights after step
   s(r) = max(0, r - max_staleness), rounded down to a multiple of weight_sync_steps; the sampler
   waits for them. The run is then its synchronous replay's, bit for bit: the same draws (seeded by
@@ -42,8 +49,10 @@ How the two processes meet:
   trainer the rest.
 """
 
+import dataclasses
 import datetime
 import inspect
+import io
 import os
 import queue as queue_module
 import signal
@@ -62,8 +71,9 @@ from nanogrpo import distributed as dist
 from nanogrpo.extras.lora import trainable_parameters  # those that travel (LoRA: adapters)
 from nanogrpo.run.stops import RankFailure
 
-SAMPLER_RANK, TRAINER_RANK = 1, 0
+SAMPLER_RANK, TRAINER_RANK = 1, 0  # one process: the pair's ranks (torchrun: see launch_group)
 HEADER, WEIGHTS = 0, 1  # the tags of a weights message's two parts
+END = -1  # a weights header's step: the run is over (a rollout process returns)
 SNAPSHOTS = "async_weights.safetensors"  # a checkpoint's trainer/: checkpoint_tensors
 
 
@@ -105,6 +115,8 @@ class Rollouts:
     reproducible: bool
     heartbeat: float
     seed: object  # train.round_seed
+    sampler_rank: int = SAMPLER_RANK  # in group (torchrun: the number of trainers)
+    rank: int = 0  # this trainer's: only trainer 0 sends weights and keeps them
     sent: list = field(default_factory=list)  # (Work, buffer) not yet known to be received
     published: int = -1  # the step of the last weights sent
     kept: dict = field(default_factory=dict)  # step -> weights sent that rounds still need
@@ -114,21 +126,22 @@ class Rollouts:
         """Send the weights after step t.step when due (every weight_sync_steps) and not sent."""
         if t.step == self.published or t.step % self.sync_steps:
             return
-        with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in trainable_parameters(t.model)]).cpu()
+        flat = torch.cat([p.reshape(-1) for p in full_weights(t.model)]).cpu()
         self.send(t.step, flat)
-        if self.reproducible:  # the rounds still to draw with it, should the run be resumed
+        if self.reproducible and self.rank == 0:  # to redraw rounds with, should the run resume
             oldest = needed_step(t.step, self.staleness, self.sync_steps)
             self.kept = {s: w for s, w in self.kept.items() if s >= oldest}
             self.kept[t.step] = flat
 
     def send(self, step: int, flat: torch.Tensor):
         """The weights after `step` (trainable, flattened) to the sampler, without waiting."""
+        self.published = step
+        if self.rank != 0:
+            return
         header = torch.tensor([step], dtype=torch.long)
         self.sent = [(w, b) for w, b in self.sent if not w.is_completed()]
         for tag, buffer in ((HEADER, header), (WEIGHTS, flat)):
-            self.sent.append((self.group.send([buffer], SAMPLER_RANK, tag), buffer))
-        self.published = step
+            self.sent.append((self.group.send([buffer], self.sampler_rank, tag), buffer))
 
     def checkpoint_tensors(self, step: int) -> dict:
         """What a checkpoint after `step` keeps: {SNAPSHOTS: {"step-<s>": weights}}, the weights
@@ -160,11 +173,15 @@ class Rollouts:
             "async/staleness/mean": float(lag),
             "async/staleness/max": float(lag),
             "async/dropped": float(self.dropped),
-            "async/queue": float(self.queue.qsize()),
+            "async/queue": self.queued(),
             "time/wait_for_weights": waited,
             **{f"async/{k}": v for k, v in sampled.pop("sampler_timing").items()},
         }
         return ro, sampled
+
+    def queued(self) -> float:
+        """Rounds drawn and waiting for the trainer."""
+        return float(self.queue.qsize())
 
     def get(self):
         """The next payload off the queue; SamplerFailed when the sampler is gone or silent."""
@@ -196,11 +213,98 @@ class Rollouts:
         self.sent.clear()
 
 
+@dataclass
+class Remote(Rollouts):
+    """The trainer's handle on torchrun's rollout process (serve): the rounds, this trainer's
+    share of each, come through the launch's store."""
+
+    device: object = None
+    next_round: int = 0
+
+    def queued(self) -> float:
+        store, n = dist.launch_store(), self.next_round
+        return float(
+            sum(
+                store.check([PREFIX + f"round-{r}-trainer-{self.rank}"])
+                for r in range(n, n + self.staleness + 1)
+            )
+        )
+
+    def get(self):
+        key = f"round-{self.next_round}-trainer-{self.rank}"
+        try:
+            payload = take_object(key, self.device, self.heartbeat)
+        except TimeoutError:
+            raise SamplerFailed(
+                f"the rollout process (rank {self.sampler_rank}) sent no round for "
+                f"{self.heartbeat:.0f} s (heartbeat_stale_after_s)"
+            ) from None
+        if isinstance(payload, str):
+            raise SamplerFailed(f"the rollout process failed: {payload}")
+        self.next_round += 1
+        return payload
+
+    def close(self):
+        """Tell the rollout process the run is over (trainer 0)."""
+        if self.rank == 0 and self.group is not None:
+            header = torch.tensor([END], dtype=torch.long)
+            try:
+                self.group.send([header], self.sampler_rank, HEADER).wait()
+            except RuntimeError:  # it has ended already (a stop signal ends it at once)
+                pass
+            self.group = None
+
+
+def full_weights(model) -> list:
+    """The trainable parameters (LoRA: the adapters), whole: FSDP2's shards gathered (every
+    trainer calls it), detached."""
+    with torch.no_grad():
+        params = trainable_parameters(model)
+        return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in params]
+
+
+def connect(t, sample_round, resume_from) -> Remote:
+    """start's torchrun side: the launch's group (the rollout process joins it in serve), the
+    rounds to draw and where the prompts are sent by trainer 0, then the weights."""
+    cfg, info = t.cfg, t.info
+    if info.is_main:  # the rounds to draw, where the prompts are: the rollout process waits
+        put_object("start", ((t.round, t.round + (cfg.max_steps - t.step)), t.prompts.state_dict()))
+    group = launch_group(info, cfg.heartbeat_stale_after_s)
+    trainers = info.world_size
+    rollouts = Remote(
+        process=None,
+        queue=None,
+        group=group,
+        staleness=cfg.max_staleness,
+        sync_steps=cfg.weight_sync_steps,
+        reproducible=cfg.async_reproducible,
+        heartbeat=cfg.heartbeat_stale_after_s,
+        seed=sample_round.__globals__["round_seed"],
+        sampler_rank=trainers,
+        rank=info.rank,
+        device=info.device,
+        next_round=t.round,
+    )
+    if info.is_main:
+        for step, flat in resumed_weights(t, resume_from, rollouts).items():
+            rollouts.send(step, flat)
+            rollouts.kept[step] = flat
+    rollouts.publish(t)
+    dist.print0(
+        f"async_rollouts: rank {trainers} draws up to {max(1, cfg.max_staleness)} round(s) "
+        f"ahead for {trainers} trainer process(es)"
+    )
+    return rollouts
+
+
 def start(t, sample_round, kernels, resume_from=None) -> Rollouts:
     """Start t's sampler process (train.py's sample_round and kernels, which it runs with its own
     trainer, its prompts where t's are) and send it the weights its first rounds are drawn with:
-    resumed (`resume_from`, a checkpoint), those the checkpoint kept, then those after t.step."""
+    resumed (`resume_from`, a checkpoint), those the checkpoint kept, then those after t.step.
+    Under torchrun the rollout process is launched with the trainers (connect)."""
     cfg = t.cfg
+    if t.info.launched > t.info.world_size:
+        return connect(t, sample_round, resume_from)
     threads = torch.get_num_threads()
     sampler_threads = max(1, threads // 2)
     torch.set_num_threads(max(1, threads - sampler_threads))
@@ -274,9 +378,8 @@ def resumed_weights(t, resume_from, rollouts) -> dict:
 
 def sampler_main(cfg, port, q, rounds, where, sample_round, kernels, device, threads):
     """The sampler process: its own trainer (model, tokenizer, rewards, prompts from `where`, the
-    trainer's prompt sampler's state) from cfg; the rounds drawn in order, each with the weights
-    it is due, and scored while the next ones are drawn (Pipeline); train.sample_round's results
-    onto the queue in order."""
+    trainer's prompt sampler's state) from cfg; the rounds drawn (draw), onto the queue in
+    order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it ends this process
     try:
         torch.set_num_threads(threads)
@@ -284,19 +387,129 @@ def sampler_main(cfg, port, q, rounds, where, sample_round, kernels, device, thr
 
         group = pair(port, SAMPLER_RANK, cfg.heartbeat_stale_after_s)
         t = setup(cfg, dist.DistInfo(device=device), kernels=kernels(cfg))
-        t.prompts.load_state_dict(where)
-        params = trainable_parameters(t.model)
-        # the buffer weights land in, on the host (gloo), copied to the model's device
-        flat = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
-        receiver = Receiver(group, flat, params)
-        pipeline = Pipeline(t, sample_round, receiver, in_flight=max(1, cfg.max_staleness))
-        for payload in pipeline.run(*rounds):
-            q.put(payload)
-        while True:  # every round drawn: take the weights still sent until the trainer ends it
-            receiver.receive()
+        draw(t, sample_round, group, rounds, where, q.put)
     except Exception as e:  # back to the trainer as one line
-        lines = traceback.format_exception_only(type(e), e)
-        q.put(lines[-1].strip())
+        q.put(one_line(e))
+
+
+def draw(t, sample_round, group, rounds, where, deliver):
+    """Rounds [first, last) drawn in order, each with the weights it is due, and scored while the
+    next ones are drawn (Pipeline); each payload to deliver(); then the weights still sent are
+    taken until the trainer ends the run."""
+    t.prompts.load_state_dict(where)
+    params = trainable_parameters(t.model)
+    # the buffer weights land in, on the host (gloo), copied to the model's device
+    flat = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
+    receiver = Receiver(group, flat, params)
+    pipeline = Pipeline(t, sample_round, receiver, in_flight=max(1, t.cfg.max_staleness))
+    for payload in pipeline.run(*rounds):
+        deliver(payload)
+    while receiver.receive():
+        pass
+
+
+def serve(t, sample_round):
+    """A rollout process under torchrun (run.begin calls it, t its own trainer: rollout_config's
+    whole round, on its device): trainer 0 says which rounds and where the prompts are, the
+    rounds are drawn (draw), and each trainer gets its share of each. Its own exception goes to
+    the trainers as one line; SIGTERM or Ctrl-C ends it at once (the trainers save)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda n, frame: os._exit(128 + n))
+    trainers = t.info.launched - t.cfg.rollout_processes
+    group = launch_group(t.info, t.cfg.heartbeat_stale_after_s)
+    rounds, where = take_object("start", "cpu", t.cfg.heartbeat_stale_after_s, keep=True)
+    drawn = iter(range(*rounds))
+
+    def deliver(payload):
+        rnd = next(drawn)
+        for k in range(trainers):
+            put_object(f"round-{rnd}-trainer-{k}", share(payload, k, trainers))
+
+    try:
+        draw(t, sample_round, group, rounds, where, deliver)
+    except Exception as e:
+        line = one_line(e)
+        for rnd in [*drawn]:  # each trainer's next round, whichever it waits for
+            for k in range(trainers):
+                put_object(f"round-{rnd}-trainer-{k}", line)
+
+
+def one_line(e: Exception) -> str:
+    return traceback.format_exception_only(type(e), e)[-1].strip()
+
+
+def share(payload, k: int, trainers: int):
+    """Trainer k's share of a whole round's payload: completions [k n, (k+1) n) of its N = n x
+    trainers (whole groups: run/rules.py), every per-row field cut to them, as round_prompts
+    hands a rank its slice; the round's rewards, metrics and scalars whole."""
+    ro, sampled, step, waited = payload
+    N, G = len(ro.completions), ro.num_generations
+    lo, hi = k * N // trainers, (k + 1) * N // trainers
+
+    def cut(x):
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == N:
+            return x[lo:hi]
+        if isinstance(x, list) and len(x) == N:
+            return x[lo:hi]
+        if isinstance(x, dict):
+            return {key: cut(v) for key, v in x.items()}
+        return x
+
+    fields = {f.name: cut(getattr(ro, f.name)) for f in dataclasses.fields(ro)}
+    fields["rows"] = ro.rows[lo // G : hi // G]
+    if len(ro.prompt_ids) == len(ro.rows):  # one per prompt
+        fields["prompt_ids"] = ro.prompt_ids[lo // G : hi // G]
+    mine = dataclasses.replace(ro, **fields)
+    logs = dataclasses.replace(sampled["logs"], columns=cut(sampled["logs"].columns))
+    return mine, dict(sampled, ro=mine, local=sampled["local"][lo:hi], logs=logs), step, waited
+
+
+def rollout_config(cfg, info):
+    """A rollout process's config (run.start): once trainer 0 has readied the run (the embedded
+    default's checkpoint written), the trainers' whole round as one process's."""
+    take_object("start", "cpu", cfg.heartbeat_stale_after_s, keep=True)
+    return whole_round(cfg, info.launched - cfg.rollout_processes)
+
+
+def whole_round(cfg, trainers: int):
+    """cfg drawing in one process the round `trainers` processes share."""
+    per_device = cfg.per_device_train_batch_size * trainers
+    return dataclasses.replace(cfg, per_device_train_batch_size=per_device)
+
+
+def launch_group(info, timeout: float):
+    """Every launched process's gloo group (torchrun; run's own group is the trainers'): trainer
+    k is rank k, the rollout process rank `trainers` (as SAMPLER_RANK is in the pair)."""
+    store = c10d.PrefixStore("nanogrpo/async/", dist.launch_store())
+    rank = info.launched - 1 if info.sampler else info.rank
+    wait = datetime.timedelta(seconds=timeout)
+    return c10d.ProcessGroupGloo(store, rank, info.launched, wait)
+
+
+PREFIX = "nanogrpo/async/"  # the keys of the launch's store that carry objects
+
+
+def put_object(key: str, obj):
+    """obj (torch.save's pickle: tensors too) under key in the launch's store (torchrun)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    dist.launch_store().set(PREFIX + key, buffer.getvalue())
+
+
+def take_object(key: str, device, within: float, keep: bool = False):
+    """The object put under key, its tensors on device, once it is there (looked for in a loop,
+    so a signal's handler runs in between; TimeoutError after `within` seconds); the key is
+    deleted unless keep."""
+    store, key = dist.launch_store(), PREFIX + key
+    deadline = time.time() + within
+    while not store.check([key]):
+        if time.time() > deadline:
+            raise TimeoutError(key)
+        time.sleep(0.01)
+    data = store.get(key)
+    if not keep:
+        store.delete_key(key)
+    return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
 
 
 class Pipeline:
@@ -392,9 +605,11 @@ class Receiver:
         self.header = torch.zeros(1, dtype=torch.long)
         self.pending = group.recv([self.header], TRAINER_RANK, HEADER)
 
-    def receive(self):
-        """The next weights sent (waits for them), into the model."""
+    def receive(self) -> bool:
+        """The next weights sent (waits for them), into the model. -> False at the run's END."""
         self.pending.wait()
+        if int(self.header[0]) == END:
+            return False
         self.group.recv([self.flat], TRAINER_RANK, WEIGHTS).wait()
         self.step = int(self.header[0])
         with torch.no_grad():
@@ -403,16 +618,18 @@ class Receiver:
                 p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         self.pending = self.group.recv([self.header], TRAINER_RANK, HEADER)
+        return True
 
     def until(self, step: int):
         """Receive until the model holds the weights after `step` (sent in order)."""
         while self.step < step:
-            self.receive()
+            if not self.receive():
+                raise SamplerFailed(f"the run ended before the weights of step {step} came")
 
     def newest(self):
         """Receive every weights message already sent."""
-        while self.pending.is_completed():
-            self.receive()
+        while self.pending.is_completed() and self.receive():
+            pass
 
 
 # -----------------------------------------------------------------------------
@@ -437,8 +654,12 @@ class Replay(Rollouts):
             reproducible=True,
             heartbeat=cfg.heartbeat_stale_after_s,
             seed=sample_round.__globals__["round_seed"],
+            rank=t.info.rank,
         )
-        self.sampler = setup(cfg, t.info, kernels=kernels(cfg))
+        self.trainers = t.info.world_size  # each draws the whole round, takes its share
+        whole = whole_round(cfg, self.trainers)
+        self.sampler = setup(whole, dist.DistInfo(device=t.info.device), kernels=kernels(whole))
+        self.sampler.prompts.load_state_dict(t.prompts.state_dict())
         self.sample_round = sample_round
         self.saved = {}  # step -> the trainable weights after it
         self.next_round = t.round
@@ -446,7 +667,7 @@ class Replay(Rollouts):
 
     def publish(self, t):
         if t.step % self.sync_steps == 0 and t.step not in self.saved:
-            self.saved[t.step] = [p.detach().clone() for p in trainable_parameters(t.model)]
+            self.saved[t.step] = [p.clone() for p in full_weights(t.model)]
 
     def get(self):
         rnd = self.next_round
@@ -457,4 +678,4 @@ class Replay(Rollouts):
         ro, sampled = self.sample_round(self.sampler, rnd)
         sampled["sampler_timing"] = sampled.pop("timing")
         self.next_round += 1
-        return ro, sampled, step, 0.0
+        return share((ro, sampled, step, 0.0), self.rank, self.trainers)

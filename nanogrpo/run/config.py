@@ -164,7 +164,13 @@ class TrainConfig(Rules):
         False,
         "a sampler process draws the rounds ahead of the update, on weights at most max_staleness "
         "steps old, sent to it through torch.distributed (nanogrpo/run/async_rollouts.py); on CPU "
-        "it takes half the run's torch threads, the trainer the rest. One trainer process",
+        "it takes half the run's torch threads, the trainer the rest. Under torchrun the last "
+        "rollout_processes of the processes sample",
+    )
+    rollout_processes: int = setting(
+        1,
+        "under torchrun with async_rollouts: the processes that sample (the last ranks; each "
+        "its LOCAL_RANK's device); the rest train, FSDP2 among themselves. One for now",
     )
     max_staleness: int = setting(
         4, "TRL AsyncGRPOConfig's: the most optimizer steps a completion's weights may lag"

@@ -145,7 +145,9 @@ def layer_bytes_per_token(mc: ModelConfig, compute: int) -> int:
 
 
 def plan(cfg, world_size: int) -> dict:
-    """The memory plan of cfg on world_size processes: bytes per process, and what they assume."""
+    """The memory plan of cfg on world_size processes: bytes per process, and what they assume
+    (async_rollouts under torchrun: per trainer process, of those that train)."""
+    world_size = cfg.trainer_processes(world_size)
     mc = model_config(cfg)
     n_params, n_train = parameter_counts(mc, cfg)
     sched = cfg.schedule(world_size)

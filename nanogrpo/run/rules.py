@@ -109,8 +109,25 @@ class Rules:
         need(self.heartbeat_stale_after_s > 0, "heartbeat_stale_after_s", "must be > 0 seconds")
         if not self.async_rollouts:
             return
+        trainers = self.trainer_processes(world_size)
+        share = batch_schedule(self, trainers).completions_per_round_per_rank
         refused = [  # (holds, the setting it names, why not)
-            (world_size == 1, "async_rollouts", f"runs one trainer process, not {world_size}"),
+            (
+                world_size == 1 or self.rollout_processes < world_size,
+                "rollout_processes",
+                f"must be < the {world_size} processes launched: the others train",
+            ),
+            (
+                self.rollout_processes == 1,
+                "rollout_processes",
+                "one rollout process for now: it draws every trainer's share of a round",
+            ),
+            (
+                share % self.num_generations == 0,
+                "per_device_train_batch_size",
+                f"with {trainers} trainer processes each trains whole groups: "
+                f"{share} completions a round is not a multiple of num_generations",
+            ),
             (
                 self.rollout_func is None,
                 "rollout_func",
@@ -182,7 +199,7 @@ class Rules:
         d = self.device
         cuda_n = d.startswith("cuda:") and d[5:].isdigit()
         need(d in ("auto", "cpu", "cuda") or cuda_n, "device", "must be auto, cpu, cuda or cuda:N")
-        self._validate_batch(world_size)
+        self._validate_batch(self.trainer_processes(world_size))
         kwargs = self.model_init_kwargs or {}
         unknown = sorted(set(kwargs) - {"dtype", "torch_dtype"})
         need(
@@ -255,6 +272,13 @@ class Rules:
             f"takes names from {list(REPORTERS)}",
         )
         return self
+
+    def trainer_processes(self, launched: int) -> int:
+        """Of the processes launched, those that train (async_rollouts under torchrun: not the
+        rollout_processes)."""
+        if not self.async_rollouts or launched == 1:
+            return launched
+        return max(1, launched - self.rollout_processes)  # (fewer: refused by check_async)
 
     def _validate_batch(self, world_size: int):
         """TRL's GRPOConfig rules for the batch, with TRL's reasons."""

@@ -167,8 +167,8 @@ def resume_command(run: Run) -> str:
     """The command that continues this run from its latest checkpoint."""
     args = [a for a in run.command if not a.startswith(("--resume", "--overwrite_output_dir"))]
     launcher = "python"
-    if run.info.sharded:
-        per_node = os.environ.get("LOCAL_WORLD_SIZE", run.info.world_size)
+    if run.info.launched > 1:  # (async_rollouts: its rollout processes too)
+        per_node = os.environ.get("LOCAL_WORLD_SIZE", run.info.launched)
         launcher = f"torchrun --nproc_per_node {per_node}"
     return f"{launcher} {shlex.join(args + ['--resume_from_checkpoint=true'])}"
 
