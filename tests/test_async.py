@@ -302,3 +302,11 @@ def test_sigterm_to_torchrun_saves_and_the_resumed_run_redraws_what_was_in_fligh
     rc, out, _ = launch(tmp_path, resume, nproc=3)
     assert rc == 0, out[-3000:]
     assert logged(metrics(tmp_path / "run")) == logged(metrics(tmp_path / "full"))
+
+
+def test_a_failing_rollout_process_under_torchrun_names_its_error(tmp_path):
+    how = ("--max_steps=4", "--async_rollouts=true", "--max_staleness=1")
+    stop = dict(at=2, action="raise", rank=2)  # the rollout process's second reward call
+    rc, out, _ = launch(tmp_path, stop_args(tmp_path, "run", *how), nproc=3, **stop)
+    assert rc != 0
+    assert "error: the rollout process failed: " in out and "the reward broke" in out, out[-3000:]
