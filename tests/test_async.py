@@ -177,7 +177,7 @@ def test_what_async_rollouts_does_not_run_with_is_refused(setting, match):
     "setting, launched, match",
     [
         ("--rollout_processes=2", 2, "rollout_processes=2: .* must be < the 2 processes launched"),
-        ("--rollout_processes=2", 4, "rollout_processes=2: .* one rollout process for now"),
+        ("--rollout_processes=0", 3, "rollout_processes=0: .* must be >= 1"),
         ("--per_device_train_batch_size=2", 3, "each trains whole groups: 4 completions"),
     ],
 )
@@ -201,9 +201,13 @@ run.exit_process(run.main(sys.argv[1:], train.train))
 """
 
 
-def test_under_torchrun_a_rollout_process_draws_for_two_trainers_as_their_replay(tmp_path):
-    """3 gloo processes (2 trainers sharding the model, 1 drawing every round for both) equal 2
-    trainers that draw each round themselves from the saved weights of step r - max_staleness."""
+@pytest.mark.parametrize("rollout_processes", [1, 2])
+def test_under_torchrun_rollout_processes_draw_for_two_trainers_as_their_replay(
+    tmp_path, rollout_processes
+):
+    """2 gloo trainers sharding the model, and 1 or 2 processes drawing the rounds for both (round
+    r on the (r mod 2)-th), equal 2 trainers that draw each round themselves from the saved
+    weights of step r - max_staleness."""
     from test_dist import torchrun
     from test_train import INIT
 
@@ -217,9 +221,12 @@ def test_under_torchrun_a_rollout_process_draws_for_two_trainers_as_their_replay
             *("--async_rollouts=true", "--max_staleness=1"),
         )
 
-    drawn = torchrun(*common("async"), nproc=3)
+    R = rollout_processes
+    drawn = torchrun(*common("async"), f"--rollout_processes={R}", nproc=2 + R)
     assert drawn.returncode == 0, drawn.stderr[-3000:]
-    assert "rank 2 draws up to 1 round(s) ahead for 2 trainer process(es)" in drawn.stdout
+    ranks = f"{R} rollout process(es), rank(s) 2..{1 + R} (round r on rank 2 + r mod {R})"
+    assert ranks in drawn.stdout
+    assert "up to 1 round(s) ahead for 2 trainer process(es)" in drawn.stdout
     assert "2 process(es) on cpu" in drawn.stdout
     script = tmp_path / "replay.py"
     script.write_text(REPLAY.format(root=os.path.dirname(os.path.dirname(__file__))))
@@ -282,7 +289,7 @@ def test_an_async_reward_is_awaited_while_the_next_round_draws_and_awaits_its_ow
 
     t.reward_funcs = [("judge", judge)]
     pipeline = async_rollouts.Pipeline(t, train.sample_round, Weights(), in_flight=2)
-    drawn = list(pipeline.run(0, 3))
+    drawn = list(pipeline.run(range(3), 0))
     assert [step for _, _, step, _ in drawn] == [0, 0, 0]
     assert asking == [0, 1, 2]
 
@@ -304,9 +311,13 @@ def test_sigterm_to_torchrun_saves_and_the_resumed_run_redraws_what_was_in_fligh
     assert logged(metrics(tmp_path / "run")) == logged(metrics(tmp_path / "full"))
 
 
-def test_a_failing_rollout_process_under_torchrun_names_its_error(tmp_path):
+@pytest.mark.parametrize("rollout_processes", [1, 2])
+def test_a_failing_rollout_process_under_torchrun_names_its_error(tmp_path, rollout_processes):
+    R = rollout_processes
     how = ("--max_steps=4", "--async_rollouts=true", "--max_staleness=1")
-    stop = dict(at=2, action="raise", rank=2)  # the rollout process's second reward call
-    rc, out, _ = launch(tmp_path, stop_args(tmp_path, "run", *how), nproc=3, **stop)
+    stop = dict(at=2, action="raise", rank=1 + R)  # the last rollout process's 2nd reward call
+    args = stop_args(tmp_path, "run", *how, f"--rollout_processes={R}")
+    rc, out, _ = launch(tmp_path, args, nproc=2 + R, **stop)
     assert rc != 0
-    assert "error: the rollout process failed: " in out and "the reward broke" in out, out[-3000:]
+    failed = f"error: the rollout process (rank {1 + R}) failed: "
+    assert failed in out and "the reward broke" in out, out[-3000:]

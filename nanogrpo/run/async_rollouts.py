@@ -9,13 +9,14 @@ the trainer's last step go out when due, then the next round comes off the queue
 what a checkpoint keeps of it (`Rollouts.checkpoint_tensors`) and a resumed run sends
 (`resumed_weights`).
 
-Under torchrun (`serve`, `connect`, `Remote`): the last rollout_processes (one for now) of the
-processes launched sample, the others train (FSDP2 among themselves: distributed.setup gives them
-their own group). The rollout process draws each round whole, as one process would draw the
-trainers' shares together, and hands trainer k its completions [k n, (k+1) n) (`share`): whole
-groups, the advantages over the whole round as the synchronous trainers' all-gather gives them.
-The weights go to it from trainer 0 (FSDP2's shards gathered first) through a gloo group of every
-process; the rounds, pickled, through the launch's store (torchrun's).
+Under torchrun (`serve`, `connect`, `Remote`): the last R = rollout_processes of the W processes
+launched sample, the others train (FSDP2 among themselves: distributed.setup gives them their own
+group). Round r is drawn by rollout process r mod R (rank W - R + r mod R), whole, as one process
+would draw the trainers' shares together, and trainer k gets its completions [k n, (k+1) n)
+(`share`): whole groups, the advantages over the whole round as the synchronous trainers'
+all-gather gives them. The weights go to every rollout process from trainer 0 (FSDP2's shards
+gathered first) through a gloo group of every process; the rounds, pickled, through the launch's
+store (torchrun's).
 
 Does not know about: the GRPO math.
 
@@ -103,19 +104,30 @@ def pair(port: int, rank: int, timeout: float):
 # The trainer's side
 
 
+def settings(cfg, sample_round) -> dict:
+    """What every trainer's handle (Rollouts, Remote, Replay) takes from the run."""
+    return dict(
+        staleness=cfg.max_staleness,
+        sync_steps=cfg.weight_sync_steps,
+        reproducible=cfg.async_reproducible,
+        heartbeat=cfg.heartbeat_stale_after_s,
+        seed=sample_round.__globals__["round_seed"],
+    )
+
+
 @dataclass
 class Rollouts:
     """The trainer's handle on its sampler process (see the module docstring)."""
 
-    process: object
-    queue: object
-    group: object
     staleness: int
     sync_steps: int
     reproducible: bool
     heartbeat: float
     seed: object  # train.round_seed
-    sampler_rank: int = SAMPLER_RANK  # in group (torchrun: the number of trainers)
+    process: object = None
+    queue: object = None
+    group: object = None
+    samplers: tuple = (SAMPLER_RANK,)  # their ranks in group (torchrun: after the trainers')
     rank: int = 0  # this trainer's: only trainer 0 sends weights and keeps them
     sent: list = field(default_factory=list)  # (Work, buffer) not yet known to be received
     published: int = -1  # the step of the last weights sent
@@ -134,14 +146,15 @@ class Rollouts:
             self.kept[t.step] = flat
 
     def send(self, step: int, flat: torch.Tensor):
-        """The weights after `step` (trainable, flattened) to the sampler, without waiting."""
+        """The weights after `step` (trainable, flattened) to every sampler, without waiting."""
         self.published = step
         if self.rank != 0:
             return
         header = torch.tensor([step], dtype=torch.long)
         self.sent = [(w, b) for w, b in self.sent if not w.is_completed()]
-        for tag, buffer in ((HEADER, header), (WEIGHTS, flat)):
-            self.sent.append((self.group.send([buffer], self.sampler_rank, tag), buffer))
+        for sampler in self.samplers:
+            for tag, buffer in ((HEADER, header), (WEIGHTS, flat)):
+                self.sent.append((self.group.send([buffer], sampler, tag), buffer))
 
     def checkpoint_tensors(self, step: int) -> dict:
         """What a checkpoint after `step` keeps: {SNAPSHOTS: {"step-<s>": weights}}, the weights
@@ -231,27 +244,29 @@ class Remote(Rollouts):
         )
 
     def get(self):
-        key = f"round-{self.next_round}-trainer-{self.rank}"
+        rnd = self.next_round
+        drawer = self.samplers[rnd % len(self.samplers)]  # the rollout process drawing it
         try:
-            payload = take_object(key, self.device, self.heartbeat)
+            payload = take_object(f"round-{rnd}-trainer-{self.rank}", self.device, self.heartbeat)
         except TimeoutError:
             raise SamplerFailed(
-                f"the rollout process (rank {self.sampler_rank}) sent no round for "
+                f"the rollout process (rank {drawer}) sent no round for "
                 f"{self.heartbeat:.0f} s (heartbeat_stale_after_s)"
             ) from None
         if isinstance(payload, str):
-            raise SamplerFailed(f"the rollout process failed: {payload}")
+            raise SamplerFailed(f"the rollout process (rank {drawer}) failed: {payload}")
         self.next_round += 1
         return payload
 
     def close(self):
-        """Tell the rollout process the run is over (trainer 0)."""
+        """Tell the rollout processes the run is over (trainer 0)."""
         if self.rank == 0 and self.group is not None:
             header = torch.tensor([END], dtype=torch.long)
-            try:
-                self.group.send([header], self.sampler_rank, HEADER).wait()
-            except RuntimeError:  # it has ended already (a stop signal ends it at once)
-                pass
+            for sampler in self.samplers:
+                try:
+                    self.group.send([header], sampler, HEADER).wait()
+                except RuntimeError:  # it has ended already (a stop signal ends it at once)
+                    pass
             self.group = None
 
 
@@ -270,17 +285,12 @@ def connect(t, sample_round, resume_from) -> Remote:
     if info.is_main:  # the rounds to draw, where the prompts are: the rollout process waits
         put_object("start", ((t.round, t.round + (cfg.max_steps - t.step)), t.prompts.state_dict()))
     group = launch_group(info, cfg.heartbeat_stale_after_s)
-    trainers = info.world_size
+    trainers, R = info.world_size, cfg.rollout_processes
+    samplers = tuple(range(trainers, info.launched))
     rollouts = Remote(
-        process=None,
-        queue=None,
+        **settings(cfg, sample_round),
         group=group,
-        staleness=cfg.max_staleness,
-        sync_steps=cfg.weight_sync_steps,
-        reproducible=cfg.async_reproducible,
-        heartbeat=cfg.heartbeat_stale_after_s,
-        seed=sample_round.__globals__["round_seed"],
-        sampler_rank=trainers,
+        samplers=samplers,
         rank=info.rank,
         device=info.device,
         next_round=t.round,
@@ -291,8 +301,9 @@ def connect(t, sample_round, resume_from) -> Remote:
             rollouts.kept[step] = flat
     rollouts.publish(t)
     dist.print0(
-        f"async_rollouts: rank {trainers} draws up to {max(1, cfg.max_staleness)} round(s) "
-        f"ahead for {trainers} trainer process(es)"
+        f"async_rollouts: {R} rollout process(es), rank(s) {trainers}..{info.launched - 1} "
+        f"(round r on rank {trainers} + r mod {R}), each drawing up to "
+        f"{max(1, cfg.max_staleness)} round(s) ahead for {trainers} trainer process(es)"
     )
     return rollouts
 
@@ -323,16 +334,8 @@ def start(t, sample_round, kernels, resume_from=None) -> Rollouts:
         f"async_rollouts: a sampler process draws up to {max(1, cfg.max_staleness)} round(s) "
         f"ahead" + (f" on {on}" if t.info.device.type == "cpu" else "")
     )
-    rollouts = Rollouts(
-        process=process,
-        queue=q,
-        group=pair(port, TRAINER_RANK, heartbeat),
-        staleness=cfg.max_staleness,
-        sync_steps=cfg.weight_sync_steps,
-        reproducible=cfg.async_reproducible,
-        heartbeat=heartbeat,
-        seed=sample_round.__globals__["round_seed"],
-    )
+    group = pair(port, TRAINER_RANK, heartbeat)
+    rollouts = Rollouts(**settings(cfg, sample_round), process=process, queue=q, group=group)
     for step, flat in resumed_weights(t, resume_from, rollouts).items():
         rollouts.send(step, flat)
         rollouts.kept[step] = flat
@@ -387,22 +390,26 @@ def sampler_main(cfg, port, q, rounds, where, sample_round, kernels, device, thr
 
         group = pair(port, SAMPLER_RANK, cfg.heartbeat_stale_after_s)
         t = setup(cfg, dist.DistInfo(device=device), kernels=kernels(cfg))
-        draw(t, sample_round, group, rounds, where, q.put)
+        draw(t, sample_round, group, (rounds, where), q.put)
     except Exception as e:  # back to the trainer as one line
         q.put(one_line(e))
 
 
-def draw(t, sample_round, group, rounds, where, deliver):
-    """Rounds [first, last) drawn in order, each with the weights it is due, and scored while the
-    next ones are drawn (Pipeline); each payload to deliver(); then the weights still sent are
-    taken until the trainer ends the run."""
+def draw(t, sample_round, group, start, deliver, of=(0, 1)) -> range:
+    """start: ((first, last), the prompt sampler's state at round first). Rounds r in [first,
+    last) with r mod R = i, of = (i, R), drawn in order, each with the weights it is due, and
+    scored while the next ones are drawn (Pipeline); each payload to deliver(); then the weights
+    still sent are taken until the trainer ends the run."""
+    (first, last), where = start
+    i, R = of
+    rounds = range(first + (i - first) % R, last, R)
     t.prompts.load_state_dict(where)
     params = trainable_parameters(t.model)
     # the buffer weights land in, on the host (gloo), copied to the model's device
     flat = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
     receiver = Receiver(group, flat, params)
     pipeline = Pipeline(t, sample_round, receiver, in_flight=max(1, t.cfg.max_staleness))
-    for payload in pipeline.run(*rounds):
+    for payload in pipeline.run(rounds, first):
         deliver(payload)
     while receiver.receive():
         pass
@@ -410,15 +417,19 @@ def draw(t, sample_round, group, rounds, where, deliver):
 
 def serve(t, sample_round):
     """A rollout process under torchrun (run.begin calls it, t its own trainer: rollout_config's
-    whole round, on its device): trainer 0 says which rounds and where the prompts are, the
-    rounds are drawn (draw), and each trainer gets its share of each. Its own exception goes to
-    the trainers as one line; SIGTERM or Ctrl-C ends it at once (the trainers save)."""
+    whole round, on its device): trainer 0 says which rounds and where the prompts are, this
+    process's rounds are drawn (draw: every R-th), and each trainer gets its share of each. Its
+    own exception goes to the trainers as one line, in place of each round it had left;
+    SIGTERM or Ctrl-C ends it at once (the trainers save)."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda n, frame: os._exit(128 + n))
-    trainers = t.info.launched - t.cfg.rollout_processes
-    group = launch_group(t.info, t.cfg.heartbeat_stale_after_s)
-    rounds, where = take_object("start", "cpu", t.cfg.heartbeat_stale_after_s, keep=True)
-    drawn = iter(range(*rounds))
+    cfg = t.cfg
+    trainers, R = cfg.trainer_processes(t.info.launched), cfg.rollout_processes
+    group = launch_group(t.info, cfg.heartbeat_stale_after_s)
+    start = take_object("start", "cpu", cfg.heartbeat_stale_after_s, keep=True)
+    (first, last), _ = start
+    at = dist.rank() - trainers  # this process's index among the rollout processes
+    drawn = iter(range(first + (at - first) % R, last, R))
 
     def deliver(payload):
         rnd = next(drawn)
@@ -426,7 +437,7 @@ def serve(t, sample_round):
             put_object(f"round-{rnd}-trainer-{k}", share(payload, k, trainers))
 
     try:
-        draw(t, sample_round, group, rounds, where, deliver)
+        draw(t, sample_round, group, start, deliver, of=(at, R))
     except Exception as e:
         line = one_line(e)
         for rnd in [*drawn]:  # each trainer's next round, whichever it waits for
@@ -468,7 +479,7 @@ def rollout_config(cfg, info):
     """A rollout process's config (run.start): once trainer 0 has readied the run (the embedded
     default's checkpoint written), the trainers' whole round as one process's."""
     take_object("start", "cpu", cfg.heartbeat_stale_after_s, keep=True)
-    return whole_round(cfg, info.launched - cfg.rollout_processes)
+    return whole_round(cfg, cfg.trainer_processes(info.launched))
 
 
 def whole_round(cfg, trainers: int):
@@ -478,10 +489,10 @@ def whole_round(cfg, trainers: int):
 
 
 def launch_group(info, timeout: float):
-    """Every launched process's gloo group (torchrun; run's own group is the trainers'): trainer
-    k is rank k, the rollout process rank `trainers` (as SAMPLER_RANK is in the pair)."""
+    """Every launched process's gloo group (torchrun; run's own group is the trainers'): each
+    process its launch rank, trainer k rank k, the rollout processes after them."""
     store = c10d.PrefixStore("nanogrpo/async/", dist.launch_store())
-    rank = info.launched - 1 if info.sampler else info.rank
+    rank = dist.rank()
     wait = datetime.timedelta(seconds=timeout)
     return c10d.ProcessGroupGloo(store, rank, info.launched, wait)
 
@@ -538,7 +549,7 @@ class Pipeline:
 
         def let_go():
             if self.current.out == 0:
-                self.turns[self.current.round + 1].set()
+                self.turns[self.following[self.current.round]].set()
                 self.model.release()
             self.current.out += 1
 
@@ -575,19 +586,26 @@ class Pipeline:
                 self.receiver.newest()
             step, waited = self.receiver.step, time.time() - start
             with self.model:
+                for _ in range(self.passed[rnd]):  # the rounds other rollout processes draw
+                    self.t.prompts.next_batch()
                 ro, sampled = self.sample_round(self.t, rnd)
             sampled["sampler_timing"] = sampled.pop("timing")
             return ro, sampled, step, waited
         finally:
-            self.turns[rnd + 1].set()  # (a round that called no reward function, or failed)
+            self.turns[self.following[rnd]].set()  # (one that called no reward function, failed)
 
-    def run(self, first, last):
-        """The rounds' payloads, in order."""
-        self.turns = {r: threading.Event() for r in range(first, last + 1)}
-        self.turns[first].set()
+    def run(self, rounds, first):
+        """The payloads of `rounds` (ascending: all of a run's from `first`, or every R-th under
+        torchrun), in order; the prompts are at round `first`, those of the rounds passed over
+        are skipped."""
+        rounds = list(rounds)
+        self.passed = {r: r - p - 1 for r, p in zip(rounds, [first - 1, *rounds])}
+        self.following = dict(zip(rounds, [*rounds[1:], None]))
+        self.turns = {r: threading.Event() for r in [*rounds, None]}
+        self.turns[rounds[0] if rounds else None].set()
         with ThreadPoolExecutor(self.in_flight, thread_name_prefix="nanogrpo-round") as pool:
             futures = {}
-            for rnd in range(first, last):
+            for rnd in rounds:
                 while len(futures) >= self.in_flight:  # the oldest first, in order
                     oldest = min(futures)
                     yield futures.pop(oldest).result()
@@ -645,17 +663,7 @@ class Replay(Rollouts):
         from nanogrpo.trainer import setup
 
         cfg = t.cfg
-        super().__init__(
-            process=None,
-            queue=queue_module.Queue(),
-            group=None,
-            staleness=cfg.max_staleness,
-            sync_steps=cfg.weight_sync_steps,
-            reproducible=True,
-            heartbeat=cfg.heartbeat_stale_after_s,
-            seed=sample_round.__globals__["round_seed"],
-            rank=t.info.rank,
-        )
+        super().__init__(**settings(cfg, sample_round) | dict(reproducible=True), rank=t.info.rank)
         self.trainers = t.info.world_size  # each draws the whole round, takes its share
         whole = whole_round(cfg, self.trainers)
         self.sampler = setup(whole, dist.DistInfo(device=t.info.device), kernels=kernels(whole))
@@ -664,6 +672,9 @@ class Replay(Rollouts):
         self.saved = {}  # step -> the trainable weights after it
         self.next_round = t.round
         self.publish(t)
+
+    def queued(self) -> float:
+        return 0.0
 
     def publish(self, t):
         if t.step % self.sync_steps == 0 and t.step not in self.saved:

@@ -170,7 +170,8 @@ class TrainConfig(Rules):
     rollout_processes: int = setting(
         1,
         "under torchrun with async_rollouts: the processes that sample (the last ranks; each "
-        "its LOCAL_RANK's device); the rest train, FSDP2 among themselves. One for now",
+        "its LOCAL_RANK's device), round r on the (r mod rollout_processes)-th; the rest train, "
+        "FSDP2 among themselves",
     )
     max_staleness: int = setting(
         4, "TRL AsyncGRPOConfig's: the most optimizer steps a completion's weights may lag"

@@ -112,15 +112,11 @@ class Rules:
         trainers = self.trainer_processes(world_size)
         share = batch_schedule(self, trainers).completions_per_round_per_rank
         refused = [  # (holds, the setting it names, why not)
+            (self.rollout_processes >= 1, "rollout_processes", "must be >= 1"),
             (
                 world_size == 1 or self.rollout_processes < world_size,
                 "rollout_processes",
                 f"must be < the {world_size} processes launched: the others train",
-            ),
-            (
-                self.rollout_processes == 1,
-                "rollout_processes",
-                "one rollout process for now: it draws every trainer's share of a round",
             ),
             (
                 share % self.num_generations == 0,
