@@ -148,6 +148,37 @@ def test_a_dead_sampler_ends_the_run_in_one_line(tmp_path):
         rollouts.close()
 
 
+@pytest.mark.parametrize("queue_maxsize", [1, 3])
+def test_the_sampler_draws_at_most_queue_maxsize_rounds_ahead(tmp_path, queue_maxsize):
+    """max_staleness=4 lets the sampler draw rounds 0..4 with the first weights; queue_maxsize
+    rounds wait for the trainer, no more, until it takes one."""
+    import time
+
+    from nanogrpo import distributed as dist
+    from nanogrpo.trainer import setup
+
+    extra = ("--max_steps=8", "--max_staleness=4", f"--queue_maxsize={queue_maxsize}")
+    cfg = tiny(tmp_path, "--async_rollouts=true", *extra)
+    cfg.validate()
+    run.start(cfg, dist.DistInfo(), None)
+    t = setup(cfg, dist.DistInfo(), kernels=train.kernels(cfg))
+    rollouts = async_rollouts.start(t, train.sample_round, train.kernels)
+
+    def waiting(n):  # the rounds waiting, once n wait (or 60 s), and 2 s later
+        deadline = time.time() + 60
+        while rollouts.queued() < n and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(2)  # the tiny model draws a round well within it
+        return rollouts.queued()
+
+    try:
+        assert waiting(queue_maxsize) == queue_maxsize
+        rollouts.take(t, 0)
+        assert waiting(queue_maxsize) == queue_maxsize
+    finally:
+        rollouts.close()
+
+
 def test_a_failing_sampler_names_its_error(tmp_path):
     reward = tmp_path / "bad_reward.py"
     reward.write_text("def broken(completions, **kw):\n    raise RuntimeError('judge is down')\n")

@@ -3,13 +3,14 @@ update, on weights at most max_staleness optimizer steps old, with no inference 
 train.py's own sample_round (sample, score, advantages, reference log-probs) on its own copy of
 the policy.
 
-Owns: `start` (the sampler process, the queue it fills, the weights' channel) and `Rollouts`, the
-trainer's handle: `take` (train.py's round calls it in place of sample_round: the weights after
-the trainer's last step go out when due, then the next round comes off the queue) and `close`;
+Owns: `start` (the sampler process, the store it puts the rounds in, the weights' channel) and
+`Rollouts`, the trainer's handle: `take` (train.py's round calls it in place of sample_round: the
+weights after the trainer's last step go out when due, then the next round is taken from the
+store) and `close`;
 what a checkpoint keeps of it (`Rollouts.checkpoint_tensors`) and a resumed run sends
 (`resumed_weights`).
 
-Under torchrun (`serve`, `connect`, `Remote`): the last R = rollout_processes of the W processes
+Under torchrun (`serve`, `connect`): the last R = rollout_processes of the W processes
 launched sample, the others train (FSDP2 among themselves: distributed.setup gives them their own
 group). Round r is drawn by rollout process r mod R (rank W - R + r mod R), whole, as one process
 would draw the trainers' shares together, and trainer k gets its completions [k n, (k+1) n)
@@ -26,9 +27,9 @@ How the two processes meet:
   the trainer's trainable parameters (all of them, or LoRA's adapters: the frozen rest is the same
   in both) flattened in their dtype, stamped with their step, sent every weight_sync_steps steps
   without waiting (a copy, so the update goes on).
-- Completions travel back through a torch.multiprocessing queue of queue_maxsize rounds (0:
-  max_staleness, at least 1), each round with the step of the weights that drew it; the sampler
-  waits while it is full (torchrun: the store; the weights bound how far ahead it draws).
+- Completions travel back, pickled, through a store (the pair's TCPStore; torchrun's), each round
+  with the step of the weights that drew it, at most queue_maxsize rounds (0: max_staleness, at
+  least 1) ahead of the trainers: the sampler waits while as many are not taken (rounds_out).
 - async_reproducible=true: round r is drawn with exactly the weights after step
   s(r) = max(0, r - max_staleness), rounded down to a multiple of weight_sync_steps; the sampler
   waits for them. The run is then its synchronous replay's, bit for bit: the same draws (seeded by
@@ -55,7 +56,6 @@ import datetime
 import inspect
 import io
 import os
-import queue as queue_module
 import signal
 import socket
 import threading
@@ -94,41 +94,48 @@ def free_port() -> int:
 
 
 def pair(port: int, rank: int, timeout: float):
-    """The gloo process group of the trainer and the sampler (not the run's)."""
+    """The trainer's and the sampler's own store (the trainer's the server) and gloo group (not
+    the run's)."""
     wait = datetime.timedelta(seconds=timeout)
     store = c10d.TCPStore("127.0.0.1", port, 2, rank == TRAINER_RANK, timeout=wait)
-    return c10d.ProcessGroupGloo(store, rank, 2, wait)
+    return store, c10d.ProcessGroupGloo(store, rank, 2, wait)
 
 
 # -----------------------------------------------------------------------------
 # The trainer's side
 
 
-def settings(cfg, sample_round) -> dict:
-    """What every trainer's handle (Rollouts, Remote, Replay) takes from the run."""
+def settings(t, sample_round) -> dict:
+    """What each trainer's handle (Rollouts, Replay) takes from t."""
+    cfg = t.cfg
     return dict(
         staleness=cfg.max_staleness,
         sync_steps=cfg.weight_sync_steps,
         reproducible=cfg.async_reproducible,
         heartbeat=cfg.heartbeat_stale_after_s,
         seed=sample_round.__globals__["round_seed"],
+        rank=t.info.rank,
+        device=t.info.device,
+        next_round=t.round,
     )
 
 
 @dataclass
 class Rollouts:
-    """The trainer's handle on its sampler process (see the module docstring)."""
+    """The trainer's handle on its sampler process(es) (see the module docstring)."""
 
     staleness: int
     sync_steps: int
     reproducible: bool
     heartbeat: float
     seed: object  # train.round_seed
-    process: object = None
-    queue: object = None
-    group: object = None
+    store: object = None  # where the rounds arrive (round_key)
+    group: object = None  # where the weights go
+    process: object = None  # the sampler process (torchrun: None, launched with the trainers)
     samplers: tuple = (SAMPLER_RANK,)  # their ranks in group (torchrun: after the trainers')
     rank: int = 0  # this trainer's: only trainer 0 sends weights and keeps them
+    device: object = None  # the rounds' tensors go there
+    next_round: int = 0
     sent: list = field(default_factory=list)  # (Work, buffer) not yet known to be received
     published: int = -1  # the step of the last weights sent
     kept: dict = field(default_factory=dict)  # step -> weights sent that rounds still need
@@ -193,81 +200,56 @@ class Rollouts:
         return ro, sampled
 
     def queued(self) -> float:
-        """Rounds drawn and waiting for the trainer."""
-        return float(self.queue.qsize())
+        """Rounds drawn and waiting for this trainer."""
+        rounds = range(self.next_round, self.next_round + self.staleness + 1)
+        return float(sum(self.store.check([round_key(r, self.rank)]) for r in rounds))
+
+    def sampler(self, rnd: int) -> str:
+        """Who draws round rnd, in words."""
+        if self.process is not None:
+            return "the sampler process"
+        return f"the rollout process (rank {self.samplers[rnd % len(self.samplers)]})"
 
     def get(self):
-        """The next payload off the queue; SamplerFailed when the sampler is gone or silent."""
-        deadline = time.time() + self.heartbeat
-        while True:
-            try:
-                payload = self.queue.get(timeout=min(1.0, self.heartbeat))
-            except queue_module.Empty:
-                if not self.process.is_alive():
-                    code = self.process.exitcode
-                    raise SamplerFailed(f"the sampler process died (exit code {code})") from None
-                if time.time() > deadline:
-                    raise SamplerFailed(
-                        f"the sampler process sent no round for {self.heartbeat:.0f} s "
-                        "(heartbeat_stale_after_s)"
-                    ) from None
-                continue
-            if isinstance(payload, str):  # the sampler's exception, as one line
-                raise SamplerFailed(f"the sampler process failed: {payload}")
-            return payload
-
-    def close(self):
-        """End the sampler process (queued rounds are dropped)."""
-        if self.process is None:
-            return
-        if self.process.is_alive():
-            self.process.terminate()
-        self.process.join(timeout=30)
-        self.sent.clear()
-
-
-@dataclass
-class Remote(Rollouts):
-    """The trainer's handle on torchrun's rollout process (serve): the rounds, this trainer's
-    share of each, come through the launch's store."""
-
-    device: object = None
-    next_round: int = 0
-
-    def queued(self) -> float:
-        store, n = dist.launch_store(), self.next_round
-        return float(
-            sum(
-                store.check([PREFIX + f"round-{r}-trainer-{self.rank}"])
-                for r in range(n, n + self.staleness + 1)
-            )
-        )
-
-    def get(self):
+        """The next round's payload (this trainer's share); SamplerFailed when who draws it is
+        gone, silent for heartbeat_stale_after_s or raised."""
         rnd = self.next_round
-        drawer = self.samplers[rnd % len(self.samplers)]  # the rollout process drawing it
+
+        def alive():
+            if self.process is not None and not self.process.is_alive():
+                code = self.process.exitcode
+                raise SamplerFailed(f"{self.sampler(rnd)} died (exit code {code})")
+
         try:
-            payload = take_object(f"round-{rnd}-trainer-{self.rank}", self.device, self.heartbeat)
+            payload = take_object(
+                self.store, round_key(rnd, self.rank), self.device, self.heartbeat, alive
+            )
         except TimeoutError:
             raise SamplerFailed(
-                f"the rollout process (rank {drawer}) sent no round for "
-                f"{self.heartbeat:.0f} s (heartbeat_stale_after_s)"
+                f"{self.sampler(rnd)} sent no round for {self.heartbeat:.0f} s "
+                "(heartbeat_stale_after_s)"
             ) from None
-        if isinstance(payload, str):
-            raise SamplerFailed(f"the rollout process (rank {drawer}) failed: {payload}")
+        if isinstance(payload, str):  # its exception, as one line
+            raise SamplerFailed(f"{self.sampler(rnd)} failed: {payload}")
         self.next_round += 1
         return payload
 
     def close(self):
-        """Tell the rollout processes the run is over (trainer 0)."""
-        if self.rank == 0 and self.group is not None:
+        """End the sampler process (queued rounds are dropped), or tell the rollout processes
+        the run is over (trainer 0)."""
+        if self.process is not None:
+            if self.process.is_alive():
+                self.process.terminate()
+            self.process.join(timeout=30)
+        elif self.rank == 0 and self.group is not None:
             header = torch.tensor([END], dtype=torch.long)
             for sampler in self.samplers:
                 try:
                     self.group.send([header], sampler, HEADER).wait()
                 except RuntimeError:  # it has ended already (a stop signal ends it at once)
                     pass
-            self.group = None
+        self.group = None
+        self.sent.clear()
 
 
 def full_weights(model) -> list:
@@ -278,55 +260,34 @@ def full_weights(model) -> list:
         return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in params]
 
 
-def connect(t, sample_round, resume_from) -> Remote:
-    """start's torchrun side: the launch's group (the rollout process joins it in serve), the
-    rounds to draw and where the prompts are sent by trainer 0, then the weights."""
+def start(t, sample_round, kernels, resume_from=None) -> Rollouts:
+    """Start t's sampler process (train.py's sample_round and kernels, which it runs with its own
+    trainer, its prompts where t's are), or under torchrun meet the rollout processes launched
+    with the trainers; then send the weights the first rounds are drawn with: resumed
+    (`resume_from`, a checkpoint), those the checkpoint kept, then those after t.step."""
     cfg, info = t.cfg, t.info
-    if info.is_main:  # the rounds to draw, where the prompts are: the rollout process waits
-        put_object("start", ((t.round, t.round + (cfg.max_steps - t.step)), t.prompts.state_dict()))
-    group = launch_group(info, cfg.heartbeat_stale_after_s)
-    trainers, R = info.world_size, cfg.rollout_processes
-    samplers = tuple(range(trainers, info.launched))
-    rollouts = Remote(
-        **settings(cfg, sample_round),
-        group=group,
-        samplers=samplers,
-        rank=info.rank,
-        device=info.device,
-        next_round=t.round,
-    )
+    begin = ((t.round, t.round + (cfg.max_steps - t.step)), t.prompts.state_dict())
+    if info.launched > info.world_size:
+        rollouts = connect(t, sample_round, begin)
+    else:
+        rollouts = spawn(t, sample_round, kernels, begin)
     if info.is_main:
         for step, flat in resumed_weights(t, resume_from, rollouts).items():
             rollouts.send(step, flat)
             rollouts.kept[step] = flat
     rollouts.publish(t)
-    dist.print0(
-        f"async_rollouts: {R} rollout process(es), rank(s) {trainers}..{info.launched - 1} "
-        f"(round r on rank {trainers} + r mod {R}), each drawing up to "
-        f"{max(1, cfg.max_staleness)} round(s) ahead for {trainers} trainer process(es)"
-    )
     return rollouts
 
 
-def start(t, sample_round, kernels, resume_from=None) -> Rollouts:
-    """Start t's sampler process (train.py's sample_round and kernels, which it runs with its own
-    trainer, its prompts where t's are) and send it the weights its first rounds are drawn with:
-    resumed (`resume_from`, a checkpoint), those the checkpoint kept, then those after t.step.
-    Under torchrun the rollout process is launched with the trainers (connect)."""
+def spawn(t, sample_round, kernels, begin) -> Rollouts:
+    """start's one process: the sampler process, on t's device (on CPU, half the threads)."""
     cfg = t.cfg
-    if t.info.launched > t.info.world_size:
-        return connect(t, sample_round, resume_from)
     threads = torch.get_num_threads()
     sampler_threads = max(1, threads // 2)
     torch.set_num_threads(max(1, threads - sampler_threads))
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue(maxsize=cfg.queue_maxsize or max(1, cfg.max_staleness))
     port = free_port()
-    last_round = t.round + (cfg.max_steps - t.step)
-    heartbeat = cfg.heartbeat_stale_after_s
-    rounds = (t.round, last_round)
-    where = t.prompts.state_dict()
-    args = (cfg, port, q, rounds, where, sample_round, kernels, t.info.device, sampler_threads)
+    args = (cfg, port, begin, sample_round, kernels, t.info.device, sampler_threads)
+    ctx = mp.get_context("spawn")
     process = ctx.Process(target=sampler_main, args=args, daemon=True, name="nanogrpo-sampler")
     process.start()
     on = f"{sampler_threads} CPU thread(s), the trainer {torch.get_num_threads()}"
@@ -334,13 +295,26 @@ def start(t, sample_round, kernels, resume_from=None) -> Rollouts:
         f"async_rollouts: a sampler process draws up to {max(1, cfg.max_staleness)} round(s) "
         f"ahead" + (f" on {on}" if t.info.device.type == "cpu" else "")
     )
-    group = pair(port, TRAINER_RANK, heartbeat)
-    rollouts = Rollouts(**settings(cfg, sample_round), process=process, queue=q, group=group)
-    for step, flat in resumed_weights(t, resume_from, rollouts).items():
-        rollouts.send(step, flat)
-        rollouts.kept[step] = flat
-    rollouts.publish(t)
-    return rollouts
+    store, group = pair(port, TRAINER_RANK, cfg.heartbeat_stale_after_s)
+    return Rollouts(**settings(t, sample_round), store=store, group=group, process=process)
+
+
+def connect(t, sample_round, begin) -> Rollouts:
+    """start's torchrun side: trainer 0 says which rounds to draw and where the prompts are (the
+    rollout processes wait for it), and every process joins the launch's group."""
+    cfg, info = t.cfg, t.info
+    store = launch_store()
+    if info.is_main:
+        put_object(store, "start", begin)
+    group = launch_group(info, cfg.heartbeat_stale_after_s)
+    trainers, R = info.world_size, cfg.rollout_processes
+    samplers = tuple(range(trainers, info.launched))
+    dist.print0(
+        f"async_rollouts: {R} rollout process(es), rank(s) {trainers}..{info.launched - 1} "
+        f"(round r on rank {trainers} + r mod {R}), each drawing up to "
+        f"{max(1, cfg.max_staleness)} round(s) ahead for {trainers} trainer process(es)"
+    )
+    return Rollouts(**settings(t, sample_round), store=store, group=group, samplers=samplers)
 
 
 def resumed_weights(t, resume_from, rollouts) -> dict:
@@ -379,30 +353,78 @@ def resumed_weights(t, resume_from, rollouts) -> dict:
 # The sampler's side
 
 
-def sampler_main(cfg, port, q, rounds, where, sample_round, kernels, device, threads):
-    """The sampler process: its own trainer (model, tokenizer, rewards, prompts from `where`, the
-    trainer's prompt sampler's state) from cfg; the rounds drawn (draw), onto the queue in
-    order."""
+def sampler_main(cfg, port, begin, sample_round, kernels, device, threads):
+    """The sampler process: its own trainer (model, tokenizer, rewards, prompts where the
+    trainer's are) from cfg; the rounds drawn and put in the pair's store (rounds_out)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it ends this process
-    try:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads)
+    store, group = pair(port, SAMPLER_RANK, cfg.heartbeat_stale_after_s)
+
+    def trainer():
         from nanogrpo.trainer import setup
 
-        group = pair(port, SAMPLER_RANK, cfg.heartbeat_stale_after_s)
-        t = setup(cfg, dist.DistInfo(device=device), kernels=kernels(cfg))
-        draw(t, sample_round, group, (rounds, where), q.put)
-    except Exception as e:  # back to the trainer as one line
-        q.put(one_line(e))
+        return setup(cfg, dist.DistInfo(device=device), kernels=kernels(cfg))
+
+    rounds_out(trainer, sample_round, group, store, begin, cfg)
 
 
-def draw(t, sample_round, group, start, deliver, of=(0, 1)) -> range:
-    """start: ((first, last), the prompt sampler's state at round first). Rounds r in [first,
-    last) with r mod R = i, of = (i, R), drawn in order, each with the weights it is due, and
-    scored while the next ones are drawn (Pipeline); each payload to deliver(); then the weights
-    still sent are taken until the trainer ends the run."""
-    (first, last), where = start
+def serve(t, sample_round):
+    """A rollout process under torchrun (run.begin calls it, t its own trainer: rollout_config's
+    whole round, on its device): trainer 0 says which rounds and where the prompts are, and this
+    process's rounds (every R-th) are drawn and put in the launch's store for the trainers
+    (rounds_out). SIGTERM or Ctrl-C ends it at once (the trainers save)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda n, frame: os._exit(128 + n))
+    cfg, store = t.cfg, launch_store()
+    group = launch_group(t.info, cfg.heartbeat_stale_after_s)
+    begin = take_object(store, "start", "cpu", cfg.heartbeat_stale_after_s, keep=True)
+    trainers = cfg.trainer_processes(t.info.launched)
+    of = (dist.rank() - trainers, cfg.rollout_processes)  # (this one's index, R)
+    rounds_out(lambda: t, sample_round, group, store, begin, cfg, trainers, of)
+
+
+def rounds_out(trainer, sample_round, group, store, begin, cfg, trainers=1, of=(0, 1)):
+    """The sampler's rounds (rounds_of: begin's, every R-th for of = (i, R)) drawn by trainer()
+    (draw) and trainer k's share of each put in the store (round_key), at most queue_maxsize
+    rounds ahead of the trainers; an exception goes, as one line, in place of each round left."""
+    rounds = rounds_of(begin, of)
+    left = iter(rounds)
+    ahead = cfg.queue_maxsize or max(1, cfg.max_staleness)
+
+    def deliver(payload):
+        rnd = next(left)
+        taken = [round_key(rnd - ahead, k) for k in range(trainers)]
+        while any(store.check([key]) for key in taken):  # the queue is full
+            time.sleep(0.01)
+        for k in range(trainers):
+            put_object(store, round_key(rnd, k), share(payload, k, trainers))
+
+    try:
+        draw(trainer(), sample_round, group, begin, deliver, rounds)
+    except Exception as e:
+        line = one_line(e)
+        for rnd in [*left]:  # each trainer's next round, whichever it waits for
+            for k in range(trainers):
+                put_object(store, round_key(rnd, k), line)
+
+
+def rounds_of(begin, of=(0, 1)) -> range:
+    """The rounds a sampler draws: begin's [first, last), those r with r mod R = i, of = (i, R)."""
+    (first, last), _ = begin
     i, R = of
-    rounds = range(first + (i - first) % R, last, R)
+    return range(first + (i - first) % R, last, R)
+
+
+def round_key(rnd: int, trainer: int) -> str:
+    return f"round-{rnd}-trainer-{trainer}"
+
+
+def draw(t, sample_round, group, begin, deliver, rounds):
+    """begin: ((first, last), the prompt sampler's state at round first). `rounds` (begin's, or
+    every R-th of them: rounds_of) drawn in order, each with the weights it is due, and scored
+    while the next ones are drawn (Pipeline); each payload to deliver(); then the weights still
+    sent are taken until the trainer ends the run."""
+    (first, _), where = begin
     t.prompts.load_state_dict(where)
     params = trainable_parameters(t.model)
     # the buffer weights land in, on the host (gloo), copied to the model's device
@@ -413,36 +435,6 @@ def draw(t, sample_round, group, start, deliver, of=(0, 1)) -> range:
         deliver(payload)
     while receiver.receive():
         pass
-
-
-def serve(t, sample_round):
-    """A rollout process under torchrun (run.begin calls it, t its own trainer: rollout_config's
-    whole round, on its device): trainer 0 says which rounds and where the prompts are, this
-    process's rounds are drawn (draw: every R-th), and each trainer gets its share of each. Its
-    own exception goes to the trainers as one line, in place of each round it had left;
-    SIGTERM or Ctrl-C ends it at once (the trainers save)."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda n, frame: os._exit(128 + n))
-    cfg = t.cfg
-    trainers, R = cfg.trainer_processes(t.info.launched), cfg.rollout_processes
-    group = launch_group(t.info, cfg.heartbeat_stale_after_s)
-    start = take_object("start", "cpu", cfg.heartbeat_stale_after_s, keep=True)
-    (first, last), _ = start
-    at = dist.rank() - trainers  # this process's index among the rollout processes
-    drawn = iter(range(first + (at - first) % R, last, R))
-
-    def deliver(payload):
-        rnd = next(drawn)
-        for k in range(trainers):
-            put_object(f"round-{rnd}-trainer-{k}", share(payload, k, trainers))
-
-    try:
-        draw(t, sample_round, group, start, deliver, of=(at, R))
-    except Exception as e:
-        line = one_line(e)
-        for rnd in [*drawn]:  # each trainer's next round, whichever it waits for
-            for k in range(trainers):
-                put_object(f"round-{rnd}-trainer-{k}", line)
 
 
 def one_line(e: Exception) -> str:
@@ -478,7 +470,7 @@ def share(payload, k: int, trainers: int):
 def rollout_config(cfg, info):
     """A rollout process's config (run.start): once trainer 0 has readied the run (the embedded
     default's checkpoint written), the trainers' whole round as one process's."""
-    take_object("start", "cpu", cfg.heartbeat_stale_after_s, keep=True)
+    take_object(launch_store(), "start", "cpu", cfg.heartbeat_stale_after_s, keep=True)
     return whole_round(cfg, cfg.trainer_processes(info.launched))
 
 
@@ -488,35 +480,36 @@ def whole_round(cfg, trainers: int):
     return dataclasses.replace(cfg, per_device_train_batch_size=per_device)
 
 
+def launch_store():
+    """The keys of torchrun's store (every launched process's) that async_rollouts uses."""
+    return c10d.PrefixStore("nanogrpo/async/", dist.launch_store())
+
+
 def launch_group(info, timeout: float):
     """Every launched process's gloo group (torchrun; run's own group is the trainers'): each
     process its launch rank, trainer k rank k, the rollout processes after them."""
-    store = c10d.PrefixStore("nanogrpo/async/", dist.launch_store())
-    rank = dist.rank()
     wait = datetime.timedelta(seconds=timeout)
-    return c10d.ProcessGroupGloo(store, rank, info.launched, wait)
+    return c10d.ProcessGroupGloo(launch_store(), dist.rank(), info.launched, wait)
 
 
-PREFIX = "nanogrpo/async/"  # the keys of the launch's store that carry objects
-
-
-def put_object(key: str, obj):
-    """obj (torch.save's pickle: tensors too) under key in the launch's store (torchrun)."""
+def put_object(store, key: str, obj):
+    """obj (torch.save's pickle: tensors too) under key in store."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    dist.launch_store().set(PREFIX + key, buffer.getvalue())
+    store.set(key, buffer.getvalue())
 
 
-def take_object(key: str, device, within: float, keep: bool = False):
-    """The object put under key, its tensors on device, once it is there (looked for in a loop,
-    so a signal's handler runs in between; TimeoutError after `within` seconds); the key is
-    deleted unless keep."""
-    store, key = dist.launch_store(), PREFIX + key
+def take_object(store, key: str, device, within: float, alive=None, keep: bool = False):
+    """The object put under key, its tensors on device, once it is there: looked for in a loop,
+    so a signal's handler runs in between (and alive() is called, which raises when who sends it
+    is gone); TimeoutError after `within` seconds; the key is deleted unless keep."""
     deadline = time.time() + within
     while not store.check([key]):
+        if alive is not None:
+            alive()
         if time.time() > deadline:
             raise TimeoutError(key)
-        time.sleep(0.01)
+        time.sleep(0.005)
     data = store.get(key)
     if not keep:
         store.delete_key(key)
@@ -663,14 +656,13 @@ class Replay(Rollouts):
         from nanogrpo.trainer import setup
 
         cfg = t.cfg
-        super().__init__(**settings(cfg, sample_round) | dict(reproducible=True), rank=t.info.rank)
+        super().__init__(**settings(t, sample_round) | dict(reproducible=True))
         self.trainers = t.info.world_size  # each draws the whole round, takes its share
         whole = whole_round(cfg, self.trainers)
         self.sampler = setup(whole, dist.DistInfo(device=t.info.device), kernels=kernels(whole))
         self.sampler.prompts.load_state_dict(t.prompts.state_dict())
         self.sample_round = sample_round
         self.saved = {}  # step -> the trainable weights after it
-        self.next_round = t.round
         self.publish(t)
 
     def queued(self) -> float:
