@@ -37,12 +37,15 @@ def logged(history, timings=False):
     return out
 
 
-def test_max_staleness_0_trains_as_the_synchronous_trainer(tmp_path):
+def test_max_staleness_0_trains_as_the_synchronous_trainer(tmp_path, capsys):
     sync = train.train(tiny(tmp_path / "sync", *ARGS))
+    capsys.readouterr()
     drawn = train.train(
         tiny(tmp_path / "async", *ARGS, "--async_rollouts=true", "--max_staleness=0")
     )
     assert logged(drawn) == logged(sync)
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(steps) == 5 and all("s (wait " in line and "n/a" not in line for line in steps)
     assert all(m["async/staleness/max"] == 0.0 for m in drawn)
     assert all("time/wait_for_rollouts" in m and "time/wait_for_weights" in m for m in drawn)
 

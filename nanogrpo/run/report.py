@@ -226,7 +226,11 @@ def print_step(m: dict, run):
     ]
     if "kl" in m:
         parts.append(f"kl {num(m, 'kl', '.4f')}")
-    timing = f"sample {num(m, 'time/sample', '.2f')}, update {num(m, 'time/update', '.2f')}"
+    # async_rollouts: the trainer waits for the rounds the sampler draws (run/async_rollouts.py)
+    first = "wait", "time/wait_for_rollouts"
+    if first[1] not in m:
+        first = "sample", "time/sample"
+    timing = f"{first[0]} {num(m, first[1], '.2f')}, update {num(m, 'time/update', '.2f')}"
     parts += [
         f"loss {num(m, 'loss', '+.4f')}",
         f"len {num(m, 'completions/mean_length', '.1f')}",
