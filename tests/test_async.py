@@ -151,6 +151,39 @@ def test_a_dead_sampler_ends_the_run_in_one_line(tmp_path):
         rollouts.close()
 
 
+CONFIG_CODE = """
+class Length:
+    def __call__(self, completions, **kwargs):
+        return [len(c) / 8 for c in completions]
+
+
+def has_a(completions, **kwargs):
+    return [float("a" in c) for c in completions]
+
+
+reward_funcs = [has_a, Length()]
+"""
+
+
+def test_a_config_files_own_reward_functions_reach_the_sampler_process(tmp_path, monkeypatch):
+    """A function and a callable object defined in a config file (not importable by name in the
+    sampler process): the run is its replay, which scores in the trainer's process."""
+    config = tmp_path / "mine.py"
+    config.write_text(CONFIG_CODE)
+    how = ("--config", str(config), "--async_rollouts=true", "--max_staleness=1")
+    drawn = train.train(tiny(tmp_path / "async", *how))
+    assert "rewards/has_a/mean" in drawn[0] and "rewards/Length/mean" in drawn[0]
+    monkeypatch.setattr(run.async_rollouts, "start", async_rollouts.Replay)
+    assert logged(drawn) == logged(train.train(tiny(tmp_path / "replay", *how)))
+
+
+def test_a_reward_the_sampler_process_cannot_be_given_is_named(tmp_path):
+    cfg = tiny(tmp_path, "--async_rollouts=true")
+    cfg.reward_funcs = [lambda completions, **kwargs: [0.0] * len(completions)]
+    with pytest.raises(ValueError, match="async_rollouts: the sampler process is given .*lambda"):
+        train.train(cfg)
+
+
 @pytest.mark.parametrize("queue_maxsize", [1, 3])
 def test_the_sampler_draws_at_most_queue_maxsize_rounds_ahead(tmp_path, queue_maxsize):
     """max_staleness=4 lets the sampler draw rounds 0..4 with the first weights; queue_maxsize
@@ -180,6 +213,26 @@ def test_the_sampler_draws_at_most_queue_maxsize_rounds_ahead(tmp_path, queue_ma
         assert waiting(queue_maxsize) == queue_maxsize
     finally:
         rollouts.close()
+
+
+def test_a_sampler_that_dies_before_it_connects_is_named_at_once(tmp_path, monkeypatch):
+    """Its arguments cannot be unpickled there (a module only the trainer's process holds): it
+    exits before it connects, and the trainer says so at once, not after the heartbeat's 600 s."""
+    import sys
+    import types
+
+    from nanogrpo import distributed as dist
+    from nanogrpo.trainer import setup
+
+    gone = types.ModuleType("only_here")
+    exec("def kernels(cfg):\n    return None\n", vars(gone))
+    monkeypatch.setitem(sys.modules, "only_here", gone)
+    cfg = tiny(tmp_path, "--async_rollouts=true", "--heartbeat_stale_after_s=600")
+    cfg.validate()
+    run.start(cfg, dist.DistInfo(), None)
+    t = setup(cfg, dist.DistInfo(), kernels=train.kernels(cfg))
+    with pytest.raises(async_rollouts.SamplerFailed, match="the sampler process died"):
+        async_rollouts.start(t, train.sample_round, gone.kernels)
 
 
 def test_a_failing_sampler_names_its_error(tmp_path):

@@ -3,7 +3,8 @@
 Owns: `resolve_reward_funcs` (a built-in's name, looked up in extras/builtin_rewards.py's
 `BUILTINS`; "module:function"; "file.py:function"; a reward model's directory or hub id, loaded by
 extras/reward_model.py), `import_function`, which the tools, environments and rollout_func
-settings use too, and the checks at load time: `check_names` (one name a function, as TRL names
+settings use too (`import_file`: config files too; `from_file` finds their code in another
+process), and the checks at load time: `check_names` (one name a function, as TRL names
 them) and `check_reward_columns` (the dataset has the columns the functions read, and none named
 as the `TRAINER_ARGUMENTS`).
 
@@ -48,6 +49,9 @@ def import_function(spec: str, kind: str = "reward function"):
     return fn
 
 
+FILES = {}  # module name -> the .py file import_file ran under it (what from_file runs again)
+
+
 def import_file(path: str, kind: str):
     """Run a .py file as Python imports a module (importlib's recipe: the module is in sys.modules
     while it runs, so dataclasses and `from __future__ import annotations` find it), named for its
@@ -58,7 +62,12 @@ def import_file(path: str, kind: str):
     held = sys.modules.get(name)
     if held is not None and getattr(held, "__file__", None) != os.path.abspath(path):
         name = f"{name}_{zlib.crc32(os.path.abspath(path).encode()):08x}"
-    spec = importlib.util.spec_from_file_location(name, os.path.abspath(path))
+    return run_file(os.path.abspath(path), name)
+
+
+def run_file(path: str, name: str):
+    """The module `name`: the file at path run as import_file runs it."""
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None:
         raise ImportError(f"{path} is not a Python file")
     module = importlib.util.module_from_spec(spec)
@@ -68,7 +77,20 @@ def import_file(path: str, kind: str):
     except BaseException:
         del sys.modules[name]
         raise
+    FILES[name] = path
     return module
+
+
+def from_file(path: str, name: str, qualname: str):
+    """The function or class `qualname` of the file import_file ran as module `name` (run here
+    first if this process has not): how another process finds it (async_rollouts' pickles)."""
+    module = sys.modules.get(name)
+    if getattr(module, "__file__", None) != path:
+        module = run_file(path, name)
+    found = module
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
 
 
 def callable_name(fn) -> str:

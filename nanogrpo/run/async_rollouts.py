@@ -56,11 +56,13 @@ import datetime
 import inspect
 import io
 import os
+import pickle
 import signal
 import socket
 import threading
 import time
 import traceback
+import types
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -70,6 +72,7 @@ import torch.multiprocessing as mp
 
 from nanogrpo import distributed as dist
 from nanogrpo.extras.lora import trainable_parameters  # those that travel (LoRA: adapters)
+from nanogrpo.extras.reward_funcs import FILES, from_file
 from nanogrpo.run.stops import RankFailure
 
 SAMPLER_RANK, TRAINER_RANK = 1, 0  # one process: the pair's ranks (torchrun: see launch_group)
@@ -93,12 +96,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pair(port: int, rank: int, timeout: float):
+def pair(port: int, rank: int, timeout: float, alive=None):
     """The trainer's and the sampler's own store (the trainer's the server) and gloo group (not
-    the run's)."""
+    the run's); the trainer waits for the sampler while alive() (which raises once it is gone)."""
     wait = datetime.timedelta(seconds=timeout)
-    store = c10d.TCPStore("127.0.0.1", port, 2, rank == TRAINER_RANK, timeout=wait)
+    trainer = rank == TRAINER_RANK
+    store = c10d.TCPStore("127.0.0.1", port, 2, trainer, timeout=wait, wait_for_workers=False)
+    if trainer:
+        wait_for(store, "connected", timeout, alive)
+    else:
+        store.set("connected", b"")
     return store, c10d.ProcessGroupGloo(store, rank, 2, wait)
+
+
+def watch(process):
+    """alive() for `process`: raises SamplerFailed once it has ended."""
+
+    def alive():
+        if not process.is_alive():
+            code = process.exitcode
+            raise SamplerFailed(f"the sampler process died (exit code {code})")
+
+    return alive
 
 
 # -----------------------------------------------------------------------------
@@ -214,12 +233,7 @@ class Rollouts:
         """The next round's payload (this trainer's share); SamplerFailed when who draws it is
         gone, silent for heartbeat_stale_after_s or raised."""
         rnd = self.next_round
-
-        def alive():
-            if self.process is not None and not self.process.is_alive():
-                code = self.process.exitcode
-                raise SamplerFailed(f"{self.sampler(rnd)} died (exit code {code})")
-
+        alive = None if self.process is None else watch(self.process)
         try:
             payload = take_object(
                 self.store, round_key(rnd, self.rank), self.device, self.heartbeat, alive
@@ -286,7 +300,9 @@ def spawn(t, sample_round, kernels, begin) -> Rollouts:
     sampler_threads = max(1, threads // 2)
     torch.set_num_threads(max(1, threads - sampler_threads))
     port = free_port()
-    args = (cfg, port, begin, sample_round, kernels, t.info.device, sampler_threads)
+    heartbeat = cfg.heartbeat_stale_after_s
+    args = (pickled(cfg), heartbeat, port, begin, sample_round, kernels, t.info.device)
+    args += (sampler_threads,)
     ctx = mp.get_context("spawn")
     process = ctx.Process(target=sampler_main, args=args, daemon=True, name="nanogrpo-sampler")
     process.start()
@@ -295,7 +311,7 @@ def spawn(t, sample_round, kernels, begin) -> Rollouts:
         f"async_rollouts: a sampler process draws up to {max(1, cfg.max_staleness)} round(s) "
         f"ahead" + (f" on {on}" if t.info.device.type == "cpu" else "")
     )
-    store, group = pair(port, TRAINER_RANK, cfg.heartbeat_stale_after_s)
+    store, group = pair(port, TRAINER_RANK, heartbeat, watch(process))
     return Rollouts(**settings(t, sample_round), store=store, group=group, process=process)
 
 
@@ -353,19 +369,50 @@ def resumed_weights(t, resume_from, rollouts) -> dict:
 # The sampler's side
 
 
-def sampler_main(cfg, port, begin, sample_round, kernels, device, threads):
+def pickled(cfg) -> bytes:
+    """cfg as the sampler process unpickles it: the functions and classes of the files
+    import_file ran (a config file's, a reward file's) as where to find them (from_file), since
+    the other process cannot import them by name; an error naming what cannot be pickled."""
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            name = getattr(obj, "__module__", None)
+            kind = isinstance(obj, (types.FunctionType, type))
+            if kind and name in FILES and "<locals>" not in obj.__qualname__:
+                return from_file, (FILES[name], name, obj.__qualname__)
+            return NotImplemented
+
+    buffer = io.BytesIO()
+    try:
+        Pickler(buffer).dump(cfg)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise ValueError(
+            f"async_rollouts: the sampler process is given the run's settings pickled, and {e}: "
+            "define the reward functions, environments and tools at the top level of a file (a "
+            "config file, a module, your script), not as lambdas or inside a function"
+        ) from None
+    return buffer.getvalue()
+
+
+def sampler_main(settings, heartbeat, port, begin, sample_round, kernels, device, threads):
     """The sampler process: its own trainer (model, tokenizer, rewards, prompts where the
-    trainer's are) from cfg; the rounds drawn and put in the pair's store (rounds_out)."""
+    trainer's are) from the run's settings (pickled); the rounds drawn and put in the pair's
+    store (rounds_out)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it ends this process
     torch.set_num_threads(threads)
-    store, group = pair(port, SAMPLER_RANK, cfg.heartbeat_stale_after_s)
+    store, group = pair(port, SAMPLER_RANK, heartbeat)
+    try:
+        cfg = pickle.loads(settings)
+    except Exception as e:  # (a file whose code the settings name is gone)
+        return failed(store, rounds_of(begin), one_line(e))
 
     def trainer():
         from nanogrpo.trainer import setup
 
         return setup(cfg, dist.DistInfo(device=device), kernels=kernels(cfg))
 
-    rounds_out(trainer, sample_round, group, store, begin, cfg)
+    ahead = cfg.queue_maxsize or max(1, cfg.max_staleness)
+    rounds_out(trainer, sample_round, group, store, begin, ahead)
 
 
 def serve(t, sample_round):
@@ -380,16 +427,17 @@ def serve(t, sample_round):
     begin = take_object(store, "start", "cpu", cfg.heartbeat_stale_after_s, keep=True)
     trainers = cfg.trainer_processes(t.info.launched)
     of = (dist.rank() - trainers, cfg.rollout_processes)  # (this one's index, R)
-    rounds_out(lambda: t, sample_round, group, store, begin, cfg, trainers, of)
+    ahead = cfg.queue_maxsize or max(1, cfg.max_staleness)
+    rounds_out(lambda: t, sample_round, group, store, begin, ahead, trainers, of)
 
 
-def rounds_out(trainer, sample_round, group, store, begin, cfg, trainers=1, of=(0, 1)):
+def rounds_out(trainer, sample_round, group, store, begin, ahead, trainers=1, of=(0, 1)):
     """The sampler's rounds (rounds_of: begin's, every R-th for of = (i, R)) drawn by trainer()
-    (draw) and trainer k's share of each put in the store (round_key), at most queue_maxsize
-    rounds ahead of the trainers; an exception goes, as one line, in place of each round left."""
+    (draw) and trainer k's share of each put in the store (round_key), at most `ahead`
+    (queue_maxsize) rounds ahead of the trainers; an exception (trainer()'s too) goes, as one
+    line, in place of each round left."""
     rounds = rounds_of(begin, of)
     left = iter(rounds)
-    ahead = cfg.queue_maxsize or max(1, cfg.max_staleness)
 
     def deliver(payload):
         rnd = next(left)
@@ -402,10 +450,15 @@ def rounds_out(trainer, sample_round, group, store, begin, cfg, trainers=1, of=(
     try:
         draw(trainer(), sample_round, group, begin, deliver, rounds)
     except Exception as e:
-        line = one_line(e)
-        for rnd in [*left]:  # each trainer's next round, whichever it waits for
-            for k in range(trainers):
-                put_object(store, round_key(rnd, k), line)
+        failed(store, [*left], one_line(e), trainers)
+
+
+def failed(store, rounds, line: str, trainers: int = 1):
+    """The sampler's exception, as one line, in place of each of its rounds left: each trainer's
+    next round, whichever it waits for."""
+    for rnd in rounds:
+        for k in range(trainers):
+            put_object(store, round_key(rnd, k), line)
 
 
 def rounds_of(begin, of=(0, 1)) -> range:
@@ -499,10 +552,9 @@ def put_object(store, key: str, obj):
     store.set(key, buffer.getvalue())
 
 
-def take_object(store, key: str, device, within: float, alive=None, keep: bool = False):
-    """The object put under key, its tensors on device, once it is there: looked for in a loop,
-    so a signal's handler runs in between (and alive() is called, which raises when who sends it
-    is gone); TimeoutError after `within` seconds; the key is deleted unless keep."""
+def wait_for(store, key: str, within: float, alive=None):
+    """Until key is in store: looked for in a loop, so a signal's handler runs in between (and
+    alive() is called, which raises when who sets it is gone); TimeoutError after `within` s."""
     deadline = time.time() + within
     while not store.check([key]):
         if alive is not None:
@@ -510,6 +562,13 @@ def take_object(store, key: str, device, within: float, alive=None, keep: bool =
         if time.time() > deadline:
             raise TimeoutError(key)
         time.sleep(0.005)
+
+
+def take_object(store, key: str, device, within: float, alive=None, keep: bool = False):
+    """The object put under key, its tensors on device, once it is there: looked for in a loop,
+    so a signal's handler runs in between (and alive() is called, which raises when who sends it
+    is gone); TimeoutError after `within` seconds; the key is deleted unless keep."""
+    wait_for(store, key, within, alive)
     data = store.get(key)
     if not keep:
         store.delete_key(key)

@@ -42,6 +42,7 @@ import types
 import typing
 from dataclasses import fields
 
+from nanogrpo.extras.reward_funcs import import_file
 from nanogrpo.run.config import FALSE_WORDS, ConfigError, TrainConfig
 from nanogrpo.run.trl_names import (  # noqa: F401 (TRL_ONLY: tests)
     ALIASES,
@@ -149,9 +150,8 @@ def read_config_file(name: str) -> dict:
     path = config_path(name)
     if path.endswith(YAML):
         return read_yaml(path)
-    namespace: dict = {}
-    with open(path) as f:
-        exec(compile(f.read(), path, "exec"), namespace)
+    # run as a module (its functions and classes can be found again: run/async_rollouts.py)
+    namespace = vars(import_file(path, "config"))
     return {
         k: v
         for k, v in namespace.items()
