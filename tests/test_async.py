@@ -184,6 +184,63 @@ def test_a_reward_the_sampler_process_cannot_be_given_is_named(tmp_path):
         train.train(cfg)
 
 
+LOCKED = """
+import threading
+
+
+class LockedGame(WordGame):
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()  # a handle on something: it cannot be pickled
+
+
+environment_factory = LockedGame
+"""
+
+
+@pytest.mark.parametrize("with_tools", [False, True])
+def test_environments_and_tools_are_played_in_the_sampler_process(
+    tmp_path, monkeypatch, with_tools
+):
+    """TRL's docs' WordGame (its tool `guess`, its get_reward) from a config file, holding a
+    lock, or the calculator tool offered: each completion plays its own environment (reset with
+    its row) in the sampler process, the environments stay there, and the run is its replay,
+    which plays them in the trainer's process (fails when a sampler passes over one round's
+    prompts too many)."""
+    from test_environments import GAME, write_chat_model, write_rows
+
+    words = ["cat", "horse", "ox", "tiger", "emu", "yak", "lion", "goat"]
+    rows = [{"prompt": [{"role": "user", "content": "Guess the word."}], "word": w} for w in words]
+    settings = dict(
+        model=write_chat_model(tmp_path / "model", max_positions=1024),
+        dataset=write_rows(tmp_path / "rows.jsonl", rows),
+        device="cpu",
+        bf16=False,
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_completion_length=16,
+        max_steps=3,
+        beta=0.04,
+        logging_steps=1,
+        save_steps=0,
+        gradient_checkpointing=False,
+    )
+    code = GAME + LOCKED
+    if with_tools:  # the calculator in place of the game
+        code = "reward_funcs = ['examples/tool_calculator.py:tool_called']\n"
+        settings["tools"] = ["examples/tool_calculator.py:multiply"]
+    config = tmp_path / "game.py"
+    config.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()) + code)
+    how = ("--config", str(config), "--async_rollouts=true", "--max_staleness=1")
+    drawn = train.train(load_config([*how, f"--output_dir={tmp_path}/async"]))
+    monkeypatch.setattr(run.async_rollouts, "start", async_rollouts.Replay)
+    replay = train.train(load_config([*how, f"--output_dir={tmp_path}/replay"]))
+    assert len(drawn) == 3 and logged(drawn) == logged(replay)
+    assert "tools/call_frequency" in drawn[0]
+    if not with_tools:
+        assert all(m["rewards/own_word/mean"] == 1.0 for m in drawn)
+
+
 @pytest.mark.parametrize("queue_maxsize", [1, 3])
 def test_the_sampler_draws_at_most_queue_maxsize_rounds_ahead(tmp_path, queue_maxsize):
     """max_staleness=4 lets the sampler draw rounds 0..4 with the first weights; queue_maxsize
@@ -243,6 +300,21 @@ def test_a_failing_sampler_names_its_error(tmp_path):
         train.train(cfg)
 
 
+def test_a_round_that_cannot_be_sent_back_names_why(tmp_path):
+    """A column logged for the completions table that cannot be pickled: the trainer gets the
+    sampler's one line for that very round, not a silent end."""
+    reward = tmp_path / "odd_reward.py"
+    reward.write_text(
+        "import threading\n\n\n"
+        "def odd(completions, log_extra, **kw):\n"
+        "    log_extra('handle', [threading.Lock() for _ in completions])\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    cfg = tiny(tmp_path, "--async_rollouts=true", f"--reward_funcs=['{reward}:odd']")
+    with pytest.raises(async_rollouts.SamplerFailed, match="failed: TypeError: cannot pickle"):
+        train.train(cfg)
+
+
 @pytest.mark.parametrize(
     "setting, match",
     [
@@ -251,7 +323,6 @@ def test_a_failing_sampler_names_its_error(tmp_path):
         ("--num_iterations=2", "num_iterations=2: with async_rollouts=true"),
         ("--dynamic_sampling=true", "dynamic_sampling=True: with async_rollouts=true"),
         ("--steps_per_generation=4", "steps_per_generation=4: with async_rollouts=true"),
-        ("--tools=['examples/tool_calculator.py:multiply']", "tools and environments"),
     ],
 )
 def test_what_async_rollouts_does_not_run_with_is_refused(setting, match):

@@ -437,20 +437,21 @@ def rounds_out(trainer, sample_round, group, store, begin, ahead, trainers=1, of
     (queue_maxsize) rounds ahead of the trainers; an exception (trainer()'s too) goes, as one
     line, in place of each round left."""
     rounds = rounds_of(begin, of)
-    left = iter(rounds)
+    left = list(rounds)  # not yet delivered whole
 
     def deliver(payload):
-        rnd = next(left)
+        rnd = left[0]
         taken = [round_key(rnd - ahead, k) for k in range(trainers)]
         while any(store.check([key]) for key in taken):  # the queue is full
             time.sleep(0.01)
         for k in range(trainers):
             put_object(store, round_key(rnd, k), share(payload, k, trainers))
+        left.pop(0)
 
     try:
         draw(trainer(), sample_round, group, begin, deliver, rounds)
     except Exception as e:
-        failed(store, [*left], one_line(e), trainers)
+        failed(store, left, one_line(e), trainers)
 
 
 def failed(store, rounds, line: str, trainers: int = 1):
@@ -513,6 +514,7 @@ def share(payload, k: int, trainers: int):
 
     fields = {f.name: cut(getattr(ro, f.name)) for f in dataclasses.fields(ro)}
     fields["rows"] = ro.rows[lo // G : hi // G]
+    fields["extra_fields"] = None  # what the rewards read (the environments): scored, stays
     if len(ro.prompt_ids) == len(ro.rows):  # one per prompt
         fields["prompt_ids"] = ro.prompt_ids[lo // G : hi // G]
     mine = dataclasses.replace(ro, **fields)
@@ -582,8 +584,10 @@ class Pipeline:
     is due come in order) and to score with the model (reference log-probs), and lets it go inside
     each reward function call and while an `async def` one is awaited, where the next round starts
     drawing: a reward that waits (an LLM judge, a sandbox) waits beside the sampling and beside
-    the other rounds' rewards. Each round's numbers are its own: the result does
-    not depend on the overlap."""
+    the other rounds' rewards (an environment's get_reward is one). A tool call or an
+    environment's step inside the draw keeps the lock: the round's next turns are drawn with the
+    weights it began with, which the next round, once it starts, replaces. Each round's numbers
+    are its own: the result does not depend on the overlap."""
 
     def __init__(self, t, sample_round, receiver, in_flight):
         self.t, self.sample_round, self.receiver = t, sample_round, receiver

@@ -130,11 +130,6 @@ class Rules:
                 "a custom rollout runs in the trainer's process: unset it or async_rollouts",
             ),
             (
-                self.environment_factory is None and not self.tools,
-                "async_rollouts",
-                "tools and environments are not drawn by the sampler process yet",
-            ),
-            (
                 not self.dynamic_sampling,
                 "dynamic_sampling",
                 "its extra draws wait on the round they fill: unset it or async_rollouts",
