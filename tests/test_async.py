@@ -207,30 +207,15 @@ def test_environments_and_tools_are_played_in_the_sampler_process(
     its row) in the sampler process, the environments stay there, and the run is its replay,
     which plays them in the trainer's process (fails when a sampler passes over one round's
     prompts too many)."""
-    from test_environments import GAME, write_chat_model, write_rows
+    from test_environments import GAME, word_game
 
-    words = ["cat", "horse", "ox", "tiger", "emu", "yak", "lion", "goat"]
-    rows = [{"prompt": [{"role": "user", "content": "Guess the word."}], "word": w} for w in words]
-    settings = dict(
-        model=write_chat_model(tmp_path / "model", max_positions=1024),
-        dataset=write_rows(tmp_path / "rows.jsonl", rows),
-        device="cpu",
-        bf16=False,
-        num_generations=4,
-        per_device_train_batch_size=8,
-        max_completion_length=16,
-        max_steps=3,
-        beta=0.04,
-        logging_steps=1,
-        save_steps=0,
-        gradient_checkpointing=False,
-    )
-    code = GAME + LOCKED
+    code, tools = GAME + LOCKED, {}
     if with_tools:  # the calculator in place of the game
         code = "reward_funcs = ['examples/tool_calculator.py:tool_called']\n"
-        settings["tools"] = ["examples/tool_calculator.py:multiply"]
-    config = tmp_path / "game.py"
-    config.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()) + code)
+        tools = dict(tools=["examples/tool_calculator.py:multiply"])
+    config = word_game(
+        tmp_path, code, per_device_train_batch_size=8, max_steps=3, beta=0.04, **tools
+    )
     how = ("--config", str(config), "--async_rollouts=true", "--max_staleness=1")
     drawn = train.train(load_config([*how, f"--output_dir={tmp_path}/async"]))
     monkeypatch.setattr(run.async_rollouts, "start", async_rollouts.Replay)

@@ -517,7 +517,9 @@ reward_funcs = [own_word]
 '''
 
 
-def test_a_trl_docs_environment_runs_from_a_config_file_on_one_and_two_processes(tmp_path):
+def word_game(tmp_path, code=GAME, **overrides) -> str:
+    """A config file: a tiny chat model, rows {"prompt": "Guess the word.", "word": ...} and
+    `code` (TRL's docs' WordGame), overrides on top."""
     words = ["cat", "horse", "ox", "tiger", "emu", "yak", "lion", "goat"]
     rows = [{"prompt": [{"role": "user", "content": "Guess the word."}], "word": w} for w in words]
     settings = dict(
@@ -533,8 +535,14 @@ def test_a_trl_docs_environment_runs_from_a_config_file_on_one_and_two_processes
         save_steps=0,
         gradient_checkpointing=False,
     )
+    settings.update(overrides)
     config = tmp_path / "game.py"
-    config.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()) + GAME)
+    config.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()) + code)
+    return str(config)
+
+
+def test_a_trl_docs_environment_runs_from_a_config_file_on_one_and_two_processes(tmp_path):
+    config = word_game(tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     one = subprocess.run(
         [
