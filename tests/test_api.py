@@ -343,3 +343,57 @@ def test_torchrun_runs_a_script_that_uses_it(init, tmp_path):
     assert done.stdout.count("global_step 2 3") == 2  # each rank: steps 1, 2 and the summary
     assert os.path.isfile(tmp_path / "saved" / "model.safetensors")
     assert not os.path.exists(tmp_path / "saved" / "trainer")
+
+
+ASYNC_SCRIPT = """from nanogrpo import GRPOConfig, GRPOTrainer
+from nanogrpo.extras.datasets import load_dataset
+from nanogrpo.run import async_rollouts
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(4 - len(c)) for c in completions]
+
+
+def run(out):
+    args = GRPOConfig(output_dir=out, per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=6, max_steps=3, logging_steps=1, gradient_checkpointing=False,
+        bf16=False, use_cpu=True, async_rollouts=True, max_staleness=1, beta=0.04)
+    trainer = GRPOTrainer({init!r}, reward_len, args, load_dataset("default")[:64])
+    trainer.train()
+    return [{{k: v for k, v in m.items() if not k.startswith(("time", "async", "step_time",
+        "tokens_per"))}} for m in trainer.state.log_history if "loss" in m]
+
+
+{body}
+"""
+GUARDED = """if __name__ == "__main__":
+    drawn = run("async")
+    async_rollouts.start = async_rollouts.Replay
+    print("replayed", len(drawn), drawn == run("replay"))
+"""
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_script_trains_with_async_rollouts_as_its_replay(init, tmp_path, guarded):
+    """GRPOTrainer(..., GRPOConfig(async_rollouts=True)) from a script, its reward function and
+    rows its own: the sampler process gets them (it imports the script, as spawn does), and the
+    run is its synchronous replay; a script that trains on import is told to guard it."""
+    body = GUARDED if guarded else 'run("async")\n'
+    script = tmp_path / "script.py"
+    script.write_text(ASYNC_SCRIPT.format(init=init, body=body))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    if guarded:
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "replayed 3 True" in done.stdout
+    else:
+        assert done.returncode != 0
+        assert 'put the training under `if __name__ == "__main__":`' in done.stderr
+        assert "SamplerFailed: the sampler process died" in done.stderr

@@ -26,7 +26,6 @@ Choices:
 
 import dataclasses
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -44,6 +43,7 @@ from nanogrpo.api.config import GRPOConfig
 from nanogrpo.data import check_rows
 from nanogrpo.extras import lora
 from nanogrpo.extras.datasets import check_text_only
+from nanogrpo.extras.reward_funcs import run_file
 from nanogrpo.extras.trainer_info import TrainerState
 from nanogrpo.model import Transformer
 from nanogrpo.run.config import ConfigError, TrainConfig
@@ -74,10 +74,8 @@ def train_module():
             f"GRPOTrainer runs train.py's loop and {path} is missing: use nanogrpo from its "
             "repository (pip install -e .)"
         )
-    spec = importlib.util.spec_from_file_location("train", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    # run as a module another process finds its functions in (run/async_rollouts.py's pickles)
+    return run_file(str(path), "train")
 
 
 def world_size() -> int:

@@ -65,6 +65,7 @@ def start(cfg: TrainConfig, info, command=None) -> tuple[Run, TrainConfig]:
     the checkpoint)."""
     if info.sampler:  # async_rollouts' rollout process: the out_dir is the trainers'
         return Run(cfg=cfg, info=info, command=command), async_rollouts.rollout_config(cfg, info)
+    async_rollouts.not_in_a_sampler()
     check_out_dir(cfg.output_dir)
     run = Run(cfg=cfg, info=info, command=command or ["train.py"])
     claim_out_dir(run)

@@ -79,6 +79,7 @@ SAMPLER_RANK, TRAINER_RANK = 1, 0  # one process: the pair's ranks (torchrun: se
 HEADER, WEIGHTS = 0, 1  # the tags of a weights message's two parts
 END = -1  # a weights header's step: the run is over (a rollout process returns)
 SNAPSHOTS = "async_weights.safetensors"  # a checkpoint's trainer/: checkpoint_tensors
+SAMPLER = "nanogrpo-sampler"  # the sampler process's name
 
 
 class SamplerFailed(RankFailure):
@@ -296,15 +297,15 @@ def start(t, sample_round, kernels, resume_from=None) -> Rollouts:
 def spawn(t, sample_round, kernels, begin) -> Rollouts:
     """start's one process: the sampler process, on t's device (on CPU, half the threads)."""
     cfg = t.cfg
+    code = pickled((cfg, given_of(t), sample_round, kernels))
     threads = torch.get_num_threads()
     sampler_threads = max(1, threads // 2)
     torch.set_num_threads(max(1, threads - sampler_threads))
     port = free_port()
     heartbeat = cfg.heartbeat_stale_after_s
-    args = (pickled(cfg), heartbeat, port, begin, sample_round, kernels, t.info.device)
-    args += (sampler_threads,)
+    args = (code, heartbeat, port, begin, t.info.device, sampler_threads)
     ctx = mp.get_context("spawn")
-    process = ctx.Process(target=sampler_main, args=args, daemon=True, name="nanogrpo-sampler")
+    process = ctx.Process(target=sampler_main, args=args, daemon=True, name=SAMPLER)
     process.start()
     on = f"{sampler_threads} CPU thread(s), the trainer {torch.get_num_threads()}"
     dist.print0(
@@ -313,6 +314,24 @@ def spawn(t, sample_round, kernels, begin) -> Rollouts:
     )
     store, group = pair(port, TRAINER_RANK, heartbeat, watch(process))
     return Rollouts(**settings(t, sample_round), store=store, group=group, process=process)
+
+
+def given_of(t):
+    """What a sampler's own trainer is given of t's: its rows and tokenizer (a Python caller's
+    too, which the config only names)."""
+    from nanogrpo.trainer import Given
+
+    return Given(rows=t.prompts.rows, tokenizer=t.tok)
+
+
+def not_in_a_sampler():
+    """run.start's check: spawn runs the script that started the run anew in the sampler process
+    (to find its functions), and a script that trains on import would start a run there."""
+    if mp.current_process().name == SAMPLER:
+        raise RuntimeError(
+            "async_rollouts: the sampler process imports the script that started the run, and "
+            'it starts training again: put the training under `if __name__ == "__main__":`'
+        )
 
 
 def connect(t, sample_round, begin) -> Rollouts:
@@ -369,10 +388,11 @@ def resumed_weights(t, resume_from, rollouts) -> dict:
 # The sampler's side
 
 
-def pickled(cfg) -> bytes:
-    """cfg as the sampler process unpickles it: the functions and classes of the files
-    import_file ran (a config file's, a reward file's) as where to find them (from_file), since
-    the other process cannot import them by name; an error naming what cannot be pickled."""
+def pickled(obj) -> bytes:
+    """obj as the sampler process unpickles it: the functions and classes of the files run as
+    modules (reward_funcs.run_file: a config file's, a reward file's, train.py under the Python
+    API) as where to find them (from_file), since the other process cannot import them by name;
+    an error naming what cannot be pickled."""
 
     class Pickler(pickle.Pickler):
         def reducer_override(self, obj):
@@ -384,7 +404,7 @@ def pickled(cfg) -> bytes:
 
     buffer = io.BytesIO()
     try:
-        Pickler(buffer).dump(cfg)
+        Pickler(buffer).dump(obj)
     except (pickle.PicklingError, AttributeError, TypeError) as e:
         raise ValueError(
             f"async_rollouts: the sampler process is given the run's settings pickled, and {e}: "
@@ -394,22 +414,22 @@ def pickled(cfg) -> bytes:
     return buffer.getvalue()
 
 
-def sampler_main(settings, heartbeat, port, begin, sample_round, kernels, device, threads):
-    """The sampler process: its own trainer (model, tokenizer, rewards, prompts where the
-    trainer's are) from the run's settings (pickled); the rounds drawn and put in the pair's
-    store (rounds_out)."""
+def sampler_main(code, heartbeat, port, begin, device, threads):
+    """The sampler process: its own trainer (model, rewards, the trainer's rows and tokenizer,
+    its prompts where the trainer's are) from the run's settings, train.py's sample_round and
+    kernels (code: pickled); the rounds drawn and put in the pair's store (rounds_out)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it ends this process
     torch.set_num_threads(threads)
     store, group = pair(port, SAMPLER_RANK, heartbeat)
     try:
-        cfg = pickle.loads(settings)
+        cfg, given, sample_round, kernels = pickle.loads(code)
     except Exception as e:  # (a file whose code the settings name is gone)
         return failed(store, rounds_of(begin), one_line(e))
 
     def trainer():
         from nanogrpo.trainer import setup
 
-        return setup(cfg, dist.DistInfo(device=device), kernels=kernels(cfg))
+        return setup(cfg, dist.DistInfo(device=device), kernels=kernels(cfg), given=given)
 
     ahead = cfg.queue_maxsize or max(1, cfg.max_staleness)
     rounds_out(trainer, sample_round, group, store, begin, ahead)
@@ -722,7 +742,8 @@ class Replay(Rollouts):
         super().__init__(**settings(t, sample_round) | dict(reproducible=True))
         self.trainers = t.info.world_size  # each draws the whole round, takes its share
         whole = whole_round(cfg, self.trainers)
-        self.sampler = setup(whole, dist.DistInfo(device=t.info.device), kernels=kernels(whole))
+        info = dist.DistInfo(device=t.info.device)
+        self.sampler = setup(whole, info, kernels=kernels(whole), given=given_of(t))
         self.sampler.prompts.load_state_dict(t.prompts.state_dict())
         self.sample_round = sample_round
         self.saved = {}  # step -> the trainable weights after it
