@@ -34,6 +34,19 @@ def test_chat_template(tok, case):
     assert text == case["text"]
 
 
+def test_a_pickled_tokenizer_renders_and_encodes_as_the_original(tok):
+    """async_rollouts hands its sampler process the trainer's tokenizer, pickled after its chat
+    template was compiled (local functions, which pickle cannot take)."""
+    import pickle
+
+    case = EXPECTED["chat"][0]
+    how = dict(add_generation_prompt=case["add_generation_prompt"], tools=case["tools"])
+    tok.apply_chat_template(case["messages"], **how)
+    copy = pickle.loads(pickle.dumps(tok))
+    assert copy.apply_chat_template(case["messages"], **how) == case["text"]
+    assert copy.encode(case["text"]) == tok.encode(case["text"])
+
+
 def test_eos_and_pad(tok):
     assert tok.eos_token_ids == set(
         EXPECTED["eos_token_ids"]

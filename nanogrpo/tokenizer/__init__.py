@@ -104,6 +104,11 @@ class Tokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template = None
 
+    def __getstate__(self):
+        """Pickled (async_rollouts' sampler process) without the compiled chat template, which
+        holds local functions: it is compiled again when first used."""
+        return {**self.__dict__, "_template": None}
+
     @classmethod
     def from_pretrained(cls, path_or_hub_id) -> "Tokenizer":
         """Load tokenizer.json (+ tokenizer_config.json, chat_template.jinja,
