@@ -258,8 +258,9 @@ def test_the_sampler_draws_at_most_queue_maxsize_rounds_ahead(tmp_path, queue_ma
 
 
 def test_a_sampler_that_dies_before_it_connects_is_named_at_once(tmp_path, monkeypatch):
-    """Its arguments cannot be unpickled there (a module only the trainer's process holds): it
-    exits before it connects, and the trainer says so at once, not after the heartbeat's 600 s."""
+    """Its process cannot even unpickle its target (a module only the trainer's process holds):
+    it exits before it connects, and the trainer says so at once, not after the heartbeat's
+    600 s."""
     import sys
     import types
 
@@ -267,14 +268,15 @@ def test_a_sampler_that_dies_before_it_connects_is_named_at_once(tmp_path, monke
     from nanogrpo.trainer import setup
 
     gone = types.ModuleType("only_here")
-    exec("def kernels(cfg):\n    return None\n", vars(gone))
+    exec("def sampler_main(*args):\n    pass\n", vars(gone))
     monkeypatch.setitem(sys.modules, "only_here", gone)
+    monkeypatch.setattr(async_rollouts, "sampler_main", gone.sampler_main)
     cfg = tiny(tmp_path, "--async_rollouts=true", "--heartbeat_stale_after_s=600")
     cfg.validate()
     run.start(cfg, dist.DistInfo(), None)
     t = setup(cfg, dist.DistInfo(), kernels=train.kernels(cfg))
     with pytest.raises(async_rollouts.SamplerFailed, match="the sampler process died"):
-        async_rollouts.start(t, train.sample_round, gone.kernels)
+        async_rollouts.start(t, train.sample_round, train.kernels)
 
 
 def test_a_failing_sampler_names_its_error(tmp_path):

@@ -303,7 +303,9 @@ def spawn(t, sample_round, kernels, begin) -> Rollouts:
     torch.set_num_threads(max(1, threads - sampler_threads))
     port = free_port()
     heartbeat = cfg.heartbeat_stale_after_s
-    args = (code, heartbeat, port, begin, t.info.device, sampler_threads)
+    # its start is small: the rest goes through the pair's store (a process that ended before it
+    # read more than a pipe holds would leave process.start() waiting)
+    args = (heartbeat, port, begin, t.info.device, sampler_threads)
     ctx = mp.get_context("spawn")
     process = ctx.Process(target=sampler_main, args=args, daemon=True, name=SAMPLER)
     process.start()
@@ -313,6 +315,7 @@ def spawn(t, sample_round, kernels, begin) -> Rollouts:
         f"ahead" + (f" on {on}" if t.info.device.type == "cpu" else "")
     )
     store, group = pair(port, TRAINER_RANK, heartbeat, watch(process))
+    store.set("code", code)
     return Rollouts(**settings(t, sample_round), store=store, group=group, process=process)
 
 
@@ -414,15 +417,17 @@ def pickled(obj) -> bytes:
     return buffer.getvalue()
 
 
-def sampler_main(code, heartbeat, port, begin, device, threads):
+def sampler_main(heartbeat, port, begin, device, threads):
     """The sampler process: its own trainer (model, rewards, the trainer's rows and tokenizer,
     its prompts where the trainer's are) from the run's settings, train.py's sample_round and
-    kernels (code: pickled); the rounds drawn and put in the pair's store (rounds_out)."""
+    kernels (spawn's "code", pickled, from the pair's store); the rounds drawn and put in the
+    pair's store (rounds_out)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it ends this process
     torch.set_num_threads(threads)
     store, group = pair(port, SAMPLER_RANK, heartbeat)
     try:
-        cfg, given, sample_round, kernels = pickle.loads(code)
+        wait_for(store, "code", heartbeat)
+        cfg, given, sample_round, kernels = pickle.loads(store.get("code"))
     except Exception as e:  # (a file whose code the settings name is gone)
         return failed(store, rounds_of(begin), one_line(e))
 
