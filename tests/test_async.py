@@ -226,6 +226,75 @@ def test_environments_and_tools_are_played_in_the_sampler_process(
         assert all(m["rewards/own_word/mean"] == 1.0 for m in drawn)
 
 
+def step_reward(completions, trainer_state, **kwargs):
+    """The step the round trains at, as a reward function reads it (a curriculum's clock)."""
+    return [float(trainer_state.global_step)] * len(completions)
+
+
+def step_rollout(prompts, trainer):
+    """A rollout_func that records the step it reads."""
+    from nanogrpo.extras.custom_rollout import generate_rollout_completions
+
+    outputs = generate_rollout_completions(trainer, prompts)
+    return {
+        "prompt_ids": [o["prompt_ids"] for o in outputs],
+        "completion_ids": [o["completion_ids"] for o in outputs],
+        "logprobs": [o["logprobs"] for o in outputs],
+        "step_seen": float(trainer.state.global_step),
+    }
+
+
+def step_seen(completions, step_seen, **kwargs):
+    return step_seen
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_rewards_and_a_rollout_func_read_the_step_their_round_trains_at(
+    tmp_path, monkeypatch, replay
+):
+    """trainer_state.global_step in the sampler process is the step its round trains at, as the
+    synchronous trainer's state reads it while it samples the round (rounds overlap: the
+    sampler's own step is not it), in the replay too."""
+    rewards = f"--reward_funcs={__name__}:step_reward,{__name__}:step_seen"
+    how = (rewards, f"--rollout_func={__name__}:step_rollout", "--max_steps=4")
+    if replay:
+        monkeypatch.setattr(run.async_rollouts, "start", async_rollouts.Replay)
+    drawn = train.train(tiny(tmp_path, *how, "--async_rollouts=true", "--max_staleness=2"))
+    for name in ("step_reward", "step_seen"):
+        assert [m[f"rewards/{name}/mean"] for m in drawn] == [0.0, 1.0, 2.0, 3.0]
+
+
+def no_logprobs(prompts, trainer):
+    """A rollout_func that does not return the sampler's log-probs."""
+    from nanogrpo.extras.custom_rollout import generate_rollout_completions
+
+    outputs = generate_rollout_completions(trainer, prompts)
+    return {
+        "prompt_ids": [o["prompt_ids"] for o in outputs],
+        "completion_ids": [o["completion_ids"] for o in outputs],
+        "logprobs": None,
+    }
+
+
+def test_a_rollout_func_runs_in_the_sampler_process(tmp_path, monkeypatch):
+    """TRL's openenv pattern (an environment's tokens masked, its reward an extra field): the run
+    is its replay; one that returns no log-probs is named (they are the old policy)."""
+    how = (
+        "--async_rollouts=true",
+        "--max_staleness=1",
+        "--rollout_func=test_environments:rollout_with_an_environment",
+        "--reward_funcs=test_environments:from_env,default_task",
+    )
+    drawn = train.train(tiny(tmp_path / "async", *how))
+    assert "rewards/from_env/mean" in drawn[0]
+    monkeypatch.setattr(run.async_rollouts, "start", async_rollouts.Replay)
+    assert logged(drawn) == logged(train.train(tiny(tmp_path / "replay", *how)))
+    monkeypatch.undo()
+    bare = ("--async_rollouts=true", f"--rollout_func={__name__}:no_logprobs")
+    with pytest.raises(ValueError, match="round 0 came without the sampler's log-probs"):
+        train.train(tiny(tmp_path / "bare", *bare))
+
+
 @pytest.mark.parametrize("queue_maxsize", [1, 3])
 def test_the_sampler_draws_at_most_queue_maxsize_rounds_ahead(tmp_path, queue_maxsize):
     """max_staleness=4 lets the sampler draw rounds 0..4 with the first weights; queue_maxsize

@@ -50,7 +50,6 @@ import torch
 
 from nanogrpo import distributed as dist
 from nanogrpo.extras.reward_funcs import TRAINER_ARGUMENTS, import_function
-from nanogrpo.extras.trainer_info import trainer_state_of
 from nanogrpo.model import eval_mode
 from nanogrpo.rollout import Rollout, join_prompt_completion, trained_mask
 from nanogrpo.sampler import generate
@@ -102,7 +101,7 @@ class RolloutTrainer:
 
     @property
     def state(self):
-        return trainer_state_of(self._trainer)
+        return self._trainer.state  # setup's trainer_state_of(t) (the sampler process: its round's)
 
     def generate(self, prompt_ids: list[list[int]], **overrides) -> list[dict]:
         """One completion of each prompt (a list of token ids), sampled as the run samples

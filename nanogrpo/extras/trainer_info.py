@@ -102,6 +102,26 @@ class LiveTrainerState(TrainerState):
         return epochs_done(t.cfg, t.step, len(t.prompts.rows), t.info.world_size)
 
 
+class RoundState(LiveTrainerState):
+    """The TrainerState of a sampler's trainer (run/async_rollouts.py), whose rounds are scored
+    while others are drawn: global_step and epoch those of the step the calling thread's round
+    trains at (`current.round`: one round a step), as the synchronous trainer's state reads
+    while it samples that round."""
+
+    def __init__(self, t, current):
+        super().__init__(t)
+        self._current = current
+
+    @property
+    def global_step(self) -> int:
+        return self._current.round
+
+    @property
+    def epoch(self) -> float:
+        t = self._t
+        return epochs_done(t.cfg, self._current.round, len(t.prompts.rows), t.info.world_size)
+
+
 def trainer_state_of(t) -> TrainerState:
     """The TrainerState of trainer.py's Trainer `t`, live (LiveTrainerState): setup builds it once
     as `t.state`."""

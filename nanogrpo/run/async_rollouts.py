@@ -73,6 +73,7 @@ import torch.multiprocessing as mp
 from nanogrpo import distributed as dist
 from nanogrpo.extras.lora import trainable_parameters  # those that travel (LoRA: adapters)
 from nanogrpo.extras.reward_funcs import FILES, from_file
+from nanogrpo.extras.trainer_info import RoundState
 from nanogrpo.run.stops import RankFailure
 
 SAMPLER_RANK, TRAINER_RANK = 1, 0  # one process: the pair's ranks (torchrun: see launch_group)
@@ -205,6 +206,12 @@ class Rollouts:
             self.dropped += len(ro.input_ids)  # past max_staleness: TRL drops it
         t.prompts.next_batch()  # as the sampler's did: a checkpoint records where the next begins
         if self.staleness > 0:  # the sampler's policy is the old one
+            if ro.sampling_logps is None:
+                raise ValueError(
+                    f"async_rollouts: round {rnd} came without the sampler's log-probs (a "
+                    "rollout_func returning logprobs=None), and they are the update's old "
+                    "policy: return them, or set max_staleness=0"
+                )
             ro.old_logps = ro.sampling_logps
         # LoRA dropout's masks in the update: seeded per round as the synchronous round seeds them
         torch.manual_seed(self.seed(t.cfg, rnd, t.info.rank, salt=2))
@@ -621,6 +628,7 @@ class Pipeline:
         self.turns = {}  # round -> threading.Event: it may start drawing
         self.current = threading.local()  # the round this thread runs
         t.reward_funcs = [(name, self.unlocked(fn)) for name, fn in t.reward_funcs]
+        t.state = RoundState(t, self.current)  # what rewards and rollout_func read of the step
 
     def unlocked(self, fn):
         """fn, called without the model's lock (and letting the next round draw); an `async def`
@@ -767,6 +775,7 @@ class Replay(Rollouts):
         with torch.no_grad():
             for p, saved in zip(trainable_parameters(self.sampler.model), self.saved[step]):
                 p.copy_(saved)
+        self.sampler.step = rnd  # its state's global_step, as the trainer's when it samples
         ro, sampled = self.sample_round(self.sampler, rnd)
         sampled["sampler_timing"] = sampled.pop("timing")
         self.next_round += 1

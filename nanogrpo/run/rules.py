@@ -125,11 +125,6 @@ class Rules:
                 f"{share} completions a round is not a multiple of num_generations",
             ),
             (
-                self.rollout_func is None,
-                "rollout_func",
-                "a custom rollout runs in the trainer's process: unset it or async_rollouts",
-            ),
-            (
                 not self.dynamic_sampling,
                 "dynamic_sampling",
                 "its extra draws wait on the round they fill: unset it or async_rollouts",
