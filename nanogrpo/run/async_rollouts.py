@@ -619,7 +619,8 @@ class Pipeline:
     the other rounds' rewards (an environment's get_reward is one). A tool call or an
     environment's step inside the draw keeps the lock: the round's next turns are drawn with the
     weights it began with, which the next round, once it starts, replaces. Each round's numbers
-    are its own: the result does not depend on the overlap."""
+    are its own (its trainer_state's global_step too: extras/trainer_info.RoundState): the result
+    does not depend on the overlap."""
 
     def __init__(self, t, sample_round, receiver, in_flight):
         self.t, self.sample_round, self.receiver = t, sample_round, receiver
