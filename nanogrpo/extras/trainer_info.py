@@ -92,14 +92,18 @@ class LiveTrainerState(TrainerState):
                 default = f.default_factory() if f.default is MISSING else f.default
                 setattr(self, f.name, fixed.get(f.name, default))
 
+    def _step(self) -> int:
+        """The step global_step and epoch are read at."""
+        return self._t.step
+
     @property
     def global_step(self) -> int:
-        return self._t.step
+        return self._step()
 
     @property
     def epoch(self) -> float:
         t = self._t
-        return epochs_done(t.cfg, t.step, len(t.prompts.rows), t.info.world_size)
+        return epochs_done(t.cfg, self._step(), len(t.prompts.rows), t.info.world_size)
 
 
 class RoundState(LiveTrainerState):
@@ -112,14 +116,8 @@ class RoundState(LiveTrainerState):
         super().__init__(t)
         self._current = current
 
-    @property
-    def global_step(self) -> int:
+    def _step(self) -> int:
         return self._current.round
-
-    @property
-    def epoch(self) -> float:
-        t = self._t
-        return epochs_done(t.cfg, self._current.round, len(t.prompts.rows), t.info.world_size)
 
 
 def trainer_state_of(t) -> TrainerState:
