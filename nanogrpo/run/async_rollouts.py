@@ -443,8 +443,7 @@ def sampler_main(heartbeat, port, begin, device, threads):
 
         return setup(cfg, dist.DistInfo(device=device), kernels=kernels(cfg), given=given)
 
-    ahead = cfg.queue_maxsize or max(1, cfg.max_staleness)
-    rounds_out(trainer, sample_round, group, store, begin, ahead)
+    rounds_out(trainer, sample_round, group, store, begin, cfg)
 
 
 def serve(t, sample_round):
@@ -459,16 +458,16 @@ def serve(t, sample_round):
     begin = take_object(store, "start", "cpu", cfg.heartbeat_stale_after_s, keep=True)
     trainers = cfg.trainer_processes(t.info.launched)
     of = (dist.rank() - trainers, cfg.rollout_processes)  # (this one's index, R)
-    ahead = cfg.queue_maxsize or max(1, cfg.max_staleness)
-    rounds_out(lambda: t, sample_round, group, store, begin, ahead, trainers, of)
+    rounds_out(lambda: t, sample_round, group, store, begin, cfg, trainers, of)
 
 
-def rounds_out(trainer, sample_round, group, store, begin, ahead, trainers=1, of=(0, 1)):
+def rounds_out(trainer, sample_round, group, store, begin, cfg, trainers=1, of=(0, 1)):
     """The sampler's rounds (rounds_of: begin's, every R-th for of = (i, R)) drawn by trainer()
-    (draw) and trainer k's share of each put in the store (round_key), at most `ahead`
-    (queue_maxsize) rounds ahead of the trainers; an exception (trainer()'s too) goes, as one
+    (draw) and trainer k's share of each put in the store (round_key), at most queue_maxsize
+    (0: max_staleness) rounds ahead of the trainers; an exception (trainer()'s too) goes, as one
     line, in place of each round left."""
     rounds = rounds_of(begin, of)
+    ahead = cfg.queue_maxsize or max(1, cfg.max_staleness)
     left = list(rounds)  # not yet delivered whole
 
     def deliver(payload):
