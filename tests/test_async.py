@@ -7,8 +7,10 @@ one line; what it does not run with is refused in one line."""
 
 import json
 import os
+import types
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from test_stops import args as stop_args, launch, metrics
 from test_train import tiny
@@ -216,7 +218,7 @@ def test_environments_and_tools_are_played_in_the_sampler_process(
     config = word_game(
         tmp_path, code, per_device_train_batch_size=8, max_steps=3, beta=0.04, **tools
     )
-    how = ("--config", str(config), "--async_rollouts=true", "--max_staleness=1")
+    how = ("--config", str(config), "--async_rollouts=true", "--max_staleness=2")
     drawn = train.train(load_config([*how, f"--output_dir={tmp_path}/async"]))
     monkeypatch.setattr(run.async_rollouts, "start", async_rollouts.Replay)
     replay = train.train(load_config([*how, f"--output_dir={tmp_path}/replay"]))
@@ -458,22 +460,36 @@ def test_the_memory_plan_counts_the_sampler_process():
     drawn = plan(load_config(["--config", "tiny.py", "--async_rollouts=true"]), 1)
     weights = drawn["bytes"]["sampler_process_weights"]
     assert weights == sync["bytes"]["parameters"] > 0
+    # on CPU the trainable weights it keeps: for max_staleness (4) rounds in flight and the newest
+    kept = drawn["bytes"]["sampler_received_weights"]
+    assert kept == 5 * weights
+    weights += kept
     assert drawn["total"] == sync["total"] - max(sync["sampling_peak"], sync["update_peak"]) + (
         sync["sampling_peak"] + sync["update_peak"] + weights
     )
 
 
-class Weights:
-    """The weights channel's end, for a Pipeline run in this process: the model keeps the weights
-    it has (the overlap of the rounds is under test, not the weights)."""
+class Sent:
+    """The trainer's end of a weights channel, in this process, for a Receiver: the weights of
+    `steps` ({step: flattened weights}) already sent, in order, then the run's END."""
 
-    step = 0
+    done = types.SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
 
-    def until(self, step):
-        pass
+    def __init__(self, steps: dict):
+        self.messages = [m for s, w in sorted(steps.items()) for m in (torch.tensor([s]), w)]
+        self.messages.append(torch.tensor([async_rollouts.END]))
 
-    def newest(self):
-        pass
+    def recv(self, tensors, src, tag):
+        tensors[0].copy_(self.messages.pop(0))
+        return self.done
+
+
+def trainable(model):
+    return async_rollouts.trainable_parameters(model)
+
+
+def flat_weights(model):
+    return torch.cat([p.detach().reshape(-1) for p in trainable(model)])
 
 
 def test_an_async_reward_is_awaited_while_the_next_round_draws_and_awaits_its_own(tmp_path):
@@ -502,10 +518,85 @@ def test_an_async_reward_is_awaited_while_the_next_round_draws_and_awaits_its_ow
         return [float(len(c)) for c in completions]
 
     t.reward_funcs = [("judge", judge)]
-    pipeline = async_rollouts.Pipeline(t, train.sample_round, Weights(), in_flight=2)
+    receiver = async_rollouts.Receiver(Sent({0: flat_weights(t.model)}), trainable(t.model))
+    pipeline = async_rollouts.Pipeline(t, train.sample_round, receiver, in_flight=2)
     drawn = list(pipeline.run(range(3), 0))
     assert [step for _, _, step, _ in drawn] == [0, 0, 0]
     assert asking == [0, 1, 2]
+
+
+RELAY = """
+import threading
+
+
+class Relay(WordGame):
+    called = []  # the words of the environments whose relay was called, in order
+    answered = threading.Event()
+
+    def relay(self) -> str:
+        \"""
+        Pass the turn.
+
+        Returns:
+            Whether another round called it while this call waited.
+        \"""
+        self.called.append(self.word)
+        if len(self.called) > 1:
+            self.answered.set()
+            return "next"
+        return "overlapped" if self.answered.wait(20) else "alone"
+
+
+environment_factory = Relay
+"""
+
+
+def test_a_round_waiting_on_its_environment_lets_the_next_draw_and_resumes_with_its_own(
+    tmp_path, monkeypatch
+):
+    """Round 0's first environment step (a tool call) returns only once round 1 has drawn and
+    called its own: it cannot unless the step runs without the model's lock. Round 0's next turn
+    is then drawn with its own weights (those after step 0, not round 1's), and its rewards read
+    its own environments (round 1 reset its own, not round 0's)."""
+    from test_environments import CALL, GAME, chat_tokenizer, scripted, word_game
+
+    from nanogrpo import distributed as dist, rollout as rollout_module
+    from nanogrpo.extras import tool_rounds
+    from nanogrpo.trainer import setup
+
+    how = dict(async_rollouts=True, max_staleness=0, max_completion_length=200)
+    config = word_game(tmp_path, GAME + RELAY, **how)
+    cfg = load_config(["--config", config, f"--output_dir={tmp_path}/run"])
+    cfg.validate()
+    run.start(cfg, dist.DistInfo(), None)
+    t = setup(cfg, dist.DistInfo(), kernels=train.kernels(cfg))
+    base = flat_weights(t.model)
+    steps = {0: base, 1: base + 1.0}  # max_staleness=0: round r is drawn with step r's
+
+    def policy(context, j, k):  # call the relay, then say which weights drew the turn
+        return CALL.format("relay", "{}") if "tool\n" not in context else f"on {drawn_with[-1]}"
+
+    drawn_with, inner = [], scripted(chat_tokenizer(), policy)
+
+    def generate(model, *args, **kwargs):
+        drawn_with.append(round(float(flat_weights(model)[0] - base[0])))
+        return inner(model, *args, **kwargs)
+
+    monkeypatch.setattr(rollout_module, "generate", generate)
+    monkeypatch.setattr(tool_rounds, "generate", generate)
+    own_word = [name for name, _ in t.reward_funcs].index("own_word")
+    receiver = async_rollouts.Receiver(Sent(steps), trainable(t.model))
+    pipeline = async_rollouts.Pipeline(t, train.sample_round, receiver, in_flight=2)
+    drawn = list(pipeline.run(range(2), 0))
+    assert [step for _, _, step, _ in drawn] == [0, 1]
+    first = drawn[0][0].completions[0]
+    assert first[1] == {"role": "tool", "name": "relay", "content": "overlapped"}
+    for rnd, (ro, sampled, _, _) in enumerate(drawn):
+        assert {c[-1]["content"] for c in ro.completions} == {f"on {rnd}"}
+        assert sampled["local"][:, own_word].tolist() == [1.0] * len(ro.completions)
+    # round 1's first turn drawn while round 0 waited, then each one's second, in either order
+    assert drawn_with[:2] == [0, 1] and sorted(drawn_with[2:]) == [0, 1]
+    assert receiver.kept.keys() == {1}  # the newest only, once no round draws with step 0's
 
 
 def test_sigterm_to_torchrun_saves_and_the_resumed_run_redraws_what_was_in_flight(tmp_path):

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from nanogrpo.extras.reward_funcs import import_function
 from nanogrpo.extras.tool_rounds import ToolRules, ToolTurns
-from nanogrpo.extras.tools import tool_schema
+from nanogrpo.extras.tools import run_tools, tool_schema
 
 # TRL's prompt of a row without one: the environment's reset() writes it
 EMPTY_PROMPT = [{"role": "user", "content": ""}]
@@ -160,6 +160,7 @@ class Environments:
         self.factories = factory if self.multi else {None: factory}
         self.tools = dict(tools or {})
         self.rules = rules
+        self.run_tools = run_tools  # how a tool round's calls run (tool_rounds.ToolTurns)
         self.pool = {}  # {name: [instances]}, grown as batches need
         self.schemas = {}  # {name: the JSON schemas of its tools, or None}
         self.reward_types = []  # classes that own a reward, in order
@@ -264,5 +265,5 @@ class Environments:
             prompts.append(with_observation(self.prompt_of(row), observation))
         tools = [{**self.tools, **{m.__name__: m for m in methods_of(env)}} for env in instances]
         schemas = [self.schemas[name] for name in names]
-        turns = ToolTurns(tools, schemas, self.rules) if any(tools) else None
+        turns = ToolTurns(tools, schemas, self.rules, self.run_tools) if any(tools) else None
         return Episodes(instances=instances, prompts=prompts, turns=turns)

@@ -26,6 +26,7 @@ Choices, as TRL's:
   tool-result ids are 0.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -65,12 +66,14 @@ def tool_rules(cfg) -> ToolRules:
 class ToolTurns:
     """The tool rounds of a rollout: `tools`, {name: function} of every completion or one per
     completion (an environment's methods with the config's tools), their JSON schemas
-    (`schemas`: one list for all, or one per completion; None = the tools' own), and the `rules`
-    the rounds follow."""
+    (`schemas`: one list for all, or one per completion; None = the tools' own), the `rules`
+    the rounds follow, and `run_tools`, what runs a tool round's calls (tools.run_tools; the
+    async sampler's lets its model go while they run)."""
 
     tools: dict | list[dict]
     schemas: list | None = None
     rules: ToolRules = field(default_factory=ToolRules)
+    run_tools: Callable = run_tools
 
     def __post_init__(self):
         if self.schemas is None and isinstance(self.tools, dict):
@@ -142,7 +145,7 @@ def continue_with_tools(
     most = rules.max_tool_calling_iterations
     while active and (most is None or rounds < most):
         row_tools = tools if isinstance(tools, dict) else [tools[r] for r in active]
-        results = run_tools([calls[r] for r in active], row_tools, rules.tool_timeout)
+        results = turns.run_tools([calls[r] for r in active], row_tools, rules.tool_timeout)
         going = []
         for r, row_results in zip(active, results):
             num_calls[r] += len(row_results)

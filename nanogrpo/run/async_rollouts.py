@@ -26,7 +26,9 @@ How the two processes meet:
   1), not the run's group, through host memory (on CUDA too: NCCL is not used yet, unmeasured):
   the trainer's trainable parameters (all of them, or LoRA's adapters: the frozen rest is the same
   in both) flattened in their dtype, stamped with their step, sent every weight_sync_steps steps
-  without waiting (a copy, so the update goes on).
+  without waiting (a copy, so the update goes on). The sampler keeps each on the host while it is
+  the newest or a round in flight draws with it (Receiver): rounds overlap (Pipeline), and a
+  round loads its own into the model whenever it takes the model.
 - Completions travel back, pickled, through a store (the pair's TCPStore; torchrun's), each round
   with the step of the weights that drew it, at most queue_maxsize rounds (0: max_staleness, at
   least 1) ahead of the trainers: the sampler waits while as many are not taken (rounds_out).
@@ -51,6 +53,7 @@ How the two processes meet:
   trainer the rest.
 """
 
+import collections
 import dataclasses
 import datetime
 import inspect
@@ -511,10 +514,7 @@ def draw(t, sample_round, group, begin, deliver, rounds):
     sent are taken until the trainer ends the run."""
     (first, _), where = begin
     t.prompts.load_state_dict(where)
-    params = trainable_parameters(t.model)
-    # the buffer weights land in, on the host (gloo), copied to the model's device
-    flat = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
-    receiver = Receiver(group, flat, params)
+    receiver = Receiver(group, trainable_parameters(t.model))
     pipeline = Pipeline(t, sample_round, receiver, in_flight=max(1, t.cfg.max_staleness))
     for payload in pipeline.run(rounds, first):
         deliver(payload)
@@ -612,29 +612,37 @@ class Pipeline:
     """Rounds in flight in the sampler process, up to `in_flight` (max_staleness, as TRL's rollout
     worker keeps max_inflight_tasks): each round a thread running train.sample_round. The model is
     one lock: a round holds it to draw (in round order: the prompts, the seeds and the weights it
-    is due come in order) and to score with the model (reference log-probs), and lets it go inside
-    each reward function call and while an `async def` one is awaited, where the next round starts
-    drawing: a reward that waits (an LLM judge, a sandbox) waits beside the sampling and beside
-    the other rounds' rewards (an environment's get_reward is one). A tool call or an
-    environment's step inside the draw keeps the lock: the round's next turns are drawn with the
-    weights it began with, which the next round, once it starts, replaces. Each round's numbers
-    are its own (its trainer_state's global_step too: extras/trainer_info.RoundState): the result
-    does not depend on the overlap."""
+    is due come in order) and to score with the model (reference log-probs), and lets it go while
+    a tool round's calls run (an environment's steps: tool_rounds.ToolTurns.run_tools), inside
+    each reward function call and while an `async def` one is awaited, where the next round
+    starts drawing: a tool, an environment or a reward that waits (an LLM judge, a sandbox) waits
+    beside the sampling and beside the other rounds' waits. A round that takes the lock back
+    finds its own weights in the model (the Receiver keeps them while it is in flight), and its
+    own environments (each round thread has its pool). Each round's numbers are its own (its
+    trainer_state's global_step too: extras/trainer_info.RoundState): the result does not
+    depend on the overlap."""
 
     def __init__(self, t, sample_round, receiver, in_flight):
         self.t, self.sample_round, self.receiver = t, sample_round, receiver
         self.in_flight = in_flight
         self.model = threading.Lock()
         self.turns = {}  # round -> threading.Event: it may start drawing
-        self.current = threading.local()  # the round this thread runs
+        self.current = threading.local()  # the round this thread runs, and its weights' step
+        # it never trains: a round's eval_mode, nested in another's, gives eval back
+        t.model.eval()
         t.reward_funcs = [(name, self.unlocked(fn)) for name, fn in t.reward_funcs]
+        for tools in (t.turns, t.environments):
+            if tools is not None:
+                tools.run_tools = self.unlocked(tools.run_tools)
+        if t.environments is not None:
+            t.environments.pool = RoundPools(list(t.environments.pool))
         t.state = RoundState(t, self.current)  # what rewards and rollout_func read of the step
 
     def unlocked(self, fn):
         """fn, called without the model's lock (and letting the next round draw); an `async def`
         fn's coroutine is awaited without it too, so a round's judges wait beside the next
         rounds' (rewards.await_all awaits a round's coroutines together in its thread: the first
-        to run lets the lock go, the last to end takes it back)."""
+        to run lets the lock go, the last to end takes it back, and the round's weights)."""
 
         def let_go():
             if self.current.out == 0:
@@ -646,6 +654,7 @@ class Pipeline:
             self.current.out -= 1
             if self.current.out == 0:
                 self.model.acquire()
+                self.receiver.load(self.current.step)
 
         async def awaited(coroutine):
             let_go()
@@ -666,15 +675,15 @@ class Pipeline:
 
     def one_round(self, rnd):
         self.current.round, self.current.out = rnd, 0  # out: its calls running unlocked
-        cfg = self.t.cfg
+        cfg, step = self.t.cfg, None
         try:
             self.turns[rnd].wait()
             start = time.time()
-            self.receiver.until(needed_step(rnd, cfg.max_staleness, cfg.weight_sync_steps))
-            if not cfg.async_reproducible:
-                self.receiver.newest()
-            step, waited = self.receiver.step, time.time() - start
+            due = needed_step(rnd, cfg.max_staleness, cfg.weight_sync_steps)
+            step = self.receiver.take(due, newest=not cfg.async_reproducible)
+            self.current.step, waited = step, time.time() - start
             with self.model:
+                self.receiver.load(step)
                 for _ in range(self.passed[rnd]):  # the rounds other rollout processes draw
                     self.t.prompts.next_batch()
                 ro, sampled = self.sample_round(self.t, rnd)
@@ -682,6 +691,8 @@ class Pipeline:
             return ro, sampled, step, waited
         finally:
             self.turns[self.following[rnd]].set()  # (one that called no reward function, failed)
+            if step is not None:
+                self.receiver.give_back(step)
 
     def run(self, rounds, first):
         """The payloads of `rounds` (ascending: all of a run's from `first`, or every R-th under
@@ -703,40 +714,83 @@ class Pipeline:
                 yield futures[rnd].result()
 
 
-class Receiver:
-    """The sampler's end of the weights channel: `step`, that of the weights in its model."""
+class RoundPools(threading.local):
+    """Environments.pool in the sampler process: each round thread its own instances (a round's
+    rewards read its environments while the next round resets its own)."""
 
-    def __init__(self, group, flat, params):
-        self.group, self.flat, self.params = group, flat, params
-        self.step = -1
+    def __init__(self, names):
+        self.pools = {name: [] for name in names}
+
+    def __getitem__(self, name):
+        return self.pools[name]
+
+
+class Receiver:
+    """The sampler's end of the weights channel: the weights received (`step`: the newest), each
+    kept on the host, flattened, while it is the newest or a round in flight draws with it
+    (`take`, `give_back`), and loaded into the model for the round that holds the model's lock
+    (`load`)."""
+
+    def __init__(self, group, params):
+        self.group, self.params = group, params
+        self.size = sum(p.numel() for p in params)  # flattened, in their dtype (Rollouts.send)
+        self.kept = {}  # step -> the weights after it
+        self.drawing = collections.Counter()  # step -> rounds in flight drawing with it
+        self.lock = threading.Lock()  # over kept and drawing (round threads change them)
+        self.step = self.loaded = -1  # the newest weights received; those in the model
         self.header = torch.zeros(1, dtype=torch.long)
         self.pending = group.recv([self.header], TRAINER_RANK, HEADER)
 
     def receive(self) -> bool:
-        """The next weights sent (waits for them), into the model. -> False at the run's END."""
+        """The next weights sent (waits for them), kept. -> False at the run's END."""
         self.pending.wait()
         if int(self.header[0]) == END:
             return False
-        self.group.recv([self.flat], TRAINER_RANK, WEIGHTS).wait()
-        self.step = int(self.header[0])
-        with torch.no_grad():
-            offset = 0
-            for p in self.params:
-                p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        flat = torch.empty(self.size, dtype=self.params[0].dtype)  # on the host (gloo)
+        self.group.recv([flat], TRAINER_RANK, WEIGHTS).wait()
+        with self.lock:
+            self.step = int(self.header[0])
+            self.kept[self.step] = flat
+            self.forget()
         self.pending = self.group.recv([self.header], TRAINER_RANK, HEADER)
         return True
 
-    def until(self, step: int):
-        """Receive until the model holds the weights after `step` (sent in order)."""
+    def take(self, step: int, newest: bool = False) -> int:
+        """The weights a round draws with, kept until it gives them back: those after `step`
+        (received until they come, in order), or with `newest` the newest sent by then. -> their
+        step."""
         while self.step < step:
             if not self.receive():
                 raise SamplerFailed(f"the run ended before the weights of step {step} came")
-
-    def newest(self):
-        """Receive every weights message already sent."""
-        while self.pending.is_completed() and self.receive():
+        while newest and self.pending.is_completed() and self.receive():
             pass
+        with self.lock:
+            self.drawing[self.step] += 1
+            return self.step
+
+    def give_back(self, step: int):
+        with self.lock:
+            self.drawing[step] -= 1
+            if not self.drawing[step]:
+                del self.drawing[step]
+            self.forget()
+
+    def forget(self):
+        """(holding self.lock) Drop the weights that are not the newest and no round draws with."""
+        self.kept = {s: w for s, w in self.kept.items() if s == self.step or s in self.drawing}
+
+    def load(self, step: int):
+        """The weights after `step` into the model, unless it holds them (called holding the
+        model's lock)."""
+        if self.loaded == step:
+            return
+        flat = self.kept[step]
+        with torch.no_grad():
+            offset = 0
+            for p in self.params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.loaded = step
 
 
 # -----------------------------------------------------------------------------

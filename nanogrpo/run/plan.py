@@ -27,8 +27,9 @@ What each line assumes (nanogrpo's own code paths, not a general model):
   [256, vocab] fp32 blocks.
 The peak is the static part plus the larger of sampling and the update (with one micro-batch a
 step, the gradients are made as backward frees the activations: the larger of the two); with
-async_rollouts the sampler process's weights (and reference model) and its sampling peak come on
-top of the update's, at the same time.
+async_rollouts the sampler process's weights (and reference model; on CPU the trainable weights
+it keeps for the rounds in flight) and its sampling peak come on top of the update's, at the same
+time.
 
 Does not know about: the GRPO math, the sampler, rewards, or processes (it counts
 their bytes from the configs alone; nothing runs).
@@ -224,6 +225,11 @@ def plan(cfg, world_size: int) -> dict:
         # while the trainer updates: both peaks at once, on the same device
         sampler = static["parameters"] + static["reference_model"]
         update["sampler_process_weights"] = sampler
+        # the trainable weights it receives, kept on the host while rounds in flight draw with
+        # them: up to max_staleness rounds' and the newest (the device's memory only on CPU)
+        received = n_train * weight * (max(1, cfg.max_staleness) + 1)
+        update["sampler_received_weights"] = received
+        sampler += received if device == "cpu" else 0
         total = held + update_peak + sampler + sampling_peak
     return {
         "model": cfg.model,
