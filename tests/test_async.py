@@ -596,7 +596,8 @@ def test_a_round_waiting_on_its_environment_lets_the_next_draw_and_resumes_with_
         assert sampled["local"][:, own_word].tolist() == [1.0] * len(ro.completions)
     # round 1's first turn drawn while round 0 waited, then each one's second, in either order
     assert drawn_with[:2] == [0, 1] and sorted(drawn_with[2:]) == [0, 1]
-    assert receiver.kept.keys() == {1}  # the newest only, once no round draws with step 0's
+    # the newest only, once no round draws with step 0's, whose buffer is received into next
+    assert receiver.kept.keys() == {1} and len(receiver.spare) == 1
 
 
 def test_sigterm_to_torchrun_saves_and_the_resumed_run_redraws_what_was_in_flight(tmp_path):

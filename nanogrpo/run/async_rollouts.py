@@ -735,6 +735,7 @@ class Receiver:
         self.group, self.params = group, params
         self.size = sum(p.numel() for p in params)  # flattened, in their dtype (Rollouts.send)
         self.kept = {}  # step -> the weights after it
+        self.spare = []  # buffers of weights forgotten, received into again (no new pages)
         self.drawing = collections.Counter()  # step -> rounds in flight drawing with it
         self.lock = threading.Lock()  # over kept and drawing (round threads change them)
         self.step = self.loaded = -1  # the newest weights received; those in the model
@@ -746,7 +747,9 @@ class Receiver:
         self.pending.wait()
         if int(self.header[0]) == END:
             return False
-        flat = torch.empty(self.size, dtype=self.params[0].dtype)  # on the host (gloo)
+        with self.lock:
+            spare = self.spare.pop() if self.spare else None
+        flat = torch.empty(self.size, dtype=self.params[0].dtype) if spare is None else spare
         self.group.recv([flat], TRAINER_RANK, WEIGHTS).wait()
         with self.lock:
             self.step = int(self.header[0])
@@ -776,8 +779,11 @@ class Receiver:
             self.forget()
 
     def forget(self):
-        """(holding self.lock) Drop the weights that are not the newest and no round draws with."""
-        self.kept = {s: w for s, w in self.kept.items() if s == self.step or s in self.drawing}
+        """(holding self.lock) Put aside the weights that are not the newest and no round draws
+        with."""
+        kept = {s: w for s, w in self.kept.items() if s == self.step or s in self.drawing}
+        self.spare += [w for s, w in self.kept.items() if s not in kept]
+        self.kept = kept
 
     def load(self, step: int):
         """The weights after `step` into the model, unless it holds them (called holding the
