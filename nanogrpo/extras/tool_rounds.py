@@ -68,7 +68,7 @@ class ToolTurns:
     completion (an environment's methods with the config's tools), their JSON schemas
     (`schemas`: one list for all, or one per completion; None = the tools' own), the `rules`
     the rounds follow, and `run_tools`, what runs a tool round's calls (tools.run_tools; the
-    async sampler's lets its model go while they run)."""
+    asynchronous sampler's lets go of its model while they run: run/async_rollouts.py)."""
 
     tools: dict | list[dict]
     schemas: list | None = None
