@@ -109,6 +109,32 @@ def test_sigterm_saves_and_the_resumed_run_redraws_what_was_in_flight(tmp_path):
     assert logged(metrics(tmp_path / "run")) == logged(metrics(tmp_path / "full"))
 
 
+def test_with_lora_the_sampler_receives_the_adapters_alone_and_the_run_is_its_replay(
+    tmp_path, monkeypatch
+):
+    """LoRA, its dropout on (TRL's defaults: the sampler scores the trainer's log-probs for the
+    importance-sampling correction after the rewards, with its round's adapters), two rounds in
+    flight: only the adapters travel, and the run is its replay."""
+    lora = ("--use_peft=true", "--lora_target_modules=all-linear", "--lora_r=4")
+    how = (*ARGS, *lora, "--learning_rate=1e-2", "--async_rollouts=true", "--max_staleness=2")
+    sizes = []
+    send = async_rollouts.Rollouts.send
+
+    def sending(self, step, flat):
+        sizes.append(flat.numel())
+        return send(self, step, flat)
+
+    monkeypatch.setattr(async_rollouts.Rollouts, "send", sending)
+    drawn = train.train(tiny(tmp_path / "async", *how))
+    monkeypatch.setattr(run.async_rollouts, "start", async_rollouts.Replay)
+    replay = train.train(tiny(tmp_path / "replay", *how))
+    assert logged(drawn) == logged(replay)
+    assert "sampling/importance_sampling_ratio/mean" in drawn[0]
+    adapters = load_file(tmp_path / "async" / "run" / "checkpoint" / "adapter_model.safetensors")
+    assert set(sizes) == {sum(v.numel() for v in adapters.values())}
+    assert len(sizes) == 5  # the weights after steps 0..4: the rounds' and the last step's
+
+
 def test_a_synchronous_checkpoint_resumed_asynchronously_says_it_does_not_replay(tmp_path, capsys):
     train.train(tiny(tmp_path, "--max_steps=2"))
     how = ("--async_rollouts=true", "--max_staleness=2", "--resume_from_checkpoint=true")
@@ -523,6 +549,40 @@ def test_an_async_reward_is_awaited_while_the_next_round_draws_and_awaits_its_ow
     drawn = list(pipeline.run(range(3), 0))
     assert [step for _, _, step, _ in drawn] == [0, 0, 0]
     assert asking == [0, 1, 2]
+
+
+def test_a_round_whose_reward_waits_takes_the_model_back_with_its_own_weights(tmp_path):
+    """Round 0's reward returns only once round 1 has drawn, with the weights after step 1: round
+    0 then finds its own (step 0's) in the model, as what it scores after its rewards needs (the
+    trainer log-probs of the importance-sampling correction, with LoRA's dropout)."""
+    import threading
+
+    from nanogrpo import distributed as dist
+    from nanogrpo.trainer import setup
+
+    cfg = tiny(tmp_path, "--async_rollouts=true", "--max_staleness=0")  # round r: step r's
+    cfg.validate()
+    run.start(cfg, dist.DistInfo(), None)
+    t = setup(cfg, dist.DistInfo(), kernels=train.kernels(cfg))
+    base = flat_weights(t.model)
+    drawn = threading.Event()  # round 1 has drawn
+
+    def judge(rnd):
+        if rnd == 0 and not drawn.wait(20):
+            raise TimeoutError("round 1 did not draw while round 0's reward waited")
+
+    def sample_round(t, rnd):  # -> the steps of the weights it draws and scores with
+        steps = [round(float(flat_weights(t.model)[0] - base[0]))]
+        if rnd == 1:
+            drawn.set()
+        t.reward_funcs[0][1](rnd)  # (Pipeline's: without the model's lock)
+        steps.append(round(float(flat_weights(t.model)[0] - base[0])))
+        return steps, {"timing": {}}
+
+    t.reward_funcs = [("judge", judge)]
+    receiver = async_rollouts.Receiver(Sent({0: base, 1: base + 1.0}), trainable(t.model))
+    pipeline = async_rollouts.Pipeline(t, sample_round, receiver, in_flight=2)
+    assert [steps for steps, _, _, _ in pipeline.run(range(2), 0)] == [[0, 0], [1, 1]]
 
 
 RELAY = """

@@ -144,14 +144,6 @@ class Rules:
                 "sync_ref_model",
                 "the sampler's reference model would lag the trainer's: unset it",
             ),
-            (
-                not self.use_peft
-                or not self.lora_dropout
-                or not self.vllm_importance_sampling_correction,
-                "lora_dropout",
-                "the sampler scores its rounds' trainer log-probs (the correction's, without "
-                "dropout) while the next round's weights arrive: set lora_dropout=0",
-            ),
         ]
         for holds, key, why in refused:
             need(holds, key, f"with async_rollouts=true: {why}")
