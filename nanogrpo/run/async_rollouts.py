@@ -321,7 +321,7 @@ def spawn(t, sample_round, kernels, begin) -> Rollouts:
     process.start()
     on = f"{sampler_threads} CPU thread(s), the trainer {torch.get_num_threads()}"
     dist.print0(
-        f"async_rollouts: a sampler process draws up to {max(1, cfg.max_staleness)} round(s) "
+        f"async_rollouts: a sampler process draws up to {cfg.rounds_in_flight()} round(s) "
         f"ahead" + (f" on {on}" if t.info.device.type == "cpu" else "")
     )
     store, group = pair(port, TRAINER_RANK, heartbeat, watch(process))
@@ -360,7 +360,7 @@ def connect(t, sample_round, begin) -> Rollouts:
     dist.print0(
         f"async_rollouts: {R} rollout process(es), rank(s) {trainers}..{info.launched - 1} "
         f"(round r on rank {trainers} + r mod {R}), each drawing up to "
-        f"{max(1, cfg.max_staleness)} round(s) ahead for {trainers} trainer process(es)"
+        f"{cfg.rounds_in_flight()} round(s) ahead for {trainers} trainer process(es)"
     )
     return Rollouts(**settings(t, sample_round), store=store, group=group, samplers=samplers)
 
@@ -470,7 +470,7 @@ def rounds_out(trainer, sample_round, group, store, begin, cfg, trainers=1, of=(
     (0: max_staleness) rounds ahead of the trainers; an exception (trainer()'s too) goes, as one
     line, in place of each round left."""
     rounds = rounds_of(begin, of)
-    ahead = cfg.queue_maxsize or max(1, cfg.max_staleness)
+    ahead = cfg.queue_maxsize or cfg.rounds_in_flight()
     left = list(rounds)  # not yet delivered whole
 
     def deliver(payload):
@@ -515,7 +515,7 @@ def draw(t, sample_round, group, begin, deliver, rounds):
     (first, _), where = begin
     t.prompts.load_state_dict(where)
     receiver = Receiver(group, trainable_parameters(t.model))
-    pipeline = Pipeline(t, sample_round, receiver, in_flight=max(1, t.cfg.max_staleness))
+    pipeline = Pipeline(t, sample_round, receiver, in_flight=t.cfg.rounds_in_flight())
     for payload in pipeline.run(rounds, first):
         deliver(payload)
     while receiver.receive():

@@ -227,7 +227,7 @@ def plan(cfg, world_size: int) -> dict:
         update["sampler_process_weights"] = sampler
         # the trainable weights it receives, kept on the host while rounds in flight draw with
         # them: up to max_staleness rounds' and the newest (the device's memory only on CPU)
-        received = n_train * weight * (max(1, cfg.max_staleness) + 1)
+        received = n_train * weight * (cfg.rounds_in_flight() + 1)
         update["sampler_received_weights"] = received
         sampler += received if device == "cpu" else 0
         total = held + update_peak + sampler + sampling_peak

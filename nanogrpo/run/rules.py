@@ -258,6 +258,11 @@ class Rules:
             return launched
         return max(1, launched - self.rollout_processes)  # (fewer: refused by check_async)
 
+    def rounds_in_flight(self) -> int:
+        """async_rollouts: the rounds a sampler draws and scores at once, max_staleness (round r +
+        max_staleness needs the weights trained on round r), at least 1."""
+        return max(1, self.max_staleness)
+
     def _validate_batch(self, world_size: int):
         """TRL's GRPOConfig rules for the batch, with TRL's reasons."""
         need = self._need
