@@ -171,16 +171,18 @@ class Rollouts:
             return
         flat = torch.cat([p.reshape(-1) for p in full_weights(t.model)]).cpu()
         self.send(t.step, flat)
-        if self.reproducible and self.rank == 0:  # to redraw rounds with, should the run resume
-            oldest = needed_step(t.step, self.staleness, self.sync_steps)
-            self.kept = {s: w for s, w in self.kept.items() if s >= oldest}
-            self.kept[t.step] = flat
 
     def send(self, step: int, flat: torch.Tensor):
-        """The weights after `step` (trainable, flattened) to every sampler, without waiting."""
+        """The weights after `step` (trainable, flattened) to every sampler, without waiting; kept
+        while rounds are due them (the reproducible mode: to redraw them with, should the run
+        resume)."""
         self.published = step
         if self.rank != 0:
             return
+        if self.reproducible:
+            oldest = needed_step(step, self.staleness, self.sync_steps)
+            self.kept = {s: w for s, w in self.kept.items() if s >= oldest}
+            self.kept[step] = flat
         header = torch.tensor([step], dtype=torch.long)
         self.sent = [(w, b) for w, b in self.sent if not w.is_completed()]
         for sampler in self.samplers:
@@ -299,7 +301,6 @@ def start(t, sample_round, kernels, resume_from=None) -> Rollouts:
     if info.is_main:
         for step, flat in resumed_weights(t, resume_from, rollouts).items():
             rollouts.send(step, flat)
-            rollouts.kept[step] = flat
     rollouts.publish(t)
     return rollouts
 
